@@ -1,0 +1,30 @@
+# Two commands on a fresh machine with Python 3.11: `make demo` and `make test`.
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+# CI and this dev box use the CPU build of torch; GPU users may override, e.g.
+# `make test TORCH_SPEC=torch==2.13.0+cu128`.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install test lint demo bench clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+lint: install
+	$(BIN)/ruff check elastic cli tests
+
+test: lint
+	$(BIN)/pytest
+
+demo: install
+	$(BIN)/elastic bench allreduce --world-size 4 --sizes 64KB,1MB,16MB --algorithms ring,tree,halving_doubling,native --json bench-out/allreduce.json --plot bench-out/allreduce.png
+
+clean:
+	rm -rf $(VENV) bench-out

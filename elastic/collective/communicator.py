@@ -1,0 +1,314 @@
+"""The communicator: collectives for one generation of ranks, abortable from any thread.
+
+A `Communicator` is built from (rank, world size, rendezvous endpoint, generation) and knows
+nothing about Ray. Every operation waits on its backend handles by polling them against an
+abort flag and a deadline, so `abort()` from another thread makes pending and later operations
+raise `CollectiveAbortedError` within a millisecond or so, whatever the backend is doing.
+After any failure the communicator is spent: a new generation gets a new communicator.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from elastic.collective import algorithms
+from elastic.collective.rendezvous import Endpoint, connect_store, local_address_towards
+from elastic.collective.transport import Pending, Transport
+from elastic.config import Algorithm, CollectiveConfig, ReduceOp
+from elastic.errors import (
+    BackendUnavailableError,
+    CollectiveAbortedError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    RendezvousError,
+)
+
+logger = logging.getLogger(__name__)
+
+# Upper bound on one blocking wait between checks of the abort flag and the deadline; abort()
+# normally wakes waiters at once through the transport.
+_WAIT_SLICE_S = 0.1
+
+
+class Communicator:
+    """Collectives among `world_size` ranks of one generation.
+
+    Args:
+        rank: this rank, in `[0, world_size)`.
+        world_size: number of ranks in the generation.
+        endpoint: the rendezvous store every rank connects to.
+        generation: the generation number; each generation uses its own key namespace.
+        config: backend, algorithm and timeouts.
+
+    Raises:
+        ValueError: rank or world size out of range.
+        RendezvousError: the ranks did not all connect within `config.rendezvous_timeout`.
+        CollectiveAbortedError: `abort()` was called while connecting.
+        BackendUnavailableError: the backend cannot run here.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        endpoint: Endpoint,
+        generation: int,
+        config: CollectiveConfig | None = None,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self.rank = rank
+        self.world_size = world_size
+        self.generation = generation
+        self.config = config or CollectiveConfig()
+        self._aborted = threading.Event()
+        self._broken: CollectiveError | None = None
+        self._transport = self._connect(endpoint)
+
+    # --- construction -------------------------------------------------------------------
+
+    def _connect(self, endpoint: Endpoint) -> Transport:
+        """Builds the backend in a helper thread so that `abort()` can cut a rendezvous short
+        (a backend blocks inside its constructor until every rank has connected)."""
+        box: dict[str, object] = {}
+        done = threading.Event()
+        timeout = self.config.rendezvous_timeout
+
+        def build() -> None:
+            try:
+                store = connect_store(endpoint, self.generation, timeout)
+                box["transport"] = _make_transport(
+                    self.config, self.rank, self.world_size, store,
+                    local_address_towards(endpoint.host),
+                )
+            except BaseException as e:  # handed to the caller below
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=build, name=f"elastic-rdzv-g{self.generation}", daemon=True).start()
+        deadline = time.monotonic() + timeout.total_seconds() + 5.0
+        while not done.wait(0.01):
+            if self._aborted.is_set():
+                raise CollectiveAbortedError(
+                    "communicator aborted during rendezvous", rank=self.rank,
+                    generation=self.generation,
+                )
+            if time.monotonic() > deadline:
+                break
+        if "transport" in box:
+            return box["transport"]  # type: ignore[return-value]
+        error = box.get("error")
+        if isinstance(error, (RendezvousError, BackendUnavailableError)):
+            raise error
+        raise RendezvousError(
+            f"rank {self.rank} of {self.world_size} could not connect generation "
+            f"{self.generation} within {timeout}; raise CollectiveConfig.rendezvous_timeout if "
+            f"workers start slowly ({error})",
+            rank=self.rank, generation=self.generation,
+        ) from (error if isinstance(error, BaseException) else None)
+
+    # --- control ------------------------------------------------------------------------
+
+    def abort(self) -> None:
+        """Fails every pending and later operation with `CollectiveAbortedError`. Safe to call
+        from any thread, any number of times; never blocks."""
+        if self._aborted.is_set():
+            return
+        self._aborted.set()
+        transport = getattr(self, "_transport", None)
+        if transport is not None:
+            transport.abort()
+
+    @property
+    def aborted(self) -> bool:
+        """True once `abort()` was called."""
+        return self._aborted.is_set()
+
+    def close(self) -> None:
+        """Releases the backend. The communicator cannot be used afterwards."""
+        self._aborted.set()
+        self._transport.close()
+
+    # --- waiting ------------------------------------------------------------------------
+
+    def _fail(self, error: CollectiveError) -> CollectiveError:
+        if self._broken is None:
+            self._broken = error
+        return error
+
+    def _check_usable(self) -> None:
+        if self._aborted.is_set():
+            raise CollectiveAbortedError(
+                "communicator was aborted", rank=self.rank, generation=self.generation
+            )
+        if self._broken is not None:
+            raise CollectiveAbortedError(
+                f"communicator is broken by an earlier failure: {self._broken}",
+                rank=self.rank, generation=self.generation,
+            )
+
+    def wait(self, pending: Sequence[Pending]) -> None:
+        """Waits for every handle, or raises on abort, deadline or backend error."""
+        deadline = time.monotonic() + self.config.timeout.total_seconds()
+        for handle in pending:
+            while not handle.is_done():
+                if self._aborted.is_set():
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._fail(CollectiveTimeoutError(
+                        f"collective did not finish within {self.config.timeout}; raise "
+                        "CollectiveConfig.timeout if steps are that slow",
+                        rank=self.rank, generation=self.generation,
+                    ))
+                # abort() wakes this wait through the transport.
+                handle.wait(min(remaining, _WAIT_SLICE_S))
+            if self._aborted.is_set():
+                raise self._fail(CollectiveAbortedError(
+                    "operation aborted", rank=self.rank, generation=self.generation
+                ))
+            try:
+                handle.check()
+            except Exception as e:
+                raise self._fail(CollectiveError(
+                    f"collective failed on rank {self.rank} of generation {self.generation}: {e}",
+                    rank=self.rank, generation=self.generation,
+                )) from e
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[torch.Tensor, int]],
+        recvs: Sequence[tuple[torch.Tensor, int]],
+        tag: int = 0,
+    ) -> list[Pending]:
+        """Starts a batch of sends and receives (see `Transport.exchange`)."""
+        self._check_usable()
+        return self._transport.exchange(sends, recvs, tag)
+
+    # --- collectives --------------------------------------------------------------------
+
+    def allreduce(
+        self, tensor: torch.Tensor, op: ReduceOp = "sum", algorithm: Algorithm | None = None
+    ) -> torch.Tensor:
+        """Reduces `tensor` across ranks, in place, and returns it.
+
+        Args:
+            tensor: same shape and dtype on every rank.
+            op: 'sum', 'avg' (floating point only) or 'max'.
+            algorithm: overrides `CollectiveConfig.algorithm` for this call.
+        """
+        self._check_usable()
+        if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise ValueError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}")
+        algorithm = algorithm or self.config.algorithm
+        run: Callable[[Communicator, torch.Tensor, ReduceOp], None]
+        match algorithm:
+            case "ring":
+                run = algorithms.ring_allreduce
+            case "tree":
+                run = algorithms.tree_allreduce
+            case "halving_doubling":
+                run = algorithms.halving_doubling_allreduce
+            case "native":
+                run = _native_allreduce
+            case _:
+                raise ValueError(f"unknown allreduce algorithm {algorithm!r}")
+        with _contiguous(tensor) as flat:
+            if self.world_size > 1 and flat.numel() > 0:
+                run(self, flat, "sum" if op == "avg" else op)
+            if op == "avg":
+                flat.div_(self.world_size)
+        return tensor
+
+    def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """Reduces `tensor` across ranks and returns this rank's part: chunk `rank` of
+        `tensor.flatten().tensor_split(world_size)` (chunks may differ in length by one).
+        `tensor` is used as scratch space."""
+        self._check_usable()
+        with _contiguous(tensor) as flat:
+            chunks = flat.tensor_split(self.world_size)
+            if self.world_size > 1:
+                algorithms.ring_reduce_scatter(self, chunks, "sum" if op == "avg" else op)
+            mine = chunks[self.rank].clone()
+        if op == "avg":
+            mine.div_(self.world_size)
+        return mine
+
+    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Returns a tensor of shape `(world_size, *tensor.shape)` holding every rank's
+        `tensor` in rank order."""
+        self._check_usable()
+        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        out[self.rank].copy_(tensor)
+        if self.world_size > 1:
+            algorithms.ring_allgather(self, list(out.reshape(self.world_size, -1).unbind(0)))
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrites `tensor` on every rank with its value on `src`, in place."""
+        self._check_usable()
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"src must be in [0, {self.world_size}), got {src}")
+        with _contiguous(tensor) as flat:
+            if self.world_size > 1 and flat.numel() > 0:
+                self.wait(self._transport.broadcast(flat, src))
+        return tensor
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Sends a contiguous tensor to rank `dst` and waits until it is sent."""
+        self.wait(self.exchange([(tensor, dst)], [], tag))
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        """Receives into a contiguous tensor from rank `src`."""
+        self.wait(self.exchange([], [(tensor, src)], tag))
+        return tensor
+
+    def barrier(self) -> None:
+        """Returns once every rank has entered the barrier."""
+        self._check_usable()
+        if self.world_size > 1:
+            self.wait(self._transport.allreduce(torch.zeros(1), "sum"))
+
+
+def _native_allreduce(comm: Communicator, flat: torch.Tensor, op: ReduceOp) -> None:
+    comm.wait(comm._transport.allreduce(flat, op))
+
+
+class _contiguous:  # noqa: N801 - used as a context manager, reads as a function
+    """Yields a flat contiguous view of a tensor, copying back on exit if one was needed."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+        self._copy = not tensor.is_contiguous()
+
+    def __enter__(self) -> torch.Tensor:
+        self._flat = (self._tensor.contiguous() if self._copy else self._tensor).view(-1)
+        return self._flat
+
+    def __exit__(self, *exc: object) -> None:
+        if self._copy and exc[0] is None:
+            self._tensor.copy_(self._flat.view(self._tensor.shape))
+
+
+def _make_transport(
+    config: CollectiveConfig, rank: int, world_size: int, store: object, address: str
+) -> Transport:
+    match config.backend:
+        case "gloo":
+            from elastic.collective.gloo import GlooTransport
+
+            return GlooTransport(rank, world_size, store, address, config.timeout)  # type: ignore[arg-type]
+        case "nccl":
+            from elastic.collective.nccl import NcclTransport
+
+            return NcclTransport(rank, world_size, store, config.rendezvous_timeout)  # type: ignore[arg-type]
+        case _:
+            raise ValueError(f"unknown backend {config.backend!r}")

@@ -1,0 +1,92 @@
+"""Rendezvous: where the ranks of a generation meet.
+
+A `RendezvousServer` hosts a key-value store (torch's TCPStore) on a free port. Every
+generation of a communicator uses its own key prefix in that store, so a new generation on the
+same endpoint never sees the keys of an old one. The server normally lives in the controller,
+which outlives every worker; tests host it in the test process.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from elastic.errors import RendezvousError
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Address of a rendezvous store."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, text: str) -> Endpoint:
+        """Parses `host:port`.
+
+        Raises:
+            ValueError: `text` is not of the form `host:port`.
+        """
+        host, sep, port = text.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"rendezvous endpoint {text!r} is not of the form host:port")
+        return cls(host=host, port=int(port))
+
+
+class RendezvousServer:
+    """Hosts the rendezvous store on a free port of `host`.
+
+    Args:
+        host: the address to serve on; other nodes must be able to reach it.
+    """
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.endpoint = Endpoint(host=host, port=self._store.port)
+
+    def close(self) -> None:
+        """Stops serving. Communicators of live generations lose their store."""
+        del self._store
+
+
+def generation_prefix(generation: int) -> str:
+    """The key prefix of one generation; distinct generations never share a key."""
+    return f"elastic/gen{generation}/"
+
+
+def connect_store(endpoint: Endpoint, generation: int, timeout: timedelta) -> dist.Store:
+    """Connects to the rendezvous store, scoped to one generation.
+
+    Raises:
+        RendezvousError: the store cannot be reached within `timeout`.
+    """
+    try:
+        store = dist.TCPStore(
+            endpoint.host, endpoint.port, is_master=False, wait_for_workers=False, timeout=timeout
+        )
+    except (RuntimeError, OSError) as e:
+        raise RendezvousError(
+            f"cannot reach the rendezvous store at {endpoint} within {timeout}: {e}",
+            generation=generation,
+        ) from e
+    return dist.PrefixStore(generation_prefix(generation), store)
+
+
+def local_address_towards(host: str) -> str:
+    """The address of this machine on the route to `host` (no packet is sent).
+
+    The communicator listens on this address, not on all interfaces.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"

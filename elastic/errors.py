@@ -1,0 +1,181 @@
+"""The exception tree of `elastic`.
+
+Every exception the library raises on purpose derives from `ElasticError`. Each class says in
+its docstring what the system does about it (its recovery action); the controller's failure
+policy maps class to action. Exceptions cross Ray actor boundaries, so any class with extra
+fields defines `__reduce__` (a unit test pickles every class in this module).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ElasticError(Exception):
+    """Root of every error raised by `elastic`."""
+
+
+class ConfigError(ElasticError, ValueError):
+    """A configuration or argument the user gave is invalid.
+
+    Recovery: none; nothing is started. The message names the setting to change.
+    """
+
+
+class CollectiveError(ElasticError):
+    """A collective operation failed: a peer died, the connection broke, or it was aborted.
+
+    Recovery: abort the communicator, rebuild a new generation from the survivors, and bring
+    every rank to the newest committed step (restore).
+
+    Example scenario: rank 2 is SIGKILLed during an allreduce; rank 1 sees its connection
+    reset and rank 3 is released by the controller calling `abort()`.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, generation: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.generation = generation
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, {"rank": self.rank, "generation": self.generation}))
+
+
+class CollectiveAbortedError(CollectiveError):
+    """The communicator was aborted (by `abort()`, usually from the controller) while or before
+    the operation ran.
+
+    Recovery: as for `CollectiveError`; the abort is the controller's own doing.
+    """
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective operation did not finish within `CollectiveConfig.timeout`.
+
+    Recovery: as for `CollectiveError`. If it happens without any failure, raise
+    `CollectiveConfig.timeout`.
+    """
+
+
+class RendezvousError(CollectiveError):
+    """The ranks of a generation could not meet at the rendezvous endpoint in time.
+
+    Recovery: retry with a new generation from the members that are alive.
+    """
+
+
+class BackendUnavailableError(ElasticError):
+    """The requested collective backend cannot run here (for example `nccl` without CUDA or
+    without the `gpu` extra installed).
+
+    Recovery: none; pick another backend (`CollectiveConfig.backend`) or install
+    `elastic[gpu]`.
+    """
+
+
+class MembershipChanged(ElasticError):  # noqa: N818 - a signal, named as Horovod names it
+    """The set of workers changes at a step boundary (scale up or down, a replacement joins).
+
+    Recovery: reconfigure the communicator without restoring state (every rank is at the
+    same committed step).
+    """
+
+
+class WorkerLostError(ElasticError):
+    """A worker process or its node died.
+
+    Recovery: rebuild the ring from the survivors; restore the newest committed step from a
+    peer; start a replacement in the background.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, step: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.step = step
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, {"rank": self.rank, "step": self.step}))
+
+
+class WorkerHangError(WorkerLostError):
+    """A worker stopped making progress for longer than its watchdog timeout.
+
+    Recovery: kill it, then as for `WorkerLostError`. Raise `FailureConfig.hang_timeout` if
+    steps are legitimately that slow.
+    """
+
+
+class StartupTimeoutError(ElasticError):
+    """Workers did not start within `FailureConfig.startup_timeout`.
+
+    Recovery: none when below `min_workers`; otherwise train with the workers that started.
+    """
+
+
+class InsufficientWorkersError(ElasticError):
+    """Fewer than `ScalingConfig.min_workers` workers were available for longer than
+    `FailureConfig.capacity_timeout`.
+
+    Recovery: none; the run fails. Lower `min_workers` or add capacity.
+    """
+
+
+class UserCodeError(ElasticError):
+    """User code (model, loss, dataset, optimizer) raised on a worker more often than
+    `FailureConfig.max_user_retries` allows.
+
+    Recovery: none; the run fails with the rank, step and original traceback.
+    """
+
+    def __init__(self, message: str, *, rank: int, step: int, traceback: str):
+        super().__init__(message)
+        self.rank = rank
+        self.step = step
+        self.traceback = traceback
+
+    def __str__(self) -> str:
+        return f"{self.args[0]} (rank {self.rank}, step {self.step})\n{self.traceback}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        fields = {"rank": self.rank, "step": self.step, "traceback": self.traceback}
+        return (_rebuild_kw, (type(self), self.args[0], fields))
+
+
+class CheckpointCorruptError(ElasticError):
+    """A checkpoint's manifest or checksums do not verify, or it holds a forbidden payload.
+
+    Recovery: skip it (with an event) and use the next newest valid checkpoint.
+    """
+
+
+class RunNotFoundError(ElasticError):
+    """No run with the given name exists on the connected cluster.
+
+    Recovery: none; check the name with `elastic list`.
+    """
+
+
+class ControllerError(ElasticError):
+    """The controller failed for a reason that is not one of the typed errors above; it wraps
+    the original exception.
+
+    Recovery: none; the run fails. Report it as a bug with the attached cause.
+    """
+
+
+class InjectedFault(ElasticError):  # noqa: N818 - the name says what it is, as torchft's does
+    """A fault injected on purpose by `FitConfig.chaos` (tests and demos).
+
+    Recovery: as for the failure it simulates; tests retry only on this type.
+    """
+
+
+def _rebuild(cls: type[Exception], args: tuple[Any, ...], fields: dict[str, Any]) -> Exception:
+    exc = cls(*args)
+    for key, value in fields.items():
+        setattr(exc, key, value)
+    return exc
+
+
+def _rebuild_kw(cls: type[Exception], message: str, fields: dict[str, Any]) -> Exception:
+    return cls(message, **fields)
