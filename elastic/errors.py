@@ -73,7 +73,7 @@ class BackendUnavailableError(ElasticError):
     """
 
 
-class MembershipChanged(ElasticError):  # noqa: N818 - a signal, named as Horovod names it
+class MembershipChanged(ElasticError):
     """The set of workers changes at a step boundary (scale up or down, a replacement joins).
 
     Recovery: reconfigure the communicator without restoring state (every rank is at the
@@ -163,7 +163,7 @@ class ControllerError(ElasticError):
     """
 
 
-class InjectedFault(ElasticError):  # noqa: N818 - the name says what it is, as torchft's does
+class InjectedFault(ElasticError):
     """A fault injected on purpose by `FitConfig.chaos` (tests and demos).
 
     Recovery: as for the failure it simulates; tests retry only on this type.

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from elastic.collective import algorithms
-from elastic.collective.rendezvous import Endpoint, connect_store, local_address_towards
+from elastic.collective.rendezvous import Endpoint, generation_store, local_address_towards
 from elastic.collective.transport import Pending, Transport
 from elastic.config import Algorithm, CollectiveConfig, ReduceOp
 from elastic.errors import (
@@ -83,11 +83,11 @@ class Communicator:
 
         def build() -> None:
             try:
-                store = connect_store(endpoint, self.generation, timeout)
-                box["transport"] = _make_transport(
-                    self.config, self.rank, self.world_size, store,
-                    local_address_towards(endpoint.host),
-                )
+                with generation_store(endpoint, self.generation, timeout) as store:
+                    box["transport"] = _make_transport(
+                        self.config, self.rank, self.world_size, store,
+                        local_address_towards(endpoint.host),
+                    )
             except BaseException as e:  # handed to the caller below
                 box["error"] = e
             finally:
@@ -282,7 +282,7 @@ def _native_allreduce(comm: Communicator, flat: torch.Tensor, op: ReduceOp) -> N
     comm.wait(comm._transport.allreduce(flat, op))
 
 
-class _contiguous:  # noqa: N801 - used as a context manager, reads as a function
+class _contiguous:
     """Yields a flat contiguous view of a tensor, copying back on exit if one was needed."""
 
     def __init__(self, tensor: torch.Tensor) -> None:

@@ -1,0 +1,49 @@
+"""Runs the ranks of a communicator as threads of the test process (fast, no Ray)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from elastic.collective import Communicator, RendezvousServer
+from elastic.config import CollectiveConfig
+
+_generations = itertools.count()
+
+
+def run_ranks(
+    server: RendezvousServer,
+    world_size: int,
+    fn: Callable[[Communicator], Any],
+    config: CollectiveConfig | None = None,
+    timeout: float = 60.0,
+) -> list[Any]:
+    """Calls `fn(comm)` on every rank of a fresh generation; returns results in rank order
+    and re-raises the first rank's exception."""
+    generation = next(_generations)
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+
+    def target(rank: int) -> None:
+        try:
+            comm = Communicator(rank, world_size, server.endpoint, generation, config)
+            try:
+                results[rank] = fn(comm)
+            finally:
+                comm.close()
+        except BaseException as e:
+            errors[rank] = e
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        if t.is_alive():
+            raise TimeoutError(f"a rank did not finish within {timeout}s")
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
