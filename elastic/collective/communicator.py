@@ -44,6 +44,9 @@ class Communicator:
         endpoint: the rendezvous store every rank connects to.
         generation: the generation number; each generation uses its own key namespace.
         config: backend, algorithm and timeouts.
+        abort_signal: an event another thread may set to abort the communicator while it is
+            still being constructed (connecting); once built, `abort()` does the same and also
+            wakes pending waits at once.
 
     Raises:
         ValueError: rank or world size out of range.
@@ -59,6 +62,7 @@ class Communicator:
         endpoint: Endpoint,
         generation: int,
         config: CollectiveConfig | None = None,
+        abort_signal: threading.Event | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -68,7 +72,7 @@ class Communicator:
         self.world_size = world_size
         self.generation = generation
         self.config = config or CollectiveConfig()
-        self._aborted = threading.Event()
+        self._aborted = abort_signal if abort_signal is not None else threading.Event()
         self._broken: CollectiveError | None = None
         self._transport = self._connect(endpoint)
 
@@ -120,8 +124,6 @@ class Communicator:
     def abort(self) -> None:
         """Fails every pending and later operation with `CollectiveAbortedError`. Safe to call
         from any thread, any number of times; never blocks."""
-        if self._aborted.is_set():
-            return
         self._aborted.set()
         transport = getattr(self, "_transport", None)
         if transport is not None:

@@ -5,7 +5,13 @@ inside a blocking `wait()` (their `is_completed()` stays false until then, measu
 2.13). So point-to-point works are waited on by two helper threads per transport (one for
 sends, one for receives) that flag each handle as it finishes; callers block on that flag and
 `abort()` releases them at once. The helpers of an aborted transport stay blocked in gloo
-until gloo's own timeout and then exit, without touching the next generation.
+until a peer closes its end or gloo's own timeout expires, without touching the next
+generation.
+
+Process exit after an abort: if gloo wakes such a helper while CPython 3.11 is finalizing,
+the thread cannot retake the GIL and the process ends in std::terminate. A process that
+aborted a communicator with operations in flight should therefore end with `os._exit` (Ray
+worker processes are ended by Ray, which does not run finalization).
 """
 
 from __future__ import annotations
@@ -22,6 +28,11 @@ from elastic.collective.transport import Pending, Transport
 from elastic.config import ReduceOp
 
 _NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+# Process groups abandoned by abort() while operations were pending. Destroying one then tears
+# down gloo's context under a thread still blocked in it, and the process dies with
+# std::terminate at exit (measured). Kept alive until the process ends; one per recovery.
+_ABANDONED: list[dist.ProcessGroupGloo] = []
 
 
 class _GlooPending:
@@ -175,6 +186,8 @@ class GlooTransport(Transport):
     def close(self) -> None:
         self._senders.stop()
         self._receivers.stop()
+        if self._pg is not None:
+            _ABANDONED.append(self._pg)
         self._pg = None
 
 

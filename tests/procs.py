@@ -1,0 +1,132 @@
+"""Ranks as real processes, for abort and peer-death tests of the collective layer.
+
+Each child builds a communicator, runs a scenario, and reports to the parent through a pipe.
+The parent plays the controller: it kills ranks and tells survivors to abort or to form a new
+generation.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import threading
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+
+from elastic.collective import Communicator, Endpoint
+from elastic.config import CollectiveConfig
+from elastic.errors import CollectiveError
+
+
+def _listen(conn: Connection, comm_box: dict, orders: queue.SimpleQueue) -> None:
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message == "abort":
+            comm_box["signal"].set()
+            comm = comm_box.get("comm")
+            if comm is not None:
+                comm.abort()
+        else:
+            orders.put(message)
+
+
+def rank_main(rank: int, world_size: int, endpoint: str, scenario: str, conn: Connection,
+              timeout_s: float = 300.0) -> None:
+    """Child entry point. Reports ("error", type name) when an operation fails.
+
+    Ends with `os._exit`: a process that abandoned gloo operations must not run interpreter
+    finalization while gloo may still wake their waiter threads (see `elastic.collective.gloo`).
+    """
+    try:
+        _scenario(rank, world_size, endpoint, scenario, conn, timeout_s)
+    finally:
+        conn.close()
+        os._exit(0)
+
+
+def _scenario(rank: int, world_size: int, endpoint: str, scenario: str, conn: Connection,
+              timeout_s: float) -> None:
+    comm_box: dict = {"signal": threading.Event()}
+    orders: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_listen, args=(conn, comm_box, orders), daemon=True).start()
+    config = CollectiveConfig(timeout=timedelta(seconds=timeout_s), segment_bytes=1 << 18)
+    ep = Endpoint.parse(endpoint)
+
+    def report_failure(e: BaseException) -> None:
+        conn.send(("error", type(e).__name__, isinstance(e, CollectiveError)))
+
+    try:
+        comm = Communicator(rank, world_size, ep, 0, config, abort_signal=comm_box["signal"])
+        comm_box["comm"] = comm
+    except Exception as e:
+        report_failure(e)
+        return
+    conn.send(("connected", rank))
+    try:
+        if scenario == "recv_forever":
+            if rank == 1:
+                comm.recv(torch.zeros(4), src=0)
+            else:
+                orders.get()  # never sends; waits to be told to exit
+                return
+        elif scenario == "allreduce_forever":
+            data = torch.full((1 << 20,), float(rank + 1))
+            first = True
+            while True:
+                comm.allreduce(data.clone(), "sum", "ring")
+                if first:
+                    conn.send(("running", rank))
+                    first = False
+        conn.send(("finished", rank))
+        return
+    except Exception as e:
+        report_failure(e)
+    # Survivors may be told to form a new generation: ("regen", new_rank, new_world, gen).
+    message = orders.get()
+    if message[0] == "regen":
+        _, new_rank, new_world, generation = message
+        comm = Communicator(new_rank, new_world, ep, generation, config)
+        result = comm.allreduce(torch.full((1001,), float(new_rank + 1)), "sum", "ring")
+        conn.send(("regen_result", new_rank, result.tolist()))
+        comm.close()
+
+
+class Ranks:
+    """Spawns `world_size` ranks (or a subset) running one scenario."""
+
+    def __init__(self, world_size: int, endpoint: Endpoint, scenario: str,
+                 start: list[int] | None = None, timeout_s: float = 300.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.procs: dict[int, mp.process.BaseProcess] = {}
+        self.pipes: dict[int, Connection] = {}
+        for rank in start if start is not None else range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=rank_main, args=(rank, world_size, str(endpoint), scenario,
+                                                       child, timeout_s), daemon=True)
+            proc.start()
+            self.procs[rank] = proc
+            self.pipes[rank] = parent
+
+    def expect(self, rank: int, kind: str, timeout: float = 120.0) -> tuple:
+        """Next message of `rank`, which must be of `kind`."""
+        pipe = self.pipes[rank]
+        if not pipe.poll(timeout):
+            raise TimeoutError(f"rank {rank} sent nothing within {timeout}s")
+        message = pipe.recv()
+        assert message[0] == kind, f"rank {rank}: expected {kind}, got {message}"
+        return message
+
+    def send(self, rank: int, message: object) -> None:
+        self.pipes[rank].send(message)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.kill()
+            proc.join(10)
