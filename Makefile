@@ -24,7 +24,7 @@ test: lint
 	$(BIN)/pytest
 
 demo: install
-	$(BIN)/elastic bench allreduce --world-size 4 --sizes 64KB,1MB,16MB --algorithms ring,tree,halving_doubling,native --json bench-out/allreduce.json --plot bench-out/allreduce.png
+	$(BIN)/elastic bench allreduce --world-size 4 --sizes 4KB,64KB,1MB,16MB,64MB --algorithms ring,tree,halving_doubling,native --json bench-out/allreduce.json --plot bench-out/allreduce.png
 
 clean:
 	rm -rf $(VENV) bench-out

@@ -49,8 +49,9 @@ class CollectiveConfig(_Frozen):
         description="Longest the ranks of a new generation wait for each other to connect.",
     )
     segment_bytes: int = Field(
-        default=1 << 20,
+        default=16 << 20,
         ge=1024,
         description="Pipelining granularity of the ring algorithm in bytes: each ring step is "
-        "sent in segments of this size so that reduction overlaps transfer.",
+        "sent in segments of this size so that reduction overlaps transfer. Smaller segments "
+        "overlap more but cost a thread hand-off each; 16 MiB measured best on a 2-core host.",
     )

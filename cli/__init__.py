@@ -1,0 +1,1 @@
+"""The `elastic` command line: a thin typer layer over the public Python API."""

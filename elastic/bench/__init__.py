@@ -1,0 +1,1 @@
+"""Benchmarks behind `elastic bench ...`: each returns a result the CLI prints and saves."""
