@@ -94,7 +94,8 @@ def _rank_main(rank: int, world_size: int, endpoint: str, sizes: list[int],
                algorithms: list[str], segment_bytes: int, conn: Connection) -> None:
     try:
         torch.set_num_threads(1)
-        comm = Communicator(rank, world_size, Endpoint.parse(endpoint), 0, CollectiveConfig(segment_bytes=segment_bytes))
+        config = CollectiveConfig(segment_bytes=segment_bytes)
+        comm = Communicator(rank, world_size, Endpoint.parse(endpoint), 0, config)
         results = []
         expected_factor = world_size * (world_size + 1) / 2
         for algorithm in algorithms:
@@ -218,7 +219,8 @@ def run_allreduce_bench(world_size: int, sizes: list[int], algorithms: list[Algo
     for rank in range(world_size):
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_rank_main, daemon=True,
-                           args=(rank, world_size, str(server.endpoint), sizes, list(algorithms), segment_bytes, child))
+                           args=(rank, world_size, str(server.endpoint), sizes, list(algorithms),
+                                 segment_bytes, child))
         proc.start()
         pipes.append(parent)
         procs.append(proc)
