@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Backend = Literal["gloo", "nccl"]
 Algorithm = Literal["ring", "tree", "halving_doubling", "native"]
@@ -55,3 +55,149 @@ class CollectiveConfig(_Frozen):
         "sent in segments of this size so that reduction overlaps transfer. Smaller segments "
         "overlap more but cost a thread hand-off each; 16 MiB measured best on a 2-core host.",
     )
+
+
+class ScalingConfig(_Frozen):
+    """How many workers, and what each one needs."""
+
+    num_workers: int = Field(ge=1, description="Workers to start with (the target world size).")
+    min_workers: int | None = Field(
+        default=None, ge=1,
+        description="Fewest workers the run may continue with; below it the run waits for "
+        "capacity up to FailureConfig.capacity_timeout. Default: 1.",
+    )
+    max_workers: int | None = Field(
+        default=None, ge=1,
+        description="Most workers the run may grow to (scale requests, new capacity). "
+        "Default: num_workers.",
+    )
+    use_gpu: bool = Field(default=False, description="Give each worker one GPU (backend nccl).")
+    cpus_per_worker: float = Field(default=1.0, gt=0, description="CPUs reserved per worker actor.")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> ScalingConfig:
+        low = self.min_workers or 1
+        high = self.max_workers or self.num_workers
+        if low > high:
+            raise ValueError(
+                f"min_workers ({low}) is above max_workers ({high}); lower scaling.min_workers"
+            )
+        if not low <= self.num_workers <= high:
+            raise ValueError(
+                f"num_workers ({self.num_workers}) must lie in [min_workers, max_workers] = "
+                f"[{low}, {high}]; change scaling.num_workers"
+            )
+        return self
+
+    @property
+    def lower(self) -> int:
+        """The effective minimum world size."""
+        return self.min_workers or 1
+
+    @property
+    def upper(self) -> int:
+        """The effective maximum world size."""
+        return self.max_workers or self.num_workers
+
+
+class BatchConfig(_Frozen):
+    """The global batch (part of the math) and the micro-batch cap (not part of it)."""
+
+    global_batch_size: int = Field(
+        ge=1, description="Samples per optimizer step, summed over all workers; fixed for the run."
+    )
+    max_micro_batch: int | None = Field(
+        default=None, ge=1,
+        description="Largest micro-batch a worker runs forward/backward on at once; larger shares "
+        "are accumulated. Default: no cap.",
+    )
+
+
+class FailureConfig(_Frozen):
+    """What counts as a failure and how long to wait."""
+
+    max_user_retries: int = Field(
+        default=2, ge=0,
+        description="How many times a step is retried after user code (model, loss, dataset) "
+        "raised, before the run fails with UserCodeError.",
+    )
+    max_failures: int | None = Field(
+        default=None, ge=0,
+        description="Worker losses the run tolerates in total; None means unlimited.",
+    )
+    startup_timeout: timedelta = Field(
+        default=timedelta(minutes=3), gt=timedelta(0),
+        description="Longest to wait for the initial workers to start.",
+    )
+    capacity_timeout: timedelta = Field(
+        default=timedelta(minutes=5), gt=timedelta(0),
+        description="Longest the run waits for capacity when fewer than min_workers are alive.",
+    )
+    hang_timeout: timedelta = Field(
+        default=timedelta(minutes=5), gt=timedelta(0),
+        description="A chunk of steps that makes no progress for this long is treated as hung: "
+        "the workers that are not waiting in a collective are killed.",
+    )
+
+
+ChaosAction = Literal["kill", "hang", "raise", "slow"]
+ChaosPhase = Literal["data", "forward", "backward", "allreduce", "optimizer"]
+
+
+class ChaosEvent(_Frozen):
+    """A fault injected on purpose, for tests and demos."""
+
+    step: int = Field(ge=0, description="Global step at which the fault fires.")
+    rank: int = Field(ge=0, description="Rank (in the generation current at that step) that fails.")
+    action: ChaosAction = Field(
+        description="'kill' (SIGKILL the worker), 'hang' (sleep forever), 'raise' (InjectedFault "
+        "from user code), 'slow' (sleep factor x the step's compute time)."
+    )
+    phase: ChaosPhase = Field(default="forward", description="Where in the step the fault fires.")
+    factor: float = Field(default=2.0, gt=0, description="Slow-down factor for action 'slow'.")
+
+
+class FitConfig(_Frozen):
+    """Everything `elastic.fit` needs besides the job itself."""
+
+    scaling: ScalingConfig = Field(description="Workers and their resources.")
+    batch: BatchConfig = Field(description="Global batch and micro-batch cap.")
+    epochs: int | None = Field(
+        default=None, ge=1, description="Train this many epochs (passes over the data set)."
+    )
+    max_steps: int | None = Field(
+        default=None, ge=1, description="Stop after this many optimizer steps (whichever of "
+        "epochs and max_steps comes first)."
+    )
+    seed: int = Field(default=0, description="Seeds the model initialisation and the sample order.")
+    collective: CollectiveConfig = Field(
+        default_factory=CollectiveConfig, description="Backend, algorithm and timeouts."
+    )
+    failure: FailureConfig = Field(default_factory=FailureConfig, description="Failure handling.")
+    name: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="Run name (letters, digits, _ . -); other processes find the run by it. "
+        "Default: generated.",
+    )
+    run_dir: str | None = Field(
+        default=None,
+        description="Directory for events.jsonl, metrics.jsonl and the ledger. Default: runs/NAME.",
+    )
+    steps_per_chunk: int = Field(
+        default=8, ge=1,
+        description="Steps a worker runs per call from the controller; control requests (scale, "
+        "kill, stop) take effect at the next chunk boundary.",
+    )
+    ledger: bool = Field(
+        default=False,
+        description="Record the data set indices every committed step consumed (ledger.jsonl).",
+    )
+    chaos: tuple[ChaosEvent, ...] = Field(default=(), description="Faults to inject.")
+
+    @model_validator(mode="after")
+    def _check(self) -> FitConfig:
+        if self.epochs is None and self.max_steps is None:
+            raise ValueError("set epochs or max_steps (or both) so that the run has an end")
+        if self.scaling.use_gpu and self.collective.backend != "nccl":
+            raise ValueError("scaling.use_gpu needs collective.backend='nccl'")
+        return self

@@ -9,3 +9,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+from tests.ray_cluster import ray_cluster  # noqa: E402,F401 - a session fixture for all tiers

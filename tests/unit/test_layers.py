@@ -15,7 +15,12 @@ FORBIDDEN = {
     "elastic.checkpoint": ("ray", "elastic.actors", "elastic.adapt", "elastic.collective"),
     "elastic.adapt": ("ray", "torch.distributed", "elastic.actors", "elastic.collective",
                       "elastic.checkpoint"),
-    "elastic.api": ("cli",),
+    "elastic.trainer": ("ray", "elastic.actors", "cli"),
+    "elastic.runlog": ("ray", "torch", "elastic.actors"),
+    "elastic.job": ("ray", "elastic.actors"),
+    "elastic.result": ("ray", "elastic.actors"),
+    "elastic.bench": ("ray", "elastic.actors"),
+    "elastic.api": ("cli", "ray"),
     "elastic.actors": ("cli",),
     "cli": ("elastic.actors", "ray"),
 }

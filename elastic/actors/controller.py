@@ -1,0 +1,563 @@
+"""The controller: one Ray actor per run that drives the workers through steps and failures.
+
+It hosts the rendezvous store, hands out chunks of steps, detects lost workers (Ray reports
+a dead actor to a waiting caller within milliseconds), aborts the survivors' communicators,
+forms a new generation from them without restarting their processes, brings every rank to
+the newest committed step from a peer, re-plans the batch and goes on. Replacements start in
+the background and join at a chunk boundary. Control requests (scale, kill, stop) from other
+processes are served on other threads of this actor and take effect at the next boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from elastic.actors.state import RunState
+from elastic.actors.worker import ChunkResult, WorkerActor
+from elastic.adapt.plan import plan_batch
+from elastic.collective import RendezvousServer
+from elastic.config import ChaosEvent, FitConfig
+from elastic.errors import (
+    ConfigError,
+    ControllerError,
+    ElasticError,
+    InsufficientWorkersError,
+    StartupTimeoutError,
+    UserCodeError,
+    WorkerLostError,
+)
+from elastic.job import TrainJob
+from elastic.runlog import RunLog
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "elastic"
+
+
+def controller_name(run_name: str) -> str:
+    """The Ray actor name under which a run's controller is registered."""
+    return f"elastic-run-{run_name}"
+
+
+@dataclass
+class _Member:
+    actor: Any
+    worker_id: int
+    pid: int
+    node_id: str
+
+
+@dataclass
+class Outcome:
+    """What `Controller.run` returns (an error is returned, not raised, to keep its type)."""
+
+    model_state: dict[str, Any] | None
+    steps: int
+    samples: int
+    events: list[dict[str, Any]]
+    metrics: list[dict[str, Any]]
+    evaluation: dict[str, float]
+    stopped: bool
+    error: BaseException | None
+
+
+@dataclass
+class _PendingRecovery:
+    detected: float
+    killed_at: float | None
+    aborted: float
+    rebuilt: float
+    restored: float
+    lost_ranks: list[int]
+    world_before: int
+    world_after: int
+    step: int
+
+
+class _Failed(Exception):
+    """Internal: ends the control loop with a typed error."""
+
+    def __init__(self, error: ElasticError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class Controller:
+    """Drives one run. Created by `elastic.fit` as a named Ray actor."""
+
+    def __init__(self, job: TrainJob, config: FitConfig, name: str, run_dir: str) -> None:
+        self.job = job
+        self.config = config
+        self.name = name
+        self.log = RunLog(run_dir)
+        self.run_dir = run_dir
+        self.state = RunState.STARTING
+        self.members: list[_Member] = []
+        self.pending: dict[Any, Any] = {}  # info() ref -> actor, replacements starting
+        self.generation = -1
+        self.global_step = 0
+        self.total_steps = 0
+        self.steps_per_epoch = 0
+        self.failures = 0
+        self.user_retries: dict[int, int] = {}
+        self.chaos = sorted(config.chaos, key=lambda e: e.step)
+        self._next_worker_id = 0
+        self._lock = threading.Lock()
+        self._target = config.scaling.num_workers
+        self._stop_requested = False
+        self._recovery: _PendingRecovery | None = None
+        self._evaluation: dict[str, float] = {}
+        self.server = RendezvousServer(host=ray.util.get_node_ip_address())
+
+    # --- control requests (other threads) ---------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """A snapshot of the run for `elastic status`."""
+        with self._lock:
+            return {
+                "name": self.name, "state": self.state.value, "step": self.global_step,
+                "total_steps": self.total_steps, "generation": self.generation,
+                "world_size": len(self.members), "target_workers": self._target,
+                "starting_workers": len(self.pending), "failures": self.failures,
+                "workers": [{"rank": r, "worker_id": m.worker_id, "pid": m.pid, "node_id": m.node_id}
+                            for r, m in enumerate(self.members)],
+                "run_dir": self.run_dir,
+            }
+
+    def scale(self, num_workers: int) -> None:
+        """Sets the target world size; applied at the next chunk boundary.
+
+        Raises:
+            ConfigError: outside [min_workers, max_workers].
+        """
+        low, high = self.config.scaling.lower, self.config.scaling.upper
+        if not low <= num_workers <= high:
+            raise ConfigError(
+                f"cannot scale run {self.name!r} to {num_workers} workers: it must stay within "
+                f"[min_workers, max_workers] = [{low}, {high}]"
+            )
+        with self._lock:
+            self._target = num_workers
+        self.log.event("scale_requested", num_workers=num_workers)
+
+    def kill(self, rank: int) -> None:
+        """Kills the worker at `rank` now, as a failure would (for drills and tests).
+
+        Raises:
+            ConfigError: no such rank.
+        """
+        with self._lock:
+            if not 0 <= rank < len(self.members):
+                raise ConfigError(f"run {self.name!r} has no rank {rank} (world size {len(self.members)})")
+            member = self.members[rank]
+        self.log.event("kill_requested", rank=rank, worker_id=member.worker_id)
+        ray.kill(member.actor, no_restart=True)
+
+    def stop(self) -> None:
+        """Ends the run gracefully at the next chunk boundary."""
+        with self._lock:
+            self._stop_requested = True
+        self.log.event("stop_requested")
+
+    # --- the control loop ----------------------------------------------------------------------
+
+    def _set_state(self, state: RunState, **fields: Any) -> None:
+        with self._lock:
+            previous, self.state = self.state, state
+        self.log.event("state", previous=previous.value, state=state.value, **fields)
+
+    def run(self) -> Outcome:
+        """Runs the whole training; returns when finished, stopped or failed."""
+        error: BaseException | None = None
+        model_state = None
+        try:
+            self._start()
+            while self.global_step < self.total_steps:
+                if self._boundary():
+                    break
+                self._chunk()
+            model_state = self._finish()
+        except _Failed as failed:
+            error = failed.error
+        except ElasticError as e:
+            error = e
+        except Exception as e:  # a bug of ours: keep the cause
+            logger.exception("controller failed")
+            error = ControllerError(f"controller failed: {type(e).__name__}: {e}")
+            error.__cause__ = e
+        if error is not None:
+            self.log.event("failed", error=f"{type(error).__name__}: {error}", step=self.global_step)
+            self._set_state(RunState.FAILED)
+        self._shutdown_workers()
+        self.server.close()
+        return Outcome(
+            model_state=model_state, steps=self.global_step,
+            samples=self.global_step * self.config.batch.global_batch_size,
+            events=list(self.log.events), metrics=list(self.log.metrics),
+            evaluation=self._evaluation, stopped=self._stop_requested, error=error,
+        )
+
+    # --- start-up ------------------------------------------------------------------------------
+
+    def _spawn(self) -> tuple[Any, Any]:
+        worker_id = self._next_worker_id
+        self._next_worker_id += 1
+        scaling = self.config.scaling
+        actor = WorkerActor.options(
+            num_cpus=scaling.cpus_per_worker, num_gpus=1 if scaling.use_gpu else 0,
+            max_concurrency=4,
+        ).remote(self.job, self.config, self.run_dir, worker_id)
+        return actor.info.remote(), actor
+
+    def _start(self) -> None:
+        self.log.event("start", name=self.name, config=self.config.model_dump(mode="json"))
+        spawned = dict(self._spawn() for _ in range(self.config.scaling.num_workers))
+        timeout = self.config.failure.startup_timeout.total_seconds()
+        ready, _ = ray.wait(list(spawned), num_returns=len(spawned), timeout=timeout)
+        for ref in ready:
+            try:
+                info = ray.get(ref)
+            except RayTaskError as e:
+                raise _Failed(_user_start_error(e)) from e
+            self.members.append(_Member(spawned[ref], info["worker_id"], info["pid"], info["node_id"]))
+        for ref in set(spawned) - set(ready):
+            self.pending[ref] = spawned[ref]
+        self.members.sort(key=lambda m: m.worker_id)
+        if len(self.members) < self.config.scaling.lower:
+            raise _Failed(StartupTimeoutError(
+                f"only {len(self.members)} of {self.config.scaling.num_workers} workers started "
+                f"within {self.config.failure.startup_timeout}; need at least "
+                f"{self.config.scaling.lower}. Raise failure.startup_timeout or add capacity"
+            ))
+        self.steps_per_epoch, dataset_size = ray.get(self.members[0].actor.dataset_shape.remote())
+        by_epochs = self.config.epochs * self.steps_per_epoch if self.config.epochs else None
+        limits = [x for x in (by_epochs, self.config.max_steps) if x is not None]
+        self.total_steps = min(limits)
+        self.log.event("planned", dataset_size=dataset_size, steps_per_epoch=self.steps_per_epoch,
+                       total_steps=self.total_steps)
+        self._form("start")
+        self._set_state(RunState.RUNNING)
+
+    # --- generations ---------------------------------------------------------------------------
+
+    def _form(self, reason: str) -> tuple[float, float]:
+        """Forms a new generation of `self.members` and syncs state from the newest rank.
+        Returns the times at which the ring was rebuilt and the state restored."""
+        while True:
+            self.generation += 1
+            n = len(self.members)
+            endpoint = str(self.server.endpoint)
+            refs = [m.actor.connect.remote(r, n, endpoint, self.generation)
+                    for r, m in enumerate(self.members)]
+            steps, dead = self._gather(refs)
+            if dead:
+                self._drop(dead, "lost while connecting")
+                continue
+            rebuilt = time.time()
+            # The newest committed step wins (ranks may differ by one step after a failure);
+            # joiners and laggards take it from that rank.
+            src = max(range(n), key=lambda r: (steps[r], -r))
+            _, dead = self._gather([m.actor.sync.remote(src) for m in self.members])
+            if dead:
+                self._drop(dead, "lost while restoring")
+                continue
+            self.global_step = steps[src]
+            restored = time.time()
+            self.log.event("generation", generation=self.generation, world_size=n, reason=reason,
+                           source_rank=src, step=self.global_step,
+                           workers=[m.worker_id for m in self.members])
+            return rebuilt, restored
+
+    def _gather(self, refs: list[Any]) -> tuple[list[Any], list[int]]:
+        """ray.get of one ref per member; returns values and the ranks whose actor died."""
+        values: list[Any] = [None] * len(refs)
+        dead = []
+        for rank, ref in enumerate(refs):
+            try:
+                values[rank] = ray.get(ref)
+            except RayActorError:
+                dead.append(rank)
+        return values, dead
+
+    def _drop(self, ranks: list[int], why: str) -> None:
+        for rank in sorted(ranks, reverse=True):
+            member = self.members.pop(rank)
+            self.log.event("worker_lost", rank=rank, worker_id=member.worker_id, why=why)
+            ray.kill(member.actor, no_restart=True)
+            self.failures += 1
+        self._check_capacity()
+
+    def _check_capacity(self) -> None:
+        """Waits for replacements while below min_workers; fails after capacity_timeout."""
+        limit = self.config.failure.max_failures
+        if limit is not None and self.failures > limit:
+            raise _Failed(WorkerLostError(
+                f"{self.failures} workers lost, more than failure.max_failures = {limit}"
+            ))
+        self._top_up()
+        deadline = time.monotonic() + self.config.failure.capacity_timeout.total_seconds()
+        while len(self.members) < self.config.scaling.lower:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.pending:
+                raise _Failed(InsufficientWorkersError(
+                    f"{len(self.members)} workers alive, fewer than scaling.min_workers = "
+                    f"{self.config.scaling.lower}, for {self.config.failure.capacity_timeout}; "
+                    "add capacity or lower scaling.min_workers"
+                ))
+            self._admit(timeout=min(remaining, 1.0))
+
+    def _top_up(self) -> None:
+        """Starts replacements (in the background) until members + starting reach the target."""
+        with self._lock:
+            target = self._target
+        while len(self.members) + len(self.pending) < target:
+            ref, actor = self._spawn()
+            self.pending[ref] = actor
+            self.log.event("worker_starting", reason="replacement", target=target)
+
+    def _admit(self, timeout: float) -> bool:
+        """Moves started replacements into `members` (not yet into a generation)."""
+        if not self.pending:
+            return False
+        ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=timeout)
+        admitted = False
+        for ref in ready:
+            actor = self.pending.pop(ref)
+            try:
+                info = ray.get(ref)
+            except (RayActorError, RayTaskError) as e:
+                self.log.event("worker_start_failed", error=str(e).splitlines()[0])
+                continue
+            self.members.append(_Member(actor, info["worker_id"], info["pid"], info["node_id"]))
+            self.log.event("worker_joined", worker_id=info["worker_id"], pid=info["pid"])
+            admitted = True
+        return admitted
+
+    # --- boundaries ----------------------------------------------------------------------------
+
+    def _boundary(self) -> bool:
+        """Applies control requests at a step boundary. Returns True to stop the run."""
+        with self._lock:
+            stop, target = self._stop_requested, self._target
+        if stop:
+            self.log.event("stopping", step=self.global_step)
+            return True
+        changed = False
+        if len(self.members) > target:
+            self._set_state(RunState.RESIZING, world_size=len(self.members), target=target)
+            while len(self.members) > target:
+                member = self.members.pop()
+                self.log.event("worker_removed", worker_id=member.worker_id)
+                ray.kill(member.actor, no_restart=True)
+            changed = True
+        self._top_up()
+        if self._admit(timeout=0):
+            if self.state != RunState.RESIZING:
+                self._set_state(RunState.RESIZING, world_size=len(self.members), target=target)
+            changed = True
+        if changed:
+            before = self.generation
+            self._form("resize")
+            self.log.event("resized", world_size=len(self.members), generation=self.generation,
+                           previous_generation=before)
+            self._set_state(RunState.RUNNING)
+        return False
+
+    # --- chunks --------------------------------------------------------------------------------
+
+    def _chunk(self) -> None:
+        step = self.global_step
+        n = len(self.members)
+        plan = plan_batch(self.config.batch.global_batch_size, n, self.config.batch.max_micro_batch)
+        num = min(self.config.steps_per_chunk, self.total_steps - step,
+                  self.steps_per_epoch - step % self.steps_per_epoch)
+        # A chunk starts at a chaos event's step, so that dispatching it is firing it.
+        later = [e.step for e in self.chaos if e.step > step]
+        if later:
+            num = min(num, later[0] - step)
+        chaos = [e for e in self.chaos if e.step == step]
+        self.chaos = [e for e in self.chaos if e.step != step]
+        for event in chaos:
+            self.log.event("chaos", **event.model_dump())
+        refs = {m.actor.run_chunk.remote(plan, num, chaos): r for r, m in enumerate(self.members)}
+        results, lost, detected = self._wait_chunk(refs)
+        self._record(results)
+        if lost:
+            self._recover(lost, results, detected, chaos)
+            return
+        statuses = {r.status for r in results.values()}
+        if statuses == {"ok"}:
+            self.global_step = max(r.committed_step for r in results.values())
+            if self.global_step % self.steps_per_epoch == 0 or self.global_step == self.total_steps:
+                self._evaluate()
+            return
+        if "user_error" in statuses:
+            self._user_error(results)
+            return
+        # A collective error without a lost worker (a timeout): rebuild as after a failure.
+        self._recover([], results, time.time(), chaos)
+
+    def _wait_chunk(self, refs: dict[Any, int]) -> tuple[dict[int, ChunkResult], list[int], float]:
+        results: dict[int, ChunkResult] = {}
+        lost: list[int] = []
+        detected = 0.0
+        remaining = list(refs)
+        hang = self.config.failure.hang_timeout.total_seconds()
+        while remaining:
+            ready, remaining = ray.wait(remaining, num_returns=1, timeout=hang)
+            if not ready:
+                self._kill_hung([refs[r] for r in remaining])
+                continue
+            rank = refs[ready[0]]
+            try:
+                results[rank] = ray.get(ready[0])
+            except RayActorError:
+                lost.append(rank)
+                if len(lost) == 1:
+                    detected = time.time()
+                    # Release every survivor blocked in a collective with the dead worker.
+                    for r, m in enumerate(self.members):
+                        if r != rank:
+                            m.actor.abort.remote()
+        return results, lost, detected
+
+    def _kill_hung(self, ranks: list[int]) -> None:
+        """Workers that made no progress for hang_timeout and are not waiting in a collective
+        (they are the ones the others wait for) are killed; the normal failure path follows."""
+        refs = {r: self.members[r].actor.progress.remote() for r in ranks}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=5.0)
+        for rank, ref in refs.items():
+            phase = ray.get(ref).get("phase") if ref in ready else "unresponsive"
+            if phase != "allreduce":
+                self.log.event("worker_hung", rank=rank, phase=phase,
+                               worker_id=self.members[rank].worker_id)
+                ray.kill(self.members[rank].actor, no_restart=True)
+
+    def _record(self, results: dict[int, ChunkResult]) -> None:
+        by_step: dict[int, list[Any]] = {}
+        for result in results.values():
+            for record in result.records:
+                by_step.setdefault(record.step, []).append(record)
+        b = self.config.batch.global_batch_size
+        for step in sorted(by_step):
+            records = by_step[step]
+            first = records[0]
+            step_time = max(r.step_time_s for r in records)
+            self.log.metric(step=step, epoch=first.epoch, loss=first.loss,
+                            world_size=first.world_size, shares=list(first.shares),
+                            micro_batch=first.micro_batch, step_time_s=step_time,
+                            samples_per_s=b / step_time if step_time > 0 else None, lr=first.lr,
+                            generation=self.generation)
+            if self.config.ledger and first.indices is not None:
+                self.log.ledger(step, first.epoch, list(first.indices))
+        if self._recovery is not None and by_step:
+            first_end = min(r.end_time for r in by_step[min(by_step)])
+            self._finish_recovery(first_end)
+
+    def _recover(self, lost: list[int], results: dict[int, ChunkResult], detected: float,
+                 chaos: list[ChaosEvent]) -> None:
+        self._set_state(RunState.RECOVERING, lost_ranks=lost)
+        aborted = time.time()
+        world_before = len(self.members)
+        killed_at = None
+        for event in chaos:
+            path = os.path.join(self.run_dir, "chaos", f"kill-{event.step}-{event.rank}")
+            if event.action == "kill" and os.path.exists(path):
+                with open(path) as f:
+                    killed_at = float(f.read())
+        newest = max((r.committed_step for r in results.values()), default=self.global_step)
+        self.log.event("worker_failure", lost_ranks=lost, step=newest,
+                       lost_workers=[self.members[r].worker_id for r in lost],
+                       survivors=len(self.members) - len(lost))
+        if lost:
+            self._drop(lost, "actor died")
+        rebuilt, restored = self._form("recovery")
+        self._recovery = _PendingRecovery(
+            detected=detected or aborted, killed_at=killed_at, aborted=aborted, rebuilt=rebuilt,
+            restored=restored, lost_ranks=lost, world_before=world_before,
+            world_after=len(self.members), step=self.global_step,
+        )
+        self._set_state(RunState.RUNNING)
+
+    def _finish_recovery(self, first_step_end: float) -> None:
+        rec = self._recovery
+        assert rec is not None
+        self._recovery = None
+        timing = {
+            "detect_s": (rec.detected - rec.killed_at) if rec.killed_at else None,
+            "abort_s": rec.aborted - rec.detected,
+            "rebuild_s": rec.rebuilt - rec.aborted,
+            "restore_s": rec.restored - rec.rebuilt,
+            "first_step_s": first_step_end - rec.restored,
+        }
+        start = rec.killed_at or rec.detected
+        self.log.event("recovered", lost_ranks=rec.lost_ranks, world_before=rec.world_before,
+                       world_after=rec.world_after, step=rec.step, work_lost_steps=1,
+                       total_s=first_step_end - start, **timing)
+
+    def _user_error(self, results: dict[int, ChunkResult]) -> None:
+        failures = [r.failure for r in results.values() if r.failure is not None]
+        failure = failures[0]
+        step = failure.step
+        self.global_step = step
+        rank = failure.ranks[0]
+        trace = next((f.traceback for f in failures if f.traceback), None) or ""
+        self.user_retries[step] = self.user_retries.get(step, 0) + 1
+        attempt = self.user_retries[step]
+        self.log.event("user_error", step=step, ranks=list(failure.ranks), attempt=attempt,
+                       error=trace.strip().splitlines()[-1] if trace else "")
+        if attempt > self.config.failure.max_user_retries:
+            raise _Failed(UserCodeError(
+                f"user code raised at step {step} on {attempt} attempts "
+                f"(failure.max_user_retries = {self.config.failure.max_user_retries})",
+                rank=rank, step=step, traceback=trace,
+            ))
+
+    def _evaluate(self) -> None:
+        if self.job.evaluate is None:
+            return
+        result = ray.get(self.members[0].actor.evaluate.remote())
+        self._evaluation = result
+        self.log.event("evaluate", step=self.global_step,
+                       epoch=self.global_step // self.steps_per_epoch, **result)
+
+    # --- the end -------------------------------------------------------------------------------
+
+    def _finish(self) -> dict[str, Any]:
+        if self._stop_requested and self.job.evaluate is not None and not self._evaluation:
+            self._evaluate()
+        state = ray.get(self.members[0].actor.model_state.remote())
+        self.log.event("finish", step=self.global_step, stopped=self._stop_requested,
+                       samples=self.global_step * self.config.batch.global_batch_size)
+        self._set_state(RunState.FINISHED)
+        return state
+
+    def _shutdown_workers(self) -> None:
+        for member in self.members:
+            ray.kill(member.actor, no_restart=True)
+        for actor in self.pending.values():
+            ray.kill(actor, no_restart=True)
+        self.members = []
+        self.pending = {}
+
+
+def _user_start_error(e: RayTaskError) -> ElasticError:
+    cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else None
+    if isinstance(cause, ElasticError):
+        return cause
+    text = str(e).strip().splitlines()
+    return ConfigError(
+        "a worker could not build the job (model, optimizer, scheduler or dataset factory "
+        f"raised): {text[-1] if text else e}"
+    )
+
+
+RemoteController = ray.remote(Controller)

@@ -1,0 +1,20 @@
+"""The controller's states."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class RunState(Enum):
+    """Lifecycle of a run. Terminal states end the control loop."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    RESIZING = "resizing"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (RunState.FINISHED, RunState.FAILED)

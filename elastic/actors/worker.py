@@ -1,0 +1,118 @@
+"""The worker actor: owns one replica and its communicator.
+
+It is a threaded actor: one thread runs chunks of steps, while others answer `abort` and
+`progress`, which is how the controller releases a worker blocked in a collective with a dead
+peer, and how the hang watchdog sees where each worker is.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from elastic.adapt.plan import BatchPlan
+from elastic.collective import Communicator, Endpoint
+from elastic.config import ChaosEvent, FitConfig
+from elastic.errors import CollectiveError
+from elastic.job import TrainJob
+from elastic.trainer.replica import Replica, StepRecord, UserFailure
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    """What a worker reports after a chunk of steps.
+
+    `status` is 'ok', 'collective_error' (a peer died or the controller aborted: the steps in
+    `records` were committed, the next one was not) or 'user_error' (`failure` says where).
+    """
+
+    status: str
+    records: list[StepRecord]
+    committed_step: int
+    failure: UserFailure | None = None
+    error: str | None = None
+
+
+@ray.remote
+class WorkerActor:
+    """One data-parallel worker. Built in the background; joins a generation via `connect`."""
+
+    def __init__(self, job: TrainJob, config: FitConfig, run_dir: str, worker_id: int) -> None:
+        self.worker_id = worker_id
+        self.config = config
+        self.replica = Replica(job, config, run_dir)
+        self._abort = threading.Event()
+        self._lock = threading.Lock()
+
+    def info(self) -> dict[str, Any]:
+        """Identity of this worker's process (tests check that survivors keep their pid)."""
+        return {"worker_id": self.worker_id, "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id()}
+
+    def connect(self, rank: int, world_size: int, endpoint: str, generation: int) -> int:
+        """Joins generation `generation` as `rank`; returns this replica's committed step."""
+        with self._lock:
+            self._abort = threading.Event()
+            signal_ = self._abort
+            old = self.replica.comm
+        if old is not None:
+            old.close()
+        self.replica.comm = Communicator(rank, world_size, Endpoint.parse(endpoint), generation,
+                                         self.config.collective, abort_signal=signal_)
+        return self.replica.global_step
+
+    def sync(self, src: int) -> int:
+        """Takes the state of rank `src` of the current generation; returns the step."""
+        self.replica.sync_from(src)
+        return self.replica.global_step
+
+    def run_chunk(self, plan: BatchPlan, num_steps: int, chaos: list[ChaosEvent]) -> ChunkResult:
+        """Runs up to `num_steps` steps from the committed step."""
+        records: list[StepRecord] = []
+        rank = self.replica.comm.rank if self.replica.comm else -1
+        try:
+            for _ in range(num_steps):
+                step = self.replica.global_step
+                mine = [e for e in chaos if e.step == step and e.rank == rank]
+                outcome = self.replica.run_step(plan, mine)
+                if isinstance(outcome, UserFailure):
+                    return ChunkResult("user_error", records, self.replica.global_step, outcome)
+                records.append(outcome)
+        except CollectiveError as e:
+            return ChunkResult("collective_error", records, self.replica.global_step, error=str(e))
+        return ChunkResult("ok", records, self.replica.global_step)
+
+    def abort(self) -> None:
+        """Releases this worker from any collective it is blocked in (any thread)."""
+        with self._lock:
+            self._abort.set()
+            comm = self.replica.comm
+        if comm is not None:
+            comm.abort()
+
+    def progress(self) -> dict[str, Any]:
+        """Step and phase, for the hang watchdog."""
+        p = self.replica.progress
+        return {"step": p.step, "phase": p.phase, "since": p.since}
+
+    def dataset_shape(self) -> tuple[int, int]:
+        """(steps per epoch, data set size)."""
+        return self.replica.order.steps_per_epoch, self.replica.order.dataset_size
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The model's state dict as CPU tensors."""
+        return {k: v.detach().cpu().clone() for k, v in self.replica.model.state_dict().items()}
+
+    def evaluate(self) -> dict[str, float]:
+        """Runs the job's `evaluate` on this replica (the controller asks rank 0)."""
+        if self.replica.job.evaluate is None:
+            return {}
+        self.replica.model.eval()
+        with torch.no_grad():
+            return dict(self.replica.job.evaluate(self.replica.model))
+

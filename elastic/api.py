@@ -1,0 +1,75 @@
+"""The public Python API: `fit` and run control by name. The CLI is a thin layer over this."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from elastic.actors import client
+from elastic.config import FitConfig
+from elastic.job import TrainJob
+from elastic.result import FitResult
+
+
+def fit(job: TrainJob, config: FitConfig) -> FitResult:
+    """Trains `job` data-parallel on Ray workers, through failures and resizes.
+
+    Uses the connected Ray cluster, or starts a local one.
+
+    Raises:
+        UserCodeError: user code kept raising past `failure.max_user_retries`.
+        InsufficientWorkersError: fewer than `scaling.min_workers` workers for too long.
+        StartupTimeoutError: the workers did not start in time.
+        ConfigError: the job cannot be built (a factory raised or returned the wrong type).
+    """
+    if not isinstance(job, TrainJob):
+        raise TypeError(f"fit needs an elastic.TrainJob, got {type(job).__name__}")
+    name = config.name or client.new_run_name()
+    run_dir = os.path.abspath(config.run_dir or os.path.join("runs", name))
+    outcome = client.run_controller(job, config, name, run_dir)
+    if outcome.error is not None:
+        raise outcome.error
+    assert outcome.model_state is not None
+    return FitResult(
+        name=name, run_dir=run_dir, model_state=outcome.model_state, steps=outcome.steps,
+        samples=outcome.samples, events=outcome.events, metrics=outcome.metrics,
+        evaluation=outcome.evaluation, stopped=outcome.stopped,
+    )
+
+
+def status(name: str) -> dict[str, Any]:
+    """A snapshot of run `name`: state, step, world size, workers.
+
+    Raises:
+        RunNotFoundError: no such run.
+    """
+    return client.call(name, "status")
+
+
+def scale(name: str, num_workers: int) -> None:
+    """Grows or shrinks run `name` at its next step boundary, within [min, max] workers.
+
+    Raises:
+        RunNotFoundError: no such run.
+        ConfigError: outside the run's bounds.
+    """
+    client.call(name, "scale", num_workers)
+
+
+def kill(name: str, rank: int) -> None:
+    """Kills the worker at `rank` of run `name` (a drill: the run recovers).
+
+    Raises:
+        RunNotFoundError: no such run.
+        ConfigError: no such rank.
+    """
+    client.call(name, "kill", rank)
+
+
+def stop(name: str) -> None:
+    """Stops run `name` gracefully at its next step boundary.
+
+    Raises:
+        RunNotFoundError: no such run.
+    """
+    client.call(name, "stop")

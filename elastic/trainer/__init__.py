@@ -1,0 +1,1 @@
+"""One worker's model replica and its training step; no Ray here."""

@@ -1,0 +1,273 @@
+"""One worker's replica of the model and its part of each global step.
+
+The step contract (DESIGN.md): rank r of a generation takes its share of the global batch,
+runs forward/backward per micro-batch with each micro-batch's mean loss scaled by
+`len/B`, and the gradients are summed over ranks in one allreduce, so that every rank applies
+the same optimizer step as one process with batch B would. The same allreduce carries the
+summed loss, one error flag per rank (a rank whose user code raised votes the step down on
+every rank, so nobody is left waiting in the collective), and with the ledger on the indices
+the step consumed, so that what is recorded is exactly what was committed.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from elastic.adapt.plan import BatchPlan
+from elastic.collective import Communicator
+from elastic.config import ChaosEvent, ChaosPhase, FitConfig
+from elastic.errors import ConfigError, InjectedFault
+from elastic.job import TrainJob
+from elastic.trainer.data import SampleOrder
+
+# Largest data set whose indices travel exactly in a float32 buffer.
+_FLOAT32_EXACT = 1 << 24
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one committed global step did, as seen by one rank."""
+
+    step: int
+    epoch: int
+    loss: float
+    world_size: int
+    shares: tuple[int, ...]
+    micro_batch: int
+    step_time_s: float
+    end_time: float
+    lr: float
+    indices: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class UserFailure:
+    """User code raised on some rank; the step was voted down on all ranks."""
+
+    step: int
+    ranks: tuple[int, ...]
+    traceback: str | None  # this rank's traceback, if it was one of them
+
+
+@dataclass
+class Progress:
+    """Where a replica is, readable from another thread (for the hang watchdog)."""
+
+    step: int = 0
+    phase: str = "idle"
+    since: float = field(default_factory=time.monotonic)
+
+
+class Replica:
+    """Model, optimizer, scheduler and data of one worker.
+
+    Args:
+        job: the user's factories.
+        config: the run's configuration.
+        run_dir: where chaos kill timestamps are written (for recovery timing).
+    """
+
+    def __init__(self, job: TrainJob, config: FitConfig, run_dir: str) -> None:
+        self.job = job
+        self.config = config
+        self.run_dir = run_dir
+        torch.manual_seed(config.seed)
+        self.model = job.model()
+        if not isinstance(self.model, torch.nn.Module):
+            raise ConfigError(
+                f"TrainJob.model returned {type(self.model).__name__}, not a torch.nn.Module"
+            )
+        self.optimizer = job.optimizer(self.model.parameters())
+        self.scheduler = job.lr_scheduler(self.optimizer) if job.lr_scheduler else None
+        self.dataset = job.dataset()
+        self.collate: Callable[[list[Any]], Any] = job.collate_fn or default_collate
+        self.order = SampleOrder(len(self.dataset), config.batch.global_batch_size, config.seed)
+        if config.ledger and len(self.dataset) > _FLOAT32_EXACT:
+            raise ConfigError("ledger=True supports data sets of up to 2**24 samples")
+        self.global_step = 0
+        self.progress = Progress()
+        self.comm: Communicator | None = None
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+
+    # --- state --------------------------------------------------------------------------
+
+    def state_bytes(self) -> bytes:
+        """The committed state, serialised for a peer."""
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "global_step": self.global_step,
+        }
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return buffer.getvalue()
+
+    def load_state_bytes(self, data: bytes) -> None:
+        # weights_only: a peer's bytes are data, never code.
+        state = torch.load(io.BytesIO(data), weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.global_step = int(state["global_step"])
+
+    def sync_from(self, src: int) -> None:
+        """Every rank of the generation calls this; afterwards all hold `src`'s state."""
+        comm = self._comm()
+        payload = self.state_bytes() if comm.rank == src else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        comm.broadcast(size, src)
+        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if comm.rank == src
+                else torch.empty(int(size.item()), dtype=torch.uint8))
+        comm.broadcast(data, src)
+        if comm.rank != src:
+            self.load_state_bytes(data.numpy().tobytes())
+
+    def _comm(self) -> Communicator:
+        assert self.comm is not None, "replica has no communicator; connect first"
+        return self.comm
+
+    # --- the step -----------------------------------------------------------------------
+
+    def _enter(self, phase: str) -> None:
+        self.progress.phase = phase
+        self.progress.since = time.monotonic()
+
+    def _chaos(self, events: list[ChaosEvent], phase: ChaosPhase, started: float) -> None:
+        for event in events:
+            if event.phase != phase:
+                continue
+            match event.action:
+                case "kill":
+                    os.makedirs(os.path.join(self.run_dir, "chaos"), exist_ok=True)
+                    path = os.path.join(self.run_dir, "chaos", f"kill-{event.step}-{event.rank}")
+                    with open(path, "w") as f:
+                        f.write(repr(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+                case "hang":
+                    threading.Event().wait()
+                case "raise":
+                    raise InjectedFault(
+                        f"injected fault at step {event.step}, rank {event.rank}, phase {phase}"
+                    )
+                case "slow":
+                    time.sleep((event.factor - 1.0) * (time.perf_counter() - started))
+
+    def run_step(self, plan: BatchPlan, chaos: list[ChaosEvent]) -> StepRecord | UserFailure:
+        """Runs one global step on this rank. Collective failures raise `CollectiveError`
+        (the step is then not applied here); user errors are voted on and returned."""
+        comm = self._comm()
+        rank, world = comm.rank, comm.world_size
+        step = self.global_step
+        started = time.perf_counter()
+        self.progress.step = step
+        global_batch = self.order.global_batch(step)
+        mine = global_batch[plan.offset(rank) : plan.offset(rank) + plan.shares[rank]]
+        b = plan.global_batch_size
+        loss_sum = 0.0
+        error: str | None = None
+        for p in self._params:
+            p.grad = None
+        self.model.train()
+        try:
+            self._enter("data")
+            self._chaos(chaos, "data", started)
+            for start, length in plan.micro_batches(rank):
+                batch = self.collate([self.dataset[int(i)] for i in mine[start : start + length]])
+                self._enter("forward")
+                self._chaos(chaos, "forward", started)
+                loss = self.job.loss(self.model, batch) * (length / b)
+                self._enter("backward")
+                self._chaos(chaos, "backward", started)
+                loss.backward()
+                loss_sum += float(loss.detach())
+        except Exception:
+            error = traceback.format_exc()
+        self._enter("allreduce")
+        self._chaos(chaos, "allreduce", started)
+        flags = torch.zeros(world, dtype=torch.float64)
+        if error is not None:
+            flags[rank] = 1.0
+        ledger = torch.zeros(b if self.config.ledger else 0, dtype=torch.float64)
+        if self.config.ledger:
+            ledger[plan.offset(rank) : plan.offset(rank) + len(mine)] = mine.to(torch.float64)
+        meta = torch.cat([torch.tensor([loss_sum], dtype=torch.float64), flags, ledger])
+        buffers = self._flatten_grads(zero=error is not None)
+        self._allreduce(comm, buffers, meta)
+        failed = tuple(int(r) for r in torch.nonzero(meta[1 : 1 + world]).flatten().tolist())
+        if failed:
+            for p in self._params:
+                p.grad = None
+            self._enter("idle")
+            return UserFailure(step=step, ranks=failed, traceback=error)
+        self._unflatten_grads(buffers)
+        self._enter("optimizer")
+        self._chaos(chaos, "optimizer", started)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        for p in self._params:
+            p.grad = None
+        self.global_step = step + 1
+        self._enter("idle")
+        indices = tuple(int(i) for i in meta[1 + world :].tolist()) if self.config.ledger else None
+        return StepRecord(
+            step=step, epoch=self.order.epoch_of(step), loss=float(meta[0]), world_size=world,
+            shares=plan.shares, micro_batch=plan.micro_batch,
+            step_time_s=time.perf_counter() - started, end_time=time.time(), lr=lr,
+            indices=indices,
+        )
+
+    # --- gradient buffers ---------------------------------------------------------------
+
+    def _flatten_grads(self, zero: bool) -> dict[torch.dtype, torch.Tensor]:
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self._params:
+            g = p.grad if (p.grad is not None and not zero) else torch.zeros_like(p)
+            groups.setdefault(p.dtype, []).append(g.reshape(-1))
+        return {dtype: torch.cat(parts) for dtype, parts in groups.items()}
+
+    def _unflatten_grads(self, buffers: dict[torch.dtype, torch.Tensor]) -> None:
+        offsets = dict.fromkeys(buffers, 0)
+        for p in self._params:
+            n = p.numel()
+            start = offsets[p.dtype]
+            p.grad = buffers[p.dtype][start : start + n].view_as(p).clone()
+            offsets[p.dtype] = start + n
+
+    def _allreduce(self, comm: Communicator, buffers: dict[torch.dtype, torch.Tensor],
+                   meta: torch.Tensor) -> None:
+        # The step's metadata rides in the float64 gradient buffer when there is one, so a
+        # typical step costs one allreduce.
+        if torch.float64 in buffers:
+            joined = torch.cat([buffers[torch.float64], meta])
+            comm.allreduce(joined)
+            n = buffers[torch.float64].numel()
+            buffers[torch.float64] = joined[:n]
+            meta.copy_(joined[n:])
+        elif torch.float32 in buffers and meta.numel() <= 1 + comm.world_size + _FLOAT32_EXACT:
+            joined = torch.cat([buffers[torch.float32], meta.to(torch.float32)])
+            comm.allreduce(joined)
+            n = buffers[torch.float32].numel()
+            buffers[torch.float32] = joined[:n]
+            meta.copy_(joined[n:].to(torch.float64))
+        else:
+            comm.allreduce(meta)
+        for dtype, buffer in buffers.items():
+            if dtype not in (torch.float64, torch.float32) or (
+                dtype == torch.float32 and torch.float64 in buffers
+            ):
+                comm.allreduce(buffer)

@@ -1,0 +1,232 @@
+"""elastic.fit on a local Ray cluster: the step contract, recovery, resize, user errors."""
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+import elastic
+from elastic import BatchConfig, ChaosEvent, FitConfig, ScalingConfig
+from elastic.errors import ConfigError, RunNotFoundError, UserCodeError
+from tests.jobs import N_SAMPLES, failing_job, reference_weights, regression_job
+
+pytestmark = pytest.mark.integration
+
+B = 16
+PER_EPOCH = N_SAMPLES // B  # 6 steps
+
+
+def _config(tmp_path, **kwargs) -> FitConfig:
+    base = {
+        "scaling": ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
+        "batch": BatchConfig(global_batch_size=B, max_micro_batch=3),
+        "run_dir": str(tmp_path / "run"),
+    }
+    base.update(kwargs)
+    return FitConfig(**base)
+
+
+def _events(result, kind):
+    return [e for e in result.events if e["event"] == kind]
+
+
+def _assert_weights_equal_reference(result, steps):
+    reference = reference_weights(seed=0, global_batch=B, steps=steps)
+    torch.testing.assert_close(result.model_state, reference, rtol=1e-9, atol=1e-10)
+
+
+def test_uninterrupted_run_matches_plain_pytorch(ray_cluster, tmp_path):
+    result = elastic.fit(regression_job(), _config(tmp_path, epochs=2))
+    assert result.steps == 2 * PER_EPOCH
+    assert result.samples == 2 * PER_EPOCH * B
+    _assert_weights_equal_reference(result, result.steps)
+    assert [m["step"] for m in result.metrics] == list(range(result.steps))
+    assert {m["world_size"] for m in result.metrics} == {4}
+    assert result.metrics[0]["shares"] == [4, 4, 4, 4]
+    assert result.metrics[0]["micro_batch"] == 3
+    assert [e["epoch"] for e in _events(result, "evaluate")] == [1, 2]
+    on_disk = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
+    assert on_disk == result.metrics
+
+
+def test_two_kills_in_different_phases_end_with_the_reference_weights(ray_cluster, tmp_path):
+    chaos = (ChaosEvent(step=3, rank=1, action="kill", phase="backward"),
+             ChaosEvent(step=8, rank=2, action="kill", phase="allreduce"))
+    result = elastic.fit(regression_job(), _config(tmp_path, max_steps=14, chaos=chaos))
+    assert result.steps == 14
+    _assert_weights_equal_reference(result, 14)
+    failures = _events(result, "worker_failure")
+    assert [f["lost_ranks"] for f in failures] == [[1], [2]]
+    recovered = _events(result, "recovered")
+    assert len(recovered) == 2
+    for r in recovered:
+        for key in ("detect_s", "abort_s", "rebuild_s", "restore_s", "first_step_s", "total_s"):
+            assert r[key] is not None and r[key] >= 0
+    # Uneven shares after shrinking to 3 workers: 16 = 6 + 5 + 5.
+    assert [6, 5, 5] in [m["shares"] for m in result.metrics]
+
+
+class Operator:
+    """Drives a live run from another thread through the public API, as an operator would
+    from another process. It waits on the run's status, never on the clock."""
+
+    def __init__(self, name, script):
+        self.name = name
+        self.script = script
+        self.error = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def wait_for(self, predicate, limit=60.0):
+        """Polls status until `predicate(status)` holds; returns that status."""
+        deadline = threading.Event()
+        timer = threading.Timer(limit, deadline.set)
+        timer.start()
+        try:
+            while not deadline.is_set() and not self.done.is_set():
+                try:
+                    status = elastic.status(self.name)
+                except RunNotFoundError:
+                    status = None
+                if status is not None and predicate(status):
+                    return status
+                self.done.wait(0.02)
+        finally:
+            timer.cancel()
+        raise TimeoutError(f"status of {self.name} never satisfied the condition")
+
+    def _run(self):
+        try:
+            self.script(self)
+        except BaseException as e:
+            self.error = e
+        finally:
+            try:
+                elastic.stop(self.name)
+            except RunNotFoundError:
+                pass
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def test_ledger_shows_every_index_once_per_epoch_across_failures_and_a_resize(ray_cluster, tmp_path):
+    chaos = (ChaosEvent(step=2, rank=2, action="kill", phase="forward"),
+             ChaosEvent(step=9, rank=0, action="kill", phase="optimizer"))
+    name = "ledger-run"
+    config = _config(tmp_path, max_steps=100_000, chaos=chaos, ledger=True, steps_per_chunk=2,
+                     name=name, scaling=ScalingConfig(num_workers=3, min_workers=1, max_workers=4))
+
+    def script(op):
+        op.wait_for(lambda s: s["step"] >= 5)
+        elastic.scale(name, 4)
+        op.wait_for(lambda s: s["world_size"] == 4 and s["step"] >= 3 * PER_EPOCH and s["failures"] == 2)
+
+    with Operator(name, script):
+        result = elastic.fit(regression_job(), config)
+    assert result.stopped
+    _assert_weights_equal_reference(result, result.steps)
+    ledger = [json.loads(line) for line in open(os.path.join(result.run_dir, "ledger.jsonl"))]
+    assert [entry["step"] for entry in ledger] == list(range(result.steps))
+    completed = result.steps // PER_EPOCH
+    assert completed >= 3
+    for epoch in range(completed):
+        seen = [i for entry in ledger if entry["epoch"] == epoch for i in entry["indices"]]
+        assert sorted(seen) == list(range(PER_EPOCH * B))  # 96 samples, each exactly once
+    assert [f["lost_ranks"] for f in _events(result, "worker_failure")] == [[2], [0]]
+    assert 4 in {m["world_size"] for m in result.metrics}
+    assert _events(result, "resized")
+
+
+def test_survivors_keep_their_processes_and_a_replacement_restores_the_world_size(
+        ray_cluster, tmp_path):
+    name = "pid-run"
+    config = _config(tmp_path, max_steps=100_000, name=name, steps_per_chunk=2)
+    seen = {}
+
+    def script(op):
+        before = op.wait_for(lambda s: s["state"] == "running" and s["step"] >= 2)
+        seen["before"] = {w["worker_id"]: w["pid"] for w in before["workers"]}
+        elastic.kill(name, rank=1)
+        seen["killed"] = before["workers"][1]["worker_id"]
+        seen["after"] = op.wait_for(
+            lambda s: s["failures"] == 1 and s["world_size"] == 4 and s["state"] == "running"
+            and s["generation"] >= 2)
+
+    with Operator(name, script):
+        result = elastic.fit(regression_job(), config)
+    after = {w["worker_id"]: w["pid"] for w in seen["after"]["workers"]}
+    survivors = set(seen["before"]) - {seen["killed"]}
+    assert len(survivors) == 3
+    for worker_id in survivors:
+        assert after[worker_id] == seen["before"][worker_id]  # same process, never restarted
+    assert seen["killed"] not in after
+    assert len(_events(result, "worker_joined")) == 1
+    assert _events(result, "worker_failure")[0]["lost_workers"] == [seen["killed"]]
+    _assert_weights_equal_reference(result, result.steps)
+
+
+def test_an_injected_user_error_is_retried_and_the_result_is_unchanged(ray_cluster, tmp_path):
+    chaos = (ChaosEvent(step=4, rank=2, action="raise", phase="forward"),)
+    result = elastic.fit(regression_job(), _config(tmp_path, max_steps=8, chaos=chaos))
+    _assert_weights_equal_reference(result, 8)
+    errors = _events(result, "user_error")
+    assert [(e["step"], e["ranks"], e["attempt"]) for e in errors] == [(4, [2], 1)]
+    assert not _events(result, "worker_failure")
+
+
+def test_a_loss_that_always_raises_fails_with_rank_step_and_traceback(ray_cluster, tmp_path):
+    config = _config(tmp_path, max_steps=5,
+                     failure=elastic.FailureConfig(max_user_retries=2))
+    with pytest.raises(UserCodeError) as info:
+        elastic.fit(failing_job(), config)
+    error = info.value
+    assert error.step == 0
+    assert error.rank == 0
+    assert "user bug in the loss" in error.traceback
+    events = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl")]
+    assert [e["attempt"] for e in events if e["event"] == "user_error"] == [1, 2, 3]
+    assert events[-1]["event"] == "state" and events[-1]["state"] == "failed"
+
+
+def test_scale_outside_the_bounds_is_refused(ray_cluster, tmp_path):
+    name = "bounds-run"
+    config = _config(tmp_path, max_steps=100_000, name=name)
+    errors = []
+    done = threading.Event()
+
+    def operator():
+        while not done.is_set():
+            try:
+                elastic.status(name)
+                break
+            except RunNotFoundError:
+                done.wait(0.05)
+        try:
+            elastic.scale(name, 9)
+        except ConfigError as e:
+            errors.append(e)
+        elastic.stop(name)
+
+    t = threading.Thread(target=operator)
+    t.start()
+    result = elastic.fit(regression_job(), config)
+    done.set()
+    t.join()
+    assert result.stopped
+    assert len(errors) == 1 and "max_workers" in str(errors[0])
+    _assert_weights_equal_reference(result, result.steps)
+
+
+def test_control_calls_on_an_unknown_run_raise_run_not_found(ray_cluster):
+    with pytest.raises(RunNotFoundError):
+        elastic.status("no-such-run")
