@@ -112,6 +112,7 @@ class Controller:
         self._next_worker_id = 0
         self._lock = threading.Lock()
         self._target = config.scaling.num_workers
+        self._scaled_by_user = False
         self._stop_requested = False
         self._recovery: _PendingRecovery | None = None
         self._evaluation: dict[str, float] = {}
@@ -146,6 +147,7 @@ class Controller:
             )
         with self._lock:
             self._target = num_workers
+            self._scaled_by_user = True
         self.log.event("scale_requested", num_workers=num_workers)
 
     def kill(self, rank: int) -> None:
@@ -315,13 +317,31 @@ class Controller:
             self._admit(timeout=min(remaining, 1.0))
 
     def _top_up(self) -> None:
-        """Starts replacements (in the background) until members + starting reach the target."""
+        """Starts workers in the background until members + starting reach the target; then,
+        unless the user set the size with `scale`, uses free cluster capacity up to
+        max_workers (a node that joins is used at the next boundary)."""
         with self._lock:
             target = self._target
+            grow = not self._scaled_by_user
         while len(self.members) + len(self.pending) < target:
             ref, actor = self._spawn()
             self.pending[ref] = actor
             self.log.event("worker_starting", reason="replacement", target=target)
+        while grow and len(self.members) + len(self.pending) < self.config.scaling.upper \
+                and self._free_slot():
+            ref, actor = self._spawn()
+            self.pending[ref] = actor
+            with self._lock:
+                self._target = max(self._target, len(self.members) + len(self.pending))
+            self.log.event("worker_starting", reason="capacity", target=self._target)
+
+    def _free_slot(self) -> bool:
+        """True if the cluster has the resources for one more worker right now."""
+        free = ray.available_resources()
+        scaling = self.config.scaling
+        if free.get("CPU", 0.0) < scaling.cpus_per_worker:
+            return False
+        return not scaling.use_gpu or free.get("GPU", 0.0) >= 1
 
     def _admit(self, timeout: float) -> bool:
         """Moves started replacements into `members` (not yet into a generation)."""

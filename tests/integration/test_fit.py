@@ -230,3 +230,18 @@ def test_scale_outside_the_bounds_is_refused(ray_cluster, tmp_path):
 def test_control_calls_on_an_unknown_run_raise_run_not_found(ray_cluster):
     with pytest.raises(RunNotFoundError):
         elastic.status("no-such-run")
+
+
+def test_free_capacity_is_used_up_to_max_workers(ray_cluster, tmp_path):
+    name = "grow-run"
+    config = _config(tmp_path, max_steps=100_000, name=name, steps_per_chunk=2,
+                     scaling=ScalingConfig(num_workers=2, min_workers=1, max_workers=3))
+
+    def script(op):
+        op.wait_for(lambda s: s["world_size"] == 3 and s["state"] == "running")
+
+    with Operator(name, script):
+        result = elastic.fit(regression_job(), config)
+    assert [e["reason"] for e in _events(result, "worker_starting")] == ["capacity"]
+    assert {m["world_size"] for m in result.metrics} == {2, 3}
+    _assert_weights_equal_reference(result, result.steps)
