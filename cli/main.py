@@ -6,15 +6,20 @@ Bad input exits with code 2 and one line naming what to fix.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import threading
 from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+import elastic
 from elastic.bench.allreduce import parse_size, plot_allreduce, run_allreduce_bench
 from elastic.config import ALGORITHMS
+from elastic.errors import ElasticError
+from elastic.runlog import read_jsonl
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Elastic, fault-tolerant data-parallel training on Ray.")
@@ -85,6 +90,228 @@ def bench_allreduce(
         console.print(f"wrote {plot}")
     if not all(r.correct for r in result.records):
         raise _fail("some results were wrong (see the 'correct' column)")
+
+
+def _load_config_file(path: pathlib.Path) -> dict:
+    text = path.read_text()
+    if path.suffix == ".toml":
+        import tomllib
+
+        return tomllib.loads(text)
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        return yaml.safe_load(text) or {}
+    raise ValueError(f"--config {path}: use a .toml or .yaml file")
+
+
+def _set(tree: dict, dotted: str, value: object) -> None:
+    if value is None:
+        return
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        tree = tree.setdefault(key, {})
+    tree[leaf] = value
+
+
+def _one_line(e: Exception) -> str:
+    try:
+        import pydantic
+
+        if isinstance(e, pydantic.ValidationError):
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in first["loc"]) or "config"
+            return f"invalid configuration: {where}: {first['msg']} ({e.error_count()} problem(s))"
+    except ImportError:
+        pass
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _describe(event: dict) -> str | None:
+    kind = event["event"]
+    if kind == "worker_failure":
+        return (f"worker lost: ranks {event['lost_ranks']} at step {event['step']}, "
+                f"{event['survivors']} survivors")
+    if kind == "recovered":
+        return (f"ring rebuilt {event['world_before']} -> {event['world_after']} workers in "
+                f"{event['total_s']:.2f} s (abort {event['abort_s'] * 1e3:.0f} ms, rebuild "
+                f"{event['rebuild_s'] * 1e3:.0f} ms, restore {event['restore_s'] * 1e3:.0f} ms, "
+                f"first step {event['first_step_s'] * 1e3:.0f} ms)")
+    if kind == "worker_joined":
+        return f"worker {event['worker_id']} joined"
+    if kind == "resized":
+        return f"resized to {event['world_size']} workers (generation {event['generation']})"
+    if kind == "user_error":
+        return f"user code raised at step {event['step']} on ranks {event['ranks']}: {event['error']}"
+    if kind == "evaluate":
+        metrics = {k: v for k, v in event.items() if k not in ("time", "event", "step", "epoch")}
+        return f"epoch {event['epoch']} evaluation: {metrics}"
+    if kind in ("worker_hung", "stopping", "failed", "chaos"):
+        return f"{kind}: {({k: v for k, v in event.items() if k not in ('time', 'event')})}"
+    return None
+
+
+class _EventTail:
+    """Prints a run's events as they are appended to its events.jsonl."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        self.seen = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stop.wait(0.2):
+            self.flush()
+
+    def flush(self) -> None:
+        events = read_jsonl(str(self.path))
+        for event in events[self.seen:]:
+            line = _describe(event)
+            if line:
+                console.print(f"[cyan]event[/cyan] {line}")
+        self.seen = len(events)
+
+
+@app.command()
+def run(
+    target: Annotated[str, typer.Argument(help="path/to/file.py:job or package.module:job")],
+    workers: Annotated[int | None, typer.Option(help="Workers to start with.")] = None,
+    min_workers: Annotated[int | None, typer.Option(help="Fewest workers to continue with.")] = None,
+    max_workers: Annotated[int | None, typer.Option(help="Most workers to grow to.")] = None,
+    global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step.")] = None,
+    max_micro_batch: Annotated[int | None, typer.Option(help="Micro-batch cap per worker.")] = None,
+    epochs: Annotated[int | None, typer.Option(help="Epochs to train.")] = None,
+    max_steps: Annotated[int | None, typer.Option(help="Optimizer steps to train.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed of the model and the sample order.")] = None,
+    name: Annotated[str | None, typer.Option(help="Run name, for status/scale/kill/stop.")] = None,
+    run_dir: Annotated[str | None, typer.Option(help="Where events and metrics go.")] = None,
+    backend: Annotated[str | None, typer.Option(help="gloo or nccl.")] = None,
+    algorithm: Annotated[str | None, typer.Option(help="ring, tree, halving_doubling, native.")] = None,
+    kill_at: Annotated[list[str] | None, typer.Option(help="Chaos: kill RANK at STEP (STEP:RANK).")] = None,
+    ledger: Annotated[bool, typer.Option(help="Record the indices of every step.")] = False,
+    config: Annotated[pathlib.Path | None, typer.Option(help="TOML or YAML FitConfig file.")] = None,
+    address: Annotated[str | None, typer.Option(help="Ray cluster address (default: local).")] = None,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+) -> None:
+    """Train TARGET in the foreground, printing recovery events as they happen."""
+    try:
+        tree = _load_config_file(config) if config else {}
+        for dotted, value in (
+            ("scaling.num_workers", workers), ("scaling.min_workers", min_workers),
+            ("scaling.max_workers", max_workers), ("batch.global_batch_size", global_batch),
+            ("batch.max_micro_batch", max_micro_batch), ("epochs", epochs),
+            ("max_steps", max_steps), ("seed", seed), ("name", name), ("run_dir", run_dir),
+            ("collective.backend", backend), ("collective.algorithm", algorithm),
+        ):
+            _set(tree, dotted, value)
+        if ledger:
+            tree["ledger"] = True
+        chaos = list(tree.get("chaos", []))
+        for item in kill_at or []:
+            step, sep, rank = item.partition(":")
+            if not sep or not step.isdigit() or not rank.isdigit():
+                raise ValueError(f"--kill-at {item!r} must be STEP:RANK, e.g. 20:1")
+            chaos.append({"step": int(step), "rank": int(rank), "action": "kill"})
+        if chaos:
+            tree["chaos"] = chaos
+        fit_config = elastic.FitConfig(**tree)
+        job = elastic.load_target(target)
+    except Exception as e:
+        if debug:
+            raise
+        raise _fail(_one_line(e)) from None
+    if address:
+        os.environ["RAY_ADDRESS"] = address
+    run_name = fit_config.name or f"run-{os.getpid()}"
+    fit_config = fit_config.model_copy(update={"name": run_name})
+    directory = pathlib.Path(fit_config.run_dir or os.path.join("runs", run_name))
+    console.print(f"run [bold]{run_name}[/bold]: {fit_config.scaling.num_workers} workers, "
+                  f"global batch {fit_config.batch.global_batch_size}, run dir {directory}")
+    tail = _EventTail(directory / "events.jsonl")
+    tail.thread.start()
+    try:
+        result = elastic.fit(job, fit_config)
+    except ElasticError as e:
+        tail.stop.set()
+        tail.flush()
+        if debug:
+            raise
+        raise _fail(f"{type(e).__name__}: {_one_line(e)}") from None
+    tail.stop.set()
+    tail.thread.join()
+    tail.flush()
+    summary = Table(title=f"run {result.name}")
+    summary.add_column("")
+    summary.add_column("", justify="right")
+    last = result.metrics[-1] if result.metrics else {}
+    recoveries = [e for e in result.events if e["event"] == "recovered"]
+    for key, value in (
+        ("steps", result.steps), ("samples", result.samples),
+        ("final loss", f"{last.get('loss', float('nan')):.4f}"),
+        ("world size at the end", last.get("world_size", "-")),
+        ("recoveries", len(recoveries)),
+        ("stopped early", "yes" if result.stopped else "no"),
+        *((k, f"{v:.4f}") for k, v in result.evaluation.items()),
+    ):
+        summary.add_row(str(key), str(value))
+    console.print(summary)
+
+
+@app.command()
+def status(
+    name: Annotated[str, typer.Argument(help="Run name.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show a live run's state, step and workers."""
+    try:
+        info = elastic.status(name)
+    except ElasticError as e:
+        raise _fail(_one_line(e)) from None
+    if as_json:
+        console.print_json(json.dumps(info))
+        return
+    console.print(f"run {info['name']}: {info['state']}, step {info['step']}/{info['total_steps']}, "
+                  f"{info['world_size']} workers (target {info['target_workers']}), "
+                  f"generation {info['generation']}, {info['failures']} failures")
+    table = Table()
+    for column in ("rank", "worker", "pid", "node"):
+        table.add_column(column)
+    for w in info["workers"]:
+        table.add_row(str(w["rank"]), str(w["worker_id"]), str(w["pid"]), w["node_id"][:12])
+    console.print(table)
+
+
+@app.command()
+def scale(name: Annotated[str, typer.Argument(help="Run name.")],
+          num_workers: Annotated[int, typer.Argument(help="New number of workers.")]) -> None:
+    """Grow or shrink a live run at its next step boundary."""
+    try:
+        elastic.scale(name, num_workers)
+    except ElasticError as e:
+        raise _fail(_one_line(e)) from None
+    console.print(f"run {name}: scaling to {num_workers} workers at the next step boundary")
+
+
+@app.command()
+def kill(name: Annotated[str, typer.Argument(help="Run name.")],
+         rank: Annotated[int, typer.Option(help="Rank of the worker to kill.")]) -> None:
+    """Kill one worker of a live run (the run recovers)."""
+    try:
+        elastic.kill(name, rank)
+    except ElasticError as e:
+        raise _fail(_one_line(e)) from None
+    console.print(f"run {name}: killed rank {rank}")
+
+
+@app.command()
+def stop(name: Annotated[str, typer.Argument(help="Run name.")]) -> None:
+    """Stop a live run gracefully at its next step boundary."""
+    try:
+        elastic.stop(name)
+    except ElasticError as e:
+        raise _fail(_one_line(e)) from None
+    console.print(f"run {name}: stopping at the next step boundary")
 
 
 def main() -> None:

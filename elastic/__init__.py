@@ -12,6 +12,7 @@ from elastic.config import (
 from elastic.errors import ElasticError, UserCodeError
 from elastic.job import TrainJob
 from elastic.result import FitResult
+from elastic.targets import load_target
 
 __all__ = [
     "BatchConfig",
@@ -26,6 +27,7 @@ __all__ = [
     "UserCodeError",
     "fit",
     "kill",
+    "load_target",
     "scale",
     "status",
     "stop",

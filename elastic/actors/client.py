@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 import uuid
+from types import ModuleType
 from typing import Any
 
 import ray
@@ -14,10 +17,49 @@ from elastic.errors import RunNotFoundError
 from elastic.job import TrainJob
 
 
-def ensure_ray() -> None:
-    """Connects to the current Ray cluster, or starts a local one when none is connected."""
-    if not ray.is_initialized():
-        ray.init(namespace=NAMESPACE, log_to_driver=os.environ.get("ELASTIC_WORKER_LOGS") == "1")
+def ensure_ray(config: FitConfig | None = None) -> None:
+    """Connects to the current Ray cluster, or starts a local one when none is connected.
+
+    A local cluster started here offers at least `max_workers` worker slots, even on fewer
+    cores: workers are processes, and a small machine can run more of them than it has cores.
+    """
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {}
+    if config is not None and not os.environ.get("RAY_ADDRESS"):
+        scaling = config.scaling
+        kwargs["num_cpus"] = max(os.cpu_count() or 1, int(scaling.upper * scaling.cpus_per_worker + 0.999))
+    try:
+        ray.init(address="auto", namespace=NAMESPACE, log_to_driver=_worker_logs())
+    except ConnectionError:
+        ray.init(namespace=NAMESPACE, log_to_driver=_worker_logs(), **kwargs)
+
+
+def _worker_logs() -> bool:
+    return os.environ.get("ELASTIC_WORKER_LOGS") == "1"
+
+
+def ship_job_code(job: TrainJob) -> None:
+    """Makes the job's code travel with it: modules of the factories that are not installed
+    packages (a script, a file target, a test module) are pickled by value, so that workers
+    on any node can run them without the file on their path."""
+    for field in dataclasses.fields(job):
+        obj = getattr(job, field.name)
+        if obj is None:
+            continue
+        name = getattr(obj, "__module__", None) or type(obj).__module__
+        module = sys.modules.get(name)
+        if module is not None and _is_user_module(module):
+            ray.cloudpickle.register_pickle_by_value(module)
+
+
+def _is_user_module(module: ModuleType) -> bool:
+    path = getattr(module, "__file__", None)
+    if not path or module.__name__ == "__main__":
+        return False
+    if module.__name__.split(".")[0] in ("elastic", "cli", "torch", "ray"):
+        return False
+    return "site-packages" not in path and "dist-packages" not in path
 
 
 def new_run_name() -> str:
@@ -26,7 +68,8 @@ def new_run_name() -> str:
 
 def run_controller(job: TrainJob, config: FitConfig, name: str, run_dir: str) -> Outcome:
     """Starts the controller actor of a run and waits for its outcome."""
-    ensure_ray()
+    ensure_ray(config)
+    ship_job_code(job)
     try:
         ray.get_actor(controller_name(name), namespace=NAMESPACE)
     except ValueError:

@@ -77,6 +77,7 @@ class _PendingRecovery:
     rebuilt: float
     restored: float
     lost_ranks: list[int]
+    work_lost_steps: int
     world_before: int
     world_after: int
     step: int
@@ -223,7 +224,10 @@ class Controller:
         self.log.event("start", name=self.name, config=self.config.model_dump(mode="json"))
         spawned = dict(self._spawn() for _ in range(self.config.scaling.num_workers))
         timeout = self.config.failure.startup_timeout.total_seconds()
-        ready, _ = ray.wait(list(spawned), num_returns=len(spawned), timeout=timeout)
+        # Do not wait for workers the cluster cannot place at all; they stay pending and join
+        # when capacity appears.
+        wanted = max(min(len(spawned), self._placeable()), self.config.scaling.lower)
+        ready, _ = ray.wait(list(spawned), num_returns=min(wanted, len(spawned)), timeout=timeout)
         for ref in ready:
             try:
                 info = ray.get(ref)
@@ -334,6 +338,15 @@ class Controller:
             with self._lock:
                 self._target = max(self._target, len(self.members) + len(self.pending))
             self.log.event("worker_starting", reason="capacity", target=self._target)
+
+    def _placeable(self) -> int:
+        """How many workers the whole cluster could host, by its total resources."""
+        total = ray.cluster_resources()
+        scaling = self.config.scaling
+        count = int(total.get("CPU", 0.0) // scaling.cpus_per_worker)
+        if scaling.use_gpu:
+            count = min(count, int(total.get("GPU", 0.0)))
+        return count
 
     def _free_slot(self) -> bool:
         """True if the cluster has the resources for one more worker right now."""
@@ -503,6 +516,9 @@ class Controller:
         self._recovery = _PendingRecovery(
             detected=detected or aborted, killed_at=killed_at, aborted=aborted, rebuilt=rebuilt,
             restored=restored, lost_ranks=lost, world_before=world_before,
+            # The step in flight when the worker died is redone; steps already committed by
+            # the newest survivor are kept.
+            work_lost_steps=int(any(r.status == "collective_error" for r in results.values())),
             world_after=len(self.members), step=self.global_step,
         )
         self._set_state(RunState.RUNNING)
@@ -520,7 +536,7 @@ class Controller:
         }
         start = rec.killed_at or rec.detected
         self.log.event("recovered", lost_ranks=rec.lost_ranks, world_before=rec.world_before,
-                       world_after=rec.world_after, step=rec.step, work_lost_steps=1,
+                       world_after=rec.world_after, step=rec.step, work_lost_steps=rec.work_lost_steps,
                        total_s=first_step_end - start, **timing)
 
     def _user_error(self, results: dict[int, ChunkResult]) -> None:

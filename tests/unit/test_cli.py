@@ -17,3 +17,47 @@ def test_bench_allreduce_rejects_a_bad_size_with_exit_code_2():
     result = runner.invoke(app, ["bench", "allreduce", "--sizes", "12XB"])
     assert result.exit_code == 2
     assert "--sizes" in result.output
+
+
+def test_run_with_a_missing_target_file_exits_2_naming_it():
+    result = runner.invoke(app, ["run", "nowhere/job.py:job", "--workers", "2",
+                                 "--global-batch", "8", "--max-steps", "1"])
+    assert result.exit_code == 2
+    assert "nowhere/job.py" in result.output
+
+
+def test_run_with_an_invalid_configuration_exits_2_naming_the_setting():
+    result = runner.invoke(app, ["run", "examples/spirals.py:job", "--workers", "4",
+                                 "--min-workers", "5", "--global-batch", "8", "--max-steps", "1"])
+    assert result.exit_code == 2
+    assert "min_workers" in result.output
+
+
+def test_run_with_a_malformed_kill_at_exits_2():
+    result = runner.invoke(app, ["run", "examples/spirals.py:job", "--workers", "2",
+                                 "--global-batch", "8", "--max-steps", "1", "--kill-at", "x"])
+    assert result.exit_code == 2
+    assert "STEP:RANK" in result.output
+
+
+def test_the_option_surface_is_what_was_reviewed():
+    import typer.main
+
+    command = typer.main.get_command(app)
+    surface = {}
+    for name, sub in command.commands.items():
+        if hasattr(sub, "commands"):
+            for sub_name, leaf in sub.commands.items():
+                surface[f"{name} {sub_name}"] = sorted(p.name for p in leaf.params)
+        else:
+            surface[name] = sorted(p.name for p in sub.params)
+    assert surface == {
+        "bench allreduce": ["algorithms", "json_path", "plot", "sizes", "world_size"],
+        "run": ["address", "algorithm", "backend", "config", "debug", "epochs", "global_batch",
+                "kill_at", "ledger", "max_micro_batch", "max_steps", "max_workers", "min_workers",
+                "name", "run_dir", "seed", "target", "workers"],
+        "status": ["as_json", "name"],
+        "scale": ["name", "num_workers"],
+        "kill": ["name", "rank"],
+        "stop": ["name"],
+    }
