@@ -23,8 +23,9 @@ lint: install
 test: lint
 	$(BIN)/pytest
 
+# 4 workers train a small classifier; worker 1 is SIGKILLed at step 20 and the survivors go on.
 demo: install
-	$(BIN)/elastic bench allreduce --world-size 4 --sizes 4KB,64KB,1MB,16MB,64MB --algorithms ring,tree,halving_doubling,native --json bench-out/allreduce.json --plot bench-out/allreduce.png
+	$(BIN)/elastic run examples/spirals.py:job --workers 4 --epochs 4 --global-batch 64 --kill-at 20:1 --run-dir runs/demo
 
 clean:
 	rm -rf $(VENV) bench-out

@@ -92,6 +92,35 @@ def bench_allreduce(
         raise _fail("some results were wrong (see the 'correct' column)")
 
 
+@bench_app.command("recovery")
+def bench_recovery(
+    workers: Annotated[int, typer.Option(help="Workers in the run.")] = 4,
+    trials: Annotated[int, typer.Option(help="Kills (one recovery each).")] = 10,
+    seed: Annotated[int, typer.Option(help="Seed of the kill schedule.")] = 0,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """SIGKILL a random worker at a random phase TRIALS times in one run; time each recovery."""
+    from elastic.bench.recovery import run_recovery_bench
+
+    try:
+        result = run_recovery_bench(workers, trials, seed=seed)
+    except (ValueError, ElasticError) as e:
+        raise _fail(_one_line(e)) from None
+    table = Table(title=f"recovery from SIGKILL, {workers} workers, {len(result.recoveries)} recoveries")
+    for column in ("stage", "median ms", "max ms"):
+        table.add_column(column, justify="right")
+    for stage in result.stages:
+        table.add_row(stage.stage.removesuffix("_s"), f"{stage.median_s * 1e3:.1f}",
+                      f"{stage.max_s * 1e3:.1f}")
+    console.print(table)
+    console.print(f"replacements joined: {result.joins}; work lost per failure (steps): "
+                  f"{result.work_lost_steps}; run dir {result.run_dir}")
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result.to_json(), indent=2))
+        console.print(f"wrote {json_path}")
+
+
 def _load_config_file(path: pathlib.Path) -> dict:
     text = path.read_text()
     if path.suffix == ".toml":

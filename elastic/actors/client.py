@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import threading
 import uuid
 from types import ModuleType
 from typing import Any
@@ -17,14 +18,22 @@ from elastic.errors import RunNotFoundError
 from elastic.job import TrainJob
 
 
-def ensure_ray(config: FitConfig | None = None) -> None:
+def ensure_ray(config: FitConfig | None = None, start: bool = True) -> None:
     """Connects to the current Ray cluster, or starts a local one when none is connected.
 
     A local cluster started here offers at least `max_workers` worker slots, even on fewer
     cores: workers are processes, and a small machine can run more of them than it has cores.
     """
-    if ray.is_initialized():
-        return
+    with _INIT_LOCK:
+        if not ray.is_initialized():
+            _init(config, start)
+
+
+# Control calls from other threads (an operator thread beside `fit`) may connect concurrently.
+_INIT_LOCK = threading.Lock()
+
+
+def _init(config: FitConfig | None, start: bool) -> None:
     kwargs: dict[str, Any] = {}
     if config is not None and not os.environ.get("RAY_ADDRESS"):
         scaling = config.scaling
@@ -32,6 +41,8 @@ def ensure_ray(config: FitConfig | None = None) -> None:
     try:
         ray.init(address="auto", namespace=NAMESPACE, log_to_driver=_worker_logs())
     except ConnectionError:
+        if not start:
+            raise
         ray.init(namespace=NAMESPACE, log_to_driver=_worker_logs(), **kwargs)
 
 
@@ -92,7 +103,11 @@ def find(name: str) -> Any:
     Raises:
         RunNotFoundError: no such run on the connected cluster.
     """
-    ensure_ray()
+    try:
+        # Looking a run up never starts a cluster: a new one could not hold the run.
+        ensure_ray(start=False)
+    except ConnectionError as e:
+        raise RunNotFoundError(f"no run named {name!r}: no Ray cluster is running here") from e
     try:
         return ray.get_actor(controller_name(name), namespace=NAMESPACE)
     except ValueError as e:

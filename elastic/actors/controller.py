@@ -116,6 +116,7 @@ class Controller:
         self._scaled_by_user = False
         self._stop_requested = False
         self._recovery: _PendingRecovery | None = None
+        self._killed_at: float | None = None  # time of the last kill() request
         self._evaluation: dict[str, float] = {}
         self.server = RendezvousServer(host=ray.util.get_node_ip_address())
 
@@ -162,6 +163,8 @@ class Controller:
                 raise ConfigError(f"run {self.name!r} has no rank {rank} (world size {len(self.members)})")
             member = self.members[rank]
         self.log.event("kill_requested", rank=rank, worker_id=member.worker_id)
+        with self._lock:
+            self._killed_at = time.time()
         ray.kill(member.actor, no_restart=True)
 
     def stop(self) -> None:
@@ -271,6 +274,13 @@ class Controller:
             # The newest committed step wins (ranks may differ by one step after a failure);
             # joiners and laggards take it from that rank.
             src = max(range(n), key=lambda r: (steps[r], -r))
+            if steps[src] < self.global_step:
+                # Only fresh replicas are left: continuing would silently restart training.
+                raise _Failed(WorkerLostError(
+                    f"every worker holding the state of step {self.global_step} was lost and "
+                    "no checkpoint is available to restore from; the run cannot continue",
+                    step=self.global_step,
+                ))
             _, dead = self._gather([m.actor.sync.remote(src) for m in self.members])
             if dead:
                 self._drop(dead, "lost while restoring")
@@ -500,7 +510,8 @@ class Controller:
         self._set_state(RunState.RECOVERING, lost_ranks=lost)
         aborted = time.time()
         world_before = len(self.members)
-        killed_at = None
+        with self._lock:
+            killed_at, self._killed_at = self._killed_at, None
         for event in chaos:
             path = os.path.join(self.run_dir, "chaos", f"kill-{event.step}-{event.rank}")
             if event.action == "kill" and os.path.exists(path):

@@ -47,3 +47,18 @@ def test_a_hung_worker_is_found_by_the_watchdog_killed_and_the_run_continues(ray
     hung = _kinds(result, "worker_hung")
     assert [(h["rank"], h["phase"]) for h in hung] == [(1, "forward")]
     assert [f["lost_ranks"] for f in _kinds(result, "worker_failure")] == [[1]]
+
+
+def test_losing_every_worker_fails_with_a_typed_error_instead_of_restarting_from_scratch(
+        ray_cluster, tmp_path):
+    from elastic.errors import WorkerLostError
+
+    chaos = (ChaosEvent(step=3, rank=0, action="kill", phase="forward"),
+             ChaosEvent(step=3, rank=1, action="kill", phase="forward"))
+    config = FitConfig(
+        scaling=ScalingConfig(num_workers=2, min_workers=1), max_steps=9,
+        batch=BatchConfig(global_batch_size=B), run_dir=str(tmp_path / "run"), chaos=chaos,
+    )
+    with pytest.raises(WorkerLostError, match="no checkpoint") as info:
+        elastic.fit(regression_job(), config)
+    assert info.value.step == 3

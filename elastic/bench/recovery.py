@@ -1,0 +1,148 @@
+"""`elastic bench recovery`: SIGKILL a random worker at a random moment of its step, many times
+in one run, and report every stage of each recovery (detect, abort, rebuild, restore, first
+step after).
+
+Recovery never waits for a replacement (the survivors go on at once); replacements start in
+the background and join at a later boundary, which is reported separately as `join` events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from elastic.api import fit, kill, status, stop
+from elastic.config import BatchConfig, FitConfig, ScalingConfig
+from elastic.errors import RunNotFoundError
+from elastic.job import TrainJob
+
+STAGES = ("detect_s", "abort_s", "rebuild_s", "restore_s", "first_step_s", "total_s")
+
+
+def _dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 32, generator=g)
+    return TensorDataset(x, (x.sum(1) > 0).long())
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 2))
+
+
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def _optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05)
+
+
+@dataclass(frozen=True)
+class StageSummary:
+    stage: str
+    median_s: float
+    max_s: float
+
+
+@dataclass
+class RecoveryBenchResult:
+    workers: int
+    trials: int
+    recoveries: list[dict]
+    stages: list[StageSummary]
+    joins: int
+    work_lost_steps: list[int]
+    run_dir: str
+
+    def to_json(self) -> dict:
+        return {"workers": self.workers, "trials": self.trials, "recoveries": self.recoveries,
+                "stages": [asdict(s) for s in self.stages], "joins": self.joins,
+                "work_lost_steps": self.work_lost_steps, "run_dir": self.run_dir}
+
+
+def run_recovery_bench(workers: int, trials: int, seed: int = 0,
+                       run_dir: str | None = None, timeout_s: float = 600.0) -> RecoveryBenchResult:
+    """One run of `workers` workers; `trials` times, once the world is back to `workers`
+    (the replacement of the previous kill has joined), a random worker is SIGKILLed at
+    whatever phase of the step it is in.
+
+    Raises:
+        ValueError: fewer than 2 workers or no trials.
+        TimeoutError: the run did not get back to full size within `timeout_s`.
+    """
+    if workers < 2:
+        raise ValueError("--workers must be at least 2 (a kill needs a survivor)")
+    if trials < 1:
+        raise ValueError("--trials must be at least 1")
+    rng = random.Random(seed)
+    directory = run_dir or tempfile.mkdtemp(prefix="elastic-bench-recovery-")
+    name = f"bench-recovery-{uuid.uuid4().hex[:6]}"
+    config = FitConfig(
+        name=name, scaling=ScalingConfig(num_workers=workers, min_workers=1),
+        batch=BatchConfig(global_batch_size=256), max_steps=10_000_000, run_dir=directory,
+        steps_per_chunk=8,
+    )
+    job = TrainJob(model=_model, optimizer=_optimizer, loss=_loss, dataset=_dataset)
+    errors: list[BaseException] = []
+    finished = threading.Event()
+
+    def operator() -> None:
+        try:
+            for trial in range(trials):
+                status = _wait_status(name, finished, timeout_s, lambda s, t=trial: (
+                    s["state"] == "running" and s["world_size"] == workers
+                    and s["failures"] == t and s["step"] > 0))
+                kill(name, rng.randrange(status["world_size"]))
+            _wait_status(name, finished, timeout_s, lambda s: s["failures"] == trials
+                         and s["state"] == "running" and s["generation"] > 0)
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            with contextlib.suppress(RunNotFoundError):
+                stop(name)
+
+    thread = threading.Thread(target=operator, daemon=True)
+    thread.start()
+    try:
+        result = fit(job, config)
+    finally:
+        finished.set()
+        thread.join()
+    if errors:
+        raise errors[0]
+    recoveries = [e for e in result.events if e["event"] == "recovered"]
+    stages = []
+    for stage in STAGES:
+        values = [r[stage] for r in recoveries if r.get(stage) is not None]
+        if values:
+            stages.append(StageSummary(stage, statistics.median(values), max(values)))
+    return RecoveryBenchResult(
+        workers=workers, trials=trials, recoveries=recoveries, stages=stages,
+        joins=sum(1 for e in result.events if e["event"] == "worker_joined"),
+        work_lost_steps=[r["work_lost_steps"] for r in recoveries], run_dir=directory,
+    )
+
+
+def _wait_status(name: str, finished: threading.Event, timeout_s: float,
+                 predicate: Callable[[dict], bool]) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not finished.is_set():
+        try:
+            current = status(name)
+        except RunNotFoundError:
+            current = None
+        if current is not None and predicate(current):
+            return current
+        finished.wait(0.01)
+    raise TimeoutError(f"run {name} did not reach the expected state within {timeout_s}s")
