@@ -1,9 +1,10 @@
 """elastic: elastic, fault-tolerant data-parallel training for PyTorch on Ray."""
 
-from elastic.api import fit, kill, scale, status, stop
+from elastic.api import fit, kill, load_checkpoint, scale, status, stop
 from elastic.config import (
     BatchConfig,
     ChaosEvent,
+    CheckpointConfig,
     CollectiveConfig,
     FailureConfig,
     FitConfig,
@@ -17,6 +18,7 @@ from elastic.targets import load_target
 __all__ = [
     "BatchConfig",
     "ChaosEvent",
+    "CheckpointConfig",
     "CollectiveConfig",
     "ElasticError",
     "FailureConfig",
@@ -27,6 +29,7 @@ __all__ = [
     "UserCodeError",
     "fit",
     "kill",
+    "load_checkpoint",
     "load_target",
     "scale",
     "status",

@@ -6,6 +6,8 @@ import os
 from typing import Any
 
 from elastic.actors import client
+from elastic.checkpoint import LoadedCheckpoint
+from elastic.checkpoint import load_checkpoint as _load_checkpoint
 from elastic.config import FitConfig
 from elastic.job import TrainJob
 from elastic.result import FitResult
@@ -73,3 +75,14 @@ def stop(name: str) -> None:
         RunNotFoundError: no such run.
     """
     client.call(name, "stop")
+
+
+def load_checkpoint(path: str, step: int | None = None) -> LoadedCheckpoint | None:
+    """The newest checkpoint under `path` whose manifest and checksums verify (or exactly
+    `step`); None if there is none. `parts["model"]` is the model's state dict.
+
+    Raises:
+        CheckpointCorruptError: `step` was given and that checkpoint does not verify, or
+            holds a pickle that would run code (it is refused, never executed).
+    """
+    return _load_checkpoint(path, step)

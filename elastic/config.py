@@ -157,6 +157,25 @@ class ChaosEvent(_Frozen):
     factor: float = Field(default=2.0, gt=0, description="Slow-down factor for action 'slow'.")
 
 
+class CheckpointConfig(_Frozen):
+    """Where and how often checkpoints are written; a run with the same path resumes."""
+
+    path: str = Field(description="Checkpoint root: a local directory or an fsspec URL "
+                      "(s3://..., memory://...). A run pointed at a path with checkpoints resumes "
+                      "from the newest valid one.")
+    every_steps: int | None = Field(
+        default=None, ge=1, description="Write a checkpoint every this many steps."
+    )
+    every_seconds: float | None = Field(
+        default=None, gt=0, description="Write a checkpoint when this many seconds have passed "
+        "since the last one."
+    )
+    keep_last: int = Field(default=3, ge=1, description="Valid checkpoints retention keeps.")
+    async_write: bool = Field(
+        default=True, description="Write in the background; the step pays only for a snapshot."
+    )
+
+
 class FitConfig(_Frozen):
     """Everything `elastic.fit` needs besides the job itself."""
 
@@ -193,6 +212,9 @@ class FitConfig(_Frozen):
         description="Record the data set indices every committed step consumed (ledger.jsonl).",
     )
     chaos: tuple[ChaosEvent, ...] = Field(default=(), description="Faults to inject.")
+    checkpoint: CheckpointConfig | None = Field(
+        default=None, description="Checkpoints (none by default: peer restore only)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> FitConfig:

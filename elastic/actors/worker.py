@@ -16,6 +16,8 @@ import ray
 import torch
 
 from elastic.adapt.plan import BatchPlan
+from elastic.checkpoint import CheckpointWriter, load_checkpoint, write_checkpoint
+from elastic.checkpoint.store import serialize
 from elastic.collective import Communicator, Endpoint
 from elastic.config import ChaosEvent, FitConfig
 from elastic.errors import CollectiveError
@@ -48,6 +50,8 @@ class WorkerActor:
         self.replica = Replica(job, config, run_dir)
         self._abort = threading.Event()
         self._lock = threading.Lock()
+        ckpt = config.checkpoint
+        self._writer = CheckpointWriter(ckpt.path, ckpt.keep_last) if ckpt else None
 
     def info(self) -> dict[str, Any]:
         """Identity of this worker's process (tests check that survivors keep their pid)."""
@@ -86,6 +90,44 @@ class WorkerActor:
         except CollectiveError as e:
             return ChunkResult("collective_error", records, self.replica.global_step, error=str(e))
         return ChunkResult("ok", records, self.replica.global_step)
+
+    def checkpoint(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Snapshots the committed state and writes it (in the background if configured).
+        Returns whether it was submitted and the reports of writes finished since last time."""
+        ckpt = self.config.checkpoint
+        assert ckpt is not None and self._writer is not None, "no checkpoint configured"
+        state = self.replica.state()
+        parts = {name: serialize(value) for name, value in state.items() if value is not None}
+        meta = {**meta, "epoch": state["cursor"]["epoch"]}
+        step = self.replica.global_step
+        if ckpt.async_write:
+            submitted = self._writer.submit(step, parts, meta)
+        else:
+            write_checkpoint(ckpt.path, step, parts, meta)
+            submitted = True
+        return {"submitted": submitted, "reports": self._reports()}
+
+    def flush_checkpoints(self) -> list[dict[str, Any]]:
+        """Waits for the background write, if any; returns the finished writes' reports."""
+        if self._writer is not None:
+            self._writer.flush()
+        return self._reports()
+
+    def _reports(self) -> list[dict[str, Any]]:
+        if self._writer is None:
+            return []
+        return [dict(r.__dict__) for r in self._writer.take_reports()]
+
+    def restore_checkpoint(self) -> dict[str, Any]:
+        """Loads the newest valid checkpoint into this replica, if there is one."""
+        ckpt = self.config.checkpoint
+        assert ckpt is not None, "no checkpoint configured"
+        loaded = load_checkpoint(ckpt.path)
+        if loaded is None:
+            return {"step": None, "path": None, "skipped": []}
+        self.replica.load_state(loaded.parts)
+        return {"step": loaded.step, "path": loaded.path, "skipped": loaded.skipped,
+                "fingerprint": loaded.manifest.get("fingerprint")}
 
     def abort(self) -> None:
         """Releases this worker from any collective it is blocked in (any thread)."""

@@ -102,26 +102,35 @@ class Replica:
 
     # --- state --------------------------------------------------------------------------
 
-    def state_bytes(self) -> bytes:
-        """The committed state, serialised for a peer."""
-        state = {
+    def state(self) -> dict[str, Any]:
+        """The committed state: model, optimizer, scheduler, RNG and the data cursor."""
+        return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            "global_step": self.global_step,
+            "rng": torch.get_rng_state(),
+            "cursor": {"global_step": self.global_step,
+                       "epoch": self.order.epoch_of(self.global_step)},
         }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("rng") is not None:
+            torch.set_rng_state(state["rng"])
+        self.global_step = int(state["cursor"]["global_step"])
+
+    def state_bytes(self) -> bytes:
+        """The committed state, serialised for a peer."""
         buffer = io.BytesIO()
-        torch.save(state, buffer)
+        torch.save(self.state(), buffer)
         return buffer.getvalue()
 
     def load_state_bytes(self, data: bytes) -> None:
         # weights_only: a peer's bytes are data, never code.
-        state = torch.load(io.BytesIO(data), weights_only=True)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.global_step = int(state["global_step"])
+        self.load_state(torch.load(io.BytesIO(data), weights_only=True))
 
     def sync_from(self, src: int) -> None:
         """Every rank of the generation calls this; afterwards all hold `src`'s state."""

@@ -245,3 +245,31 @@ def test_free_capacity_is_used_up_to_max_workers(ray_cluster, tmp_path):
     assert [e["reason"] for e in _events(result, "worker_starting")] == ["capacity"]
     assert {m["world_size"] for m in result.metrics} == {2, 3}
     _assert_weights_equal_reference(result, result.steps)
+
+
+def test_a_run_resumes_from_its_checkpoint_at_another_world_size(ray_cluster, tmp_path):
+    checkpoint = elastic.CheckpointConfig(path=str(tmp_path / "ckpt"), every_steps=4, keep_last=2)
+    first = elastic.fit(regression_job(), _config(tmp_path / "a", max_steps=10, checkpoint=checkpoint))
+    assert first.steps == 10
+    written = [e["step"] for e in _events(first, "checkpoint_written")]
+    assert written[-1] == 10  # the final checkpoint
+    assert elastic.load_checkpoint(str(tmp_path / "ckpt")).step == 10
+    second = elastic.fit(regression_job(), _config(
+        tmp_path / "b", max_steps=20, checkpoint=checkpoint,
+        scaling=ScalingConfig(num_workers=3, min_workers=1, max_workers=3)))
+    assert [e["step"] for e in _events(second, "resumed")] == [10]
+    assert [m["step"] for m in second.metrics] == list(range(10, 20))
+    _assert_weights_equal_reference(second, 20)
+
+
+def test_losing_every_worker_restores_from_the_checkpoint_and_finishes_exactly(ray_cluster, tmp_path):
+    checkpoint = elastic.CheckpointConfig(path=str(tmp_path / "ckpt"), every_steps=3)
+    chaos = (ChaosEvent(step=7, rank=0, action="kill", phase="backward"),
+             ChaosEvent(step=7, rank=1, action="kill", phase="backward"))
+    config = _config(tmp_path, max_steps=12, checkpoint=checkpoint, chaos=chaos,
+                     scaling=ScalingConfig(num_workers=2, min_workers=1, max_workers=2))
+    result = elastic.fit(regression_job(), config)
+    (restored,) = _events(result, "restored_from_checkpoint")
+    assert restored["step"] == 6
+    assert restored["work_lost_steps"] == 1
+    _assert_weights_equal_reference(result, 12)

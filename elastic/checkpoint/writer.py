@@ -1,0 +1,78 @@
+"""Background checkpoint writing: the step pays only for a snapshot in host memory."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from elastic.checkpoint.store import prune, write_checkpoint
+
+
+@dataclass(frozen=True)
+class WriteReport:
+    """One finished background write."""
+
+    step: int
+    path: str | None
+    seconds: float
+    error: str | None = None
+    pruned: tuple[int, ...] = ()
+
+
+class CheckpointWriter:
+    """Writes at most one checkpoint at a time on a background thread.
+
+    Args:
+        root: checkpoint root (local path or fsspec URL).
+        keep_last: how many valid checkpoints retention keeps.
+    """
+
+    def __init__(self, root: str, keep_last: int) -> None:
+        self.root = root
+        self.keep_last = keep_last
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._reports: list[WriteReport] = []
+
+    def busy(self) -> bool:
+        with self._lock:
+            return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, step: int, parts: Mapping[str, bytes], meta: Mapping[str, Any]) -> bool:
+        """Starts writing a snapshot; returns False (and writes nothing) if the previous write
+        is still in flight, so that snapshots never pile up in memory."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return False
+            self._thread = threading.Thread(target=self._write, args=(step, dict(parts), dict(meta)),
+                                            name=f"elastic-ckpt-{step}", daemon=True)
+            self._thread.start()
+            return True
+
+    def _write(self, step: int, parts: dict[str, bytes], meta: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        try:
+            path = write_checkpoint(self.root, step, parts, meta)
+            pruned = tuple(prune(self.root, self.keep_last))
+            report = WriteReport(step, path, time.perf_counter() - started, pruned=pruned)
+        except Exception as e:
+            report = WriteReport(step, None, time.perf_counter() - started,
+                                 error=f"{type(e).__name__}: {e}")
+        with self._lock:
+            self._reports.append(report)
+
+    def flush(self) -> None:
+        """Waits for the write in flight, if any."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def take_reports(self) -> list[WriteReport]:
+        """Reports of writes finished since the last call."""
+        with self._lock:
+            reports, self._reports = self._reports, []
+        return reports

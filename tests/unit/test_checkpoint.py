@@ -1,0 +1,136 @@
+import hashlib
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from elastic.checkpoint import CheckpointWriter, load_checkpoint, prune, write_checkpoint
+from elastic.checkpoint.store import MANIFEST, list_steps, serialize, step_dir_name
+from elastic.errors import CheckpointCorruptError
+
+
+def _parts(step: int) -> dict[str, bytes]:
+    return {"model": serialize({"w": torch.full((64,), float(step))}),
+            "cursor": serialize({"global_step": step})}
+
+
+@pytest.fixture(params=["local", "memory"])
+def root(request, tmp_path):
+    if request.param == "local":
+        yield str(tmp_path / "ckpt")
+        return
+    path = f"memory://ckpt-{os.getpid()}-{id(request)}"
+    yield path
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def test_written_checkpoints_load_newest_first(root):
+    for step in (3, 7):
+        write_checkpoint(root, step, _parts(step), {"world_size": 2})
+    loaded = load_checkpoint(root)
+    assert loaded.step == 7
+    assert torch.equal(loaded.parts["model"]["w"], torch.full((64,), 7.0))
+    assert loaded.manifest["world_size"] == 2
+    assert loaded.skipped == []
+    assert load_checkpoint(root, step=3).parts["cursor"] == {"global_step": 3}
+
+
+def test_an_empty_root_has_no_checkpoint(root):
+    assert load_checkpoint(root) is None
+
+
+def _local_file(root, step, name):
+    return os.path.join(root, step_dir_name(step), name)
+
+
+def test_a_truncated_file_is_detected_and_the_previous_checkpoint_used(tmp_path):
+    root = str(tmp_path / "ckpt")
+    write_checkpoint(root, 1, _parts(1), {})
+    write_checkpoint(root, 2, _parts(2), {})
+    path = _local_file(root, 2, "model.pt")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    loaded = load_checkpoint(root)
+    assert loaded.step == 1
+    assert [s for s, _ in loaded.skipped] == [step_dir_name(2)]
+    assert "checksum" in loaded.skipped[0][1]
+
+
+def test_a_flipped_bit_is_detected(tmp_path):
+    root = str(tmp_path / "ckpt")
+    write_checkpoint(root, 1, _parts(1), {})
+    path = _local_file(root, 1, "model.pt")
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    assert load_checkpoint(root) is None
+    with pytest.raises(CheckpointCorruptError, match="checksum"):
+        load_checkpoint(root, step=1)
+
+
+def test_a_directory_without_manifest_is_an_interrupted_write(tmp_path):
+    root = str(tmp_path / "ckpt")
+    write_checkpoint(root, 1, _parts(1), {})
+    write_checkpoint(root, 2, _parts(2), {})
+    os.remove(_local_file(root, 2, MANIFEST))
+    loaded = load_checkpoint(root)
+    assert loaded.step == 1
+    assert "no manifest" in loaded.skipped[0][1]
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.makedirs, (os.environ["ELASTIC_TEST_MARKER"],))
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_never_runs(tmp_path, monkeypatch):
+    marker = tmp_path / "code-ran"
+    monkeypatch.setenv("ELASTIC_TEST_MARKER", str(marker))
+    root = str(tmp_path / "ckpt")
+    write_checkpoint(root, 5, _parts(5), {})
+    # A tampered file whose manifest entry matches, so only the loader stands in the way.
+    evil = pickle.dumps(_RunsCode())
+    directory = os.path.join(root, step_dir_name(5))
+    open(os.path.join(directory, "model.pt"), "wb").write(evil)
+    manifest = json.load(open(os.path.join(directory, MANIFEST)))
+    manifest["files"]["model.pt"] = {"sha256": hashlib.sha256(evil).hexdigest(), "bytes": len(evil)}
+    json.dump(manifest, open(os.path.join(directory, MANIFEST), "w"))
+    with pytest.raises(CheckpointCorruptError, match="refused"):
+        load_checkpoint(root, step=5)
+    assert load_checkpoint(root) is None
+    assert not marker.exists()
+
+
+def test_retention_keeps_the_newest_valid_and_never_the_only_valid_one(tmp_path):
+    root = str(tmp_path / "ckpt")
+    for step in range(1, 6):
+        write_checkpoint(root, step, _parts(step), {})
+    assert prune(root, keep_last=2) == [1, 2, 3]
+    assert list_steps(root) == [5, 4]
+    # Corrupt the newest: the only valid one left (4) survives keep_last=1.
+    os.remove(_local_file(root, 5, MANIFEST))
+    assert prune(root, keep_last=1) == []
+    assert load_checkpoint(root).step == 4
+
+
+def test_the_writer_never_has_two_writes_in_flight(tmp_path):
+    root = str(tmp_path / "ckpt")
+    writer = CheckpointWriter(root, keep_last=5)
+    big = {"model": serialize({"w": torch.zeros(4_000_000)})}
+    assert writer.submit(1, big, {})
+    second = writer.submit(2, big, {})
+    writer.flush()
+    reports = writer.take_reports()
+    written = [r.step for r in reports]
+    if second:  # the first write had already finished
+        assert written == [1, 2]
+    else:
+        assert written == [1]
+    assert all(r.error is None for r in reports)
+    assert load_checkpoint(root).step == written[-1]
