@@ -121,6 +121,36 @@ def bench_recovery(
         console.print(f"wrote {json_path}")
 
 
+@bench_app.command("checkpoint")
+def bench_checkpoint(
+    size_mb: Annotated[int, typer.Option(help="State size in MiB (model + optimizer).")] = 256,
+    trials: Annotated[int, typer.Option(help="Repetitions (medians are reported).")] = 3,
+    directory: Annotated[str | None, typer.Option(help="Where to write (default: a temp dir).")] = None,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Async checkpoint stall vs a synchronous save; write throughput vs a plain fsynced write."""
+    from elastic.bench.checkpoint import run_checkpoint_bench
+
+    try:
+        r = run_checkpoint_bench(size_mb, trials, directory)
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    table = Table(title=f"checkpoint of {r.state_bytes / 1e6:.0f} MB, median of {r.trials}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("synchronous save (s)", f"{r.sync_save_s:.3f}")
+    table.add_row("asynchronous stall (s)", f"{r.async_stall_s:.3f}")
+    table.add_row("stall / synchronous save", f"{r.stall_fraction:.1%}")
+    table.add_row("checkpoint write (GB/s)", f"{r.checkpoint_write_gbps:.3f}")
+    table.add_row("plain fsynced write (GB/s)", f"{r.plain_write_gbps:.3f}")
+    table.add_row("checkpoint / plain", f"{r.write_fraction:.1%}")
+    console.print(table)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(r.to_json(), indent=2))
+        console.print(f"wrote {json_path}")
+
+
 def _load_config_file(path: pathlib.Path) -> dict:
     text = path.read_text()
     if path.suffix == ".toml":

@@ -7,6 +7,7 @@ peer, and how the hang watchdog sees where each worker is.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from dataclasses import dataclass
@@ -96,13 +97,17 @@ class WorkerActor:
         Returns whether it was submitted and the reports of writes finished since last time."""
         ckpt = self.config.checkpoint
         assert ckpt is not None and self._writer is not None, "no checkpoint configured"
+        if self._writer.busy():
+            return {"submitted": False, "reports": self._reports()}
         state = self.replica.state()
-        parts = {name: serialize(value) for name, value in state.items() if value is not None}
         meta = {**meta, "epoch": state["cursor"]["epoch"]}
         step = self.replica.global_step
         if ckpt.async_write:
-            submitted = self._writer.submit(step, parts, meta)
+            # The only cost on the training path: a copy of the state in host memory.
+            snapshot = {name: copy.deepcopy(value) for name, value in state.items() if value is not None}
+            submitted = self._writer.submit(step, snapshot, meta)
         else:
+            parts = {name: serialize(value) for name, value in state.items() if value is not None}
             write_checkpoint(ckpt.path, step, parts, meta)
             submitted = True
         return {"submitted": submitted, "reports": self._reports()}

@@ -191,18 +191,27 @@ def load_checkpoint(root: str, step: int | None = None) -> LoadedCheckpoint | No
     return None
 
 
+def _complete(root: str, step: int) -> bool:
+    """Cheap validity for retention: a committed manifest whose files exist with the recorded
+    sizes. (Full verification reads and hashes every byte; `load_checkpoint` does that.)"""
+    fs, base = _fs(root)
+    directory = f"{base}/{step_dir_name(step)}"
+    try:
+        with fs.open(f"{directory}/{MANIFEST}", "rb") as f:
+            files = json.loads(f.read().decode())["files"]
+        return all(fs.size(f"{directory}/{name}") == meta["bytes"] for name, meta in files.items())
+    except (FileNotFoundError, ValueError, KeyError, UnicodeDecodeError):
+        return False
+
+
 def prune(root: str, keep_last: int) -> list[int]:
-    """Deletes all but the newest `keep_last` valid checkpoints, and incomplete directories
-    older than the newest valid one. Never deletes the only valid checkpoint. Returns the
-    steps deleted."""
+    """Deletes all but the newest `keep_last` complete checkpoints, and incomplete directories
+    older than the newest complete one. Never deletes the only complete checkpoint. Returns
+    the steps deleted."""
     fs, base = _fs(root)
     valid, invalid = [], []
     for candidate in list_steps(root):
-        try:
-            verify(root, candidate)
-            valid.append(candidate)
-        except CheckpointCorruptError:
-            invalid.append(candidate)
+        (valid if _complete(root, candidate) else invalid).append(candidate)
     doomed = valid[max(1, keep_last):]
     if valid:
         doomed += [s for s in invalid if s < valid[0]]

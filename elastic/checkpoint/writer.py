@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from elastic.checkpoint.store import prune, write_checkpoint
+from elastic.checkpoint.store import prune, serialize, write_checkpoint
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,10 @@ class CheckpointWriter:
         with self._lock:
             return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, step: int, parts: Mapping[str, bytes], meta: Mapping[str, Any]) -> bool:
-        """Starts writing a snapshot; returns False (and writes nothing) if the previous write
-        is still in flight, so that snapshots never pile up in memory."""
+    def submit(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any]) -> bool:
+        """Starts serialising and writing a snapshot (`parts`: name -> an object torch.save
+        can write, already copied off the live state by the caller); returns False (and writes
+        nothing) if the previous write is still in flight, so snapshots never pile up."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return False
@@ -52,10 +53,12 @@ class CheckpointWriter:
             self._thread.start()
             return True
 
-    def _write(self, step: int, parts: dict[str, bytes], meta: dict[str, Any]) -> None:
+    def _write(self, step: int, parts: dict[str, Any], meta: dict[str, Any]) -> None:
         started = time.perf_counter()
         try:
-            path = write_checkpoint(self.root, step, parts, meta)
+            blobs = {name: value if isinstance(value, bytes) else serialize(value)
+                     for name, value in parts.items()}
+            path = write_checkpoint(self.root, step, blobs, meta)
             pruned = tuple(prune(self.root, self.keep_last))
             report = WriteReport(step, path, time.perf_counter() - started, pruned=pruned)
         except Exception as e:

@@ -247,19 +247,27 @@ def test_free_capacity_is_used_up_to_max_workers(ray_cluster, tmp_path):
     _assert_weights_equal_reference(result, result.steps)
 
 
-def test_a_run_resumes_from_its_checkpoint_at_another_world_size(ray_cluster, tmp_path):
+def test_a_stopped_run_resumes_later_at_another_world_size_and_ends_exactly(ray_cluster, tmp_path):
     checkpoint = elastic.CheckpointConfig(path=str(tmp_path / "ckpt"), every_steps=4, keep_last=2)
-    first = elastic.fit(regression_job(), _config(tmp_path / "a", max_steps=10, checkpoint=checkpoint))
-    assert first.steps == 10
-    written = [e["step"] for e in _events(first, "checkpoint_written")]
-    assert written[-1] == 10  # the final checkpoint
-    assert elastic.load_checkpoint(str(tmp_path / "ckpt")).step == 10
+    name = "resume-run"
+
+    def script(op):
+        op.wait_for(lambda s: s["step"] >= 5)
+
+    with Operator(name, script):  # stops the run once it is past step 5
+        first = elastic.fit(regression_job(), _config(
+            tmp_path / "a", max_steps=100_000, checkpoint=checkpoint, name=name))
+    assert first.stopped
+    stopped_at = first.steps
+    assert [e["step"] for e in _events(first, "checkpoint_written")][-1] == stopped_at
+    assert elastic.load_checkpoint(str(tmp_path / "ckpt")).step == stopped_at
+    total = stopped_at + 7
     second = elastic.fit(regression_job(), _config(
-        tmp_path / "b", max_steps=20, checkpoint=checkpoint,
+        tmp_path / "b", max_steps=total, checkpoint=checkpoint,
         scaling=ScalingConfig(num_workers=3, min_workers=1, max_workers=3)))
-    assert [e["step"] for e in _events(second, "resumed")] == [10]
-    assert [m["step"] for m in second.metrics] == list(range(10, 20))
-    _assert_weights_equal_reference(second, 20)
+    assert [e["step"] for e in _events(second, "resumed")] == [stopped_at]
+    assert [m["step"] for m in second.metrics] == list(range(stopped_at, total))
+    _assert_weights_equal_reference(second, total)
 
 
 def test_losing_every_worker_restores_from_the_checkpoint_and_finishes_exactly(ray_cluster, tmp_path):

@@ -54,6 +54,7 @@ def test_the_option_surface_is_what_was_reviewed():
     assert surface == {
         "bench allreduce": ["algorithms", "json_path", "plot", "sizes", "world_size"],
         "bench recovery": ["json_path", "seed", "trials", "workers"],
+        "bench checkpoint": ["directory", "json_path", "size_mb", "trials"],
         "run": ["address", "algorithm", "backend", "config", "debug", "epochs", "global_batch",
                 "kill_at", "ledger", "max_micro_batch", "max_steps", "max_workers", "min_workers",
                 "name", "run_dir", "seed", "target", "workers"],
