@@ -20,6 +20,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from elastic.actors.checkpointing import CheckpointCoordinator
 from elastic.actors.state import RunState
 from elastic.actors.worker import ChunkResult, WorkerActor
 from elastic.adapt.plan import plan_batch
@@ -117,8 +118,7 @@ class Controller:
         self._stop_requested = False
         self._recovery: _PendingRecovery | None = None
         self._killed_at: float | None = None  # time of the last kill() request
-        self._last_checkpoint_step = 0
-        self._last_checkpoint_time = time.monotonic()
+        self.checkpoints = CheckpointCoordinator(config, self.log)
         self._evaluation: dict[str, float] = {}
         self.server = RendezvousServer(host=ray.util.get_node_ip_address())
 
@@ -254,10 +254,8 @@ class Controller:
         self.total_steps = min(limits)
         self.log.event("planned", dataset_size=dataset_size, steps_per_epoch=self.steps_per_epoch,
                        total_steps=self.total_steps)
-        if self.config.checkpoint is not None:
-            restored = self._restore_checkpoint(self.members[0], "resumed")
-            if restored is not None:
-                self._last_checkpoint_step = restored
+        if self.checkpoints.enabled:
+            self.checkpoints.restore(self.members[0].actor, "resumed", self.global_step)
         self._form("start")
         self._set_state(RunState.RUNNING)
 
@@ -283,8 +281,9 @@ class Controller:
             if steps[src] < self.global_step:
                 # No survivor holds the state: the newest checkpoint is the source of truth.
                 # Continuing from fresh replicas would silently restart training.
-                restored = (self._restore_checkpoint(self.members[0], "restored_from_checkpoint")
-                            if self.config.checkpoint is not None else None)
+                restored = (self.checkpoints.restore(self.members[0].actor,
+                                                     "restored_from_checkpoint", self.global_step)
+                            if self.checkpoints.enabled else None)
                 if restored is None:
                     raise _Failed(WorkerLostError(
                         f"every worker holding the state of step {self.global_step} was lost and "
@@ -303,59 +302,6 @@ class Controller:
                            source_rank=src, step=self.global_step,
                            workers=[m.worker_id for m in self.members])
             return rebuilt, restored
-
-    def _restore_checkpoint(self, member: _Member, event: str) -> int | None:
-        """Loads the newest valid checkpoint into `member`; returns its step or None."""
-        info = ray.get(member.actor.restore_checkpoint.remote())
-        for path, reason in info["skipped"]:
-            self.log.event("checkpoint_skipped", path=path, reason=reason)
-        if info["step"] is None:
-            return None
-        if info.get("fingerprint") not in (None, self._fingerprint()):
-            self.log.event("checkpoint_config_changed", path=info["path"],
-                           note="global batch or seed differ from the run that wrote it")
-        self.log.event(event, step=info["step"], path=info["path"],
-                       work_lost_steps=max(0, self.global_step - info["step"]))
-        return int(info["step"])
-
-    def _fingerprint(self) -> str:
-        return f"B={self.config.batch.global_batch_size};seed={self.config.seed}"
-
-    def _checkpoint_due(self) -> bool:
-        ckpt = self.config.checkpoint
-        if ckpt is None or self.global_step == self._last_checkpoint_step:
-            return False
-        if ckpt.every_steps and self.global_step - self._last_checkpoint_step >= ckpt.every_steps:
-            return True
-        elapsed = time.monotonic() - self._last_checkpoint_time
-        return bool(ckpt.every_seconds and elapsed >= ckpt.every_seconds)
-
-    def _checkpoint(self, final: bool = False) -> None:
-        """Asks rank 0 to snapshot and write the committed state."""
-        if self.config.checkpoint is None or not self.members:
-            return
-        rank0 = self.members[0].actor
-        if final or self._checkpoint_due():
-            meta = {"world_size": len(self.members), "fingerprint": self._fingerprint(),
-                    "run": self.name}
-            answer = ray.get(rank0.checkpoint.remote(meta))
-            if answer["submitted"]:
-                self._last_checkpoint_step = self.global_step
-                self._last_checkpoint_time = time.monotonic()
-            else:
-                self.log.event("checkpoint_busy", step=self.global_step,
-                               note="previous write still in flight; this one was skipped")
-            self._log_writes(answer["reports"])
-        if final:
-            self._log_writes(ray.get(rank0.flush_checkpoints.remote()))
-
-    def _log_writes(self, reports: list[dict[str, Any]]) -> None:
-        for r in reports:
-            if r["error"]:
-                self.log.event("checkpoint_failed", step=r["step"], error=r["error"])
-            else:
-                self.log.event("checkpoint_written", step=r["step"], path=r["path"],
-                               seconds=r["seconds"], pruned=list(r["pruned"]))
 
     def _gather(self, refs: list[Any]) -> tuple[list[Any], list[int]]:
         """ray.get of one ref per member; returns values and the ranks whose actor died."""
@@ -509,7 +455,7 @@ class Controller:
             self.global_step = max(r.committed_step for r in results.values())
             if self.global_step % self.steps_per_epoch == 0 or self.global_step == self.total_steps:
                 self._evaluate()
-            self._checkpoint()
+            self.checkpoints.maybe_write(self.members[0].actor, self.global_step, len(self.members))
             return
         if "user_error" in statuses:
             self._user_error(results)
@@ -650,7 +596,8 @@ class Controller:
     def _finish(self) -> dict[str, Any]:
         if self._stop_requested and self.job.evaluate is not None and not self._evaluation:
             self._evaluate()
-        self._checkpoint(final=True)
+        self.checkpoints.maybe_write(self.members[0].actor, self.global_step, len(self.members),
+                                     final=True)
         state = ray.get(self.members[0].actor.model_state.remote())
         self.log.event("finish", step=self.global_step, stopped=self._stop_requested,
                        samples=self.global_step * self.config.batch.global_batch_size)

@@ -1,0 +1,82 @@
+"""The controller's side of checkpoints: when rank 0 writes, what a restore finds, events."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+from elastic.config import FitConfig
+from elastic.runlog import RunLog
+
+
+class CheckpointCoordinator:
+    """Decides when rank 0 snapshots the committed state and turns its reports into events.
+
+    Args:
+        config: the run's configuration (`config.checkpoint` may be None: then it is off).
+        log: the run's event log.
+    """
+
+    def __init__(self, config: FitConfig, log: RunLog) -> None:
+        self.config = config
+        self.log = log
+        self._last_step = 0
+        self._last_time = time.monotonic()
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.checkpoint is not None
+
+    def fingerprint(self) -> str:
+        """What must match for a checkpoint's data cursor to mean the same samples."""
+        return f"B={self.config.batch.global_batch_size};seed={self.config.seed}"
+
+    def restore(self, actor: Any, event: str, current_step: int) -> int | None:
+        """Loads the newest valid checkpoint into `actor`'s replica; returns its step or None."""
+        info = ray.get(actor.restore_checkpoint.remote())
+        for path, reason in info["skipped"]:
+            self.log.event("checkpoint_skipped", path=path, reason=reason)
+        if info["step"] is None:
+            return None
+        if info.get("fingerprint") not in (None, self.fingerprint()):
+            self.log.event("checkpoint_config_changed", path=info["path"],
+                           note="global batch or seed differ from the run that wrote it")
+        self.log.event(event, step=info["step"], path=info["path"],
+                       work_lost_steps=max(0, current_step - info["step"]))
+        self._last_step = int(info["step"])
+        return self._last_step
+
+    def _due(self, step: int) -> bool:
+        ckpt = self.config.checkpoint
+        if ckpt is None or step == self._last_step:
+            return False
+        if ckpt.every_steps and step - self._last_step >= ckpt.every_steps:
+            return True
+        return bool(ckpt.every_seconds and time.monotonic() - self._last_time >= ckpt.every_seconds)
+
+    def maybe_write(self, actor: Any, step: int, world_size: int, final: bool = False) -> None:
+        """Asks rank 0 (`actor`) to checkpoint `step` if one is due (always when `final`, which
+        also waits for the write to finish)."""
+        if not self.enabled:
+            return
+        if final or self._due(step):
+            meta = {"world_size": world_size, "fingerprint": self.fingerprint()}
+            answer = ray.get(actor.checkpoint.remote(meta))
+            if answer["submitted"]:
+                self._last_step, self._last_time = step, time.monotonic()
+            else:
+                self.log.event("checkpoint_busy", step=step,
+                               note="previous write still in flight; this one was skipped")
+            self._log_writes(answer["reports"])
+        if final:
+            self._log_writes(ray.get(actor.flush_checkpoints.remote()))
+
+    def _log_writes(self, reports: list[dict[str, Any]]) -> None:
+        for r in reports:
+            if r["error"]:
+                self.log.event("checkpoint_failed", step=r["step"], error=r["error"])
+            else:
+                self.log.event("checkpoint_written", step=r["step"], path=r["path"],
+                               seconds=r["seconds"], pruned=list(r["pruned"]))
