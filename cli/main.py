@@ -232,6 +232,32 @@ class _EventTail:
         self.seen = len(events)
 
 
+def _prepare(target: str, config: pathlib.Path | None, debug: bool, kill_at: list[str] | None,
+             ledger: bool, overrides: dict[str, object]) -> tuple[elastic.FitConfig, elastic.TrainJob]:
+    """Config file, then command-line overrides, then the target; one line on bad input."""
+    try:
+        tree = _load_config_file(config) if config else {}
+        for dotted, value in overrides.items():
+            _set(tree, dotted, value)
+        if ledger:
+            tree["ledger"] = True
+        chaos = list(tree.get("chaos", []))
+        for item in kill_at or []:
+            step, sep, rank = item.partition(":")
+            if not sep or not step.isdigit() or not rank.isdigit():
+                raise ValueError(f"--kill-at {item!r} must be STEP:RANK, e.g. 20:1")
+            chaos.append({"step": int(step), "rank": int(rank), "action": "kill"})
+        if chaos:
+            tree["chaos"] = chaos
+        fit_config = elastic.FitConfig(**tree)
+        job = elastic.load_target(target)
+    except Exception as e:
+        if debug:
+            raise
+        raise _fail(_one_line(e)) from None
+    return fit_config, job
+
+
 @app.command()
 def run(
     target: Annotated[str, typer.Argument(help="path/to/file.py:job or package.module:job")],
@@ -254,32 +280,13 @@ def run(
     debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
 ) -> None:
     """Train TARGET in the foreground, printing recovery events as they happen."""
-    try:
-        tree = _load_config_file(config) if config else {}
-        for dotted, value in (
-            ("scaling.num_workers", workers), ("scaling.min_workers", min_workers),
-            ("scaling.max_workers", max_workers), ("batch.global_batch_size", global_batch),
-            ("batch.max_micro_batch", max_micro_batch), ("epochs", epochs),
-            ("max_steps", max_steps), ("seed", seed), ("name", name), ("run_dir", run_dir),
-            ("collective.backend", backend), ("collective.algorithm", algorithm),
-        ):
-            _set(tree, dotted, value)
-        if ledger:
-            tree["ledger"] = True
-        chaos = list(tree.get("chaos", []))
-        for item in kill_at or []:
-            step, sep, rank = item.partition(":")
-            if not sep or not step.isdigit() or not rank.isdigit():
-                raise ValueError(f"--kill-at {item!r} must be STEP:RANK, e.g. 20:1")
-            chaos.append({"step": int(step), "rank": int(rank), "action": "kill"})
-        if chaos:
-            tree["chaos"] = chaos
-        fit_config = elastic.FitConfig(**tree)
-        job = elastic.load_target(target)
-    except Exception as e:
-        if debug:
-            raise
-        raise _fail(_one_line(e)) from None
+    fit_config, job = _prepare(target, config, debug, kill_at, ledger, {
+        "scaling.num_workers": workers, "scaling.min_workers": min_workers,
+        "scaling.max_workers": max_workers, "batch.global_batch_size": global_batch,
+        "batch.max_micro_batch": max_micro_batch, "epochs": epochs, "max_steps": max_steps,
+        "seed": seed, "name": name, "run_dir": run_dir, "collective.backend": backend,
+        "collective.algorithm": algorithm,
+    })
     if address:
         os.environ["RAY_ADDRESS"] = address
     run_name = fit_config.name or f"run-{os.getpid()}"
@@ -315,6 +322,68 @@ def run(
     ):
         summary.add_row(str(key), str(value))
     console.print(summary)
+
+
+@app.command()
+def start(
+    target: Annotated[str, typer.Argument(help="path/to/file.py:job or package.module:job")],
+    workers: Annotated[int | None, typer.Option(help="Workers to start with.")] = None,
+    min_workers: Annotated[int | None, typer.Option(help="Fewest workers to continue with.")] = None,
+    max_workers: Annotated[int | None, typer.Option(help="Most workers to grow to.")] = None,
+    global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step.")] = None,
+    max_micro_batch: Annotated[int | None, typer.Option(help="Micro-batch cap per worker.")] = None,
+    epochs: Annotated[int | None, typer.Option(help="Epochs to train.")] = None,
+    max_steps: Annotated[int | None, typer.Option(help="Optimizer steps to train.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed of the model and the sample order.")] = None,
+    name: Annotated[str | None, typer.Option(help="Run name, for status/scale/kill/stop.")] = None,
+    run_dir: Annotated[str | None, typer.Option(help="Where events and metrics go.")] = None,
+    backend: Annotated[str | None, typer.Option(help="gloo or nccl.")] = None,
+    algorithm: Annotated[str | None, typer.Option(help="ring, tree, halving_doubling, native.")] = None,
+    kill_at: Annotated[list[str] | None, typer.Option(help="Chaos: kill RANK at STEP (STEP:RANK).")] = None,
+    ledger: Annotated[bool, typer.Option(help="Record the indices of every step.")] = False,
+    config: Annotated[pathlib.Path | None, typer.Option(help="TOML or YAML FitConfig file.")] = None,
+    address: Annotated[str | None, typer.Option(help="Ray cluster address.")] = None,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+) -> None:
+    """Start TARGET as a detached run on a running Ray cluster and return at once."""
+    fit_config, job = _prepare(target, config, debug, kill_at, ledger, {
+        "scaling.num_workers": workers, "scaling.min_workers": min_workers,
+        "scaling.max_workers": max_workers, "batch.global_batch_size": global_batch,
+        "batch.max_micro_batch": max_micro_batch, "epochs": epochs, "max_steps": max_steps,
+        "seed": seed, "name": name, "run_dir": run_dir, "collective.backend": backend,
+        "collective.algorithm": algorithm,
+    })
+    if address:
+        os.environ["RAY_ADDRESS"] = address
+    try:
+        run_name = elastic.start(job, fit_config)
+    except ElasticError as e:
+        if debug:
+            raise
+        raise _fail(_one_line(e)) from None
+    console.print(f"started run {run_name}; follow it with `elastic status {run_name}`")
+
+
+@app.command("list")
+def list_runs() -> None:
+    """List the live runs on the connected Ray cluster."""
+    names = elastic.runs()
+    if not names:
+        console.print("no live runs")
+    for run_name in names:
+        console.print(run_name)
+
+
+@app.command()
+def logs(name: Annotated[str, typer.Argument(help="Run name.")]) -> None:
+    """Print a live run's events so far."""
+    try:
+        events = elastic.events(name)
+    except ElasticError as e:
+        raise _fail(_one_line(e)) from None
+    for event in events:
+        line = _describe(event) or event["event"]
+        console.print(f"{event['event']:>16}  {line}")
 
 
 @app.command()

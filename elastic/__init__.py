@@ -1,6 +1,6 @@
 """elastic: elastic, fault-tolerant data-parallel training for PyTorch on Ray."""
 
-from elastic.api import fit, kill, load_checkpoint, scale, status, stop
+from elastic.api import events, fit, kill, load_checkpoint, runs, scale, start, status, stop
 from elastic.config import (
     BatchConfig,
     ChaosEvent,
@@ -27,11 +27,14 @@ __all__ = [
     "ScalingConfig",
     "TrainJob",
     "UserCodeError",
+    "events",
     "fit",
     "kill",
     "load_checkpoint",
     "load_target",
+    "runs",
     "scale",
+    "start",
     "status",
     "stop",
 ]

@@ -39,6 +39,36 @@ def fit(job: TrainJob, config: FitConfig) -> FitResult:
     )
 
 
+def start(job: TrainJob, config: FitConfig) -> str:
+    """Starts a detached run and returns its name at once. The run survives the exit of this
+    process; control it by name, read its record in its run dir (events.jsonl,
+    metrics.jsonl, and `final_model.pt` when it finishes).
+
+    Raises:
+        ConfigError: no Ray cluster is running, or the name is taken.
+    """
+    if not isinstance(job, TrainJob):
+        raise TypeError(f"start needs an elastic.TrainJob, got {type(job).__name__}")
+    name = config.name or client.new_run_name()
+    run_dir = os.path.abspath(config.run_dir or os.path.join("runs", name))
+    client.start_detached(job, config.model_copy(update={"name": name}), name, run_dir)
+    return name
+
+
+def runs() -> list[str]:
+    """Names of the live runs on the connected cluster (none if no cluster is running)."""
+    return client.list_runs()
+
+
+def events(name: str) -> list[dict[str, Any]]:
+    """The events of live run `name` so far.
+
+    Raises:
+        RunNotFoundError: no such run.
+    """
+    return client.call(name, "events")
+
+
 def status(name: str) -> dict[str, Any]:
     """A snapshot of run `name`: state, step, world size, workers.
 

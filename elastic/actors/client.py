@@ -14,7 +14,7 @@ import ray
 
 from elastic.actors.controller import NAMESPACE, Outcome, RemoteController, controller_name
 from elastic.config import FitConfig
-from elastic.errors import RunNotFoundError
+from elastic.errors import ConfigError, RunNotFoundError
 from elastic.job import TrainJob
 
 
@@ -95,6 +95,46 @@ def run_controller(job: TrainJob, config: FitConfig, name: str, run_dir: str) ->
         return ray.get(controller.run.remote())
     finally:
         ray.kill(controller, no_restart=True)
+
+
+def start_detached(job: TrainJob, config: FitConfig, name: str, run_dir: str) -> None:
+    """Starts a run whose controller is a named, detached actor and returns at once.
+
+    Raises:
+        ConfigError: no Ray cluster is running (a detached run needs one that outlives this
+            process), or the name is taken.
+    """
+    try:
+        ensure_ray(config, start=False)
+    except ConnectionError as e:
+        raise ConfigError(
+            "a detached run needs a running Ray cluster that outlives this process: start one "
+            "with `ray start --head` (or pass --address); `elastic run` uses a local one"
+        ) from e
+    ship_job_code(job)
+    try:
+        ray.get_actor(controller_name(name), namespace=NAMESPACE)
+    except ValueError:
+        pass
+    else:
+        raise ConfigError(f"a run named {name!r} is already running; choose another name")
+    controller = RemoteController.options(
+        name=controller_name(name), namespace=NAMESPACE, num_cpus=0, max_concurrency=16,
+        lifetime="detached",
+    ).remote(job, config, name, run_dir, True)
+    # Wait until it exists (its constructor ran), so that status works right after this.
+    ray.get(controller.status.remote())
+
+
+def list_runs() -> list[str]:
+    """Names of the runs whose controllers are alive on the connected cluster."""
+    try:
+        ensure_ray(start=False)
+    except ConnectionError:
+        return []
+    prefix = controller_name("")
+    return sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == NAMESPACE and a["name"].startswith(prefix))
 
 
 def find(name: str) -> Any:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from elastic.actors.checkpointing import CheckpointCoordinator
@@ -41,6 +42,7 @@ from elastic.runlog import RunLog
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "elastic"
+FINAL_MODEL = "final_model.pt"
 
 
 def controller_name(run_name: str) -> str:
@@ -95,7 +97,8 @@ class _Failed(Exception):
 class Controller:
     """Drives one run. Created by `elastic.fit` as a named Ray actor."""
 
-    def __init__(self, job: TrainJob, config: FitConfig, name: str, run_dir: str) -> None:
+    def __init__(self, job: TrainJob, config: FitConfig, name: str, run_dir: str,
+                 detached: bool = False) -> None:
         self.job = job
         self.config = config
         self.name = name
@@ -121,6 +124,28 @@ class Controller:
         self.checkpoints = CheckpointCoordinator(config, self.log)
         self._evaluation: dict[str, float] = {}
         self.server = RendezvousServer(host=ray.util.get_node_ip_address())
+        if detached:
+            # A detached run drives itself: it must not depend on the process that started it
+            # (that process may exit at once), so the loop starts here, not from a caller.
+            threading.Thread(target=self._run_detached, name="elastic-detached-run",
+                             daemon=True).start()
+
+    # --- detached runs -------------------------------------------------------------------------
+
+    def _run_detached(self) -> None:
+        outcome = self.run()
+        if outcome.model_state is not None:
+            path = os.path.join(self.run_dir, FINAL_MODEL)
+            torch.save(outcome.model_state, path + ".tmp")
+            os.replace(path + ".tmp", path)
+            self.log.event("final_model_written", path=path)
+        self.log.event("detached_exit", failed=outcome.error is not None)
+        # The record of the run stays in run_dir; the named actor goes away.
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every event so far (for `elastic logs`)."""
+        return list(self.log.events)
 
     # --- control requests (other threads) ---------------------------------------------------
 

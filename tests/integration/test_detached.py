@@ -1,0 +1,65 @@
+"""A detached run outlives the process that started it."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import elastic
+from tests.jobs import reference_weights
+
+pytestmark = pytest.mark.integration
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+DRIVER = """
+import sys
+import ray
+import elastic
+from tests.jobs import regression_job
+
+ray.init(address=sys.argv[1], namespace="elastic", log_to_driver=False)
+config = elastic.FitConfig(
+    scaling=elastic.ScalingConfig(num_workers=2), batch=elastic.BatchConfig(global_batch_size=16),
+    max_steps=12, name=sys.argv[2], run_dir=sys.argv[3],
+)
+print(elastic.start(regression_job(), config))
+"""
+
+
+def _wait_until(predicate, limit=120.0):
+    done = threading.Event()
+    timer = threading.Timer(limit, done.set)
+    timer.start()
+    try:
+        while not done.is_set():
+            if predicate():
+                return
+            done.wait(0.1)
+    finally:
+        timer.cancel()
+    raise TimeoutError("condition not reached")
+
+
+def test_a_detached_run_finishes_after_its_driver_exits(ray_cluster, tmp_path):
+    address = ray_cluster.get_runtime_context().gcs_address
+    run_dir = tmp_path / "run"
+    name = "detached-run"
+    driver = subprocess.run([sys.executable, "-c", DRIVER, address, name, str(run_dir)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert driver.returncode == 0, driver.stderr[-2000:]
+    assert driver.stdout.strip().splitlines()[-1] == name
+    # The driver is gone; the run goes on and leaves its record when it ends.
+    _wait_until(lambda: name not in elastic.runs())
+    events = [json.loads(line) for line in open(run_dir / "events.jsonl")]
+    kinds = [e["event"] for e in events]
+    assert "finish" in kinds
+    assert kinds[-1] == "detached_exit"
+    model = torch.load(run_dir / "final_model.pt", weights_only=True)
+    torch.testing.assert_close(model, reference_weights(0, 16, 12), rtol=1e-9, atol=1e-10)
