@@ -23,9 +23,10 @@ lint: install
 test: lint
 	$(BIN)/pytest
 
-# 4 workers train a small classifier; worker 1 is SIGKILLed at step 20 and the survivors go on.
+# Digits MLP on 4 workers, worker 1 SIGKILLed part-way, next to an uninterrupted run.
 demo: install
-	$(BIN)/elastic run examples/spirals.py:job --workers 4 --epochs 4 --global-batch 64 --kill-at 20:1 --run-dir runs/demo
+	$(BIN)/elastic demo --run-dir runs/demo
+	$(BIN)/elastic report runs/demo/elastic
 
 clean:
 	rm -rf $(VENV) bench-out

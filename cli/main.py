@@ -364,6 +364,51 @@ def start(
     console.print(f"started run {run_name}; follow it with `elastic status {run_name}`")
 
 
+@app.command()
+def demo(
+    workers: Annotated[int, typer.Option(help="Workers.")] = 4,
+    epochs: Annotated[int, typer.Option(help="Epochs over the digits data set.")] = 30,
+    run_dir: Annotated[str | None, typer.Option(help="Where both runs go (default: temp).")] = None,
+) -> None:
+    """Digits MLP on 4 workers with one killed part-way, next to an uninterrupted run."""
+    from elastic.demo import run_demo
+
+    console.print(f"training the digits MLP twice on {workers} workers: once with worker 1 "
+                  "killed at step 30, once uninterrupted")
+    result = run_demo(workers=workers, epochs=epochs, run_dir=run_dir)
+    for event in result.elastic.events:
+        line = _describe(event)
+        if line and event["event"] != "evaluate":
+            console.print(f"[cyan]event[/cyan] {line}")
+    table = Table(title="digits, final accuracy on the data set")
+    for column in ("run", "steps", "world sizes", "recoveries", "accuracy"):
+        table.add_column(column, justify="right")
+    for label, r in (("with a worker killed", result.elastic), ("uninterrupted", result.uninterrupted)):
+        sizes = sorted({m["world_size"] for m in r.metrics}, reverse=True)
+        table.add_row(label, str(r.steps), ",".join(map(str, sizes)),
+                      str(sum(e["event"] == "recovered" for e in r.events)),
+                      f"{r.evaluation.get('accuracy', float('nan')):.4f}")
+    console.print(table)
+    console.print(f"run dirs: {result.elastic.run_dir}, {result.uninterrupted.run_dir}; "
+                  f"plots: elastic report {result.elastic.run_dir}")
+
+
+@app.command()
+def report(
+    run_dir: Annotated[pathlib.Path, typer.Argument(help="A run directory.")],
+    out: Annotated[pathlib.Path | None, typer.Option(help="Where to write the PNGs.")] = None,
+) -> None:
+    """Plot a run: loss, throughput and world size over steps; recovery breakdowns."""
+    from elastic.report import write_report
+
+    try:
+        paths = write_report(str(run_dir), str(out) if out else None)
+    except ElasticError as e:
+        raise _fail(_one_line(e)) from None
+    for path in paths:
+        console.print(f"wrote {path}")
+
+
 @app.command("list")
 def list_runs() -> None:
     """List the live runs on the connected Ray cluster."""

@@ -307,7 +307,10 @@ def _make_transport(
         case "gloo":
             from elastic.collective.gloo import GlooTransport
 
-            return GlooTransport(rank, world_size, store, address, config.timeout)  # type: ignore[arg-type]
+            # gloo applies its timeout to connecting as well as to operations; our own deadline
+            # enforces config.timeout per operation, so gloo's is only a backstop.
+            backstop = max(config.timeout, config.rendezvous_timeout)
+            return GlooTransport(rank, world_size, store, address, backstop)  # type: ignore[arg-type]
         case "nccl":
             from elastic.collective.nccl import NcclTransport
 

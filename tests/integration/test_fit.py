@@ -66,6 +66,18 @@ def test_two_kills_in_different_phases_end_with_the_reference_weights(ray_cluste
             assert r[key] is not None and r[key] >= 0
     # Uneven shares after shrinking to 3 workers: 16 = 6 + 5 + 5.
     assert [6, 5, 5] in [m["shares"] for m in result.metrics]
+    # The report of this run: valid PNG images with content.
+    from matplotlib.image import imread
+
+    from elastic.report import write_report
+
+    paths = write_report(result.run_dir, str(tmp_path / "report"))
+    assert [os.path.basename(p) for p in paths] == ["training.png", "recoveries.png"]
+    for path in paths:
+        assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+        image = imread(path)
+        assert image.shape[0] > 100 and image.shape[1] > 100
+        assert image.std() > 0  # not a blank canvas
 
 
 class Operator:

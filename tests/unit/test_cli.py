@@ -62,6 +62,8 @@ def test_the_option_surface_is_what_was_reviewed():
                   "kill_at", "ledger", "max_micro_batch", "max_steps", "max_workers", "min_workers",
                   "name", "run_dir", "seed", "target", "workers"],
         "list": [],
+        "demo": ["epochs", "run_dir", "workers"],
+        "report": ["out", "run_dir"],
         "logs": ["name"],
         "status": ["as_json", "name"],
         "scale": ["name", "num_workers"],

@@ -21,6 +21,8 @@ FORBIDDEN = {
     "elastic.result": ("ray", "elastic.actors"),
     "elastic.bench": ("ray", "elastic.actors"),
     "elastic.api": ("cli", "ray"),
+    "elastic.report": ("ray", "torch", "elastic.actors"),
+    "elastic.demo": ("ray", "elastic.actors", "cli"),
     "elastic.actors": ("cli",),
     "cli": ("elastic.actors", "ray"),
 }

@@ -1,0 +1,79 @@
+"""`elastic report`: PNG plots of a run from its events.jsonl and metrics.jsonl."""
+
+from __future__ import annotations
+
+import os
+
+from elastic.errors import ConfigError
+from elastic.runlog import read_jsonl
+
+STAGES = (("detect_s", "detect"), ("abort_s", "abort"), ("rebuild_s", "rebuild"),
+          ("restore_s", "restore"), ("first_step_s", "first step"))
+
+
+def write_report(run_dir: str, out_dir: str | None = None) -> list[str]:
+    """Writes `training.png` (loss, throughput and world size over steps, failures and
+    resizes marked) and, if the run recovered from failures, `recoveries.png` (each
+    recovery's breakdown). Returns the paths written.
+
+    Raises:
+        ConfigError: `run_dir` has no metrics.jsonl.
+    """
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    if not metrics:
+        raise ConfigError(f"{run_dir} has no metrics.jsonl; is it a run directory?")
+    out = out_dir or run_dir
+    os.makedirs(out, exist_ok=True)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    written = []
+    steps = [m["step"] for m in metrics]
+    failures = [e["step"] for e in events if e["event"] == "worker_failure"]
+    resizes = [e["step"] for e in events if e["event"] == "generation" and e.get("reason") == "resize"]
+    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    series = (("loss", "loss"), ("samples_per_s", "samples/s"), ("world_size", "workers"))
+    for ax, (key, label) in zip(axes, series, strict=True):
+        ax.plot(steps, [m.get(key) for m in metrics], linewidth=1)
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        for i, step in enumerate(failures):
+            ax.axvline(step, color="red", linestyle="--", linewidth=1,
+                       label="worker lost" if i == 0 else None)
+        for i, step in enumerate(resizes):
+            ax.axvline(step, color="green", linestyle=":", linewidth=1,
+                       label="resize / join" if i == 0 else None)
+    axes[0].set_yscale("log")
+    axes[2].yaxis.set_major_locator(MaxNLocator(integer=True))
+    if failures or resizes:
+        axes[0].legend(loc="upper right")
+    axes[-1].set_xlabel("step")
+    fig.suptitle(f"run {os.path.basename(os.path.normpath(run_dir))}")
+    fig.tight_layout()
+    path = os.path.join(out, "training.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    recoveries = [e for e in events if e["event"] == "recovered"]
+    if recoveries:
+        fig, ax = plt.subplots(figsize=(max(5, 1 + 0.8 * len(recoveries)), 4.5))
+        labels = [f"step {r['step']}\n{r['world_before']}->{r['world_after']}" for r in recoveries]
+        bottom = [0.0] * len(recoveries)
+        for key, name in STAGES:
+            values = [1e3 * (r.get(key) or 0.0) for r in recoveries]
+            ax.bar(labels, values, bottom=bottom, label=name)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        ax.set_ylabel("ms")
+        ax.set_title("recovery breakdown (kill to first completed step)")
+        ax.legend()
+        fig.tight_layout()
+        path = os.path.join(out, "recoveries.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
