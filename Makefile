@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 install: $(BIN)/.installed
 
 lint: install
-	$(BIN)/ruff check elastic cli tests
+	$(BIN)/ruff check elastic cli tests examples
 
 test: lint
 	$(BIN)/pytest
