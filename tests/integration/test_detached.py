@@ -63,3 +63,60 @@ def test_a_detached_run_finishes_after_its_driver_exits(ray_cluster, tmp_path):
     assert kinds[-1] == "detached_exit"
     model = torch.load(run_dir / "final_model.pt", weights_only=True)
     torch.testing.assert_close(model, reference_weights(0, 16, 12), rtol=1e-9, atol=1e-10)
+
+
+def _status_when(name, predicate):
+    box = {}
+
+    def check():
+        try:
+            status = elastic.status(name)
+        except elastic.errors.RunNotFoundError:
+            return False
+        box["status"] = status
+        return predicate(status)
+
+    _wait_until(check)
+    return box["status"]
+
+
+def test_the_detached_lifecycle_through_the_cli(ray_cluster, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    cli = CliRunner()
+    address = ray_cluster.get_runtime_context().gcs_address
+    run_dir = tmp_path / "run"
+    name = "lifecycle-run"
+    driver = DRIVER.replace("max_steps=12", "max_steps=10_000_000").replace(
+        "ScalingConfig(num_workers=2)", "ScalingConfig(num_workers=2, min_workers=1, max_workers=3)")
+    started = subprocess.run([sys.executable, "-c", driver, address, name, str(run_dir)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert started.returncode == 0, started.stderr[-2000:]
+    assert name in cli.invoke(app, ["list"]).output
+    _status_when(name, lambda s: s["state"] == "running" and s["world_size"] == 2)
+
+    assert cli.invoke(app, ["scale", name, "3"]).exit_code == 0
+    _status_when(name, lambda s: s["world_size"] == 3 and s["state"] == "running")
+    assert cli.invoke(app, ["scale", name, "2"]).exit_code == 0
+    before = _status_when(name, lambda s: s["world_size"] == 2 and s["state"] == "running")
+    assert cli.invoke(app, ["kill", name, "--rank", "1"]).exit_code == 0
+    _status_when(name, lambda s: s["failures"] == 1 and s["world_size"] == 2
+                 and s["generation"] > before["generation"] + 1 and s["state"] == "running")
+    logs = cli.invoke(app, ["logs", name])
+    assert "worker lost" in logs.output
+    assert cli.invoke(app, ["status", name, "--json"]).exit_code == 0
+    assert cli.invoke(app, ["stop", name]).exit_code == 0
+    _wait_until(lambda: name not in elastic.runs())
+
+    events = [json.loads(line) for line in open(run_dir / "events.jsonl")]
+    kinds = [e["event"] for e in events]
+    for kind in ("scale_requested", "resized", "worker_failure", "stop_requested", "finish",
+                 "final_model_written", "detached_exit"):
+        assert kind in kinds, kind
+    finish = next(e for e in events if e["event"] == "finish")
+    assert finish["stopped"] is True
+    model = torch.load(run_dir / "final_model.pt", weights_only=True)
+    torch.testing.assert_close(model, reference_weights(0, 16, finish["step"]), rtol=1e-9, atol=1e-10)
