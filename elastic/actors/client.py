@@ -147,7 +147,10 @@ def find(name: str) -> Any:
         # Looking a run up never starts a cluster: a new one could not hold the run.
         ensure_ray(start=False)
     except ConnectionError as e:
-        raise RunNotFoundError(f"no run named {name!r}: no Ray cluster is running here") from e
+        raise RunNotFoundError(
+            f"no run named {name!r}: cannot connect to a Ray cluster (set RAY_ADDRESS or "
+            f"--address; with token authentication also RAY_AUTH_MODE=token): {e}"
+        ) from e
     try:
         return ray.get_actor(controller_name(name), namespace=NAMESPACE)
     except ValueError as e:
