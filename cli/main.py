@@ -232,6 +232,20 @@ class _EventTail:
         self.seen = len(events)
 
 
+# Command-line option -> dotted FitConfig field; `run` and `start` share them.
+_OPTION_FIELDS = {
+    "workers": "scaling.num_workers", "min_workers": "scaling.min_workers",
+    "max_workers": "scaling.max_workers", "global_batch": "batch.global_batch_size",
+    "max_micro_batch": "batch.max_micro_batch", "epochs": "epochs", "max_steps": "max_steps",
+    "seed": "seed", "name": "name", "run_dir": "run_dir", "backend": "collective.backend",
+    "algorithm": "collective.algorithm",
+}
+
+
+def _overrides(options: dict[str, object]) -> dict[str, object]:
+    return {dotted: options[option] for option, dotted in _OPTION_FIELDS.items()}
+
+
 def _prepare(target: str, config: pathlib.Path | None, debug: bool, kill_at: list[str] | None,
              ledger: bool, overrides: dict[str, object]) -> tuple[elastic.FitConfig, elastic.TrainJob]:
     """Config file, then command-line overrides, then the target; one line on bad input."""
@@ -280,13 +294,7 @@ def run(
     debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
 ) -> None:
     """Train TARGET in the foreground, printing recovery events as they happen."""
-    fit_config, job = _prepare(target, config, debug, kill_at, ledger, {
-        "scaling.num_workers": workers, "scaling.min_workers": min_workers,
-        "scaling.max_workers": max_workers, "batch.global_batch_size": global_batch,
-        "batch.max_micro_batch": max_micro_batch, "epochs": epochs, "max_steps": max_steps,
-        "seed": seed, "name": name, "run_dir": run_dir, "collective.backend": backend,
-        "collective.algorithm": algorithm,
-    })
+    fit_config, job = _prepare(target, config, debug, kill_at, ledger, _overrides(locals()))
     if address:
         os.environ["RAY_ADDRESS"] = address
     run_name = fit_config.name or f"run-{os.getpid()}"
@@ -346,13 +354,7 @@ def start(
     debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
 ) -> None:
     """Start TARGET as a detached run on a running Ray cluster and return at once."""
-    fit_config, job = _prepare(target, config, debug, kill_at, ledger, {
-        "scaling.num_workers": workers, "scaling.min_workers": min_workers,
-        "scaling.max_workers": max_workers, "batch.global_batch_size": global_batch,
-        "batch.max_micro_batch": max_micro_batch, "epochs": epochs, "max_steps": max_steps,
-        "seed": seed, "name": name, "run_dir": run_dir, "collective.backend": backend,
-        "collective.algorithm": algorithm,
-    })
+    fit_config, job = _prepare(target, config, debug, kill_at, ledger, _overrides(locals()))
     if address:
         os.environ["RAY_ADDRESS"] = address
     try:

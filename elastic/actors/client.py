@@ -77,20 +77,29 @@ def new_run_name() -> str:
     return f"run-{uuid.uuid4().hex[:8]}"
 
 
-def run_controller(job: TrainJob, config: FitConfig, name: str, run_dir: str) -> Outcome:
-    """Starts the controller actor of a run and waits for its outcome."""
-    ensure_ray(config)
+def _launch(job: TrainJob, config: FitConfig, name: str, run_dir: str, detached: bool) -> Any:
+    """Creates the named controller actor of a run (the job's code travels with it)."""
     ship_job_code(job)
     try:
         ray.get_actor(controller_name(name), namespace=NAMESPACE)
     except ValueError:
         pass
     else:
-        raise ValueError(f"a run named {name!r} is already running; choose another name")
-    controller = RemoteController.options(
+        raise ConfigError(f"a run named {name!r} is already running; choose another name")
+    return RemoteController.options(
         name=controller_name(name), namespace=NAMESPACE, num_cpus=0, max_concurrency=16,
-        lifetime=None,
-    ).remote(job, config, name, run_dir)
+        lifetime="detached" if detached else None,
+    ).remote(job, config, name, run_dir, detached)
+
+
+def run_controller(job: TrainJob, config: FitConfig, name: str, run_dir: str) -> Outcome:
+    """Starts the controller actor of a run and waits for its outcome.
+
+    Raises:
+        ConfigError: the name is taken.
+    """
+    ensure_ray(config)
+    controller = _launch(job, config, name, run_dir, detached=False)
     try:
         return ray.get(controller.run.remote())
     finally:
@@ -111,17 +120,7 @@ def start_detached(job: TrainJob, config: FitConfig, name: str, run_dir: str) ->
             "a detached run needs a running Ray cluster that outlives this process: start one "
             "with `ray start --head` (or pass --address); `elastic run` uses a local one"
         ) from e
-    ship_job_code(job)
-    try:
-        ray.get_actor(controller_name(name), namespace=NAMESPACE)
-    except ValueError:
-        pass
-    else:
-        raise ConfigError(f"a run named {name!r} is already running; choose another name")
-    controller = RemoteController.options(
-        name=controller_name(name), namespace=NAMESPACE, num_cpus=0, max_concurrency=16,
-        lifetime="detached",
-    ).remote(job, config, name, run_dir, True)
+    controller = _launch(job, config, name, run_dir, detached=True)
     # Wait until it exists (its constructor ran), so that status works right after this.
     ray.get(controller.status.remote())
 
