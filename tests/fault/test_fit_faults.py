@@ -62,3 +62,17 @@ def test_losing_every_worker_fails_with_a_typed_error_instead_of_restarting_from
     with pytest.raises(WorkerLostError, match="no checkpoint") as info:
         elastic.fit(regression_job(), config)
     assert info.value.step == 3
+
+
+def test_below_min_workers_without_capacity_in_time_fails_with_a_clear_error(ray_cluster, tmp_path):
+    from elastic.errors import InsufficientWorkersError
+
+    chaos = (ChaosEvent(step=2, rank=1, action="kill", phase="forward"),)
+    # A replacement cannot start within 0.2 s (a worker process plus torch takes seconds).
+    config = FitConfig(
+        scaling=ScalingConfig(num_workers=2, min_workers=2), max_steps=9,
+        batch=BatchConfig(global_batch_size=B), run_dir=str(tmp_path / "run"), chaos=chaos,
+        failure=FailureConfig(capacity_timeout=timedelta(seconds=0.2)),
+    )
+    with pytest.raises(InsufficientWorkersError, match="min_workers"):
+        elastic.fit(regression_job(), config)
