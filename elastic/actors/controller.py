@@ -37,6 +37,7 @@ from elastic.errors import (
     WorkerLostError,
 )
 from elastic.job import TrainJob
+from elastic.recovery import PendingRecovery
 from elastic.runlog import RunLog
 
 logger = logging.getLogger(__name__)
@@ -72,20 +73,6 @@ class Outcome:
     error: BaseException | None
 
 
-@dataclass
-class _PendingRecovery:
-    detected: float
-    killed_at: float | None
-    aborted: float
-    rebuilt: float
-    restored: float
-    lost_ranks: list[int]
-    work_lost_steps: int
-    world_before: int
-    world_after: int
-    step: int
-
-
 class _Failed(Exception):
     """Internal: ends the control loop with a typed error."""
 
@@ -119,7 +106,7 @@ class Controller:
         self._target = config.scaling.num_workers
         self._scaled_by_user = False
         self._stop_requested = False
-        self._recovery: _PendingRecovery | None = None
+        self._recovery: PendingRecovery | None = None
         self._killed_at: float | None = None  # time of the last kill() request
         self.checkpoints = CheckpointCoordinator(config, self.log)
         self._evaluation: dict[str, float] = {}
@@ -543,7 +530,8 @@ class Controller:
                 self.log.ledger(step, first.epoch, list(first.indices))
         if self._recovery is not None and by_step:
             first_end = min(r.end_time for r in by_step[min(by_step)])
-            self._finish_recovery(first_end)
+            self.log.event("recovered", **self._recovery.breakdown(first_end))
+            self._recovery = None
 
     def _recover(self, lost: list[int], results: dict[int, ChunkResult], detected: float,
                  chaos: list[ChaosEvent]) -> None:
@@ -564,7 +552,7 @@ class Controller:
         if lost:
             self._drop(lost, "actor died")
         rebuilt, restored = self._form("recovery")
-        self._recovery = _PendingRecovery(
+        self._recovery = PendingRecovery(
             detected=detected or aborted, killed_at=killed_at, aborted=aborted, rebuilt=rebuilt,
             restored=restored, lost_ranks=lost, world_before=world_before,
             # The step in flight when the worker died is redone; steps already committed by
@@ -573,22 +561,6 @@ class Controller:
             world_after=len(self.members), step=self.global_step,
         )
         self._set_state(RunState.RUNNING)
-
-    def _finish_recovery(self, first_step_end: float) -> None:
-        rec = self._recovery
-        assert rec is not None
-        self._recovery = None
-        timing = {
-            "detect_s": (rec.detected - rec.killed_at) if rec.killed_at else None,
-            "abort_s": rec.aborted - rec.detected,
-            "rebuild_s": rec.rebuilt - rec.aborted,
-            "restore_s": rec.restored - rec.rebuilt,
-            "first_step_s": first_step_end - rec.restored,
-        }
-        start = rec.killed_at or rec.detected
-        self.log.event("recovered", lost_ranks=rec.lost_ranks, world_before=rec.world_before,
-                       world_after=rec.world_after, step=rec.step, work_lost_steps=rec.work_lost_steps,
-                       total_s=first_step_end - start, **timing)
 
     def _user_error(self, results: dict[int, ChunkResult]) -> None:
         failures = [r.failure for r in results.values() if r.failure is not None]

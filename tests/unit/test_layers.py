@@ -22,6 +22,7 @@ FORBIDDEN = {
     "elastic.bench": ("ray", "elastic.actors"),
     "elastic.api": ("cli", "ray"),
     "elastic.report": ("ray", "torch", "elastic.actors"),
+    "elastic.recovery": ("ray", "torch", "elastic.actors"),
     "elastic.demo": ("ray", "elastic.actors", "cli"),
     "elastic.actors": ("cli",),
     "cli": ("elastic.actors", "ray"),

@@ -37,3 +37,16 @@ def test_a_world_larger_than_the_batch_gets_zero_shares():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="world_size"):
         plan_batch(8, 0, None)
+
+
+def test_a_recovery_breakdown_adds_up_to_its_total():
+    from elastic.recovery import PendingRecovery
+
+    rec = PendingRecovery(detected=10.02, killed_at=10.0, aborted=10.05, rebuilt=10.15,
+                          restored=10.2, lost_ranks=[1], work_lost_steps=1, world_before=4,
+                          world_after=3, step=7)
+    fields = rec.breakdown(first_step_end=10.3)
+    stages = ("detect_s", "abort_s", "rebuild_s", "restore_s", "first_step_s")
+    assert sum(fields[k] for k in stages) == pytest.approx(fields["total_s"])
+    assert fields["total_s"] == pytest.approx(0.3)
+    assert fields["world_before"] == 4 and fields["world_after"] == 3
