@@ -11,6 +11,7 @@ import pathlib
 import threading
 from typing import Annotated
 
+import pydantic
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -174,15 +175,10 @@ def _set(tree: dict, dotted: str, value: object) -> None:
 
 
 def _one_line(e: Exception) -> str:
-    try:
-        import pydantic
-
-        if isinstance(e, pydantic.ValidationError):
-            first = e.errors()[0]
-            where = ".".join(str(x) for x in first["loc"]) or "config"
-            return f"invalid configuration: {where}: {first['msg']} ({e.error_count()} problem(s))"
-    except ImportError:
-        pass
+    if isinstance(e, pydantic.ValidationError):
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "config"
+        return f"invalid configuration: {where}: {first['msg']} ({e.error_count()} problem(s))"
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 

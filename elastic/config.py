@@ -156,6 +156,17 @@ class ChaosEvent(_Frozen):
     phase: ChaosPhase = Field(default="forward", description="Where in the step the fault fires.")
     factor: float = Field(default=2.0, gt=0, description="Slow-down factor for action 'slow'.")
 
+    @model_validator(mode="after")
+    def _raise_only_in_user_code(self) -> ChaosEvent:
+        # 'raise' stands for a bug in user code; in the allreduce or optimizer phase it would
+        # escape the step's error vote and look like a bug of ours.
+        if self.action == "raise" and self.phase not in ("data", "forward", "backward"):
+            raise ValueError(
+                f"chaos action 'raise' fires in user code only; use phase data, forward or "
+                f"backward, not {self.phase!r}"
+            )
+        return self
+
 
 class CheckpointConfig(_Frozen):
     """Where and how often checkpoints are written; a run with the same path resumes."""

@@ -46,3 +46,11 @@ def test_every_config_field_has_a_description():
     for model in models:
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"
+
+
+def test_chaos_raise_outside_user_code_is_refused():
+    from elastic.config import ChaosEvent
+
+    with pytest.raises(pydantic.ValidationError, match="user code only"):
+        ChaosEvent(step=1, rank=0, action="raise", phase="allreduce")
+    assert ChaosEvent(step=1, rank=0, action="raise", phase="backward").phase == "backward"
