@@ -122,6 +122,36 @@ def bench_recovery(
         console.print(f"wrote {json_path}")
 
 
+@bench_app.command("adapt")
+def bench_adapt(
+    workers: Annotated[int, typer.Option(help="Workers in the run (the last one is slowed).")] = 4,
+    slow_factor: Annotated[float, typer.Option(help="How many times slower the slow worker is.")] = 2.0,
+    steps: Annotated[int, typer.Option(help="Steps in the run.")] = 64,
+    batch: Annotated[int, typer.Option(help="Global batch size.")] = 256,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Slow one worker down; compare step time on the even split with that after rebalancing."""
+    from elastic.bench.adapt import run_adapt_bench
+
+    try:
+        r = run_adapt_bench(workers, slow_factor, steps, batch)
+    except (ValueError, RuntimeError, ElasticError) as e:
+        raise _fail(_one_line(e)) from None
+    table = Table(title=f"one of {workers} workers {slow_factor:g}x slower, global batch {batch}")
+    for column in ("split", "shares", "steps", "median step ms"):
+        table.add_column(column, justify="right")
+    table.add_row("even", str(r.shares_even), str(r.even_steps), f"{r.even_median_s * 1e3:.1f}")
+    table.add_row("rebalanced", str(r.shares_rebalanced), str(r.rebalanced_steps),
+                  f"{r.rebalanced_median_s * 1e3:.1f}")
+    console.print(table)
+    console.print(f"rebalanced / even step time: {r.ratio:.2f}x ({len(r.rebalances)} rebalance(s)); "
+                  f"run dir {r.run_dir}")
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(r.to_json(), indent=2))
+        console.print(f"wrote {json_path}")
+
+
 @bench_app.command("checkpoint")
 def bench_checkpoint(
     size_mb: Annotated[int, typer.Option(help="State size in MiB (model + optimizer).")] = 256,
@@ -201,6 +231,22 @@ def _describe(event: dict) -> str | None:
     if kind == "evaluate":
         metrics = {k: v for k, v in event.items() if k not in ("time", "event", "step", "epoch")}
         return f"epoch {event['epoch']} evaluation: {metrics}"
+    if kind == "micro_batch_tuned":
+        rates = ", ".join(f"{k}: {v:.0f}/s" for k, v in event["samples_per_s"].items())
+        return f"micro-batch {event['micro_batch']} chosen after trying {rates}"
+    if kind == "oom_backoff":
+        return (f"out of memory on rank {event['rank']} at step {event['step']}: micro-batch "
+                f"{event['micro_batch_before']} -> {event['micro_batch_after']}, step redone")
+    if kind == "rebalanced":
+        return (f"shares rebalanced {event['shares_before']} -> {event['shares_after']} "
+                f"(predicted compute {event['predicted_before_s'] * 1e3:.0f} -> "
+                f"{event['predicted_after_s'] * 1e3:.0f} ms)")
+    if kind == "batch_planned":
+        return (f"global batch {event['global_batch_size']} for {event['world_size']} workers, "
+                f"learning-rate factor {event['lr_factor_from']:.3g} -> {event['lr_factor_to']:.3g} "
+                f"over {event['warmup_steps']} steps")
+    if kind == "checkpoint_written":
+        return f"checkpoint of step {event['step']} written in {event['seconds']:.2f} s"
     if kind in ("worker_hung", "stopping", "failed", "chaos"):
         return f"{kind}: {({k: v for k, v in event.items() if k not in ('time', 'event')})}"
     return None
@@ -232,7 +278,8 @@ class _EventTail:
 _OPTION_FIELDS = {
     "workers": "scaling.num_workers", "min_workers": "scaling.min_workers",
     "max_workers": "scaling.max_workers", "global_batch": "batch.global_batch_size",
-    "max_micro_batch": "batch.max_micro_batch", "epochs": "epochs", "max_steps": "max_steps",
+    "max_micro_batch": "batch.max_micro_batch", "batch_policy": "batch.policy",
+    "epochs": "epochs", "max_steps": "max_steps",
     "seed": "seed", "name": "name", "run_dir": "run_dir", "backend": "collective.backend",
     "algorithm": "collective.algorithm",
 }
@@ -276,6 +323,9 @@ def run(
     max_workers: Annotated[int | None, typer.Option(help="Most workers to grow to.")] = None,
     global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step.")] = None,
     max_micro_batch: Annotated[int | None, typer.Option(help="Micro-batch cap per worker.")] = None,
+    batch_policy: Annotated[str | None, typer.Option(
+        help="'fixed' (default) or 'scale_with_workers' (batch and learning rate follow the "
+        "world size).")] = None,
     epochs: Annotated[int | None, typer.Option(help="Epochs to train.")] = None,
     max_steps: Annotated[int | None, typer.Option(help="Optimizer steps to train.")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed of the model and the sample order.")] = None,
@@ -336,6 +386,9 @@ def start(
     max_workers: Annotated[int | None, typer.Option(help="Most workers to grow to.")] = None,
     global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step.")] = None,
     max_micro_batch: Annotated[int | None, typer.Option(help="Micro-batch cap per worker.")] = None,
+    batch_policy: Annotated[str | None, typer.Option(
+        help="'fixed' (default) or 'scale_with_workers' (batch and learning rate follow the "
+        "world size).")] = None,
     epochs: Annotated[int | None, typer.Option(help="Epochs to train.")] = None,
     max_steps: Annotated[int | None, typer.Option(help="Optimizer steps to train.")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed of the model and the sample order.")] = None,

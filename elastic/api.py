@@ -23,6 +23,7 @@ def fit(job: TrainJob, config: FitConfig) -> FitResult:
         InsufficientWorkersError: fewer than `scaling.min_workers` workers for too long.
         StartupTimeoutError: the workers did not start in time.
         ConfigError: the job cannot be built (a factory raised or returned the wrong type).
+        WorkerOutOfMemoryError: a worker ran out of memory even at micro-batch 1.
     """
     if not isinstance(job, TrainJob):
         raise TypeError(f"fit needs an elastic.TrainJob, got {type(job).__name__}")

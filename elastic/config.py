@@ -100,16 +100,60 @@ class ScalingConfig(_Frozen):
         return self.max_workers or self.num_workers
 
 
+BatchPolicy = Literal["fixed", "scale_with_workers"]
+LrScaling = Literal["linear", "sqrt", "none"]
+
+
 class BatchConfig(_Frozen):
-    """The global batch (part of the math) and the micro-batch cap (not part of it)."""
+    """The global batch (part of the math), how it is split (not part of it), and the policy
+    for users who want the global batch to follow the world size."""
 
     global_batch_size: int = Field(
-        ge=1, description="Samples per optimizer step, summed over all workers; fixed for the run."
+        ge=1, description="Samples per optimizer step, summed over all workers. Fixed for the run "
+        "with policy 'fixed'; with 'scale_with_workers' it is the batch at scaling.num_workers."
     )
     max_micro_batch: int | None = Field(
         default=None, ge=1,
         description="Largest micro-batch a worker runs forward/backward on at once; larger shares "
         "are accumulated. Default: no cap.",
+    )
+    policy: BatchPolicy = Field(
+        default="fixed",
+        description="'fixed': the global batch never changes, so an elastic run reproduces an "
+        "uninterrupted one. 'scale_with_workers': global batch = (global_batch_size / "
+        "scaling.num_workers) x world size, with the learning rate scaled by batch.lr_scaling.",
+    )
+    lr_scaling: LrScaling = Field(
+        default="linear",
+        description="With policy 'scale_with_workers': the learning-rate factor for a batch k "
+        "times the initial one, 'linear' (k, Goyal et al. 2017), 'sqrt' (sqrt k) or 'none'.",
+    )
+    warmup_steps: int = Field(
+        default=0, ge=0,
+        description="With policy 'scale_with_workers': steps over which the learning-rate factor "
+        "ramps linearly to its new value after every change of the world size (0: at once).",
+    )
+    autotune: bool = Field(
+        default=True,
+        description="After the start and every membership change, try candidate micro-batch "
+        "sizes on real steps (the math does not change) and keep the fastest.",
+    )
+    autotune_candidates: int = Field(
+        default=3, ge=1,
+        description="Micro-batch sizes tried: the largest allowed, then halvings of it.",
+    )
+    autotune_steps: int = Field(
+        default=2, ge=1, description="Steps each micro-batch candidate is timed for."
+    )
+    rebalance: bool = Field(
+        default=True,
+        description="Measure each worker's throughput and give faster workers larger shares, "
+        "so that the slowest worker stops setting the pace (the math does not change).",
+    )
+    rebalance_threshold: float = Field(
+        default=0.15, gt=0, lt=1,
+        description="Re-split only when the predicted compute time of a step drops by at least "
+        "this fraction (hysteresis against noise).",
     )
 
 
@@ -140,7 +184,7 @@ class FailureConfig(_Frozen):
     )
 
 
-ChaosAction = Literal["kill", "hang", "raise", "slow"]
+ChaosAction = Literal["kill", "hang", "raise", "slow", "oom"]
 ChaosPhase = Literal["data", "forward", "backward", "allreduce", "optimizer"]
 
 
@@ -151,19 +195,25 @@ class ChaosEvent(_Frozen):
     rank: int = Field(ge=0, description="Rank (in the generation current at that step) that fails.")
     action: ChaosAction = Field(
         description="'kill' (SIGKILL the worker), 'hang' (sleep forever), 'raise' (InjectedFault "
-        "from user code), 'slow' (sleep factor x the step's compute time)."
+        "from user code), 'oom' (torch.OutOfMemoryError from user code), 'slow' (the worker's "
+        "data, forward and backward take `factor` times as long, for `steps` steps)."
     )
-    phase: ChaosPhase = Field(default="forward", description="Where in the step the fault fires.")
-    factor: float = Field(default=2.0, gt=0, description="Slow-down factor for action 'slow'.")
+    phase: ChaosPhase = Field(default="forward", description="Where in the step the fault fires "
+                              "(ignored by 'slow', which stretches the whole compute part).")
+    factor: float = Field(default=2.0, gt=1, description="Slow-down factor for action 'slow'.")
+    steps: int | None = Field(
+        default=1, ge=1,
+        description="Steps a 'slow' fault lasts, on the worker it hit (None: the rest of its life).",
+    )
 
     @model_validator(mode="after")
     def _raise_only_in_user_code(self) -> ChaosEvent:
-        # 'raise' stands for a bug in user code; in the allreduce or optimizer phase it would
-        # escape the step's error vote and look like a bug of ours.
-        if self.action == "raise" and self.phase not in ("data", "forward", "backward"):
+        # 'raise' and 'oom' stand for errors in user code; in the allreduce or optimizer phase
+        # they would escape the step's error vote and look like a bug of ours.
+        if self.action in ("raise", "oom") and self.phase not in ("data", "forward", "backward"):
             raise ValueError(
-                f"chaos action 'raise' fires in user code only; use phase data, forward or "
-                f"backward, not {self.phase!r}"
+                f"chaos action {self.action!r} fires in user code only; use phase data, forward "
+                f"or backward, not {self.phase!r}"
             )
         return self
 
@@ -231,6 +281,18 @@ class FitConfig(_Frozen):
     def _check(self) -> FitConfig:
         if self.epochs is None and self.max_steps is None:
             raise ValueError("set epochs or max_steps (or both) so that the run has an end")
+        batch = self.batch
+        if batch.policy == "scale_with_workers" and batch.global_batch_size % self.scaling.num_workers:
+            raise ValueError(
+                f"batch.policy 'scale_with_workers' needs batch.global_batch_size "
+                f"({batch.global_batch_size}) divisible by scaling.num_workers "
+                f"({self.scaling.num_workers}): it is the per-worker batch times the workers"
+            )
+        if batch.policy == "fixed" and (batch.warmup_steps or batch.lr_scaling != "linear"):
+            raise ValueError(
+                "batch.lr_scaling and batch.warmup_steps apply only with batch.policy "
+                "'scale_with_workers'; the 'fixed' policy never changes the learning rate"
+            )
         if self.scaling.use_gpu and self.collective.backend != "nccl":
             raise ValueError("scaling.use_gpu needs collective.backend='nccl'")
         return self

@@ -141,6 +141,23 @@ class UserCodeError(ElasticError):
         return (_rebuild_kw, (type(self), self.args[0], fields))
 
 
+class WorkerOutOfMemoryError(ElasticError):
+    """A worker ran out of memory at micro-batch size 1, so there is nothing left to back off.
+
+    Recovery: none; the run fails with the rank and step. Smaller micro-batches were tried
+    first (each out-of-memory error halves that rank's micro-batch and redoes the step); use a
+    smaller model, more memory per worker, or more workers.
+    """
+
+    def __init__(self, message: str, *, rank: int, step: int):
+        super().__init__(message)
+        self.rank = rank
+        self.step = step
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_kw, (type(self), self.args[0], {"rank": self.rank, "step": self.step}))
+
+
 class CheckpointCorruptError(ElasticError):
     """A checkpoint's manifest or checksums do not verify, or it holds a forbidden payload.
 

@@ -75,3 +75,52 @@ def reference_weights(seed: int, global_batch: int, steps: int) -> dict[str, tor
         nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference_run(job: TrainJob, seed: int, batches: list[int],
+                  lrs: list[float] | None = None) -> dict[str, torch.Tensor]:
+    """One process, the public sample order with a global batch per step (`batches`) and, if
+    given, the learning rate of each step (`lrs`); written without project code."""
+    torch.manual_seed(seed)
+    model = job.model()
+    opt = job.optimizer(model.parameters())
+    data = job.dataset()
+    n = len(data)
+    epoch, offset = 0, 0
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    for step, b in enumerate(batches):
+        if offset + b > n:
+            epoch, offset = epoch + 1, 0
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+        idx = perm[offset : offset + b]
+        offset += b
+        samples = [data[int(i)] for i in idx]
+        batch = [torch.stack([s[k] for s in samples]) for k in range(len(samples[0]))]
+        opt.zero_grad()
+        job.loss(model, batch).backward()
+        if lrs is not None:
+            for group in opt.param_groups:
+                group["lr"] = lrs[step]
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+WIDE_SAMPLES = 1024
+
+
+def make_wide_dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(WIDE_SAMPLES, 64, generator=g, dtype=torch.float64)
+    y = torch.tanh(x[:, :1]) + 0.1 * torch.randn(WIDE_SAMPLES, 1, generator=g, dtype=torch.float64)
+    return TensorDataset(x, y)
+
+
+def make_wide_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 384), nn.Tanh(), nn.Linear(384, 384), nn.Tanh(),
+                         nn.Linear(384, 1)).double()
+
+
+def wide_job() -> TrainJob:
+    """Compute-heavy enough (per sample) that a slowed rank shows in the step time."""
+    return TrainJob(model=make_wide_model, optimizer=make_optimizer, loss=mse,
+                    dataset=make_wide_dataset)

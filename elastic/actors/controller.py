@@ -24,7 +24,10 @@ from ray.exceptions import RayActorError, RayTaskError
 from elastic.actors.checkpointing import CheckpointCoordinator
 from elastic.actors.state import RunState
 from elastic.actors.worker import ChunkResult, WorkerActor
-from elastic.adapt.plan import plan_batch
+from elastic.adapt.balance import ThroughputTracker, rebalance
+from elastic.adapt.lr import LrRamp, global_batch_for, resize
+from elastic.adapt.plan import BatchPlan, plan_batch
+from elastic.adapt.tuning import MicroBatchTuner, back_off, candidates
 from elastic.collective import RendezvousServer
 from elastic.config import ChaosEvent, FitConfig
 from elastic.errors import (
@@ -35,10 +38,12 @@ from elastic.errors import (
     StartupTimeoutError,
     UserCodeError,
     WorkerLostError,
+    WorkerOutOfMemoryError,
 )
 from elastic.job import TrainJob
 from elastic.recovery import PendingRecovery
 from elastic.runlog import RunLog
+from elastic.trainer.data import Cursor
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +100,19 @@ class Controller:
         self.members: list[_Member] = []
         self.pending: dict[Any, Any] = {}  # info() ref -> actor, replacements starting
         self.generation = -1
-        self.global_step = 0
+        self.cursor = Cursor()
         self.total_steps = 0
-        self.steps_per_epoch = 0
+        self.dataset_size = 0
+        # Batch policy state: the global batch in force, the learning-rate ramp (policy
+        # 'scale_with_workers'), per-worker throughput and the decisions taken on it.
+        self.batch_now = config.batch.global_batch_size
+        self.lr_ramp: LrRamp | None = None
+        self.tracker = ThroughputTracker()
+        self.weights: dict[int, float] = {}  # worker id -> rate of the last rebalance
+        self.micro_caps: dict[int, int] = {}  # worker id -> cap after out-of-memory errors
+        self.tuned_micro: int | None = None
+        self.tuner: MicroBatchTuner | None = None
+        self.plan: BatchPlan | None = None
         self.failures = 0
         self.user_retries: dict[int, int] = {}
         self.chaos = sorted(config.chaos, key=lambda e: e.step)
@@ -130,6 +145,10 @@ class Controller:
         # The record of the run stays in run_dir; the named actor goes away.
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
+    @property
+    def global_step(self) -> int:
+        return self.cursor.step
+
     def events(self) -> list[dict[str, Any]]:
         """Every event so far (for `elastic logs`)."""
         return list(self.log.events)
@@ -143,6 +162,9 @@ class Controller:
                 "name": self.name, "state": self.state.value, "step": self.global_step,
                 "total_steps": self.total_steps, "generation": self.generation,
                 "world_size": len(self.members), "target_workers": self._target,
+                "global_batch_size": self.batch_now,
+                "shares": list(self.plan.shares) if self.plan else None,
+                "micro_batches": list(self.plan.micro_batches) if self.plan else None,
                 "starting_workers": len(self.pending), "failures": self.failures,
                 "workers": [{"rank": r, "worker_id": m.worker_id, "pid": m.pid, "node_id": m.node_id}
                             for r, m in enumerate(self.members)],
@@ -220,7 +242,7 @@ class Controller:
         self.server.close()
         return Outcome(
             model_state=model_state, steps=self.global_step,
-            samples=self.global_step * self.config.batch.global_batch_size,
+            samples=self.cursor.samples,
             events=list(self.log.events), metrics=list(self.log.metrics),
             evaluation=self._evaluation, stopped=self._stop_requested, error=error,
         )
@@ -260,11 +282,21 @@ class Controller:
                 f"within {self.config.failure.startup_timeout}; need at least "
                 f"{self.config.scaling.lower}. Raise failure.startup_timeout or add capacity"
             ))
-        self.steps_per_epoch, dataset_size = ray.get(self.members[0].actor.dataset_shape.remote())
-        by_epochs = self.config.epochs * self.steps_per_epoch if self.config.epochs else None
-        limits = [x for x in (by_epochs, self.config.max_steps) if x is not None]
-        self.total_steps = min(limits)
-        self.log.event("planned", dataset_size=dataset_size, steps_per_epoch=self.steps_per_epoch,
+        self.dataset_size = ray.get(self.members[0].actor.dataset_size.remote())
+        batch = self.config.batch
+        largest = global_batch_for(batch.policy, batch.global_batch_size,
+                                   self.config.scaling.num_workers, self.config.scaling.upper)
+        if largest > self.dataset_size:
+            raise _Failed(ConfigError(
+                f"at scaling.max_workers = {self.config.scaling.upper} the global batch would be "
+                f"{largest}, more than the {self.dataset_size} samples of the data set; lower "
+                "batch.global_batch_size or scaling.max_workers"
+            ))
+        self.batch_now = global_batch_for(batch.policy, batch.global_batch_size,
+                                          self.config.scaling.num_workers, len(self.members))
+        self.total_steps = self._total_steps()
+        self.log.event("planned", dataset_size=self.dataset_size,
+                       steps_per_epoch=self.dataset_size // self.batch_now,
                        total_steps=self.total_steps)
         if self.checkpoints.enabled:
             self.checkpoints.restore(self.members[0].actor, "resumed", self.global_step)
@@ -302,18 +334,79 @@ class Controller:
                         "no checkpoint is available to restore from; the run cannot continue",
                         step=self.global_step,
                     ))
-                self.global_step = restored
                 steps[0], src = restored, 0
-            _, dead = self._gather([m.actor.sync.remote(src) for m in self.members])
+            cursors, dead = self._gather([m.actor.sync.remote(src) for m in self.members])
             if dead:
                 self._drop(dead, "lost while restoring")
                 continue
-            self.global_step = steps[src]
+            self.cursor = Cursor(**cursors[src])
             restored = time.time()
             self.log.event("generation", generation=self.generation, world_size=n, reason=reason,
                            source_rank=src, step=self.global_step,
                            workers=[m.worker_id for m in self.members])
+            self._replan(reason)
             return rebuilt, restored
+
+    def _replan(self, reason: str) -> None:
+        """After a new generation: the global batch and learning-rate ramp for its size (policy
+        'scale_with_workers'), the step count that follows, and a new micro-batch tuning."""
+        batch = self.config.batch
+        n = len(self.members)
+        if batch.policy != "fixed":
+            decision = resize(batch.policy, batch.lr_scaling, batch.warmup_steps,
+                              batch.global_batch_size, self.config.scaling.num_workers, n,
+                              self.global_step, self.lr_ramp)
+            if decision.global_batch_size != self.batch_now or self.lr_ramp is None \
+                    or decision.ramp.to_factor != self.lr_ramp.to_factor:
+                self.log.event("batch_planned", reason=reason, world_size=n, step=self.global_step,
+                               global_batch_size=decision.global_batch_size,
+                               lr_factor_from=decision.ramp.from_factor,
+                               lr_factor_to=decision.ramp.to_factor,
+                               warmup_steps=decision.ramp.warmup_steps)
+            self.batch_now = decision.global_batch_size
+            self.lr_ramp = decision.ramp
+        self.total_steps = self._total_steps()
+        self.tuner = None
+        if batch.autotune:
+            largest = max(plan_batch(self.batch_now, n, batch.max_micro_batch,
+                                     self._weights()).shares)
+            options = candidates(largest, batch.max_micro_batch, batch.autotune_candidates)
+            if len(options) > 1:
+                self.tuner = MicroBatchTuner(options, batch.autotune_steps, reason)
+                self.tuned_micro = None
+
+    def _total_steps(self) -> int:
+        """The step at which the run ends, at the global batch now in force."""
+        limits = [self.config.max_steps] if self.config.max_steps else []
+        if self.config.epochs:
+            n, b, cursor = self.dataset_size, self.batch_now, self.cursor
+            done = cursor.epochs_done(n, b)
+            if done >= self.config.epochs:
+                limits.append(cursor.step)
+            else:
+                limits.append(cursor.step + cursor.steps_left_in_epoch(n, b)
+                              + (self.config.epochs - done - 1) * (n // b))
+        return min(limits)
+
+    def _weights(self) -> list[float] | None:
+        """Relative throughput of the members (for shares), or None for an even split."""
+        if not self.config.batch.rebalance or not self.weights:
+            return None
+        known = [self.weights[m.worker_id] for m in self.members if m.worker_id in self.weights]
+        if not known:
+            return None
+        fill = sorted(known)[len(known) // 2]  # a newcomer counts as a typical worker
+        return [self.weights.get(m.worker_id, fill) for m in self.members]
+
+    def _make_plan(self) -> BatchPlan:
+        trial = self.tuner.next_trial() if self.tuner is not None else None
+        common = trial if trial is not None else self.tuned_micro
+        caps = []
+        for m in self.members:
+            limits = [c for c in (common, self.micro_caps.get(m.worker_id)) if c is not None]
+            caps.append(min(limits) if limits else None)
+        return plan_batch(self.batch_now, len(self.members), self.config.batch.max_micro_batch,
+                          self._weights(), caps)
 
     def _gather(self, refs: list[Any]) -> tuple[list[Any], list[int]]:
         """ray.get of one ref per member; returns values and the ranks whose actor died."""
@@ -441,10 +534,12 @@ class Controller:
 
     def _chunk(self) -> None:
         step = self.global_step
-        n = len(self.members)
-        plan = plan_batch(self.config.batch.global_batch_size, n, self.config.batch.max_micro_batch)
+        plan = self.plan = self._make_plan()
+        trial = self.tuner.next_trial() if self.tuner is not None else None
         num = min(self.config.steps_per_chunk, self.total_steps - step,
-                  self.steps_per_epoch - step % self.steps_per_epoch)
+                  self.cursor.steps_left_in_epoch(self.dataset_size, self.batch_now))
+        if trial is not None:
+            num = min(num, self.tuner.steps_left(trial))
         # A chunk starts at a chaos event's step, so that dispatching it is firing it.
         every = self.config.checkpoint.every_steps if self.config.checkpoint else None
         if every:
@@ -456,7 +551,8 @@ class Controller:
         self.chaos = [e for e in self.chaos if e.step != step]
         for event in chaos:
             self.log.event("chaos", **event.model_dump())
-        refs = {m.actor.run_chunk.remote(plan, num, chaos): r for r, m in enumerate(self.members)}
+        refs = {m.actor.run_chunk.remote(plan, num, chaos, self.lr_ramp): r
+                for r, m in enumerate(self.members)}
         results, lost, detected = self._wait_chunk(refs)
         self._record(results)
         if lost:
@@ -464,13 +560,19 @@ class Controller:
             return
         statuses = {r.status for r in results.values()}
         if statuses == {"ok"}:
-            self.global_step = max(r.committed_step for r in results.values())
-            if self.global_step % self.steps_per_epoch == 0 or self.global_step == self.total_steps:
+            self.cursor = Cursor(**max((r.cursor for r in results.values()),
+                                       key=lambda c: c["step"]))
+            self._adapt(trial, results)
+            epoch_over = self.cursor.start(self.dataset_size, self.batch_now)[0] > self.cursor.epoch
+            if epoch_over or self.global_step == self.total_steps:
                 self._evaluate()
             self.checkpoints.maybe_write(self.members[0].actor, self.global_step, len(self.members))
             return
         if "user_error" in statuses:
             self._user_error(results)
+            return
+        if "oom" in statuses:
+            self._out_of_memory(plan, results)
             return
         # A collective error without a lost worker (a timeout): rebuild as after a failure.
         self._recover([], results, time.time(), chaos)
@@ -511,25 +613,68 @@ class Controller:
                                worker_id=self.members[rank].worker_id)
                 ray.kill(self.members[rank].actor, no_restart=True)
 
+    def _adapt(self, trial: int | None, results: dict[int, ChunkResult]) -> None:
+        """After a chunk that completed on every rank: the micro-batch trial's result, and a
+        rebalance of the shares if the measured throughputs call for one."""
+        batch = self.config.batch
+        if trial is not None and self.tuner is not None:
+            times: dict[int, float] = {}
+            for result in results.values():
+                for record in result.records:
+                    times[record.step] = max(times.get(record.step, 0.0), record.step_time_s)
+            self.tuner.observe(trial, self.batch_now, list(times.values()))
+            decision = self.tuner.decision()
+            if decision is not None:
+                self.tuner, self.tuned_micro = None, decision.micro_batch
+                self.log.event("micro_batch_tuned", step=self.global_step, reason=decision.reason,
+                               micro_batch=decision.micro_batch,
+                               samples_per_s={str(k): round(v, 2)
+                                              for k, v in decision.samples_per_s.items()})
+            return
+        if not batch.rebalance or len(self.members) < 2 or self.plan is None:
+            return
+        ids = [m.worker_id for m in self.members]
+        if any(self.tracker.count(w) < 2 for w in ids):
+            return
+        rates = [self.tracker.rate(w) or 0.0 for w in ids]
+        if min(rates) <= 0:
+            return
+        decision = rebalance(self.batch_now, self.plan.shares, rates, batch.rebalance_threshold)
+        if decision is None:
+            return
+        self.weights = dict(zip(ids, decision.samples_per_s, strict=True))
+        self.log.event("rebalanced", step=self.global_step, shares_before=list(decision.shares_before),
+                       shares_after=list(decision.shares_after),
+                       samples_per_s=[round(r, 2) for r in decision.samples_per_s],
+                       predicted_before_s=decision.predicted_before_s,
+                       predicted_after_s=decision.predicted_after_s)
+
     def _record(self, results: dict[int, ChunkResult]) -> None:
-        by_step: dict[int, list[Any]] = {}
-        for result in results.values():
+        by_step: dict[int, dict[int, Any]] = {}
+        for rank, result in results.items():
+            worker_id = self.members[rank].worker_id
             for record in result.records:
-                by_step.setdefault(record.step, []).append(record)
-        b = self.config.batch.global_batch_size
+                by_step.setdefault(record.step, {})[rank] = record
+                self.tracker.observe(worker_id, record.shares[rank], record.compute_time_s)
         for step in sorted(by_step):
-            records = by_step[step]
+            ranks = by_step[step]
+            records = list(ranks.values())
             first = records[0]
+            b = first.global_batch_size
             step_time = max(r.step_time_s for r in records)
             self.log.metric(step=step, epoch=first.epoch, loss=first.loss,
-                            world_size=first.world_size, shares=list(first.shares),
-                            micro_batch=first.micro_batch, step_time_s=step_time,
+                            world_size=first.world_size, global_batch_size=b,
+                            shares=list(first.shares), micro_batch=max(r.micro_batch for r in records),
+                            micro_batches=[ranks[r].micro_batch if r in ranks else None
+                                           for r in range(first.world_size)],
+                            step_time_s=step_time,
+                            compute_time_s=max(r.compute_time_s for r in records),
                             samples_per_s=b / step_time if step_time > 0 else None, lr=first.lr,
                             generation=self.generation)
             if self.config.ledger and first.indices is not None:
                 self.log.ledger(step, first.epoch, list(first.indices))
         if self._recovery is not None and by_step:
-            first_end = min(r.end_time for r in by_step[min(by_step)])
+            first_end = min(r.end_time for r in by_step[min(by_step)].values())
             self.log.event("recovered", **self._recovery.breakdown(first_end))
             self._recovery = None
 
@@ -562,11 +707,28 @@ class Controller:
         )
         self._set_state(RunState.RUNNING)
 
+    def _out_of_memory(self, plan: BatchPlan, results: dict[int, ChunkResult]) -> None:
+        """Halves the micro-batch of each rank that ran out of memory; the step is redone."""
+        failure = next(r.failure for r in results.values() if r.failure is not None)
+        self.cursor = Cursor(**next(iter(results.values())).cursor)
+        for rank in failure.ranks:
+            member = self.members[rank]
+            decision = back_off(failure.step, rank, member.worker_id, plan.micro_batches[rank])
+            self.log.event("oom_backoff", step=decision.step, rank=rank, worker_id=member.worker_id,
+                           micro_batch_before=decision.before, micro_batch_after=decision.after)
+            if decision.after is None:
+                raise _Failed(WorkerOutOfMemoryError(
+                    f"rank {rank} ran out of memory at step {failure.step} with micro-batch 1; "
+                    "use a smaller model, more memory per worker or more workers",
+                    rank=rank, step=failure.step,
+                ))
+            self.micro_caps[member.worker_id] = decision.after
+
     def _user_error(self, results: dict[int, ChunkResult]) -> None:
         failures = [r.failure for r in results.values() if r.failure is not None]
         failure = failures[0]
         step = failure.step
-        self.global_step = step
+        self.cursor = Cursor(**next(iter(results.values())).cursor)
         rank = failure.ranks[0]
         trace = next((f.traceback for f in failures if f.traceback), None) or ""
         self.user_retries[step] = self.user_retries.get(step, 0) + 1
@@ -586,7 +748,7 @@ class Controller:
         result = ray.get(self.members[0].actor.evaluate.remote())
         self._evaluation = result
         self.log.event("evaluate", step=self.global_step,
-                       epoch=self.global_step // self.steps_per_epoch, **result)
+                       epoch=self.cursor.epochs_done(self.dataset_size, self.batch_now), **result)
 
     # --- the end -------------------------------------------------------------------------------
 
@@ -597,7 +759,7 @@ class Controller:
                                      final=True)
         state = ray.get(self.members[0].actor.model_state.remote())
         self.log.event("finish", step=self.global_step, stopped=self._stop_requested,
-                       samples=self.global_step * self.config.batch.global_batch_size)
+                       samples=self.cursor.samples)
         self._set_state(RunState.FINISHED)
         return state
 

@@ -16,6 +16,7 @@ from typing import Any
 import ray
 import torch
 
+from elastic.adapt.lr import LrRamp
 from elastic.adapt.plan import BatchPlan
 from elastic.checkpoint import CheckpointWriter, load_checkpoint, write_checkpoint
 from elastic.checkpoint.store import serialize
@@ -23,7 +24,7 @@ from elastic.collective import Communicator, Endpoint
 from elastic.config import ChaosEvent, FitConfig
 from elastic.errors import CollectiveError
 from elastic.job import TrainJob
-from elastic.trainer.replica import Replica, StepRecord, UserFailure
+from elastic.trainer.replica import OutOfMemory, Replica, StepRecord, UserFailure
 
 
 @dataclass(frozen=True)
@@ -31,13 +32,15 @@ class ChunkResult:
     """What a worker reports after a chunk of steps.
 
     `status` is 'ok', 'collective_error' (a peer died or the controller aborted: the steps in
-    `records` were committed, the next one was not) or 'user_error' (`failure` says where).
+    `records` were committed, the next one was not), 'user_error' or 'oom' (`failure` says
+    where; the step was voted down on every rank). `cursor` is the committed data cursor.
     """
 
     status: str
     records: list[StepRecord]
     committed_step: int
-    failure: UserFailure | None = None
+    cursor: dict[str, int]
+    failure: UserFailure | OutOfMemory | None = None
     error: str | None = None
 
 
@@ -71,26 +74,36 @@ class WorkerActor:
                                          self.config.collective, abort_signal=signal_)
         return self.replica.global_step
 
-    def sync(self, src: int) -> int:
-        """Takes the state of rank `src` of the current generation; returns the step."""
+    def sync(self, src: int) -> dict[str, int]:
+        """Takes the state of rank `src` of the current generation; returns the data cursor."""
         self.replica.sync_from(src)
-        return self.replica.global_step
+        return self.replica.cursor.to_dict()
 
-    def run_chunk(self, plan: BatchPlan, num_steps: int, chaos: list[ChaosEvent]) -> ChunkResult:
+    def run_chunk(self, plan: BatchPlan, num_steps: int, chaos: list[ChaosEvent],
+                  lr_ramp: LrRamp | None = None) -> ChunkResult:
         """Runs up to `num_steps` steps from the committed step."""
         records: list[StepRecord] = []
-        rank = self.replica.comm.rank if self.replica.comm else -1
+        replica = self.replica
+        rank = replica.comm.rank if replica.comm else -1
+
+        def result(status: str, failure: Any = None, error: str | None = None) -> ChunkResult:
+            return ChunkResult(status, records, replica.global_step, replica.cursor.to_dict(),
+                               failure, error)
+
         try:
             for _ in range(num_steps):
-                step = self.replica.global_step
+                step = replica.global_step
                 mine = [e for e in chaos if e.step == step and e.rank == rank]
-                outcome = self.replica.run_step(plan, mine)
+                factor = lr_ramp.factor(step) if lr_ramp is not None else 1.0
+                outcome = replica.run_step(plan, mine, factor)
                 if isinstance(outcome, UserFailure):
-                    return ChunkResult("user_error", records, self.replica.global_step, outcome)
+                    return result("user_error", outcome)
+                if isinstance(outcome, OutOfMemory):
+                    return result("oom", outcome)
                 records.append(outcome)
         except CollectiveError as e:
-            return ChunkResult("collective_error", records, self.replica.global_step, error=str(e))
-        return ChunkResult("ok", records, self.replica.global_step)
+            return result("collective_error", error=str(e))
+        return result("ok")
 
     def checkpoint(self, meta: dict[str, Any]) -> dict[str, Any]:
         """Snapshots the committed state and writes it (in the background if configured).
@@ -147,9 +160,9 @@ class WorkerActor:
         p = self.replica.progress
         return {"step": p.step, "phase": p.phase, "since": p.since}
 
-    def dataset_shape(self) -> tuple[int, int]:
-        """(steps per epoch, data set size)."""
-        return self.replica.order.steps_per_epoch, self.replica.order.dataset_size
+    def dataset_size(self) -> int:
+        """Samples in the data set."""
+        return self.replica.order.dataset_size
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The model's state dict as CPU tensors."""

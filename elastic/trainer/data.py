@@ -1,11 +1,16 @@
 """The public sample order: anyone can replay a run in plain PyTorch.
 
-Epoch e visits `perm_e = torch.randperm(N, generator=torch.Generator().manual_seed(seed + e))`;
-global step s of that epoch takes `perm_e[s*B:(s+1)*B]`; the last partial batch is dropped.
-The data cursor is just the global step.
+Epoch e visits `perm_e = torch.randperm(N, generator=torch.Generator().manual_seed(seed + e))`
+from the front: a step with global batch B takes the next B indices of it, and when fewer than
+B are left the rest of the epoch is dropped and the next epoch begins. With a fixed B, global
+step s of epoch e takes `perm_e[s*B:(s+1)*B]`. The data cursor is the position of the next
+sample (epoch, offset) together with the step and the samples consumed so far, so that a
+batch that follows the world size (`scale_with_workers`) continues exactly where it was.
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -30,25 +35,69 @@ def epoch_permutation(dataset_size: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(dataset_size, generator=torch.Generator().manual_seed(seed + epoch))
 
 
-class SampleOrder:
-    """Indices of global steps, with the current epoch's permutation cached."""
+@dataclass(frozen=True)
+class Cursor:
+    """Where training stands: `step` steps committed, `samples` samples consumed, and the next
+    sample is at `offset` of epoch `epoch`'s permutation."""
 
-    def __init__(self, dataset_size: int, global_batch_size: int, seed: int) -> None:
+    step: int = 0
+    epoch: int = 0
+    offset: int = 0
+    samples: int = 0
+
+    def start(self, dataset_size: int, batch: int) -> tuple[int, int]:
+        """(epoch, offset) of the next batch of `batch` samples."""
+        if self.offset + batch > dataset_size:
+            return self.epoch + 1, 0
+        return self.epoch, self.offset
+
+    def advance(self, dataset_size: int, batch: int) -> Cursor:
+        """The cursor after one more committed step of `batch` samples."""
+        epoch, offset = self.start(dataset_size, batch)
+        return Cursor(step=self.step + 1, epoch=epoch, offset=offset + batch,
+                      samples=self.samples + batch)
+
+    def steps_left_in_epoch(self, dataset_size: int, batch: int) -> int:
+        """Steps of `batch` samples until the current epoch (the next batch's) ends."""
+        _, offset = self.start(dataset_size, batch)
+        return (dataset_size - offset) // batch
+
+    def epochs_done(self, dataset_size: int, batch: int) -> int:
+        """Epochs fully consumed, given that the next step has `batch` samples."""
+        epoch, _ = self.start(dataset_size, batch)
+        return epoch
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, int], dataset_size: int, batch: int) -> Cursor:
+        """Reads a cursor; one written before offsets were recorded has only the step (and a
+        fixed batch), from which the rest follows."""
+        step = int(data["global_step"] if "global_step" in data else data["step"])
+        if "offset" in data:
+            return cls(step=step, epoch=int(data["epoch"]), offset=int(data["offset"]),
+                       samples=int(data.get("samples", step * batch)))
+        per_epoch = steps_per_epoch(dataset_size, batch)
+        epoch, within = divmod(step, per_epoch)
+        if step and within == 0:  # the last epoch ended exactly here
+            epoch, within = epoch - 1, per_epoch
+        return cls(step=step, epoch=epoch, offset=within * batch, samples=step * batch)
+
+
+class SampleOrder:
+    """The indices of a batch at a cursor, with the current epoch's permutation cached."""
+
+    def __init__(self, dataset_size: int, seed: int) -> None:
         self.dataset_size = dataset_size
-        self.global_batch_size = global_batch_size
         self.seed = seed
-        self.steps_per_epoch = steps_per_epoch(dataset_size, global_batch_size)
         self._epoch = -1
         self._perm = torch.empty(0, dtype=torch.int64)
 
-    def epoch_of(self, global_step: int) -> int:
-        return global_step // self.steps_per_epoch
-
-    def global_batch(self, global_step: int) -> torch.Tensor:
-        """The B indices of `global_step`."""
-        epoch, step = divmod(global_step, self.steps_per_epoch)
+    def batch(self, cursor: Cursor, batch: int) -> tuple[int, torch.Tensor]:
+        """(epoch, indices) of the next `batch` samples after `cursor`."""
+        epoch, offset = cursor.start(self.dataset_size, batch)
         if epoch != self._epoch:
             self._perm = epoch_permutation(self.dataset_size, self.seed, epoch)
             self._epoch = epoch
-        b = self.global_batch_size
-        return self._perm[step * b : (step + 1) * b]
+        return epoch, self._perm[offset : offset + batch]

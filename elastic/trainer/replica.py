@@ -29,7 +29,7 @@ from elastic.collective import Communicator
 from elastic.config import ChaosEvent, ChaosPhase, FitConfig
 from elastic.errors import ConfigError, InjectedFault
 from elastic.job import TrainJob
-from elastic.trainer.data import SampleOrder
+from elastic.trainer.data import Cursor, SampleOrder, steps_per_epoch
 
 # Largest data set whose indices travel exactly in a float32 buffer.
 _FLOAT32_EXACT = 1 << 24
@@ -43,9 +43,11 @@ class StepRecord:
     epoch: int
     loss: float
     world_size: int
+    global_batch_size: int
     shares: tuple[int, ...]
     micro_batch: int
     step_time_s: float
+    compute_time_s: float  # data, forward and backward on this rank (its throughput)
     end_time: float
     lr: float
     indices: tuple[int, ...] | None = None
@@ -58,6 +60,19 @@ class UserFailure:
     step: int
     ranks: tuple[int, ...]
     traceback: str | None  # this rank's traceback, if it was one of them
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """Some ranks ran out of memory (and no rank's user code raised otherwise); the step was
+    voted down on all ranks and can be redone with smaller micro-batches on those ranks."""
+
+    step: int
+    ranks: tuple[int, ...]
+
+
+# Error votes in the step's allreduce: each rank writes only its own slot.
+_USER_ERROR, _OUT_OF_MEMORY = 1.0, 2.0
 
 
 @dataclass
@@ -92,10 +107,15 @@ class Replica:
         self.scheduler = job.lr_scheduler(self.optimizer) if job.lr_scheduler else None
         self.dataset = job.dataset()
         self.collate: Callable[[list[Any]], Any] = job.collate_fn or default_collate
-        self.order = SampleOrder(len(self.dataset), config.batch.global_batch_size, config.seed)
+        try:
+            steps_per_epoch(len(self.dataset), config.batch.global_batch_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.order = SampleOrder(len(self.dataset), config.seed)
         if config.ledger and len(self.dataset) > _FLOAT32_EXACT:
             raise ConfigError("ledger=True supports data sets of up to 2**24 samples")
-        self.global_step = 0
+        self.cursor = Cursor()
+        self._slow: tuple[float, int | None] | None = None  # chaos: (factor, last step)
         self.progress = Progress()
         self.comm: Communicator | None = None
         self._params = [p for p in self.model.parameters() if p.requires_grad]
@@ -109,9 +129,14 @@ class Replica:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "rng": torch.get_rng_state(),
-            "cursor": {"global_step": self.global_step,
-                       "epoch": self.order.epoch_of(self.global_step)},
+            "cursor": {"global_step": self.cursor.step, "epoch": self.cursor.epoch,
+                       "offset": self.cursor.offset, "samples": self.cursor.samples},
         }
+
+    @property
+    def global_step(self) -> int:
+        """Steps committed."""
+        return self.cursor.step
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
@@ -120,7 +145,8 @@ class Replica:
             self.scheduler.load_state_dict(state["scheduler"])
         if state.get("rng") is not None:
             torch.set_rng_state(state["rng"])
-        self.global_step = int(state["cursor"]["global_step"])
+        self.cursor = Cursor.from_dict(state["cursor"], self.order.dataset_size,
+                                       self.config.batch.global_batch_size)
 
     def state_bytes(self) -> bytes:
         """The committed state, serialised for a peer."""
@@ -156,7 +182,7 @@ class Replica:
 
     def _chaos(self, events: list[ChaosEvent], phase: ChaosPhase, started: float) -> None:
         for event in events:
-            if event.phase != phase:
+            if event.phase != phase or event.action == "slow":
                 continue
             match event.action:
                 case "kill":
@@ -171,29 +197,49 @@ class Replica:
                     raise InjectedFault(
                         f"injected fault at step {event.step}, rank {event.rank}, phase {phase}"
                     )
-                case "slow":
-                    time.sleep((event.factor - 1.0) * (time.perf_counter() - started))
+                case "oom":
+                    raise torch.OutOfMemoryError(
+                        f"injected out-of-memory error at step {event.step}, rank {event.rank}"
+                    )
 
-    def run_step(self, plan: BatchPlan, chaos: list[ChaosEvent]) -> StepRecord | UserFailure:
+    def _stretch(self, step: int, started: float) -> None:
+        """Chaos 'slow': this step's compute takes `factor` times as long (a sleep in
+        proportion to the samples just processed)."""
+        if self._slow is None:
+            return
+        factor, last = self._slow
+        if last is not None and step > last:
+            self._slow = None
+            return
+        time.sleep((factor - 1.0) * (time.perf_counter() - started))
+
+    def run_step(self, plan: BatchPlan, chaos: list[ChaosEvent],
+                 lr_factor: float = 1.0) -> StepRecord | UserFailure | OutOfMemory:
         """Runs one global step on this rank. Collective failures raise `CollectiveError`
-        (the step is then not applied here); user errors are voted on and returned."""
+        (the step is then not applied here); user errors and out-of-memory errors are voted on
+        and returned. `lr_factor` scales the learning rate of this step only (batch policy
+        'scale_with_workers')."""
         comm = self._comm()
         rank, world = comm.rank, comm.world_size
         step = self.global_step
         started = time.perf_counter()
         self.progress.step = step
-        global_batch = self.order.global_batch(step)
-        mine = global_batch[plan.offset(rank) : plan.offset(rank) + plan.shares[rank]]
         b = plan.global_batch_size
+        epoch, global_batch = self.order.batch(self.cursor, b)
+        mine = global_batch[plan.offset(rank) : plan.offset(rank) + plan.shares[rank]]
         loss_sum = 0.0
         error: str | None = None
+        vote = 0.0
+        for event in chaos:
+            if event.action == "slow":
+                self._slow = (event.factor, None if event.steps is None else step + event.steps - 1)
         for p in self._params:
             p.grad = None
         self.model.train()
         try:
             self._enter("data")
             self._chaos(chaos, "data", started)
-            for start, length in plan.micro_batches(rank):
+            for start, length in plan.pieces(rank):
                 batch = self.collate([self.dataset[int(i)] for i in mine[start : start + length]])
                 self._enter("forward")
                 self._chaos(chaos, "forward", started)
@@ -202,43 +248,72 @@ class Replica:
                 self._chaos(chaos, "backward", started)
                 loss.backward()
                 loss_sum += float(loss.detach())
+                del loss
+            self._stretch(step, started)
+        except torch.OutOfMemoryError:
+            error, vote = traceback.format_exc(), _OUT_OF_MEMORY
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         except Exception:
-            error = traceback.format_exc()
+            error, vote = traceback.format_exc(), _USER_ERROR
+        compute_time = time.perf_counter() - started
         self._enter("allreduce")
         self._chaos(chaos, "allreduce", started)
         flags = torch.zeros(world, dtype=torch.float64)
-        if error is not None:
-            flags[rank] = 1.0
+        flags[rank] = vote
         ledger = torch.zeros(b if self.config.ledger else 0, dtype=torch.float64)
         if self.config.ledger:
             ledger[plan.offset(rank) : plan.offset(rank) + len(mine)] = mine.to(torch.float64)
         meta = torch.cat([torch.tensor([loss_sum], dtype=torch.float64), flags, ledger])
         buffers = self._flatten_grads(zero=error is not None)
         self._allreduce(comm, buffers, meta)
-        failed = tuple(int(r) for r in torch.nonzero(meta[1 : 1 + world]).flatten().tolist())
+        votes = meta[1 : 1 + world]
+        failed = tuple(int(r) for r in torch.nonzero(votes).flatten().tolist())
         if failed:
             for p in self._params:
                 p.grad = None
             self._enter("idle")
-            return UserFailure(step=step, ranks=failed, traceback=error)
+            users = tuple(r for r in failed if votes[r] == _USER_ERROR)
+            if users:
+                return UserFailure(step=step, ranks=users,
+                                   traceback=error if vote == _USER_ERROR else None)
+            return OutOfMemory(step=step, ranks=failed)
         self._unflatten_grads(buffers)
         self._enter("optimizer")
         self._chaos(chaos, "optimizer", started)
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        self.optimizer.step()
+        lr = self._optimizer_step(lr_factor)
         if self.scheduler is not None:
             self.scheduler.step()
         for p in self._params:
             p.grad = None
-        self.global_step = step + 1
+        self.cursor = self.cursor.advance(self.order.dataset_size, b)
         self._enter("idle")
         indices = tuple(int(i) for i in meta[1 + world :].tolist()) if self.config.ledger else None
         return StepRecord(
-            step=step, epoch=self.order.epoch_of(step), loss=float(meta[0]), world_size=world,
-            shares=plan.shares, micro_batch=plan.micro_batch,
-            step_time_s=time.perf_counter() - started, end_time=time.time(), lr=lr,
-            indices=indices,
+            step=step, epoch=epoch, loss=float(meta[0]), world_size=world, global_batch_size=b,
+            shares=plan.shares, micro_batch=plan.micro_batches[rank],
+            step_time_s=time.perf_counter() - started, compute_time_s=compute_time,
+            end_time=time.time(), lr=lr, indices=indices,
         )
+
+    def _optimizer_step(self, lr_factor: float) -> float:
+        """One optimizer step with the learning rate scaled by `lr_factor` for this step only
+        (the optimizer's and scheduler's own values are left as they were). Returns the
+        learning rate applied to the first parameter group."""
+        groups = self.optimizer.param_groups
+        if lr_factor == 1.0:
+            self.optimizer.step()
+            return float(groups[0]["lr"])
+        saved = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] = group["lr"] * lr_factor
+        applied = float(groups[0]["lr"])
+        try:
+            self.optimizer.step()
+        finally:
+            for group, lr in zip(groups, saved, strict=True):
+                group["lr"] = lr
+        return applied
 
     # --- gradient buffers ---------------------------------------------------------------
 

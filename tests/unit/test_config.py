@@ -54,3 +54,30 @@ def test_chaos_raise_outside_user_code_is_refused():
     with pytest.raises(pydantic.ValidationError, match="user code only"):
         ChaosEvent(step=1, rank=0, action="raise", phase="allreduce")
     assert ChaosEvent(step=1, rank=0, action="raise", phase="backward").phase == "backward"
+
+
+def test_batch_policies_are_checked_against_the_scaling():
+    from elastic.config import BatchConfig, FitConfig, ScalingConfig
+
+    with pytest.raises(pydantic.ValidationError, match=r"divisible by scaling\.num_workers"):
+        FitConfig(scaling=ScalingConfig(num_workers=3), max_steps=1,
+                  batch=BatchConfig(global_batch_size=16, policy="scale_with_workers"))
+    with pytest.raises(pydantic.ValidationError, match=r"apply only with batch\.policy"):
+        FitConfig(scaling=ScalingConfig(num_workers=2), max_steps=1,
+                  batch=BatchConfig(global_batch_size=16, warmup_steps=5))
+    with pytest.raises(pydantic.ValidationError, match="rebalance_threshold"):
+        BatchConfig(global_batch_size=16, rebalance_threshold=1.5)
+    ok = FitConfig(scaling=ScalingConfig(num_workers=2), max_steps=1,
+                   batch=BatchConfig(global_batch_size=16, policy="scale_with_workers",
+                                     lr_scaling="sqrt", warmup_steps=5))
+    assert ok.batch.lr_scaling == "sqrt"
+
+
+def test_chaos_oom_and_slow():
+    from elastic.config import ChaosEvent
+
+    with pytest.raises(pydantic.ValidationError, match="fires in user code only"):
+        ChaosEvent(step=1, rank=0, action="oom", phase="optimizer")
+    with pytest.raises(pydantic.ValidationError, match="factor"):
+        ChaosEvent(step=1, rank=0, action="slow", factor=0.5)
+    assert ChaosEvent(step=1, rank=0, action="slow", steps=None).steps is None
