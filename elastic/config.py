@@ -152,8 +152,8 @@ class BatchConfig(_Frozen):
     )
     rebalance_threshold: float = Field(
         default=0.15, gt=0, lt=1,
-        description="Re-split only when the predicted compute time of a step drops by at least "
-        "this fraction (hysteresis against noise).",
+        description="Re-split only when the predicted saving is at least this fraction of the "
+        "step time (hysteresis against noise; steps dominated by communication are left alone).",
     )
 
 
@@ -176,6 +176,18 @@ class FailureConfig(_Frozen):
     capacity_timeout: timedelta = Field(
         default=timedelta(minutes=5), gt=timedelta(0),
         description="Longest the run waits for capacity when fewer than min_workers are alive.",
+    )
+    controller_restarts: int = Field(
+        default=3, ge=0,
+        description="Times a detached run's controller is restarted after its process died; a "
+        "restarted controller resumes from the newest checkpoint (a run without checkpoints "
+        "fails instead of silently starting over).",
+    )
+    nonfinite: Literal["stop", "skip"] = Field(
+        default="stop",
+        description="A step whose loss or gradients are NaN or infinite on some rank: 'stop' "
+        "fails the run with NonFiniteLossError(rank, step); 'skip' drops that step's update "
+        "on every rank (its samples are consumed) and goes on.",
     )
     hang_timeout: timedelta = Field(
         default=timedelta(minutes=5), gt=timedelta(0),

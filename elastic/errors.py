@@ -158,6 +158,23 @@ class WorkerOutOfMemoryError(ElasticError):
         return (_rebuild_kw, (type(self), self.args[0], {"rank": self.rank, "step": self.step}))
 
 
+class NonFiniteLossError(ElasticError):
+    """The loss or the gradients of a step were NaN or infinite on some rank, and
+    `FailureConfig.nonfinite` is 'stop'.
+
+    Recovery: none; the run fails with the first such rank and the step (its update was not
+    applied on any rank). Use `nonfinite='skip'` to drop such steps instead.
+    """
+
+    def __init__(self, message: str, *, rank: int, step: int):
+        super().__init__(message)
+        self.rank = rank
+        self.step = step
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_kw, (type(self), self.args[0], {"rank": self.rank, "step": self.step}))
+
+
 class CheckpointCorruptError(ElasticError):
     """A checkpoint's manifest or checksums do not verify, or it holds a forbidden payload.
 

@@ -105,7 +105,7 @@ def reference_run(job: TrainJob, seed: int, batches: list[int],
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-WIDE_SAMPLES = 1024
+WIDE_SAMPLES = 4096
 
 
 def make_wide_dataset() -> TensorDataset:
@@ -124,3 +124,54 @@ def wide_job() -> TrainJob:
     """Compute-heavy enough (per sample) that a slowed rank shows in the step time."""
     return TrainJob(model=make_wide_model, optimizer=make_optimizer, loss=mse,
                     dataset=make_wide_dataset)
+
+
+POISONED = 37  # the sample whose target is NaN in `poisoned_job`
+
+
+def make_poisoned_dataset() -> TensorDataset:
+    x, y = make_dataset().tensors
+    y = y.clone()
+    y[POISONED] = float("nan")
+    return TensorDataset(x, y)
+
+
+def poisoned_job() -> TrainJob:
+    """The regression job with one NaN target: every step that holds sample POISONED has a
+    NaN loss on the rank that holds it."""
+    return TrainJob(model=make_model, optimizer=make_optimizer, loss=mse,
+                    dataset=make_poisoned_dataset)
+
+
+def reference_skipping_nonfinite(seed: int, global_batch: int, steps: int) -> dict[str, torch.Tensor]:
+    """Like `reference_weights` on the poisoned data, dropping every update whose loss is not
+    finite (the samples are consumed all the same)."""
+    torch.manual_seed(seed)
+    model = make_model()
+    opt = make_optimizer(model.parameters())
+    x, y = make_poisoned_dataset().tensors
+    per_epoch = N_SAMPLES // global_batch
+    for step in range(steps):
+        epoch, s = divmod(step, per_epoch)
+        perm = torch.randperm(N_SAMPLES, generator=torch.Generator().manual_seed(seed + epoch))
+        idx = perm[s * global_batch : (s + 1) * global_batch]
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x[idx]), y[idx])
+        if not torch.isfinite(loss):
+            continue
+        loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def poisoned_steps(seed: int, global_batch: int, steps: int) -> list[tuple[int, int]]:
+    """(step, position in the global batch) of every step that holds sample POISONED."""
+    per_epoch = N_SAMPLES // global_batch
+    found = []
+    for step in range(steps):
+        epoch, s = divmod(step, per_epoch)
+        perm = torch.randperm(N_SAMPLES, generator=torch.Generator().manual_seed(seed + epoch))
+        idx = perm[s * global_batch : (s + 1) * global_batch].tolist()
+        if POISONED in idx:
+            found.append((step, idx.index(POISONED)))
+    return found

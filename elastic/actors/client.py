@@ -73,6 +73,9 @@ def _is_user_module(module: ModuleType) -> bool:
     return "site-packages" not in path and "dist-packages" not in path
 
 
+HEAD_RESOURCE = "node:__internal_head__"
+
+
 def new_run_name() -> str:
     return f"run-{uuid.uuid4().hex[:8]}"
 
@@ -86,9 +89,13 @@ def _launch(job: TrainJob, config: FitConfig, name: str, run_dir: str, detached:
         pass
     else:
         raise ConfigError(f"a run named {name!r} is already running; choose another name")
+    # On the head node: a controller on a worker node would die with that node. A detached
+    # run's controller is restarted by Ray when its process dies and resumes from the newest
+    # checkpoint (FailureConfig.controller_restarts).
     return RemoteController.options(
         name=controller_name(name), namespace=NAMESPACE, num_cpus=0, max_concurrency=16,
-        lifetime="detached" if detached else None,
+        lifetime="detached" if detached else None, resources={HEAD_RESOURCE: 0.001},
+        max_restarts=config.failure.controller_restarts if detached else 0,
     ).remote(job, config, name, run_dir, detached)
 
 

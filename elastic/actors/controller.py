@@ -31,10 +31,12 @@ from elastic.adapt.tuning import MicroBatchTuner, back_off, candidates
 from elastic.collective import RendezvousServer
 from elastic.config import ChaosEvent, FitConfig
 from elastic.errors import (
+    CollectiveError,
     ConfigError,
     ControllerError,
     ElasticError,
     InsufficientWorkersError,
+    NonFiniteLossError,
     StartupTimeoutError,
     UserCodeError,
     WorkerLostError,
@@ -126,6 +128,7 @@ class Controller:
         self.checkpoints = CheckpointCoordinator(config, self.log)
         self._evaluation: dict[str, float] = {}
         self.server = RendezvousServer(host=ray.util.get_node_ip_address())
+        self._restarted = detached and ray.get_runtime_context().was_current_actor_reconstructed
         if detached:
             # A detached run drives itself: it must not depend on the process that started it
             # (that process may exit at once), so the loop starts here, not from a caller.
@@ -260,6 +263,14 @@ class Controller:
         return actor.info.remote(), actor
 
     def _start(self) -> None:
+        if self._restarted:
+            self.log.event("controller_restarted", name=self.name)
+            if not self.checkpoints.enabled:
+                raise _Failed(ControllerError(
+                    f"the controller of run {self.name!r} died and was restarted, but the run "
+                    "has no checkpoints to resume from; set checkpoint.path so that a restarted "
+                    "controller can resume"
+                ))
         self.log.event("start", name=self.name, config=self.config.model_dump(mode="json"))
         spawned = dict(self._spawn() for _ in range(self.config.scaling.num_workers))
         timeout = self.config.failure.startup_timeout.total_seconds()
@@ -308,15 +319,19 @@ class Controller:
     def _form(self, reason: str) -> tuple[float, float]:
         """Forms a new generation of `self.members` and syncs state from the newest rank.
         Returns the times at which the ring was rebuilt and the state restored."""
+        attempts = 0
         while True:
             self.generation += 1
             n = len(self.members)
             endpoint = str(self.server.endpoint)
             refs = [m.actor.connect.remote(r, n, endpoint, self.generation)
                     for r, m in enumerate(self.members)]
-            steps, dead = self._gather(refs)
+            steps, dead, broken = self._gather(refs)
             if dead:
                 self._drop(dead, "lost while connecting")
+                continue
+            if broken:
+                attempts = self._retry_generation(attempts, broken)
                 continue
             rebuilt = time.time()
             # The newest committed step wins (ranks may differ by one step after a failure);
@@ -335,9 +350,12 @@ class Controller:
                         step=self.global_step,
                     ))
                 steps[0], src = restored, 0
-            cursors, dead = self._gather([m.actor.sync.remote(src) for m in self.members])
+            cursors, dead, broken = self._gather([m.actor.sync.remote(src) for m in self.members])
             if dead:
                 self._drop(dead, "lost while restoring")
+                continue
+            if broken:
+                attempts = self._retry_generation(attempts, broken)
                 continue
             self.cursor = Cursor(**cursors[src])
             restored = time.time()
@@ -408,16 +426,48 @@ class Controller:
         return plan_batch(self.batch_now, len(self.members), self.config.batch.max_micro_batch,
                           self._weights(), caps)
 
-    def _gather(self, refs: list[Any]) -> tuple[list[Any], list[int]]:
-        """ray.get of one ref per member; returns values and the ranks whose actor died."""
+    def _gather(self, refs: list[Any]) -> tuple[list[Any], list[int], list[str]]:
+        """Waits for one ref per member, in completion order. Returns the values, the ranks
+        whose actor died, and the collective errors of live ranks. At the first death or error
+        every other member is aborted, so that nobody waits out a rendezvous or broadcast
+        timeout for a peer that will never come (a lost node's workers, say)."""
         values: list[Any] = [None] * len(refs)
-        dead = []
-        for rank, ref in enumerate(refs):
+        dead: list[int] = []
+        broken: list[str] = []
+        index = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        aborted = False
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            rank = index[ready[0]]
             try:
-                values[rank] = ray.get(ref)
+                values[rank] = ray.get(ready[0])
+                continue
             except RayActorError:
                 dead.append(rank)
-        return values, dead
+            except RayTaskError as e:
+                if not isinstance(e.cause, CollectiveError):
+                    raise
+                broken.append(f"rank {rank}: {str(e.cause).splitlines()[0]}")
+            if not aborted:
+                aborted = True
+                for r, m in enumerate(self.members):
+                    if r != rank:
+                        m.actor.abort.remote()
+        return values, dead, broken
+
+    def _retry_generation(self, attempts: int, broken: list[str]) -> int:
+        """A generation failed to form although no member is known dead: try again (a few
+        times), then fail with the errors."""
+        attempts += 1
+        self.log.event("generation_failed", generation=self.generation, errors=broken,
+                       attempt=attempts)
+        if attempts > 3:
+            raise _Failed(WorkerLostError(
+                f"generation {self.generation} could not form after {attempts} attempts: "
+                f"{broken[0]}", step=self.global_step,
+            ))
+        return attempts
 
     def _drop(self, ranks: list[int], why: str) -> None:
         for rank in sorted(ranks, reverse=True):
@@ -439,12 +489,26 @@ class Controller:
         while len(self.members) < self.config.scaling.lower:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self.pending:
+                self._save_before_failing()
                 raise _Failed(InsufficientWorkersError(
                     f"{len(self.members)} workers alive, fewer than scaling.min_workers = "
                     f"{self.config.scaling.lower}, for {self.config.failure.capacity_timeout}; "
                     "add capacity or lower scaling.min_workers"
                 ))
             self._admit(timeout=min(remaining, 1.0))
+
+    def _save_before_failing(self) -> None:
+        """A final checkpoint from a surviving worker (its committed state), so that a new run
+        on the same checkpoint path resumes where this one stopped."""
+        if not self.checkpoints.enabled:
+            return
+        for member in self.members:
+            try:
+                self.checkpoints.maybe_write(member.actor, self.global_step, len(self.members),
+                                             final=True)
+                return
+            except (RayActorError, RayTaskError) as e:
+                self.log.event("checkpoint_failed", step=self.global_step, error=str(e).splitlines()[0])
 
     def _top_up(self) -> None:
         """Starts workers in the background until members + starting reach the target; then,
@@ -574,6 +638,15 @@ class Controller:
         if "oom" in statuses:
             self._out_of_memory(plan, results)
             return
+        if "nonfinite" in statuses:
+            failure = next(r.failure for r in results.values() if r.failure is not None)
+            self.cursor = Cursor(**next(iter(results.values())).cursor)
+            self.log.event("nonfinite", step=failure.step, ranks=list(failure.ranks), policy="stop")
+            raise _Failed(NonFiniteLossError(
+                f"the loss or gradients of step {failure.step} are NaN or infinite on ranks "
+                f"{list(failure.ranks)}; the update was not applied (failure.nonfinite='skip' "
+                "drops such steps instead)", rank=failure.ranks[0], step=failure.step,
+            ))
         # A collective error without a lost worker (a timeout): rebuild as after a failure.
         self._recover([], results, time.time(), chaos)
 
@@ -639,7 +712,13 @@ class Controller:
         rates = [self.tracker.rate(w) or 0.0 for w in ids]
         if min(rates) <= 0:
             return
-        decision = rebalance(self.batch_now, self.plan.shares, rates, batch.rebalance_threshold)
+        step_times: dict[int, float] = {}
+        for result in results.values():
+            for record in result.records:
+                step_times[record.step] = max(step_times.get(record.step, 0.0), record.step_time_s)
+        typical = sorted(step_times.values())[len(step_times) // 2] if step_times else 0.0
+        decision = rebalance(self.batch_now, self.plan.shares, rates, batch.rebalance_threshold,
+                             step_time_s=typical)
         if decision is None:
             return
         self.weights = dict(zip(ids, decision.samples_per_s, strict=True))
@@ -671,6 +750,9 @@ class Controller:
                             compute_time_s=max(r.compute_time_s for r in records),
                             samples_per_s=b / step_time if step_time > 0 else None, lr=first.lr,
                             generation=self.generation)
+            skipped = sorted({r for rec in records for r in rec.skipped_ranks})
+            if skipped:
+                self.log.event("nonfinite", step=step, ranks=skipped, policy="skip")
             if self.config.ledger and first.indices is not None:
                 self.log.ledger(step, first.epoch, list(first.indices))
         if self._recovery is not None and by_step:

@@ -24,7 +24,7 @@ from elastic.collective import Communicator, Endpoint
 from elastic.config import ChaosEvent, FitConfig
 from elastic.errors import CollectiveError
 from elastic.job import TrainJob
-from elastic.trainer.replica import OutOfMemory, Replica, StepRecord, UserFailure
+from elastic.trainer.replica import NonFinite, OutOfMemory, Replica, StepRecord, UserFailure
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class ChunkResult:
     """What a worker reports after a chunk of steps.
 
     `status` is 'ok', 'collective_error' (a peer died or the controller aborted: the steps in
-    `records` were committed, the next one was not), 'user_error' or 'oom' (`failure` says
+    `records` were committed, the next one was not), 'user_error', 'oom' or 'nonfinite' (`failure` says
     where; the step was voted down on every rank). `cursor` is the committed data cursor.
     """
 
@@ -40,7 +40,7 @@ class ChunkResult:
     records: list[StepRecord]
     committed_step: int
     cursor: dict[str, int]
-    failure: UserFailure | OutOfMemory | None = None
+    failure: UserFailure | OutOfMemory | NonFinite | None = None
     error: str | None = None
 
 
@@ -100,6 +100,8 @@ class WorkerActor:
                     return result("user_error", outcome)
                 if isinstance(outcome, OutOfMemory):
                     return result("oom", outcome)
+                if isinstance(outcome, NonFinite):
+                    return result("nonfinite", outcome)
                 records.append(outcome)
         except CollectiveError as e:
             return result("collective_error", error=str(e))

@@ -62,9 +62,10 @@ class RebalanceDecision:
 
 
 def rebalance(global_batch_size: int, shares: Sequence[int], rates: Sequence[float],
-              threshold: float) -> RebalanceDecision | None:
+              threshold: float, step_time_s: float = 0.0) -> RebalanceDecision | None:
     """Shares proportional to `rates` if that cuts the predicted compute time by at least
-    `threshold` (a fraction); otherwise None."""
+    `threshold` of the step time (`step_time_s`, at least the predicted compute time: a step
+    dominated by communication gains little from new shares); otherwise None."""
     if len(shares) != len(rates):
         raise ValueError(f"{len(shares)} shares but {len(rates)} rates")
     if any(r <= 0 for r in rates):
@@ -72,7 +73,7 @@ def rebalance(global_batch_size: int, shares: Sequence[int], rates: Sequence[flo
     proposed = apportion(global_batch_size, rates)
     before = predicted_compute_s(shares, rates)
     after = predicted_compute_s(proposed, rates)
-    if tuple(proposed) == tuple(shares) or after > (1 - threshold) * before:
+    if tuple(proposed) == tuple(shares) or before - after < threshold * max(before, step_time_s):
         return None
     return RebalanceDecision(shares_before=tuple(shares), shares_after=proposed,
                              samples_per_s=tuple(rates), predicted_before_s=before,

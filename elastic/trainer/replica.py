@@ -12,6 +12,7 @@ the step consumed, so that what is recorded is exactly what was committed.
 from __future__ import annotations
 
 import io
+import math
 import os
 import signal
 import threading
@@ -51,6 +52,7 @@ class StepRecord:
     end_time: float
     lr: float
     indices: tuple[int, ...] | None = None
+    skipped_ranks: tuple[int, ...] = ()  # non-finite loss or gradients: no update was applied
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,14 @@ class UserFailure:
 
 
 @dataclass(frozen=True)
+class NonFinite:
+    """The loss or gradients were NaN or infinite on some ranks and the policy is 'stop'."""
+
+    step: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class OutOfMemory:
     """Some ranks ran out of memory (and no rank's user code raised otherwise); the step was
     voted down on all ranks and can be redone with smaller micro-batches on those ranks."""
@@ -72,7 +82,7 @@ class OutOfMemory:
 
 
 # Error votes in the step's allreduce: each rank writes only its own slot.
-_USER_ERROR, _OUT_OF_MEMORY = 1.0, 2.0
+_USER_ERROR, _OUT_OF_MEMORY, _NONFINITE = 1.0, 2.0, 3.0
 
 
 @dataclass
@@ -214,7 +224,7 @@ class Replica:
         time.sleep((factor - 1.0) * (time.perf_counter() - started))
 
     def run_step(self, plan: BatchPlan, chaos: list[ChaosEvent],
-                 lr_factor: float = 1.0) -> StepRecord | UserFailure | OutOfMemory:
+                 lr_factor: float = 1.0) -> StepRecord | UserFailure | OutOfMemory | NonFinite:
         """Runs one global step on this rank. Collective failures raise `CollectiveError`
         (the step is then not applied here); user errors and out-of-memory errors are voted on
         and returned. `lr_factor` scales the learning rate of this step only (batch policy
@@ -266,10 +276,22 @@ class Replica:
             ledger[plan.offset(rank) : plan.offset(rank) + len(mine)] = mine.to(torch.float64)
         meta = torch.cat([torch.tensor([loss_sum], dtype=torch.float64), flags, ledger])
         buffers = self._flatten_grads(zero=error is not None)
+        if vote == 0.0 and not (math.isfinite(loss_sum)
+                                and all(bool(torch.isfinite(b).all()) for b in buffers.values())):
+            vote = _NONFINITE
+            meta[1 + rank] = vote
         self._allreduce(comm, buffers, meta)
         votes = meta[1 : 1 + world]
         failed = tuple(int(r) for r in torch.nonzero(votes).flatten().tolist())
-        if failed:
+        nonfinite = tuple(r for r in failed if votes[r] == _NONFINITE)
+        skip = bool(nonfinite) and len(nonfinite) == len(failed) \
+            and self.config.failure.nonfinite == "skip"
+        if nonfinite and len(nonfinite) == len(failed) and not skip:
+            for p in self._params:
+                p.grad = None
+            self._enter("idle")
+            return NonFinite(step=step, ranks=nonfinite)
+        if failed and not skip:
             for p in self._params:
                 p.grad = None
             self._enter("idle")
@@ -278,12 +300,15 @@ class Replica:
                 return UserFailure(step=step, ranks=users,
                                    traceback=error if vote == _USER_ERROR else None)
             return OutOfMemory(step=step, ranks=failed)
-        self._unflatten_grads(buffers)
         self._enter("optimizer")
         self._chaos(chaos, "optimizer", started)
-        lr = self._optimizer_step(lr_factor)
-        if self.scheduler is not None:
-            self.scheduler.step()
+        if skip:  # every rank drops this update; the samples count as consumed
+            lr = float(self.optimizer.param_groups[0]["lr"]) * lr_factor
+        else:
+            self._unflatten_grads(buffers)
+            lr = self._optimizer_step(lr_factor)
+            if self.scheduler is not None:
+                self.scheduler.step()
         for p in self._params:
             p.grad = None
         self.cursor = self.cursor.advance(self.order.dataset_size, b)
@@ -293,7 +318,7 @@ class Replica:
             step=step, epoch=epoch, loss=float(meta[0]), world_size=world, global_batch_size=b,
             shares=plan.shares, micro_batch=plan.micro_batches[rank],
             step_time_s=time.perf_counter() - started, compute_time_s=compute_time,
-            end_time=time.time(), lr=lr, indices=indices,
+            end_time=time.time(), lr=lr, indices=indices, skipped_ranks=nonfinite if skip else (),
         )
 
     def _optimizer_step(self, lr_factor: float) -> float:

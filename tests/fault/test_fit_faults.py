@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import elastic
-from elastic import BatchConfig, ChaosEvent, FailureConfig, FitConfig, ScalingConfig
+from elastic import BatchConfig, ChaosEvent, CheckpointConfig, FailureConfig, FitConfig, ScalingConfig
 from tests.jobs import reference_weights, regression_job
 
 pytestmark = pytest.mark.fault
@@ -76,3 +76,57 @@ def test_below_min_workers_without_capacity_in_time_fails_with_a_clear_error(ray
     )
     with pytest.raises(InsufficientWorkersError, match="min_workers"):
         elastic.fit(regression_job(), config)
+
+
+def test_below_min_workers_writes_a_final_checkpoint_that_a_new_run_resumes(ray_cluster, tmp_path):
+    from elastic.errors import InsufficientWorkersError
+    from elastic.runlog import read_jsonl
+
+    ckpt = CheckpointConfig(path=str(tmp_path / "ckpt"))
+    chaos = (ChaosEvent(step=5, rank=1, action="kill", phase="forward"),)
+    config = FitConfig(
+        scaling=ScalingConfig(num_workers=2, min_workers=2), max_steps=9, checkpoint=ckpt,
+        batch=BatchConfig(global_batch_size=B), run_dir=str(tmp_path / "run"), chaos=chaos,
+        failure=FailureConfig(capacity_timeout=timedelta(seconds=0.2)),
+    )
+    with pytest.raises(InsufficientWorkersError):
+        elastic.fit(regression_job(), config)
+    kinds = [e["event"] for e in read_jsonl(str(tmp_path / "run" / "events.jsonl"))]
+    assert kinds.index("checkpoint_written") < kinds.index("failed")
+    saved = elastic.load_checkpoint(ckpt.path)
+    assert saved.step == 5
+    torch.testing.assert_close(saved.parts["model"], reference_weights(0, B, 5), rtol=1e-9, atol=1e-10)
+    # Capacity is back: a new run on the same path resumes at step 5 and ends on the reference.
+    again = config.model_copy(update={"chaos": (), "run_dir": str(tmp_path / "again")})
+    result = elastic.fit(regression_job(), again)
+    assert [e["step"] for e in _kinds(result, "resumed")] == [5]
+    torch.testing.assert_close(result.model_state, reference_weights(0, B, 9), rtol=1e-9, atol=1e-10)
+
+
+def test_a_nan_loss_stops_the_run_with_rank_and_step(ray_cluster, tmp_path):
+    from elastic.errors import NonFiniteLossError
+    from tests.jobs import poisoned_job, poisoned_steps
+
+    config = FitConfig(scaling=ScalingConfig(num_workers=4), max_steps=12,
+                       batch=BatchConfig(global_batch_size=B, rebalance=False, autotune=False),
+                       run_dir=str(tmp_path / "run"))
+    (step, position), *_ = poisoned_steps(0, B, 12)
+    with pytest.raises(NonFiniteLossError) as info:
+        elastic.fit(poisoned_job(), config)
+    assert (info.value.step, info.value.rank) == (step, position // (B // 4))
+
+
+def test_nan_steps_are_skipped_on_every_rank_when_asked(ray_cluster, tmp_path):
+    from tests.jobs import poisoned_job, poisoned_steps, reference_skipping_nonfinite
+
+    config = FitConfig(scaling=ScalingConfig(num_workers=4), max_steps=18,
+                       batch=BatchConfig(global_batch_size=B, rebalance=False, autotune=False),
+                       failure=FailureConfig(nonfinite="skip"), run_dir=str(tmp_path / "run"))
+    result = elastic.fit(poisoned_job(), config)
+    assert result.steps == 18
+    poisoned = poisoned_steps(0, B, 18)
+    assert len(poisoned) == 3  # once per epoch
+    assert [(e["step"], e["ranks"]) for e in _kinds(result, "nonfinite")] == [
+        (s, [p // (B // 4)]) for s, p in poisoned]
+    torch.testing.assert_close(result.model_state, reference_skipping_nonfinite(0, B, 18),
+                               rtol=1e-9, atol=1e-10)

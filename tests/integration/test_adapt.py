@@ -62,7 +62,7 @@ def test_shares_follow_measured_throughput_when_a_rank_is_slow(ray_cluster, tmp_
     def run(rebalance: bool):
         config = FitConfig(
             scaling=ScalingConfig(num_workers=2),
-            batch=BatchConfig(global_batch_size=256, autotune=False, rebalance=rebalance),
+            batch=BatchConfig(global_batch_size=1024, autotune=False, rebalance=rebalance),
             max_steps=16, chaos=slow, run_dir=str(tmp_path / f"run-{rebalance}"),
         )
         return elastic.fit(wide_job(), config)
@@ -70,7 +70,7 @@ def test_shares_follow_measured_throughput_when_a_rank_is_slow(ray_cluster, tmp_
     even, balanced = run(False), run(True)
     assert not _events(even, "rebalanced")
     first = _events(balanced, "rebalanced")[0]
-    assert first["shares_before"] == [128, 128]
+    assert first["shares_before"] == [512, 512]
     assert first["shares_after"][1] < first["shares_after"][0]  # the slow rank gets fewer
     after = first["step"]
     assert balanced.metrics[after]["shares"] == first["shares_after"]

@@ -79,6 +79,12 @@ def test_a_rank_twice_as_slow_gets_about_half_the_samples():
     assert decision.predicted_before_s == predicted_compute_s((16, 16, 16, 16), (100, 100, 100, 50))
 
 
+def test_no_rebalance_when_communication_dominates_the_step():
+    # Compute 16 ms of a 100 ms step: halving it saves less than 15% of the step.
+    assert rebalance(64, (32, 32), (4000.0, 2000.0), 0.15, step_time_s=0.1) is None
+    assert rebalance(64, (32, 32), (4000.0, 2000.0), 0.15, step_time_s=0.02) is not None
+
+
 def test_no_rebalance_below_the_threshold():
     assert rebalance(64, (16, 16, 16, 16), (100.0, 101.0, 99.0, 100.0), threshold=0.1) is None
     assert rebalance(64, (16, 16, 16, 16), (100.0,) * 4, threshold=0.1) is None

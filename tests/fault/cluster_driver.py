@@ -1,0 +1,99 @@
+"""Drives node-level faults on a multi-node Ray cluster on this machine (ray.cluster_utils).
+
+Run as a script by tests/fault/test_nodes.py (one Ray connection per process, so it cannot
+share the test session's cluster). Writes a JSON summary to the path given as argv[1].
+
+The head has no CPUs (it hosts only controllers, which are pinned to the head); workers live
+on the other nodes, so adding and removing nodes adds and removes workers:
+
+1. node A (2 CPUs): a run starts with 2 workers, max_workers 4;
+2. node B (2 CPUs) joins: the run grows to 4 at a step boundary, survivors keep their pids;
+3. node A is removed: its 2 workers die at once; the run goes on with the 2 on B;
+4. node C (2 CPUs) joins: the waiting replacements start there and join; the run is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+import ray
+from ray.cluster_utils import Cluster
+
+import elastic
+from elastic import BatchConfig, FitConfig, ScalingConfig
+from tests.jobs import regression_job
+
+HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 200,
+          "health_check_timeout_ms": 200, "health_check_failure_threshold": 3}
+LIMIT_S = 120.0
+
+
+def wait_for(name: str, predicate, what: str) -> dict:
+    deadline = time.monotonic() + LIMIT_S
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = elastic.status(name)
+        except elastic.errors.RunNotFoundError:
+            last = None
+        if last is not None and predicate(last):
+            return last
+        time.sleep(0.05)
+    raise TimeoutError(f"{what}: not reached in {LIMIT_S}s; last status {last}")
+
+
+def main(out_path: str) -> None:
+    run_dir = tempfile.mkdtemp(prefix="elastic-nodes-")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": HEALTH})
+    summary: dict = {"run_dir": run_dir}
+    try:
+        node_a = cluster.add_node(num_cpus=2)
+        ray.init(address=cluster.address, namespace="elastic", log_to_driver=False)
+        name = "nodes"
+        config = FitConfig(
+            name=name, run_dir=run_dir, max_steps=100_000, steps_per_chunk=4,
+            scaling=ScalingConfig(num_workers=2, min_workers=1, max_workers=4),
+            batch=BatchConfig(global_batch_size=16),
+        )
+        elastic.start(regression_job(), config)
+        first = wait_for(name, lambda s: s["state"] == "running" and s["step"] >= 4, "start")
+        summary["first_pids"] = sorted(w["pid"] for w in first["workers"])
+
+        cluster.add_node(num_cpus=2)  # node B
+        grown = wait_for(name, lambda s: s["world_size"] == 4 and s["state"] == "running"
+                         and s["step"] > first["step"], "grow to 4")
+        summary["grown_pids"] = sorted(w["pid"] for w in grown["workers"])
+        on_a = [w for w in grown["workers"] if w["node_id"] == node_a.node_id]
+        summary["workers_on_a"] = len(on_a)
+
+        removed_at = time.time()
+        cluster.remove_node(node_a, allow_graceful=False)
+        shrunk = wait_for(name, lambda s: s["world_size"] == 4 - len(on_a) and s["state"] == "running"
+                          and s["failures"] >= len(on_a), "continue without node A")
+        summary["after_loss_pids"] = sorted(w["pid"] for w in shrunk["workers"])
+        summary["removed_at"] = removed_at
+
+        cluster.add_node(num_cpus=2)  # node C
+        rejoined = wait_for(name, lambda s: s["world_size"] == 4 and s["state"] == "running"
+                            and s["step"] > shrunk["step"], "replacements join on node C")
+        summary["rejoined_pids"] = sorted(w["pid"] for w in rejoined["workers"])
+        elastic.stop(name)
+        deadline = time.monotonic() + LIMIT_S
+        while name in elastic.runs() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with open(os.path.join(run_dir, "events.jsonl")) as f:
+            summary["events"] = [json.loads(line) for line in f]
+        summary["ok"] = True
+    finally:
+        with open(out_path, "w") as f:
+            json.dump(summary, f)
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
