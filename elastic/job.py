@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from elastic.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class TrainJob:
@@ -30,3 +32,24 @@ class TrainJob:
     lr_scheduler: Callable[[Any], Any] | None = None
     collate_fn: Callable[[list[Any]], Any] | None = None
     evaluate: Callable[[Any], dict[str, float]] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("model", "optimizer", "loss", "dataset"):
+            value = getattr(self, name)
+            if not callable(value) or _is_module(value):
+                raise ConfigError(
+                    f"TrainJob.{name} must be a factory (a function), got "
+                    f"{type(value).__name__}; wrap it, e.g. {name}=lambda: ..."
+                    if name in ("model", "dataset") else
+                    f"TrainJob.{name} must be callable, got {type(value).__name__}"
+                )
+        for name in ("lr_scheduler", "collate_fn", "evaluate"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise ConfigError(f"TrainJob.{name} must be callable or None, got {type(value).__name__}")
+
+
+def _is_module(value: Any) -> bool:
+    """An nn.Module instance is callable, but a model factory is wanted (checked without
+    importing torch here)."""
+    return any(c.__name__ == "Module" and c.__module__.startswith("torch.nn") for c in type(value).__mro__)

@@ -28,6 +28,7 @@ from elastic.adapt.balance import ThroughputTracker, rebalance
 from elastic.adapt.lr import LrRamp, global_batch_for, resize
 from elastic.adapt.plan import BatchPlan, plan_batch
 from elastic.adapt.tuning import MicroBatchTuner, back_off, candidates
+from elastic.checkpoint.store import check_root
 from elastic.collective import RendezvousServer
 from elastic.config import ChaosEvent, FitConfig
 from elastic.errors import (
@@ -272,6 +273,8 @@ class Controller:
                     "controller can resume"
                 ))
         self.log.event("start", name=self.name, config=self.config.model_dump(mode="json"))
+        if self.config.checkpoint is not None:
+            check_root(self.config.checkpoint.path)
         spawned = dict(self._spawn() for _ in range(self.config.scaling.num_workers))
         timeout = self.config.failure.startup_timeout.total_seconds()
         # Do not wait for workers the cluster cannot place at all; they stay pending and join
@@ -283,6 +286,10 @@ class Controller:
                 info = ray.get(ref)
             except RayTaskError as e:
                 raise _Failed(_user_start_error(e)) from e
+            except RayActorError as e:
+                if getattr(e, "actor_init_failed", False):
+                    raise _Failed(_init_error(e)) from e
+                raise
             self.members.append(_Member(spawned[ref], info["worker_id"], info["pid"], info["node_id"]))
         for ref in set(spawned) - set(ready):
             self.pending[ref] = spawned[ref]
@@ -862,6 +869,19 @@ def _user_start_error(e: RayTaskError) -> ElasticError:
     return ConfigError(
         "a worker could not build the job (model, optimizer, scheduler or dataset factory "
         f"raised): {text[-1] if text else e}"
+    )
+
+
+def _init_error(e: RayActorError) -> ElasticError:
+    """The error a worker's constructor raised (Ray passes it on as text only)."""
+    lines = [line.strip() for line in str(getattr(e, "error_msg", e)).strip().splitlines()]
+    last = next((line for line in reversed(lines) if line), "")
+    own = "elastic.errors.ConfigError: "
+    if last.startswith(own):
+        return ConfigError(last[len(own):])
+    return ConfigError(
+        "a worker could not build the job (model, optimizer, scheduler or dataset factory "
+        f"raised): {last}"
     )
 
 

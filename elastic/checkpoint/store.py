@@ -23,7 +23,7 @@ from typing import Any
 import fsspec
 import torch
 
-from elastic.errors import CheckpointCorruptError
+from elastic.errors import CheckpointCorruptError, ConfigError
 
 MANIFEST = "MANIFEST.json"
 FORMAT_VERSION = 1
@@ -37,6 +37,29 @@ def step_dir_name(step: int) -> str:
 def _fs(root: str) -> tuple[fsspec.AbstractFileSystem, str]:
     fs, path = fsspec.core.url_to_fs(root)
     return fs, path.rstrip("/")
+
+
+def check_root(root: str) -> None:
+    """Makes sure checkpoints can be written under `root` (creating it), before any worker
+    starts.
+
+    Raises:
+        ConfigError: the URL's protocol is unknown, `root` is a file, or it cannot be created.
+    """
+    try:
+        fs, path = _fs(root)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"checkpoint.path {root!r} cannot be used: {e}") from e
+    try:
+        if fs.exists(path) and not fs.isdir(path):
+            raise ConfigError(f"checkpoint.path {root!r} is a file, not a directory; point it at "
+                              "a directory")
+        fs.makedirs(path, exist_ok=True)
+        probe = f"{path.rstrip('/')}/.elastic-write-probe"
+        fs.pipe_file(probe, b"ok")
+        fs.rm_file(probe)
+    except OSError as e:
+        raise ConfigError(f"checkpoint.path {root!r} is not writable: {e}") from e
 
 
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:

@@ -114,8 +114,18 @@ class Replica:
                 f"TrainJob.model returned {type(self.model).__name__}, not a torch.nn.Module"
             )
         self.optimizer = job.optimizer(self.model.parameters())
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"TrainJob.optimizer returned {type(self.optimizer).__name__}, not a "
+                "torch.optim.Optimizer"
+            )
         self.scheduler = job.lr_scheduler(self.optimizer) if job.lr_scheduler else None
         self.dataset = job.dataset()
+        if not (hasattr(self.dataset, "__len__") and hasattr(self.dataset, "__getitem__")):
+            raise ConfigError(
+                f"TrainJob.dataset returned {type(self.dataset).__name__}, not a map-style "
+                "dataset (it needs __len__ and __getitem__)"
+            )
         self.collate: Callable[[list[Any]], Any] = job.collate_fn or default_collate
         try:
             steps_per_epoch(len(self.dataset), config.batch.global_batch_size)
