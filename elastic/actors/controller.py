@@ -14,8 +14,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 import torch
@@ -49,6 +50,7 @@ from elastic.runlog import RunLog
 from elastic.trainer.data import Cursor
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 NAMESPACE = "elastic"
 FINAL_MODEL = "final_model.pt"
@@ -300,7 +302,7 @@ class Controller:
                 f"within {self.config.failure.startup_timeout}; need at least "
                 f"{self.config.scaling.lower}. Raise failure.startup_timeout or add capacity"
             ))
-        self.dataset_size = ray.get(self.members[0].actor.dataset_size.remote())
+        self.dataset_size = self._on_any_member(lambda a: ray.get(a.dataset_size.remote()))
         batch = self.config.batch
         largest = global_batch_for(batch.policy, batch.global_batch_size,
                                    self.config.scaling.num_workers, self.config.scaling.upper)
@@ -432,6 +434,17 @@ class Controller:
             caps.append(min(limits) if limits else None)
         return plan_batch(self.batch_now, len(self.members), self.config.batch.max_micro_batch,
                           self._weights(), caps)
+
+    def _on_any_member(self, call: Callable[[Any], T]) -> T:
+        """`call(actor)` on the first live member. After a completed chunk or a new generation
+        every member holds the committed state, so any will do; a dead one is skipped here and
+        found by the next chunk, which recovers as usual."""
+        for member in list(self.members):
+            try:
+                return call(member.actor)
+            except RayActorError:
+                self.log.event("member_unreachable", worker_id=member.worker_id)
+        raise _Failed(WorkerLostError("every worker was lost", step=self.global_step))
 
     def _gather(self, refs: list[Any]) -> tuple[list[Any], list[int], list[str]]:
         """Waits for one ref per member, in completion order. Returns the values, the ranks
@@ -637,7 +650,8 @@ class Controller:
             epoch_over = self.cursor.start(self.dataset_size, self.batch_now)[0] > self.cursor.epoch
             if epoch_over or self.global_step == self.total_steps:
                 self._evaluate()
-            self.checkpoints.maybe_write(self.members[0].actor, self.global_step, len(self.members))
+            self._on_any_member(lambda a: self.checkpoints.maybe_write(a, self.global_step,
+                                                                       len(self.members)))
             return
         if "user_error" in statuses:
             self._user_error(results)
@@ -834,7 +848,7 @@ class Controller:
     def _evaluate(self) -> None:
         if self.job.evaluate is None:
             return
-        result = ray.get(self.members[0].actor.evaluate.remote())
+        result = self._on_any_member(lambda a: ray.get(a.evaluate.remote()))
         self._evaluation = result
         self.log.event("evaluate", step=self.global_step,
                        epoch=self.cursor.epochs_done(self.dataset_size, self.batch_now), **result)
@@ -844,9 +858,9 @@ class Controller:
     def _finish(self) -> dict[str, Any]:
         if self._stop_requested and self.job.evaluate is not None and not self._evaluation:
             self._evaluate()
-        self.checkpoints.maybe_write(self.members[0].actor, self.global_step, len(self.members),
-                                     final=True)
-        state = ray.get(self.members[0].actor.model_state.remote())
+        self._on_any_member(lambda a: self.checkpoints.maybe_write(a, self.global_step,
+                                                                   len(self.members), final=True))
+        state = self._on_any_member(lambda a: ray.get(a.model_state.remote()))
         self.log.event("finish", step=self.global_step, stopped=self._stop_requested,
                        samples=self.cursor.samples)
         self._set_state(RunState.FINISHED)

@@ -1,7 +1,10 @@
 """Drives node-level faults on a multi-node Ray cluster on this machine (ray.cluster_utils).
 
 Run as a script by tests/fault/test_nodes.py (one Ray connection per process, so it cannot
-share the test session's cluster). Writes a JSON summary to the path given as argv[1].
+share the test session's cluster): `python -m tests.fault.cluster_driver OUT.json nodes|chaos`
+writes a JSON summary to OUT.json.
+
+Scenario `nodes`:
 
 The head has no CPUs (it hosts only controllers, which are pinned to the head); workers live
 on the other nodes, so adding and removing nodes adds and removes workers:
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import tempfile
 import time
@@ -46,7 +50,7 @@ def wait_for(name: str, predicate, what: str) -> dict:
     raise TimeoutError(f"{what}: not reached in {LIMIT_S}s; last status {last}")
 
 
-def main(out_path: str) -> None:
+def nodes(out_path: str) -> None:
     run_dir = tempfile.mkdtemp(prefix="elastic-nodes-")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": HEALTH})
     summary: dict = {"run_dir": run_dir}
@@ -95,5 +99,67 @@ def main(out_path: str) -> None:
         cluster.shutdown()
 
 
+def chaos(out_path: str) -> None:
+    """Ten worker kills at random moments (so in random phases) and one node removal, in one
+    run with the ledger on; then the run is stopped."""
+    rng = random.Random(7)
+    run_dir = tempfile.mkdtemp(prefix="elastic-chaos-")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": HEALTH})
+    summary: dict = {"run_dir": run_dir, "faults": []}
+    try:
+        nodes_ = [cluster.add_node(num_cpus=2) for _ in range(3)]
+        ray.init(address=cluster.address, namespace="elastic", log_to_driver=False)
+        name = "chaos"
+        config = FitConfig(
+            name=name, run_dir=run_dir, max_steps=100_000, steps_per_chunk=4, ledger=True,
+            scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
+            batch=BatchConfig(global_batch_size=16),
+        )
+        elastic.start(regression_job(), config)
+        status = wait_for(name, lambda s: s["state"] == "running" and s["step"] >= 4, "start")
+        node_kill_at = rng.randrange(3, 8)
+        for i in range(10):
+            if i == node_kill_at:
+                # A node that hosts some of the workers, never all of them (that would lose the
+                # state, which without checkpoints is a failure by design).
+                status = wait_for(name, lambda s: s["world_size"] == 4 and s["state"] == "running",
+                                  "full size before the node loss")
+                count = {n.node_id: 0 for n in nodes_}
+                for w in status["workers"]:
+                    count[w["node_id"]] = count.get(w["node_id"], 0) + 1
+                victim = min((n for n in nodes_ if 0 < count[n.node_id] < 4),
+                             key=lambda n: count[n.node_id])
+                cluster.remove_node(victim, allow_graceful=False)
+                nodes_.remove(victim)
+                summary["faults"].append({"kind": "node", "step": status["step"]})
+                cluster.add_node(num_cpus=2)  # capacity comes back elsewhere
+                status = wait_for(name, lambda s, f=status["failures"]: s["failures"] > f
+                                  and s["state"] == "running", "recover from the node loss")
+            step = status["step"]
+            status = wait_for(name, lambda s, step=step: s["world_size"] >= 2 and s["state"] == "running"
+                              and s["step"] >= step + 3, "progress before a kill")
+            time.sleep(rng.uniform(0.0, 0.05))  # a random moment of a step
+            rank = rng.randrange(status["world_size"])
+            elastic.kill(name, rank)
+            summary["faults"].append({"kind": "worker", "rank": rank, "step": status["step"]})
+            status = wait_for(name, lambda s, f=status["failures"]: s["failures"] > f
+                              and s["state"] == "running", "recover from the kill")
+        final = wait_for(name, lambda s: s["world_size"] >= 2 and s["step"] >= status["step"] + 6,
+                         "progress after the last fault")
+        summary["failures"] = final["failures"]
+        elastic.stop(name)
+        deadline = time.monotonic() + LIMIT_S
+        while name in elastic.runs() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with open(os.path.join(run_dir, "events.jsonl")) as f:
+            summary["events"] = [json.loads(line) for line in f]
+        summary["ok"] = True
+    finally:
+        with open(out_path, "w") as f:
+            json.dump(summary, f)
+        ray.shutdown()
+        cluster.shutdown()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    {"nodes": nodes, "chaos": chaos}[sys.argv[2]](sys.argv[1])

@@ -164,7 +164,7 @@ def test_invalid_job_fails_cleanly_and_leaves_no_actor(ray_cluster, tmp_path, ma
 
 
 def test_fit_refuses_something_that_is_not_a_train_job():
-    with pytest.raises(TypeError, match="needs an elastic.TrainJob"):
+    with pytest.raises(TypeError, match=r"needs an elastic\.TrainJob"):
         elastic.fit(nn.Linear(2, 2), fit_config())
 
 
