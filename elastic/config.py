@@ -197,7 +197,7 @@ class FailureConfig(_Frozen):
 
 
 ChaosAction = Literal["kill", "hang", "raise", "slow", "oom"]
-ChaosPhase = Literal["data", "forward", "backward", "allreduce", "optimizer"]
+ChaosPhase = Literal["data", "forward", "backward", "allreduce", "optimizer", "checkpoint"]
 
 
 class ChaosEvent(_Frozen):
@@ -211,7 +211,10 @@ class ChaosEvent(_Frozen):
         "data, forward and backward take `factor` times as long, for `steps` steps)."
     )
     phase: ChaosPhase = Field(default="forward", description="Where in the step the fault fires "
-                              "(ignored by 'slow', which stretches the whole compute part).")
+                              "(ignored by 'slow', which stretches the whole compute part). "
+                              "'checkpoint': a 'kill' during the first checkpoint write at or "
+                              "after `step`, once a part is on disk and before the manifest "
+                              "(rank 0 writes checkpoints).")
     factor: float = Field(default=2.0, gt=1, description="Slow-down factor for action 'slow'.")
     steps: int | None = Field(
         default=1, ge=1,
@@ -226,6 +229,11 @@ class ChaosEvent(_Frozen):
             raise ValueError(
                 f"chaos action {self.action!r} fires in user code only; use phase data, forward "
                 f"or backward, not {self.phase!r}"
+            )
+        if self.phase == "checkpoint" and (self.action != "kill" or self.rank != 0):
+            raise ValueError(
+                "chaos phase 'checkpoint' takes action 'kill' on rank 0 (the rank that writes "
+                f"checkpoints), not {self.action!r} on rank {self.rank}"
             )
         return self
 

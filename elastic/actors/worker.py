@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +58,7 @@ class WorkerActor:
         self._lock = threading.Lock()
         ckpt = config.checkpoint
         self._writer = CheckpointWriter(ckpt.path, ckpt.keep_last) if ckpt else None
+        self._checkpoint_chaos: list[ChaosEvent] = []  # kills to fire during a checkpoint write
 
     def info(self) -> dict[str, Any]:
         """Identity of this worker's process (tests check that survivors keep their pid)."""
@@ -90,6 +93,7 @@ class WorkerActor:
             return ChunkResult(status, records, replica.global_step, replica.cursor.to_dict(),
                                failure, error)
 
+        self._checkpoint_chaos += [e for e in chaos if e.rank == rank and e.phase == "checkpoint"]
         try:
             for _ in range(num_steps):
                 step = replica.global_step
@@ -117,15 +121,34 @@ class WorkerActor:
         state = self.replica.state()
         meta = {**meta, "epoch": state["cursor"]["epoch"]}
         step = self.replica.global_step
+        crash = self._crash_mid_write(step)
         if ckpt.async_write:
             # The only cost on the training path: a copy of the state in host memory.
             snapshot = {name: copy.deepcopy(value) for name, value in state.items() if value is not None}
-            submitted = self._writer.submit(step, snapshot, meta)
+            submitted = self._writer.submit(step, snapshot, meta, after_part=crash)
         else:
             parts = {name: serialize(value) for name, value in state.items() if value is not None}
-            write_checkpoint(ckpt.path, step, parts, meta)
+            write_checkpoint(ckpt.path, step, parts, meta, after_part=crash)
             submitted = True
         return {"submitted": submitted, "reports": self._reports()}
+
+    def _crash_mid_write(self, step: int) -> Any:
+        """Chaos phase 'checkpoint': SIGKILL this worker once the first part of this write is
+        on disk, before the manifest commits it."""
+        due = [e for e in self._checkpoint_chaos if e.step <= step]
+        if not due:
+            return None
+        event = due[0]
+        self._checkpoint_chaos.remove(event)
+        run_dir = self.replica.run_dir
+
+        def crash(_part: str) -> None:
+            os.makedirs(os.path.join(run_dir, "chaos"), exist_ok=True)
+            with open(os.path.join(run_dir, "chaos", f"kill-{event.step}-{event.rank}"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        return crash
 
     def flush_checkpoints(self) -> list[dict[str, Any]]:
         """Waits for the background write, if any; returns the finished writes' reports."""

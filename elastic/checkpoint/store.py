@@ -16,7 +16,7 @@ import json
 import os
 import platform
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,7 +92,8 @@ def serialize(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def write_checkpoint(root: str, step: int, parts: Mapping[str, bytes], meta: Mapping[str, Any]) -> str:
+def write_checkpoint(root: str, step: int, parts: Mapping[str, bytes], meta: Mapping[str, Any],
+                     after_part: Callable[[str], None] | None = None) -> str:
     """Writes one checkpoint atomically and returns its directory.
 
     Args:
@@ -100,6 +101,8 @@ def write_checkpoint(root: str, step: int, parts: Mapping[str, bytes], meta: Map
         step: the global step the state belongs to (the next step to run).
         parts: file name (without `.pt`) -> serialised bytes.
         meta: extra manifest fields (epoch, world size, config fingerprint, ...).
+        after_part: called with each part's name once it is on disk, before the manifest
+            commits the checkpoint (chaos injects a crash mid-write here).
     """
     fs, base = _fs(root)
     directory = f"{base}/{step_dir_name(step)}"
@@ -111,6 +114,8 @@ def write_checkpoint(root: str, step: int, parts: Mapping[str, bytes], meta: Map
         filename = f"{name}.pt"
         _write_atomically(fs, f"{directory}/{filename}", data)
         files[filename] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        if after_part is not None:
+            after_part(name)
     _fsync_dir(fs, directory)
     manifest = {
         "format": FORMAT_VERSION, "step": step, "created": time.time(), "files": files,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,24 +41,27 @@ class CheckpointWriter:
         with self._lock:
             return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any]) -> bool:
+    def submit(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any],
+               after_part: Callable[[str], None] | None = None) -> bool:
         """Starts serialising and writing a snapshot (`parts`: name -> an object torch.save
         can write, already copied off the live state by the caller); returns False (and writes
         nothing) if the previous write is still in flight, so snapshots never pile up."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return False
-            self._thread = threading.Thread(target=self._write, args=(step, dict(parts), dict(meta)),
+            self._thread = threading.Thread(target=self._write,
+                                            args=(step, dict(parts), dict(meta), after_part),
                                             name=f"elastic-ckpt-{step}", daemon=True)
             self._thread.start()
             return True
 
-    def _write(self, step: int, parts: dict[str, Any], meta: dict[str, Any]) -> None:
+    def _write(self, step: int, parts: dict[str, Any], meta: dict[str, Any],
+               after_part: Callable[[str], None] | None) -> None:
         started = time.perf_counter()
         try:
             blobs = {name: value if isinstance(value, bytes) else serialize(value)
                      for name, value in parts.items()}
-            path = write_checkpoint(self.root, step, blobs, meta)
+            path = write_checkpoint(self.root, step, blobs, meta, after_part)
             pruned = tuple(prune(self.root, self.keep_last))
             report = WriteReport(step, path, time.perf_counter() - started, pruned=pruned)
         except Exception as e:

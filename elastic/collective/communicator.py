@@ -192,8 +192,20 @@ class Communicator:
         tag: int = 0,
     ) -> list[Pending]:
         """Starts a batch of sends and receives (see `Transport.exchange`)."""
+        return self._post(lambda: self._transport.exchange(sends, recvs, tag))
+
+    def _post(self, start: Callable[[], list[Pending]]) -> list[Pending]:
+        """Starts backend operations; a peer's death can surface here (gloo raises when a
+        receive is posted on a closed connection), not only when waiting."""
         self._check_usable()
-        return self._transport.exchange(sends, recvs, tag)
+        try:
+            return start()
+        except Exception as e:
+            self._check_usable()  # aborted meanwhile: say so
+            raise self._fail(CollectiveError(
+                f"collective failed on rank {self.rank} of generation {self.generation}: {e}",
+                rank=self.rank, generation=self.generation,
+            )) from e
 
     # --- collectives --------------------------------------------------------------------
 
@@ -261,7 +273,7 @@ class Communicator:
             raise ValueError(f"src must be in [0, {self.world_size}), got {src}")
         with _contiguous(tensor) as flat:
             if self.world_size > 1 and flat.numel() > 0:
-                self.wait(self._transport.broadcast(flat, src))
+                self.wait(self._post(lambda: self._transport.broadcast(flat, src)))
         return tensor
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
@@ -277,11 +289,11 @@ class Communicator:
         """Returns once every rank has entered the barrier."""
         self._check_usable()
         if self.world_size > 1:
-            self.wait(self._transport.allreduce(torch.zeros(1), "sum"))
+            self.wait(self._post(lambda: self._transport.allreduce(torch.zeros(1), "sum")))
 
 
 def _native_allreduce(comm: Communicator, flat: torch.Tensor, op: ReduceOp) -> None:
-    comm.wait(comm._transport.allreduce(flat, op))
+    comm.wait(comm._post(lambda: comm._transport.allreduce(flat, op)))
 
 
 class _contiguous:

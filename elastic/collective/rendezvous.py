@@ -51,8 +51,17 @@ class RendezvousServer:
     """
 
     def __init__(self, host: str = "127.0.0.1") -> None:
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self.endpoint = Endpoint(host=host, port=self._store.port)
+        # TCPStore alone listens on every interface; it is handed a socket bound to `host`
+        # only, so the control port is not exposed on other networks of the node.
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        self._socket = socket.socket(family, kind, proto)
+        self._socket.bind(address)
+        self._socket.listen(1024)
+        port = self._socket.getsockname()[1]
+        self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                    master_listen_fd=self._socket.fileno())
+        self._socket.detach()  # the store owns the descriptor now and closes it
+        self.endpoint = Endpoint(host=host, port=port)
 
     def close(self) -> None:
         """Stops serving. Communicators of live generations lose their store."""

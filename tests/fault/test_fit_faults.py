@@ -130,3 +130,30 @@ def test_nan_steps_are_skipped_on_every_rank_when_asked(ray_cluster, tmp_path):
         (s, [p // (B // 4)]) for s, p in poisoned]
     torch.testing.assert_close(result.model_state, reference_skipping_nonfinite(0, B, 18),
                                rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_sigkill_during_a_checkpoint_write_recovers_and_leaves_only_good_checkpoints(
+        ray_cluster, tmp_path, async_write):
+    from elastic.checkpoint.store import list_steps
+
+    ckpt = CheckpointConfig(path=str(tmp_path / "ckpt"), every_steps=2, keep_last=10,
+                            async_write=async_write)
+    chaos = (ChaosEvent(step=3, rank=0, action="kill", phase="checkpoint"),)
+    result = elastic.fit(regression_job(), _config(tmp_path, chaos, checkpoint=ckpt))
+    assert result.steps == 9
+    torch.testing.assert_close(result.model_state, reference_weights(0, B, 9), rtol=1e-9, atol=1e-10)
+    assert [f["lost_ranks"] for f in _kinds(result, "worker_failure")] == [[0]]
+    # The write that was cut short never counts; every checkpoint that loads is exact.
+    steps = list_steps(ckpt.path)
+    assert 9 in steps
+    loaded = 0
+    for step in steps:
+        try:
+            saved = elastic.load_checkpoint(ckpt.path, step=step)
+        except elastic.errors.CheckpointCorruptError:
+            continue
+        loaded += 1
+        torch.testing.assert_close(saved.parts["model"], reference_weights(0, B, step),
+                                   rtol=1e-9, atol=1e-10)
+    assert loaded >= 3

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import threading
 
 import pytest
@@ -293,3 +294,14 @@ def test_losing_every_worker_restores_from_the_checkpoint_and_finishes_exactly(r
     assert restored["step"] == 6
     assert restored["work_lost_steps"] == 1
     _assert_weights_equal_reference(result, 12)
+
+
+def test_no_credential_reaches_the_run_record(ray_cluster, tmp_path):
+    token_file = pathlib.Path.home() / ".ray" / "auth_token"
+    secrets = [token_file.read_text().strip()] if token_file.exists() else []
+    secrets += [v for k, v in os.environ.items() if "TOKEN" in k and len(v) >= 8]
+    result = elastic.fit(regression_job(), _config(tmp_path, max_steps=4, ledger=True))
+    for path in pathlib.Path(result.run_dir).rglob("*"):
+        if path.is_file() and path.suffix == ".jsonl":
+            text = path.read_text()
+            assert not any(secret in text for secret in secrets), path
