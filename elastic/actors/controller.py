@@ -51,6 +51,7 @@ from elastic.trainer.data import Cursor
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+_NODE_CHECK_S = 0.5  # while a generation forms, how often members' nodes are checked
 
 NAMESPACE = "elastic"
 FINAL_MODEL = "final_model.pt"
@@ -458,23 +459,40 @@ class Controller:
         pending = list(refs)
         aborted = False
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            rank = index[ready[0]]
-            try:
-                values[rank] = ray.get(ready[0])
-                continue
-            except RayActorError:
-                dead.append(rank)
-            except RayTaskError as e:
-                if not isinstance(e.cause, CollectiveError):
-                    raise
-                broken.append(f"rank {rank}: {str(e.cause).splitlines()[0]}")
+            ready, pending = ray.wait(pending, num_returns=1, timeout=_NODE_CHECK_S)
+            if not ready:
+                # A worker process can outlive its node's raylet for a while and keep answering;
+                # the node's death in Ray's membership is what counts.
+                gone = self._on_dead_nodes([index[ref] for ref in pending])
+                if not gone:
+                    continue
+                for rank in gone:
+                    dead.append(rank)
+                    ray.kill(self.members[rank].actor, no_restart=True)
+                pending = [ref for ref in pending if index[ref] not in gone]
+                rank = gone[0]
+            else:
+                rank = index[ready[0]]
+                try:
+                    values[rank] = ray.get(ready[0])
+                    continue
+                except RayActorError:
+                    dead.append(rank)
+                except RayTaskError as e:
+                    if not isinstance(e.cause, CollectiveError):
+                        raise
+                    broken.append(f"rank {rank}: {str(e.cause).splitlines()[0]}")
             if not aborted:
                 aborted = True
                 for r, m in enumerate(self.members):
                     if r != rank:
                         m.actor.abort.remote()
         return values, dead, broken
+
+    def _on_dead_nodes(self, ranks: list[int]) -> list[int]:
+        """The ranks among `ranks` whose node Ray's membership reports dead."""
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        return [r for r in ranks if self.members[r].node_id not in alive]
 
     def _retry_generation(self, attempts: int, broken: list[str]) -> int:
         """A generation failed to form although no member is known dead: try again (a few
