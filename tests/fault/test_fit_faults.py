@@ -157,3 +157,21 @@ def test_sigkill_during_a_checkpoint_write_recovers_and_leaves_only_good_checkpo
         torch.testing.assert_close(saved.parts["model"], reference_weights(0, B, step),
                                    rtol=1e-9, atol=1e-10)
     assert loaded >= 3
+
+
+def test_below_min_workers_the_run_waits_for_capacity_and_continues(ray_cluster, tmp_path):
+    chaos = (ChaosEvent(step=3, rank=1, action="kill", phase="backward"),)
+    config = FitConfig(
+        scaling=ScalingConfig(num_workers=2, min_workers=2), max_steps=9,
+        batch=BatchConfig(global_batch_size=B), run_dir=str(tmp_path / "run"), chaos=chaos,
+    )
+    result = elastic.fit(regression_job(), config)
+    assert result.steps == 9
+    torch.testing.assert_close(result.model_state, reference_weights(0, B, 9), rtol=1e-9, atol=1e-10)
+    kinds = [e["event"] for e in result.events]
+    # No step ran on one worker: the replacement joined before the ring was rebuilt.
+    failure = kinds.index("worker_failure")
+    assert kinds.index("worker_joined", failure) < kinds.index("recovered", failure)
+    assert {m["world_size"] for m in result.metrics} == {2}
+    (recovered,) = _kinds(result, "recovered")
+    assert recovered["world_after"] == 2
