@@ -77,3 +77,58 @@ def write_report(run_dir: str, out_dir: str | None = None) -> list[str]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+PHASES = ("data", "forward/backward", "communication", "optimizer")
+
+
+def write_trace(run_dir: str, path: str) -> int:
+    """Writes a Chrome trace (chrome://tracing, Perfetto) of a run's steps: one row per rank,
+    each step split into data loading, forward/backward, exposed communication and the
+    optimizer, with failures, recoveries and resizes as instant events. Returns the number
+    of trace events.
+
+    Raises:
+        ConfigError: `run_dir` has no metrics.jsonl, or its metrics carry no timeline.
+    """
+    import json
+
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    if not metrics:
+        raise ConfigError(f"{run_dir} has no metrics.jsonl; is it a run directory?")
+    timed = [m for m in metrics if m.get("timeline")]
+    if not timed:
+        raise ConfigError(f"{run_dir} has no step timeline (written by elastic 0.1 and later)")
+    origin = min(row[0] for m in timed for row in m["timeline"] if row)
+    trace: list[dict] = []
+    ranks = set()
+    for m in timed:
+        for rank, row in enumerate(m["timeline"]):
+            if not row:
+                continue
+            ranks.add(rank)
+            start = (row[0] - origin) * 1e6
+            for name, duration in zip(PHASES, row[1:], strict=True):
+                trace.append({"name": name, "cat": "step", "ph": "X", "pid": 0, "tid": rank,
+                              "ts": round(start, 1), "dur": round(duration * 1e6, 1),
+                              "args": {"step": m["step"], "world_size": m["world_size"],
+                                       "generation": m.get("generation")}})
+                start += duration * 1e6
+    marks = {"worker_failure": "worker lost", "recovered": "ring rebuilt", "resized": "resized",
+             "rebalanced": "shares rebalanced", "micro_batch_tuned": "micro-batch tuned",
+             "oom_backoff": "out of memory", "checkpoint_written": "checkpoint"}
+    for e in events:
+        if e["event"] in marks and e["time"] >= origin:
+            trace.append({"name": marks[e["event"]], "cat": "event", "ph": "i", "s": "g",
+                          "pid": 0, "tid": 0, "ts": round((e["time"] - origin) * 1e6, 1),
+                          "args": {k: v for k, v in e.items() if k not in ("time", "event")}})
+    trace.append({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "elastic run"}})
+    for rank in sorted(ranks):
+        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
+                      "args": {"name": f"rank {rank}"}})
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+    return len(trace)

@@ -780,6 +780,8 @@ class Controller:
             first = records[0]
             b = first.global_batch_size
             step_time = max(r.step_time_s for r in records)
+            slowest = max(records, key=lambda r: r.step_time_s)
+            _, data_s, compute_s, comm_s, optimizer_s = slowest.timeline
             self.log.metric(step=step, epoch=first.epoch, loss=first.loss,
                             world_size=first.world_size, global_batch_size=b,
                             shares=list(first.shares), micro_batch=max(r.micro_batch for r in records),
@@ -788,7 +790,11 @@ class Controller:
                             step_time_s=step_time,
                             compute_time_s=max(r.compute_time_s for r in records),
                             samples_per_s=b / step_time if step_time > 0 else None, lr=first.lr,
-                            generation=self.generation)
+                            generation=self.generation, time=max(r.end_time for r in records),
+                            data_s=data_s, forward_backward_s=compute_s, comm_s=comm_s,
+                            optimizer_s=optimizer_s,
+                            timeline=[[round(x, 6) for x in ranks[r].timeline] if r in ranks else None
+                                      for r in range(first.world_size)])
             skipped = sorted({r for rec in records for r in rec.skipped_ranks})
             if skipped:
                 self.log.event("nonfinite", step=step, ranks=skipped, policy="skip")

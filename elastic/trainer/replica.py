@@ -53,6 +53,9 @@ class StepRecord:
     lr: float
     indices: tuple[int, ...] | None = None
     skipped_ranks: tuple[int, ...] = ()  # non-finite loss or gradients: no update was applied
+    # (wall-clock start, data, forward+backward, communication, optimizer) in seconds: the
+    # step timeline (communication is the exposed part: nothing overlaps it).
+    timeline: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,8 @@ class Replica:
         rank, world = comm.rank, comm.world_size
         step = self.global_step
         started = time.perf_counter()
+        wall_start = time.time()
+        data_s = 0.0
         self.progress.step = step
         b = plan.global_batch_size
         epoch, global_batch = self.order.batch(self.cursor, b)
@@ -260,7 +265,9 @@ class Replica:
             self._enter("data")
             self._chaos(chaos, "data", started)
             for start, length in plan.pieces(rank):
+                loading = time.perf_counter()
                 batch = self.collate([self.dataset[int(i)] for i in mine[start : start + length]])
+                data_s += time.perf_counter() - loading
                 self._enter("forward")
                 self._chaos(chaos, "forward", started)
                 loss = self.job.loss(self.model, batch) * (length / b)
@@ -277,6 +284,7 @@ class Replica:
         except Exception:
             error, vote = traceback.format_exc(), _USER_ERROR
         compute_time = time.perf_counter() - started
+        comm_start = time.perf_counter()
         self._enter("allreduce")
         self._chaos(chaos, "allreduce", started)
         flags = torch.zeros(world, dtype=torch.float64)
@@ -291,6 +299,7 @@ class Replica:
             vote = _NONFINITE
             meta[1 + rank] = vote
         self._allreduce(comm, buffers, meta)
+        comm_s = time.perf_counter() - comm_start
         votes = meta[1 : 1 + world]
         failed = tuple(int(r) for r in torch.nonzero(votes).flatten().tolist())
         nonfinite = tuple(r for r in failed if votes[r] == _NONFINITE)
@@ -310,6 +319,7 @@ class Replica:
                 return UserFailure(step=step, ranks=users,
                                    traceback=error if vote == _USER_ERROR else None)
             return OutOfMemory(step=step, ranks=failed)
+        optimizer_start = time.perf_counter()
         self._enter("optimizer")
         self._chaos(chaos, "optimizer", started)
         if skip:  # every rank drops this update; the samples count as consumed
@@ -322,6 +332,7 @@ class Replica:
         for p in self._params:
             p.grad = None
         self.cursor = self.cursor.advance(self.order.dataset_size, b)
+        optimizer_s = time.perf_counter() - optimizer_start
         self._enter("idle")
         indices = tuple(int(i) for i in meta[1 + world :].tolist()) if self.config.ledger else None
         return StepRecord(
@@ -329,6 +340,7 @@ class Replica:
             shares=plan.shares, micro_batch=plan.micro_batches[rank],
             step_time_s=time.perf_counter() - started, compute_time_s=compute_time,
             end_time=time.time(), lr=lr, indices=indices, skipped_ranks=nonfinite if skip else (),
+            timeline=(wall_start, data_s, compute_time - data_s, comm_s, optimizer_s),
         )
 
     def _optimizer_step(self, lr_factor: float) -> float:

@@ -1,5 +1,6 @@
 """elastic.fit on a local Ray cluster: the step contract, recovery, resize, user errors."""
 
+import itertools
 import json
 import os
 import pathlib
@@ -79,6 +80,29 @@ def test_two_kills_in_different_phases_end_with_the_reference_weights(ray_cluste
         image = imread(path)
         assert image.shape[0] > 100 and image.shape[1] > 100
         assert image.std() > 0  # not a blank canvas
+    # The step timeline: per step, data + forward/backward + exposed communication + optimizer
+    # of the slowest rank add up to (at most) its step time; the Chrome trace has them per rank.
+    for m in result.metrics:
+        parts = m["data_s"] + m["forward_backward_s"] + m["comm_s"] + m["optimizer_s"]
+        assert 0 < parts <= m["step_time_s"] + 1e-6
+        assert len(m["timeline"]) == m["world_size"]
+    from elastic.report import write_trace
+
+    trace_path = tmp_path / "trace.json"
+    count = write_trace(result.run_dir, str(trace_path))
+    trace = json.loads(trace_path.read_text())["traceEvents"]
+    assert len(trace) == count
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert len(spans) == 4 * sum(m["world_size"] for m in result.metrics)
+    assert {e["tid"] for e in spans} == {0, 1, 2, 3}
+    by_rank_step: dict = {}
+    for e in spans:
+        by_rank_step.setdefault((e["tid"], e["args"]["step"]), []).append(e)
+    for phases in by_rank_step.values():
+        assert [p["name"] for p in phases] == ["data", "forward/backward", "communication", "optimizer"]
+        for before, after in itertools.pairwise(phases):
+            assert after["ts"] == pytest.approx(before["ts"] + before["dur"], abs=1.0)
+    assert sum(e["name"] == "worker lost" for e in trace if e["ph"] == "i") == 2
 
 
 class Operator:

@@ -66,7 +66,7 @@ def test_the_option_surface_is_what_was_reviewed():
                   "name", "run_dir", "seed", "target", "workers"],
         "list": [],
         "demo": ["epochs", "run_dir", "workers"],
-        "report": ["out", "run_dir"],
+        "report": ["out", "run_dir", "trace"],
         "logs": ["name"],
         "status": ["as_json", "name"],
         "scale": ["name", "num_workers"],
