@@ -152,6 +152,41 @@ def bench_adapt(
         console.print(f"wrote {json_path}")
 
 
+@bench_app.command("overhead")
+def bench_overhead(
+    workers: Annotated[int, typer.Option(help="World size of both runs.")] = 2,
+    model: Annotated[str, typer.Option(help="mlp or cnn.")] = "mlp",
+    steps: Annotated[int, typer.Option(help="Steps of each run.")] = 40,
+    batch: Annotated[int, typer.Option(help="Global batch size.")] = 256,
+    algorithm: Annotated[str, typer.Option(help="Our allreduce algorithm.")] = "native",
+    overlap: Annotated[bool, typer.Option(help="Overlap gradient buckets with backward.")] = True,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """elastic.fit against a plain torch DDP loop: same model, data, batch and world size."""
+    from elastic.bench.overhead import run_overhead_bench
+
+    try:
+        r = run_overhead_bench(workers, model, steps, batch, algorithm=algorithm, overlap=overlap)
+    except (ValueError, ElasticError) as e:
+        raise _fail(_one_line(e)) from None
+    table = Table(title=f"{model} ({r.parameters:,} parameters), {workers} workers, global batch {batch}")
+    for column in ("", "median step ms", "wall ms / step"):
+        table.add_column(column, justify="right")
+    table.add_row("elastic.fit", f"{r.elastic_step_median_s * 1e3:.1f}",
+                  f"{r.elastic_wall_per_step_s * 1e3:.1f}")
+    table.add_row("torch DDP (gloo)", f"{r.ddp_step_median_s * 1e3:.1f}",
+                  f"{r.ddp_wall_per_step_s * 1e3:.1f}")
+    table.add_row("ratio", f"{r.step_ratio:.2f}x", f"{r.wall_ratio:.2f}x")
+    console.print(table)
+    console.print(f"elastic medians: forward/backward {r.elastic_forward_backward_median_s * 1e3:.1f} ms, "
+                  f"exposed communication {r.elastic_comm_median_s * 1e3:.1f} ms "
+                  f"(algorithm {r.algorithm}, overlap {'on' if r.overlap else 'off'})")
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(r.to_json(), indent=2))
+        console.print(f"wrote {json_path}")
+
+
 @bench_app.command("checkpoint")
 def bench_checkpoint(
     size_mb: Annotated[int, typer.Option(help="State size in MiB (model + optimizer).")] = 256,

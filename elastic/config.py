@@ -48,6 +48,20 @@ class CollectiveConfig(_Frozen):
         gt=timedelta(0),
         description="Longest the ranks of a new generation wait for each other to connect.",
     )
+    overlap: bool = Field(
+        default=True,
+        description="Reduce gradients in buckets while the backward pass is still running (as "
+        "DDP does) instead of in one allreduce after it.",
+    )
+    bucket_bytes: int = Field(
+        default=25 << 20, ge=1024,
+        description="Size of a gradient bucket when overlap is on (DDP's default is 25 MB).",
+    )
+    first_bucket_bytes: int = Field(
+        default=1 << 20, ge=1024,
+        description="Size of the first bucket (the last layers' gradients), small so that "
+        "communication starts early in the backward pass.",
+    )
     segment_bytes: int = Field(
         default=16 << 20,
         ge=1024,

@@ -30,6 +30,7 @@ from elastic.collective import Communicator
 from elastic.config import ChaosEvent, ChaosPhase, FitConfig
 from elastic.errors import ConfigError, InjectedFault
 from elastic.job import TrainJob
+from elastic.trainer.buckets import GradientBuckets
 from elastic.trainer.data import Cursor, SampleOrder, steps_per_epoch
 
 # Largest data set whose indices travel exactly in a float32 buffer.
@@ -142,6 +143,10 @@ class Replica:
         self.progress = Progress()
         self.comm: Communicator | None = None
         self._params = [p for p in self.model.parameters() if p.requires_grad]
+        collective = config.collective
+        self._buckets = (GradientBuckets(self._params, collective.bucket_bytes,
+                                         collective.first_bucket_bytes)
+                         if collective.overlap else None)
 
     # --- state --------------------------------------------------------------------------
 
@@ -261,10 +266,15 @@ class Replica:
         for p in self._params:
             p.grad = None
         self.model.train()
+        buckets = self._buckets
+        meta_len = 1 + world + (b if self.config.ledger else 0)
+        if buckets is not None:
+            buckets.begin(comm, meta_len, rank, _NONFINITE)
+        pieces = plan.pieces(rank)
         try:
             self._enter("data")
             self._chaos(chaos, "data", started)
-            for start, length in plan.pieces(rank):
+            for index, (start, length) in enumerate(pieces):
                 loading = time.perf_counter()
                 batch = self.collate([self.dataset[int(i)] for i in mine[start : start + length]])
                 data_s += time.perf_counter() - loading
@@ -273,6 +283,8 @@ class Replica:
                 loss = self.job.loss(self.model, batch) * (length / b)
                 self._enter("backward")
                 self._chaos(chaos, "backward", started)
+                if buckets is not None:  # gradients are complete in the last backward pass
+                    buckets.arm(index == len(pieces) - 1)
                 loss.backward()
                 loss_sum += float(loss.detach())
                 del loss
@@ -293,12 +305,21 @@ class Replica:
         if self.config.ledger:
             ledger[plan.offset(rank) : plan.offset(rank) + len(mine)] = mine.to(torch.float64)
         meta = torch.cat([torch.tensor([loss_sum], dtype=torch.float64), flags, ledger])
-        buffers = self._flatten_grads(zero=error is not None)
-        if vote == 0.0 and not (math.isfinite(loss_sum)
-                                and all(bool(torch.isfinite(b).all()) for b in buffers.values())):
-            vote = _NONFINITE
-            meta[1 + rank] = vote
-        self._allreduce(comm, buffers, meta)
+        if buckets is not None:
+            if vote == 0.0 and not math.isfinite(loss_sum):
+                vote = _NONFINITE
+                meta[1 + rank] = vote
+            buckets.finish(meta)  # gradients are checked for NaN/inf as they are sent
+            meta = buckets.wait()
+            if meta[1 + rank] == _NONFINITE:
+                vote = _NONFINITE
+        else:
+            buffers = self._flatten_grads(zero=error is not None)
+            if vote == 0.0 and not (math.isfinite(loss_sum)
+                                    and all(math.isfinite(float(t.sum())) for t in buffers.values())):
+                vote = _NONFINITE
+                meta[1 + rank] = vote
+            self._allreduce(comm, buffers, meta)
         comm_s = time.perf_counter() - comm_start
         votes = meta[1 : 1 + world]
         failed = tuple(int(r) for r in torch.nonzero(votes).flatten().tolist())
@@ -325,7 +346,10 @@ class Replica:
         if skip:  # every rank drops this update; the samples count as consumed
             lr = float(self.optimizer.param_groups[0]["lr"]) * lr_factor
         else:
-            self._unflatten_grads(buffers)
+            if buckets is not None:
+                buckets.assign_grads()
+            else:
+                self._unflatten_grads(buffers)
             lr = self._optimizer_step(lr_factor)
             if self.scheduler is not None:
                 self.scheduler.step()

@@ -56,6 +56,8 @@ def test_the_option_surface_is_what_was_reviewed():
         "bench recovery": ["json_path", "seed", "trials", "workers"],
         "bench checkpoint": ["directory", "json_path", "size_mb", "trials"],
         "bench adapt": ["batch", "json_path", "slow_factor", "steps", "workers"],
+        "bench overhead": ["algorithm", "batch", "json_path", "model", "overlap", "steps",
+                           "workers"],
         "run": ["address", "algorithm", "backend", "batch_policy", "config", "debug", "epochs",
                 "global_batch",
                 "kill_at", "ledger", "max_micro_batch", "max_steps", "max_workers", "min_workers",
