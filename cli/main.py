@@ -187,6 +187,47 @@ def bench_overhead(
         console.print(f"wrote {json_path}")
 
 
+@bench_app.command("scaling")
+def bench_scaling(
+    model: Annotated[str, typer.Option(help="mlp95, alexnet, googlenet or resnet50.")] = "mlp95",
+    workers: Annotated[str, typer.Option(help="Comma-separated worker counts.")] = "1,2,4",
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated global batch sizes.")] = "64,128,256,512",
+    steps: Annotated[int, typer.Option(help="Steps per run.")] = 24,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+    plot: Annotated[pathlib.Path | None, typer.Option(help="Write a PNG plot here.")] = None,
+) -> None:
+    """Samples/s and scaling efficiency against workers and batch; projection to 256 workers."""
+    from elastic.bench.scaling import plot_scaling, run_scaling_bench
+
+    try:
+        worker_list = [int(x) for x in workers.split(",") if x]
+        batch_list = [int(x) for x in batch_sizes.split(",") if x]
+        r = run_scaling_bench(model, worker_list, batch_list, steps)
+    except (ValueError, ElasticError) as e:
+        raise _fail(_one_line(e)) from None
+    table = Table(title=f"{model}: {r.parameters:,} parameters "
+                  f"({r.gradient_bytes / 1e6:.2f} MB of gradients)")
+    for column in ("workers", "global batch", "samples/s", "efficiency", "step ms", "compute ms", "comm ms"):
+        table.add_column(column, justify="right")
+    for p in r.points:
+        table.add_row(str(p.workers), str(p.global_batch_size), f"{p.samples_per_s:.0f}",
+                      f"{p.efficiency:.2f}", f"{p.step_s * 1e3:.1f}", f"{p.compute_s * 1e3:.1f}",
+                      f"{p.comm_s * 1e3:.1f}")
+    console.print(table)
+    projected = ", ".join(f"{p.workers}: {p.samples_per_s:.0f}/s ({p.efficiency:.2f})" for p in r.projection)
+    bandwidth = 1 / r.beta_s_per_byte / 1e9 if r.beta_s_per_byte else float("inf")
+    console.print(f"projection at B={r.projection_batch} (compute {r.compute_per_sample_s * 1e6:.1f} "
+                  f"us/sample, alpha {r.alpha_s * 1e3:.3f} ms, 1/beta {bandwidth:.2f} GB/s): {projected}")
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(r.to_json(), indent=2))
+        console.print(f"wrote {json_path}")
+    if plot:
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_scaling(r, str(plot))
+        console.print(f"wrote {plot}")
+
+
 @bench_app.command("checkpoint")
 def bench_checkpoint(
     size_mb: Annotated[int, typer.Option(help="State size in MiB (model + optimizer).")] = 256,

@@ -29,3 +29,31 @@ def test_crossover_is_the_smallest_size_from_which_ring_always_wins():
                _rec("ring", 5, 1), _rec("tree", 5, 9)]
     assert crossover(records) == 4
     assert crossover([_rec("ring", 1, 5), _rec("tree", 1, 1)]) is None
+
+
+def test_alpha_beta_fit_recovers_the_ring_model():
+    from elastic.bench.scaling import fit_alpha_beta, project
+
+    nbytes = 4_000_000
+    alpha, beta = 2e-4, 1e-9
+    samples = [(n, 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes * beta) for n in (2, 3, 4, 8)]
+    fitted = fit_alpha_beta(samples, nbytes)
+    assert fitted == pytest.approx((alpha, beta), rel=1e-6)
+    # One world size: all of it is charged to bandwidth.
+    only = fit_alpha_beta([(2, 0.01), (2, 0.01)], nbytes)
+    assert only[0] == 0.0 and only[1] == pytest.approx(0.01 / nbytes)
+    # The projection: perfect scaling without communication, less with it.
+    single = project(1, 256, 1e-3, 0.0, 0.0, nbytes)
+    assert project(4, 256, 1e-3, 0.0, 0.0, nbytes) == pytest.approx(4 * single)
+    assert project(4, 256, 1e-3, alpha, beta, nbytes) < 4 * project(1, 256, 1e-3, alpha, beta, nbytes)
+
+
+def test_scaling_models_build_and_run_a_step():
+    import torch
+
+    from elastic.bench.scaling import MODELS, make_dataset, make_model
+
+    for name in MODELS:
+        model = make_model(name)
+        x, y = make_dataset(name)[:4]
+        torch.nn.functional.cross_entropy(model(x), y).backward()

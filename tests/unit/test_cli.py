@@ -55,6 +55,7 @@ def test_the_option_surface_is_what_was_reviewed():
         "bench allreduce": ["algorithms", "json_path", "plot", "sizes", "world_size"],
         "bench recovery": ["json_path", "seed", "trials", "workers"],
         "bench checkpoint": ["directory", "json_path", "size_mb", "trials"],
+        "bench scaling": ["batch_sizes", "json_path", "model", "plot", "steps", "workers"],
         "bench adapt": ["batch", "json_path", "slow_factor", "steps", "workers"],
         "bench overhead": ["algorithm", "batch", "json_path", "model", "overlap", "steps",
                            "workers"],
