@@ -132,7 +132,8 @@ class ScalingResult:
 
 def fit_alpha_beta(samples: list[tuple[int, float]], nbytes: int) -> tuple[float, float]:
     """Least-squares alpha, beta of the ring model t = 2(n-1) alpha + 2(n-1)/n bytes beta from
-    (world size, exposed communication seconds) pairs with n > 1. Negative fits clamp to 0."""
+    (world size, exposed communication seconds) pairs with n > 1; if noise makes one
+    coefficient negative, it is 0 and the other is fitted alone."""
     rows = [(2 * (n - 1), 2 * (n - 1) / n * nbytes, t) for n, t in samples if n > 1]
     if not rows:
         return 0.0, 0.0
@@ -150,7 +151,12 @@ def fit_alpha_beta(samples: list[tuple[int, float]], nbytes: int) -> tuple[float
         return max(0.0, sat / saa), 0.0
     alpha = (sat * sbb - sbt * sab) / det
     beta = (saa * sbt - sab * sat) / det
-    return max(0.0, alpha), max(0.0, beta)
+    # Noise can make one coefficient negative: refit the other alone.
+    if alpha < 0:
+        return 0.0, max(0.0, sbt / sbb)
+    if beta < 0:
+        return max(0.0, sat / saa), 0.0
+    return alpha, beta
 
 
 def project(workers: int, batch: int, compute_per_sample: float, alpha: float, beta: float,
