@@ -159,7 +159,9 @@ def bench_overhead(
     steps: Annotated[int, typer.Option(help="Steps of each run.")] = 40,
     batch: Annotated[int, typer.Option(help="Global batch size.")] = 256,
     algorithm: Annotated[str, typer.Option(help="Our allreduce algorithm.")] = "native",
-    overlap: Annotated[bool, typer.Option(help="Overlap gradient buckets with backward.")] = True,
+    overlap: Annotated[bool | None, typer.Option(
+        "--overlap/--no-overlap", help="Overlap gradient buckets with backward (default: the "
+        "backend's default, off for gloo).")] = None,
     json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """elastic.fit against a plain torch DDP loop: same model, data, batch and world size."""

@@ -48,11 +48,18 @@ class CollectiveConfig(_Frozen):
         gt=timedelta(0),
         description="Longest the ranks of a new generation wait for each other to connect.",
     )
-    overlap: bool = Field(
-        default=True,
+    overlap: bool | None = Field(
+        default=None,
         description="Reduce gradients in buckets while the backward pass is still running (as "
-        "DDP does) instead of in one allreduce after it.",
+        "DDP does) instead of in one allreduce after it. Default: on with nccl, off with gloo "
+        "(measured on CPU workers: the communication threads compete with the backward pass "
+        "for the same cores; see docs/benchmarks.md).",
     )
+
+    @property
+    def overlap_enabled(self) -> bool:
+        """Whether gradient buckets overlap the backward pass."""
+        return self.overlap if self.overlap is not None else self.backend == "nccl"
     bucket_bytes: int = Field(
         default=25 << 20, ge=1024,
         description="Size of a gradient bucket when overlap is on (DDP's default is 25 MB).",

@@ -116,7 +116,7 @@ def _ddp_worker(rank: int, world: int, store_path: str, model_name: str, batch: 
 
 def run_overhead_bench(workers: int = 2, model: str = "mlp", steps: int = 40,
                        global_batch_size: int = 256, warmup: int = 8,
-                       algorithm: str = "native", overlap: bool = True) -> OverheadResult:
+                       algorithm: str = "native", overlap: bool | None = None) -> OverheadResult:
     """Trains `model` for `steps` steps with `elastic.fit` and with DDP; medians leave out the
     first `warmup` steps.
 
@@ -160,5 +160,6 @@ def run_overhead_bench(workers: int = 2, model: str = "mlp", steps: int = 40,
         ddp_step_median_s=ddp_step, step_ratio=elastic_step / ddp_step,
         elastic_wall_per_step_s=elastic_wall, ddp_wall_per_step_s=ddp_wall,
         wall_ratio=elastic_wall / ddp_wall, elastic_comm_median_s=elastic_comm,
-        elastic_forward_backward_median_s=elastic_compute, algorithm=algorithm, overlap=overlap,
+        elastic_forward_backward_median_s=elastic_compute, algorithm=algorithm,
+        overlap=config.collective.overlap_enabled,
     )

@@ -146,7 +146,7 @@ class Replica:
         collective = config.collective
         self._buckets = (GradientBuckets(self._params, collective.bucket_bytes,
                                          collective.first_bucket_bytes)
-                         if collective.overlap else None)
+                         if collective.overlap_enabled else None)
 
     # --- state --------------------------------------------------------------------------
 
