@@ -98,13 +98,16 @@ def bench_recovery(
     workers: Annotated[int, typer.Option(help="Workers in the run.")] = 4,
     trials: Annotated[int, typer.Option(help="Kills (one recovery each).")] = 10,
     seed: Annotated[int, typer.Option(help="Seed of the kill schedule.")] = 0,
+    replace: Annotated[bool, typer.Option(
+        "--replace/--no-replace", help="Replacements start at once (default), or not: the run "
+        "goes on with the survivors and is scaled back up after each recovery.")] = True,
     json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """SIGKILL a random worker at a random phase TRIALS times in one run; time each recovery."""
     from elastic.bench.recovery import run_recovery_bench
 
     try:
-        result = run_recovery_bench(workers, trials, seed=seed)
+        result = run_recovery_bench(workers, trials, seed=seed, replace=replace)
     except (ValueError, ElasticError) as e:
         raise _fail(_one_line(e)) from None
     table = Table(title=f"recovery from SIGKILL, {workers} workers, {len(result.recoveries)} recoveries")

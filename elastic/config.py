@@ -210,6 +210,12 @@ class FailureConfig(_Frozen):
         "fails the run with NonFiniteLossError(rank, step); 'skip' drops that step's update "
         "on every rank (its samples are consumed) and goes on.",
     )
+    replace_lost_workers: bool = Field(
+        default=True,
+        description="Start a replacement for every lost worker (it joins at a step boundary). "
+        "False: the run goes on with the survivors and grows again only when scaled "
+        "(elastic scale) - for capacity that is gone for good.",
+    )
     hang_timeout: timedelta = Field(
         default=timedelta(minutes=5), gt=timedelta(0),
         description="A chunk of steps that makes no progress for this long is treated as hung: "

@@ -513,6 +513,11 @@ class Controller:
             self.log.event("worker_lost", rank=rank, worker_id=member.worker_id, why=why)
             ray.kill(member.actor, no_restart=True)
             self.failures += 1
+        if not self.config.failure.replace_lost_workers:
+            with self._lock:
+                # The survivors are the new target; growth waits for a scale request.
+                self._target = max(self.config.scaling.lower, len(self.members) + len(self.pending))
+                self._scaled_by_user = True
         self._check_capacity()
 
     def _check_capacity(self) -> None:

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic.api import fit, kill, status, stop
-from elastic.config import BatchConfig, FitConfig, ScalingConfig
+from elastic.api import fit, kill, scale, status, stop
+from elastic.config import BatchConfig, FailureConfig, FitConfig, ScalingConfig
 from elastic.errors import RunNotFoundError
 from elastic.job import TrainJob
 
@@ -59,6 +59,7 @@ class StageSummary:
 class RecoveryBenchResult:
     workers: int
     trials: int
+    replace: bool
     recoveries: list[dict]
     stages: list[StageSummary]
     joins: int
@@ -66,13 +67,15 @@ class RecoveryBenchResult:
     run_dir: str
 
     def to_json(self) -> dict:
-        return {"workers": self.workers, "trials": self.trials, "recoveries": self.recoveries,
+        return {"workers": self.workers, "trials": self.trials, "replace": self.replace,
+                "recoveries": self.recoveries,
                 "stages": [asdict(s) for s in self.stages], "joins": self.joins,
                 "work_lost_steps": self.work_lost_steps, "run_dir": self.run_dir}
 
 
 def run_recovery_bench(workers: int, trials: int, seed: int = 0,
-                       run_dir: str | None = None, timeout_s: float = 600.0) -> RecoveryBenchResult:
+                       run_dir: str | None = None, timeout_s: float = 600.0,
+                       replace: bool = True) -> RecoveryBenchResult:
     """One run of `workers` workers; `trials` times, once the world is back to `workers`
     (the replacement of the previous kill has joined), a random worker is SIGKILLed at
     whatever phase of the step it is in.
@@ -90,6 +93,7 @@ def run_recovery_bench(workers: int, trials: int, seed: int = 0,
     name = f"bench-recovery-{uuid.uuid4().hex[:6]}"
     config = FitConfig(
         name=name, scaling=ScalingConfig(num_workers=workers, min_workers=1),
+        failure=FailureConfig(replace_lost_workers=replace),
         batch=BatchConfig(global_batch_size=256), max_steps=10_000_000, run_dir=directory,
         steps_per_chunk=8,
     )
@@ -104,6 +108,13 @@ def run_recovery_bench(workers: int, trials: int, seed: int = 0,
                     s["state"] == "running" and s["world_size"] == workers
                     and s["failures"] == t and s["step"] > 0))
                 kill(name, rng.randrange(status["world_size"]))
+                if not replace:
+                    # No replacement starts while the survivors recover; once they have, the
+                    # operator scales back up for the next trial.
+                    _wait_status(name, finished, timeout_s, lambda s, t=trial: (
+                        s["failures"] == t + 1 and s["state"] == "running"
+                        and s["world_size"] == workers - 1 and s["starting_workers"] == 0))
+                    scale(name, workers)
             _wait_status(name, finished, timeout_s, lambda s: s["failures"] == trials
                          and s["state"] == "running" and s["generation"] > 0)
         except BaseException as e:
@@ -128,7 +139,7 @@ def run_recovery_bench(workers: int, trials: int, seed: int = 0,
         if values:
             stages.append(StageSummary(stage, statistics.median(values), max(values)))
     return RecoveryBenchResult(
-        workers=workers, trials=trials, recoveries=recoveries, stages=stages,
+        workers=workers, trials=trials, replace=replace, recoveries=recoveries, stages=stages,
         joins=sum(1 for e in result.events if e["event"] == "worker_joined"),
         work_lost_steps=[r["work_lost_steps"] for r in recoveries], run_dir=directory,
     )

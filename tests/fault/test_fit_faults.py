@@ -175,3 +175,14 @@ def test_below_min_workers_the_run_waits_for_capacity_and_continues(ray_cluster,
     assert {m["world_size"] for m in result.metrics} == {2}
     (recovered,) = _kinds(result, "recovered")
     assert recovered["world_after"] == 2
+
+
+def test_without_replacements_the_run_goes_on_with_the_survivors(ray_cluster, tmp_path):
+    chaos = (ChaosEvent(step=3, rank=2, action="kill", phase="forward"),)
+    config = _config(tmp_path, chaos, failure=FailureConfig(replace_lost_workers=False))
+    result = elastic.fit(regression_job(), config)
+    assert result.steps == 9
+    torch.testing.assert_close(result.model_state, reference_weights(0, B, 9), rtol=1e-9, atol=1e-10)
+    assert not [e for e in _kinds(result, "worker_starting") if e["reason"] == "replacement"]
+    assert not _kinds(result, "worker_joined")
+    assert [m["world_size"] for m in result.metrics] == [4] * 3 + [3] * 6
