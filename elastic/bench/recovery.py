@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic.api import fit, kill, scale, status, stop
+from elastic.api import events, fit, kill, scale, status, stop
 from elastic.config import BatchConfig, FailureConfig, FitConfig, ScalingConfig
 from elastic.errors import RunNotFoundError
 from elastic.job import TrainJob
@@ -117,6 +117,9 @@ def run_recovery_bench(workers: int, trials: int, seed: int = 0,
                     scale(name, workers)
             _wait_status(name, finished, timeout_s, lambda s: s["failures"] == trials
                          and s["state"] == "running" and s["generation"] > 0)
+            # The last recovery is recorded at its first completed step.
+            _wait_status(name, finished, timeout_s, lambda s: sum(
+                e["event"] == "recovered" for e in events(name)) == trials)
         except BaseException as e:
             errors.append(e)
         finally:
