@@ -53,7 +53,7 @@ def _wait_until(predicate, limit: float):
 def head():
     # A short path: Ray puts unix sockets under it.
     temp = tempfile.mkdtemp(prefix="eh", dir="/tmp")
-    gcs, dashboard, agent_http, agent_grpc, metrics, runtime_env = _free_ports(6)
+    gcs, dashboard, agent_http, agent_grpc, metrics, runtime_env, client = _free_ports(7)
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
            "RAY_AUTH_MODE": "token"}
     env.pop("RAY_ADDRESS", None)
@@ -62,7 +62,8 @@ def head():
          f"--dashboard-port={dashboard}", "--include-dashboard=true",
          "--dashboard-host=127.0.0.1", f"--dashboard-agent-listen-port={agent_http}",
          f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
-         f"--runtime-env-agent-port={runtime_env}", "--num-cpus=4", f"--temp-dir={temp}"],
+         f"--runtime-env-agent-port={runtime_env}", f"--ray-client-server-port={client}",
+         "--num-cpus=4", f"--temp-dir={temp}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
     )
     info = {"gcs": f"127.0.0.1:{gcs}", "dashboard": f"http://127.0.0.1:{dashboard}", "env": env}

@@ -321,10 +321,13 @@ def test_losing_every_worker_restores_from_the_checkpoint_and_finishes_exactly(r
 
 
 def test_no_credential_reaches_the_run_record(ray_cluster, tmp_path):
+    result = elastic.fit(regression_job(), _config(tmp_path, max_steps=4, ledger=True))
+    # Ray's token auth is on: ray.init stored a token in ~/.ray/auth_token unless one came
+    # from the environment (RAY_AUTH_TOKEN).
     token_file = pathlib.Path.home() / ".ray" / "auth_token"
     secrets = [token_file.read_text().strip()] if token_file.exists() else []
     secrets += [v for k, v in os.environ.items() if "TOKEN" in k and len(v) >= 8]
-    result = elastic.fit(regression_job(), _config(tmp_path, max_steps=4, ledger=True))
+    assert secrets, "no Ray auth token found to look for"
     for path in pathlib.Path(result.run_dir).rglob("*"):
         if path.is_file() and path.suffix == ".jsonl":
             text = path.read_text()

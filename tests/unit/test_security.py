@@ -40,20 +40,23 @@ def test_the_rendezvous_store_listens_on_the_given_address_only():
 
 
 class _Exploit:
+    def __init__(self, marker: pathlib.Path) -> None:
+        self.marker = marker
+
     def __reduce__(self):
-        return (pathlib.Path.touch, (pathlib.Path("/tmp/elastic-pwned"),))
+        return (pathlib.Path.touch, (self.marker,))
 
 
 def test_a_checkpoint_holding_a_pickled_object_is_refused_not_run(tmp_path):
-    marker = pathlib.Path("/tmp/elastic-pwned")
-    marker.unlink(missing_ok=True)
+    marker = tmp_path / "pwned"
     import io
 
     buffer = io.BytesIO()
-    torch.save({"w": _Exploit()}, buffer)
-    write_checkpoint(str(tmp_path), 3, {"model": buffer.getvalue()}, {"world_size": 1})
+    torch.save({"w": _Exploit(marker)}, buffer)
+    root = str(tmp_path / "ckpt")
+    write_checkpoint(root, 3, {"model": buffer.getvalue()}, {"world_size": 1})
     with pytest.raises(CheckpointCorruptError):
-        load_checkpoint(str(tmp_path), step=3)
+        load_checkpoint(root, step=3)
     assert not marker.exists()
-    write_checkpoint(str(tmp_path), 4, {"model": serialize({"w": torch.ones(2)})}, {"world_size": 1})
-    assert load_checkpoint(str(tmp_path)).step == 4
+    write_checkpoint(root, 4, {"model": serialize({"w": torch.ones(2)})}, {"world_size": 1})
+    assert load_checkpoint(root).step == 4
