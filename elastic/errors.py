@@ -141,7 +141,22 @@ class UserCodeError(ElasticError):
         return (_rebuild_kw, (type(self), self.args[0], fields))
 
 
-class WorkerOutOfMemoryError(ElasticError):
+class _AtRankAndStep(ElasticError):
+    """An error that names the rank and the step where it happened (both required).
+
+    Recovery: none; the run fails (see the subclasses).
+    """
+
+    def __init__(self, message: str, *, rank: int, step: int):
+        super().__init__(message)
+        self.rank = rank
+        self.step = step
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_kw, (type(self), self.args[0], {"rank": self.rank, "step": self.step}))
+
+
+class WorkerOutOfMemoryError(_AtRankAndStep):
     """A worker ran out of memory at micro-batch size 1, so there is nothing left to back off.
 
     Recovery: none; the run fails with the rank and step. Smaller micro-batches were tried
@@ -149,30 +164,14 @@ class WorkerOutOfMemoryError(ElasticError):
     smaller model, more memory per worker, or more workers.
     """
 
-    def __init__(self, message: str, *, rank: int, step: int):
-        super().__init__(message)
-        self.rank = rank
-        self.step = step
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_kw, (type(self), self.args[0], {"rank": self.rank, "step": self.step}))
-
-
-class NonFiniteLossError(ElasticError):
+class NonFiniteLossError(_AtRankAndStep):
     """The loss or the gradients of a step were NaN or infinite on some rank, and
     `FailureConfig.nonfinite` is 'stop'.
 
     Recovery: none; the run fails with the first such rank and the step (its update was not
     applied on any rank). Use `nonfinite='skip'` to drop such steps instead.
     """
-
-    def __init__(self, message: str, *, rank: int, step: int):
-        super().__init__(message)
-        self.rank = rank
-        self.step = step
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_kw, (type(self), self.args[0], {"rank": self.rank, "step": self.step}))
 
 
 class CheckpointCorruptError(ElasticError):

@@ -426,8 +426,9 @@ class Controller:
         fill = sorted(known)[len(known) // 2]  # a newcomer counts as a typical worker
         return [self.weights.get(m.worker_id, fill) for m in self.members]
 
-    def _make_plan(self) -> BatchPlan:
-        trial = self.tuner.next_trial() if self.tuner is not None else None
+    def _make_plan(self, trial: int | None) -> BatchPlan:
+        """The plan of the next chunk: shares from the measured rates, micro-batches capped by
+        the tuner's trial (or its decision) and each worker's out-of-memory cap."""
         common = trial if trial is not None else self.tuned_micro
         caps = []
         for m in self.members:
@@ -641,8 +642,8 @@ class Controller:
 
     def _chunk(self) -> None:
         step = self.global_step
-        plan = self.plan = self._make_plan()
         trial = self.tuner.next_trial() if self.tuner is not None else None
+        plan = self.plan = self._make_plan(trial)
         num = min(self.config.steps_per_chunk, self.total_steps - step,
                   self.cursor.steps_left_in_epoch(self.dataset_size, self.batch_now))
         if trial is not None:
@@ -734,12 +735,12 @@ class Controller:
         """After a chunk that completed on every rank: the micro-batch trial's result, and a
         rebalance of the shares if the measured throughputs call for one."""
         batch = self.config.batch
+        step_times: dict[int, float] = {}  # a step lasts as long as its slowest rank
+        for result in results.values():
+            for record in result.records:
+                step_times[record.step] = max(step_times.get(record.step, 0.0), record.step_time_s)
         if trial is not None and self.tuner is not None:
-            times: dict[int, float] = {}
-            for result in results.values():
-                for record in result.records:
-                    times[record.step] = max(times.get(record.step, 0.0), record.step_time_s)
-            self.tuner.observe(trial, self.batch_now, list(times.values()))
+            self.tuner.observe(trial, self.batch_now, list(step_times.values()))
             decision = self.tuner.decision()
             if decision is not None:
                 self.tuner, self.tuned_micro = None, decision.micro_batch
@@ -756,10 +757,6 @@ class Controller:
         rates = [self.tracker.rate(w) or 0.0 for w in ids]
         if min(rates) <= 0:
             return
-        step_times: dict[int, float] = {}
-        for result in results.values():
-            for record in result.records:
-                step_times[record.step] = max(step_times.get(record.step, 0.0), record.step_time_s)
         typical = sorted(step_times.values())[len(step_times) // 2] if step_times else 0.0
         decision = rebalance(self.batch_now, self.plan.shares, rates, batch.rebalance_threshold,
                              step_time_s=typical)

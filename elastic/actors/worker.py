@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
-import signal
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +24,14 @@ from elastic.collective import Communicator, Endpoint
 from elastic.config import ChaosEvent, FitConfig
 from elastic.errors import CollectiveError
 from elastic.job import TrainJob
-from elastic.trainer.replica import NonFinite, OutOfMemory, Replica, StepRecord, UserFailure
+from elastic.trainer.replica import (
+    NonFinite,
+    OutOfMemory,
+    Replica,
+    StepRecord,
+    UserFailure,
+    chaos_kill,
+)
 
 
 @dataclass(frozen=True)
@@ -141,14 +146,7 @@ class WorkerActor:
         event = due[0]
         self._checkpoint_chaos.remove(event)
         run_dir = self.replica.run_dir
-
-        def crash(_part: str) -> None:
-            os.makedirs(os.path.join(run_dir, "chaos"), exist_ok=True)
-            with open(os.path.join(run_dir, "chaos", f"kill-{event.step}-{event.rank}"), "w") as f:
-                f.write(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        return crash
+        return lambda _part: chaos_kill(run_dir, event)
 
     def flush_checkpoints(self) -> list[dict[str, Any]]:
         """Waits for the background write, if any; returns the finished writes' reports."""

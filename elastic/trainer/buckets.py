@@ -28,7 +28,6 @@ from elastic.collective import Communicator
 class _Bucket:
     dtype: torch.dtype
     params: list[torch.nn.Parameter] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
     numel: int = 0
 
 
@@ -58,7 +57,7 @@ class GradientBuckets:
                  first_bucket_bytes: int) -> None:
         self.params = params
         self.buckets: list[_Bucket] = []
-        self._where: dict[int, tuple[int, int, int]] = {}  # id(param) -> bucket, index, offset
+        self._where: dict[int, tuple[int, int]] = {}  # id(param) -> bucket, offset in it
         cap = first_bucket_bytes
         for p in reversed(params):
             current = self.buckets[-1] if self.buckets else None
@@ -69,9 +68,8 @@ class GradientBuckets:
                     cap = bucket_bytes
                 current = _Bucket(p.dtype)
                 self.buckets.append(current)
-            self._where[id(p)] = (len(self.buckets) - 1, len(current.params), current.numel)
+            self._where[id(p)] = (len(self.buckets) - 1, current.numel)
             current.params.append(p)
-            current.offsets.append(current.numel)
             current.numel += p.numel()
         self._lock = threading.Lock()
         self._armed = False
@@ -110,7 +108,7 @@ class GradientBuckets:
             state = self._state
             if state is None:
                 return
-            b, _, offset = self._where[id(p)]
+            b, offset = self._where[id(p)]
             state.buffers[b][offset : offset + p.numel()].copy_(p.grad.reshape(-1))
             state.copied.add(id(p))
             state.filled[b] += 1
@@ -129,7 +127,7 @@ class GradientBuckets:
             for p in self.params:
                 if id(p) in state.copied:
                     continue
-                b, _, offset = self._where[id(p)]
+                b, offset = self._where[id(p)]
                 target = state.buffers[b][offset : offset + p.numel()]
                 if p.grad is not None:
                     target.copy_(p.grad.reshape(-1))
@@ -161,7 +159,7 @@ class GradientBuckets:
         state = self._state
         assert state is not None
         for p in self.params:
-            b, _, offset = self._where[id(p)]
+            b, offset = self._where[id(p)]
             p.grad = state.buffers[b][offset : offset + p.numel()].view_as(p)
 
     def _reduce_all(self, comm: Communicator, state: _StepState) -> None:

@@ -98,6 +98,15 @@ class Progress:
     since: float = field(default_factory=time.monotonic)
 
 
+def chaos_kill(run_dir: str, event: ChaosEvent) -> None:
+    """Chaos 'kill': records the moment (for the recovery breakdown), then SIGKILLs this
+    process."""
+    os.makedirs(os.path.join(run_dir, "chaos"), exist_ok=True)
+    with open(os.path.join(run_dir, "chaos", f"kill-{event.step}-{event.rank}"), "w") as f:
+        f.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Replica:
     """Model, optimizer, scheduler and data of one worker.
 
@@ -214,11 +223,7 @@ class Replica:
                 continue
             match event.action:
                 case "kill":
-                    os.makedirs(os.path.join(self.run_dir, "chaos"), exist_ok=True)
-                    path = os.path.join(self.run_dir, "chaos", f"kill-{event.step}-{event.rank}")
-                    with open(path, "w") as f:
-                        f.write(repr(time.time()))
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    chaos_kill(self.run_dir, event)
                 case "hang":
                     threading.Event().wait()
                 case "raise":

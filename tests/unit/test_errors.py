@@ -16,8 +16,7 @@ def _instance(cls: type[Exception]) -> Exception:
         return cls("loss raised", rank=2, step=7, traceback="Traceback ...")
     if issubclass(cls, errors.CollectiveError):
         return cls("boom", rank=1, generation=3)
-    if issubclass(cls, (errors.WorkerLostError, errors.WorkerOutOfMemoryError,
-                              errors.NonFiniteLossError)):
+    if issubclass(cls, (errors.WorkerLostError, errors._AtRankAndStep)):
         return cls("gone", rank=1, step=4)
     return cls("message")
 
