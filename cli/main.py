@@ -48,27 +48,37 @@ def bench_allreduce(
     algorithms: Annotated[str, typer.Option(help="Comma-separated algorithms.")] = ",".join(ALGORITHMS),
     json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
     plot: Annotated[pathlib.Path | None, typer.Option(help="Write a busbw plot (PNG) here.")] = None,
+    shared_memory: Annotated[bool, typer.Option(
+        help="Point-to-point algorithms move bytes through shared memory (as in training on "
+             "one host); off: through gloo's TCP send/recv. 'native' is gloo's own allreduce "
+             "either way.")] = True,
+    segment_bytes: Annotated[str, typer.Option(help="Ring segment size.")] = "16MB",
 ) -> None:
     """Time every allreduce algorithm at every size, check results, fit alpha-beta."""
     try:
         size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
     except ValueError as e:
         raise _fail(f"--sizes: {e}") from None
+    try:
+        segment = parse_size(segment_bytes)
+    except ValueError as e:
+        raise _fail(f"--segment-bytes: {e}") from None
     algorithm_list = [a.strip() for a in algorithms.split(",") if a.strip()]
     unknown = [a for a in algorithm_list if a not in ALGORITHMS]
     if unknown:
         raise _fail(f"--algorithms: unknown {', '.join(unknown)}; choose from {', '.join(ALGORITHMS)}")
     try:
-        result = run_allreduce_bench(world_size, size_list, algorithm_list)  # type: ignore[arg-type]
+        result = run_allreduce_bench(world_size, size_list, algorithm_list,  # type: ignore[arg-type]
+                                     segment_bytes=segment, shared_memory=shared_memory)
     except ValueError as e:
         raise _fail(str(e)) from None
     table = Table(title=f"allreduce, {world_size} ranks (memcpy {result.memcpy_gbps:.2f} GB/s, "
                         f"loopback TCP {result.loopback_tcp_gbps:.2f} GB/s)")
-    for column in ("algorithm", "size", "median ms", "algbw GB/s", "busbw GB/s",
+    for column in ("algorithm", "transport", "size", "median ms", "algbw GB/s", "busbw GB/s",
                    "busbw / TCP", "correct"):
         table.add_column(column, justify="right")
     for r in result.records:
-        table.add_row(r.algorithm, _human(r.size_bytes), f"{r.median_s * 1e3:.3f}",
+        table.add_row(r.algorithm, r.transport, _human(r.size_bytes), f"{r.median_s * 1e3:.3f}",
                       f"{r.algbw_gbps:.3f}", f"{r.busbw_gbps:.3f}",
                       f"{r.busbw_gbps / result.loopback_tcp_gbps:.0%}", "yes" if r.correct else "NO")
     console.print(table)

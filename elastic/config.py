@@ -74,7 +74,21 @@ class CollectiveConfig(_Frozen):
         ge=1024,
         description="Pipelining granularity of the ring algorithm in bytes: each ring step is "
         "sent in segments of this size so that reduction overlaps transfer. Smaller segments "
-        "overlap more but cost a thread hand-off each; 16 MiB measured best on a 2-core host.",
+        "overlap more but cost a thread hand-off each over gloo's TCP transfers; 16 MiB "
+        "measured best on a 2-core host.",
+    )
+    shared_memory: bool = Field(
+        default=True,
+        description="When every rank of a generation is on one host (gloo backend), move "
+        "point-to-point transfers through shared memory (/dev/shm) instead of loopback TCP. "
+        "Falls back to gloo's transfers by itself when the ranks span hosts, /dev/shm lacks "
+        "room, or the platform is not Linux x86_64.",
+    )
+    shm_channel_bytes: int = Field(
+        default=4 << 20, ge=4096,
+        description="Bytes of each shared-memory ring (one per ordered pair of ranks on a "
+        "host; each rank's segment holds world_size - 1 of them). Larger rings let a sender "
+        "run further ahead of its receiver.",
     )
 
 

@@ -37,25 +37,26 @@ def _listen(conn: Connection, comm_box: dict, orders: queue.SimpleQueue) -> None
 
 
 def rank_main(rank: int, world_size: int, endpoint: str, scenario: str, conn: Connection,
-              timeout_s: float = 300.0) -> None:
+              timeout_s: float = 300.0, shared_memory: bool = True) -> None:
     """Child entry point. Reports ("error", type name) when an operation fails.
 
     Ends with `os._exit`: a process that abandoned gloo operations must not run interpreter
     finalization while gloo may still wake their waiter threads (see `elastic.collective.gloo`).
     """
     try:
-        _scenario(rank, world_size, endpoint, scenario, conn, timeout_s)
+        _scenario(rank, world_size, endpoint, scenario, conn, timeout_s, shared_memory)
     finally:
         conn.close()
         os._exit(0)
 
 
 def _scenario(rank: int, world_size: int, endpoint: str, scenario: str, conn: Connection,
-              timeout_s: float) -> None:
+              timeout_s: float, shared_memory: bool) -> None:
     comm_box: dict = {"signal": threading.Event()}
     orders: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_listen, args=(conn, comm_box, orders), daemon=True).start()
-    config = CollectiveConfig(timeout=timedelta(seconds=timeout_s), segment_bytes=1 << 18)
+    config = CollectiveConfig(timeout=timedelta(seconds=timeout_s), segment_bytes=1 << 18,
+                              shared_memory=shared_memory)
     ep = Endpoint.parse(endpoint)
 
     def report_failure(e: BaseException) -> None:
@@ -67,7 +68,7 @@ def _scenario(rank: int, world_size: int, endpoint: str, scenario: str, conn: Co
     except Exception as e:
         report_failure(e)
         return
-    conn.send(("connected", rank))
+    conn.send(("connected", rank, type(comm._transport).__name__))
     try:
         if scenario == "recv_forever":
             if rank == 1:
@@ -101,14 +102,16 @@ class Ranks:
     """Spawns `world_size` ranks (or a subset) running one scenario."""
 
     def __init__(self, world_size: int, endpoint: Endpoint, scenario: str,
-                 start: list[int] | None = None, timeout_s: float = 300.0) -> None:
+                 start: list[int] | None = None, timeout_s: float = 300.0,
+                 shared_memory: bool = True) -> None:
         ctx = mp.get_context("spawn")
         self.procs: dict[int, mp.process.BaseProcess] = {}
         self.pipes: dict[int, Connection] = {}
         for rank in start if start is not None else range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=rank_main, args=(rank, world_size, str(endpoint), scenario,
-                                                       child, timeout_s), daemon=True)
+                                                       child, timeout_s, shared_memory),
+                               daemon=True)
             proc.start()
             self.procs[rank] = proc
             self.pipes[rank] = parent

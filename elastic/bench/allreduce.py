@@ -52,6 +52,7 @@ class AllreduceRecord:
     busbw_gbps: float
     correct: bool
     iterations: int
+    transport: str  # "shm" (shared memory), "tcp" (gloo send/recv) or "gloo" (gloo's allreduce)
 
 
 @dataclass(frozen=True)
@@ -90,11 +91,19 @@ def _iterations(size_bytes: int) -> int:
     return max(5, min(50, (256 << 20) // max(size_bytes, 1)))
 
 
+def _transport_name(comm: Communicator, algorithm: str) -> str:
+    if algorithm == "native":
+        return "gloo"
+    shared = type(comm._transport).__name__ == "SharedMemoryTransport"
+    return "shm" if shared else "tcp"
+
+
 def _rank_main(rank: int, world_size: int, endpoint: str, sizes: list[int],
-               algorithms: list[str], segment_bytes: int, conn: Connection) -> None:
+               algorithms: list[str], segment_bytes: int, shared_memory: bool,
+               conn: Connection) -> None:
     try:
         torch.set_num_threads(1)
-        config = CollectiveConfig(segment_bytes=segment_bytes)
+        config = CollectiveConfig(segment_bytes=segment_bytes, shared_memory=shared_memory)
         comm = Communicator(rank, world_size, Endpoint.parse(endpoint), 0, config)
         results = []
         expected_factor = world_size * (world_size + 1) / 2
@@ -117,7 +126,7 @@ def _rank_main(rank: int, world_size: int, endpoint: str, sizes: list[int],
                         times.append(elapsed)
                     if i == 1:
                         correct = bool(torch.equal(work, base * expected_factor))
-                results.append((algorithm, size, times, correct))
+                results.append((algorithm, size, times, correct, _transport_name(comm, algorithm)))
         conn.send(("ok", results))
         comm.close()
     except BaseException as e:
@@ -200,8 +209,12 @@ def crossover(records: list[AllreduceRecord]) -> int | None:
 
 def run_allreduce_bench(world_size: int, sizes: list[int], algorithms: list[Algorithm],
                         segment_bytes: int = CollectiveConfig().segment_bytes,
+                        shared_memory: bool = True,
                         timeout_s: float = 1800.0) -> AllreduceBenchResult:
     """Runs the benchmark with `world_size` processes on this machine.
+
+    With `shared_memory` (the default, as in training) the point-to-point algorithms move
+    their bytes through shared memory; `native` is always gloo's own allreduce over TCP.
 
     Raises:
         ValueError: bad arguments.
@@ -211,6 +224,8 @@ def run_allreduce_bench(world_size: int, sizes: list[int], algorithms: list[Algo
         raise ValueError("--world-size must be at least 2")
     if not sizes:
         raise ValueError("--sizes needs at least one size")
+    if segment_bytes < 1024:
+        raise ValueError(f"--segment-bytes must be at least 1KB, got {segment_bytes}")
     memcpy = measure_memcpy_gbps()
     tcp = measure_loopback_tcp_gbps()
     server = RendezvousServer()
@@ -220,7 +235,7 @@ def run_allreduce_bench(world_size: int, sizes: list[int], algorithms: list[Algo
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_rank_main, daemon=True,
                            args=(rank, world_size, str(server.endpoint), sizes, list(algorithms),
-                                 segment_bytes, child))
+                                 segment_bytes, shared_memory, child))
         proc.start()
         pipes.append(parent)
         procs.append(proc)
@@ -240,7 +255,7 @@ def run_allreduce_bench(world_size: int, sizes: list[int], algorithms: list[Algo
                 proc.kill()
         server.close()
     records = []
-    for i, (algorithm, size, _, _) in enumerate(per_rank[0]):
+    for i, (algorithm, size, _, _, transport) in enumerate(per_rank[0]):
         # An iteration lasts until its slowest rank finishes.
         iteration_times = [max(rank_results[i][2][j] for rank_results in per_rank)
                            for j in range(len(per_rank[0][i][2]))]
@@ -250,7 +265,7 @@ def run_allreduce_bench(world_size: int, sizes: list[int], algorithms: list[Algo
             algorithm=algorithm, size_bytes=size, world_size=world_size, median_s=median,
             algbw_gbps=algbw, busbw_gbps=algbw * 2 * (world_size - 1) / world_size,
             correct=all(rank_results[i][3] for rank_results in per_rank),
-            iterations=len(iteration_times),
+            iterations=len(iteration_times), transport=transport,
         ))
     fits = {a: fit_alpha_beta([(r.size_bytes, r.median_s) for r in records if r.algorithm == a])
             for a in algorithms}

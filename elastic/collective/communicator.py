@@ -322,7 +322,17 @@ def _make_transport(
             # gloo applies its timeout to connecting as well as to operations; our own deadline
             # enforces config.timeout per operation, so gloo's is only a backstop.
             backstop = max(config.timeout, config.rendezvous_timeout)
-            return GlooTransport(rank, world_size, store, address, backstop)  # type: ignore[arg-type]
+            gloo = GlooTransport(rank, world_size, store, address, backstop)  # type: ignore[arg-type]
+            if not config.shared_memory or world_size == 1:
+                return gloo
+            from elastic.collective import shm
+
+            try:
+                links = shm.connect(rank, world_size, store, config.shm_channel_bytes)  # type: ignore[arg-type]
+            except BaseException:
+                gloo.close()
+                raise
+            return gloo if links is None else shm.SharedMemoryTransport(links, gloo)
         case "nccl":
             from elastic.collective.nccl import NcclTransport
 

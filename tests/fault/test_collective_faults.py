@@ -19,11 +19,18 @@ def server():
     srv.close()
 
 
-def test_abort_wakes_a_recv_that_would_wait_forever(server):
-    ranks = Ranks(2, server.endpoint, "recv_forever")
+TRANSPORTS = pytest.mark.parametrize(
+    ("shared_memory", "transport"),
+    [(True, "SharedMemoryTransport"), (False, "GlooTransport")], ids=["shm", "gloo"],
+)
+
+
+@TRANSPORTS
+def test_abort_wakes_a_recv_that_would_wait_forever(server, shared_memory, transport):
+    ranks = Ranks(2, server.endpoint, "recv_forever", shared_memory=shared_memory)
     try:
-        ranks.expect(0, "connected")
-        ranks.expect(1, "connected")
+        assert ranks.expect(0, "connected")[2] == transport
+        assert ranks.expect(1, "connected")[2] == transport
         ranks.send(1, "abort")
         assert ranks.expect(1, "error")[1:] == ("CollectiveAbortedError", True)
     finally:
@@ -31,8 +38,9 @@ def test_abort_wakes_a_recv_that_would_wait_forever(server):
         ranks.close()
 
 
-def test_operation_past_its_timeout_raises_collective_timeout(server):
-    ranks = Ranks(2, server.endpoint, "recv_forever", timeout_s=0.5)
+@TRANSPORTS
+def test_operation_past_its_timeout_raises_collective_timeout(server, shared_memory, transport):
+    ranks = Ranks(2, server.endpoint, "recv_forever", timeout_s=0.5, shared_memory=shared_memory)
     try:
         ranks.expect(0, "connected")
         ranks.expect(1, "connected")
@@ -53,11 +61,12 @@ def test_abort_cuts_a_rendezvous_short_when_a_member_never_comes(server):
         ranks.close()
 
 
-def test_survivors_of_a_killed_peer_fail_cleanly_and_regroup(server):
-    ranks = Ranks(4, server.endpoint, "allreduce_forever")
+@TRANSPORTS
+def test_survivors_of_a_killed_peer_fail_cleanly_and_regroup(server, shared_memory, transport):
+    ranks = Ranks(4, server.endpoint, "allreduce_forever", shared_memory=shared_memory)
     try:
         for rank in range(4):
-            ranks.expect(rank, "connected")
+            assert ranks.expect(rank, "connected")[2] == transport
         for rank in range(4):
             ranks.expect(rank, "running")
         os.kill(ranks.procs[2].pid, signal.SIGKILL)
@@ -81,5 +90,22 @@ def test_survivors_of_a_killed_peer_fail_cleanly_and_regroup(server):
         for rank in survivors:
             ranks.procs[rank].join(30)
             assert ranks.procs[rank].exitcode == 0
+    finally:
+        ranks.close()
+
+
+def test_shared_memory_survivors_notice_a_killed_peer_without_being_aborted(server):
+    # Nobody plays the controller here: every survivor (neighbours of the dead rank or not)
+    # must fail on its own, long before the 300 s collective timeout.
+    ranks = Ranks(4, server.endpoint, "allreduce_forever", shared_memory=True)
+    try:
+        for rank in range(4):
+            assert ranks.expect(rank, "connected")[2] == "SharedMemoryTransport"
+        for rank in range(4):
+            ranks.expect(rank, "running")
+        os.kill(ranks.procs[1].pid, signal.SIGKILL)
+        for rank in (0, 2, 3):
+            _, kind, is_collective_error = ranks.expect(rank, "error", timeout=60)
+            assert (kind, is_collective_error) == ("CollectiveError", True)
     finally:
         ranks.close()

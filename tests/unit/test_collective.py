@@ -61,15 +61,19 @@ def _assert_matches(result: torch.Tensor, expected: torch.Tensor, world_size: in
     algorithm=st.sampled_from(ALGORITHMS),
     op=st.sampled_from(["sum", "max", "avg"]),
     seed=st.integers(0, 2**31),
+    shared_memory=st.booleans(),
 )
-def test_allreduce_matches_reference(server, world_size, length, dtype, algorithm, op, seed):
+def test_allreduce_matches_reference(server, world_size, length, dtype, algorithm, op, seed,
+                                     shared_memory):
     if op == "avg" and not dtype.is_floating_point:
         op = "sum"
     if algorithm == "native" and dtype == torch.bfloat16 and op == "avg":
         op = "sum"
     inputs = _inputs(world_size, length, dtype, seed)
-    # A small segment size makes the ring pipeline many segments even on short inputs.
-    config = CollectiveConfig(segment_bytes=4096)
+    # A small segment size makes the ring pipeline many segments even on short inputs; a
+    # shared-memory ring of 4 KiB wraps around inside messages and message headers.
+    config = CollectiveConfig(segment_bytes=4096, shared_memory=shared_memory,
+                              shm_channel_bytes=4096)
 
     def body(comm: Communicator) -> torch.Tensor:
         return comm.allreduce(inputs[comm.rank].clone(), op, algorithm)
