@@ -61,7 +61,8 @@ def test_a_receive_that_does_not_match_the_send_fails_naming_both(server):
         if comm.rank == 0:
             comm.send(torch.zeros(8), dst=1, tag=3)
             return None
-        with pytest.raises(CollectiveError, match="tag 4 from rank 0 but its next message has 32 bytes with tag 3"):
+        expected = "tag 4 from rank 0 but its next message has 32 bytes with tag 3"
+        with pytest.raises(CollectiveError, match=expected):
             comm.recv(torch.zeros(8), src=0, tag=4)
         return "refused"
 
