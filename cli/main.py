@@ -18,7 +18,7 @@ from rich.table import Table
 
 import elastic
 from elastic.bench.allreduce import parse_size, plot_allreduce, run_allreduce_bench
-from elastic.config import ALGORITHMS
+from elastic.config import ALGORITHMS, CollectiveConfig
 from elastic.errors import ElasticError
 from elastic.runlog import read_jsonl
 
@@ -171,7 +171,7 @@ def bench_overhead(
     model: Annotated[str, typer.Option(help="mlp or cnn.")] = "mlp",
     steps: Annotated[int, typer.Option(help="Steps of each run.")] = 40,
     batch: Annotated[int, typer.Option(help="Global batch size.")] = 256,
-    algorithm: Annotated[str, typer.Option(help="Our allreduce algorithm.")] = "native",
+    algorithm: Annotated[str, typer.Option(help="Our allreduce algorithm.")] = CollectiveConfig().algorithm,
     overlap: Annotated[bool | None, typer.Option(
         "--overlap/--no-overlap", help="Overlap gradient buckets with backward (default: the "
         "backend's default, off for gloo).")] = None,

@@ -116,7 +116,8 @@ def _ddp_worker(rank: int, world: int, store_path: str, model_name: str, batch: 
 
 def run_overhead_bench(workers: int = 2, model: str = "mlp", steps: int = 40,
                        global_batch_size: int = 256, warmup: int = 8,
-                       algorithm: str = "native", overlap: bool | None = None) -> OverheadResult:
+                       algorithm: str = CollectiveConfig().algorithm,
+                       overlap: bool | None = None) -> OverheadResult:
     """Trains `model` for `steps` steps with `elastic.fit` and with DDP; medians leave out the
     first `warmup` steps.
 
