@@ -308,7 +308,11 @@ def test_a_stopped_run_resumes_later_at_another_world_size_and_ends_exactly(ray_
 
 
 def test_losing_every_worker_restores_from_the_checkpoint_and_finishes_exactly(ray_cluster, tmp_path):
-    checkpoint = elastic.CheckpointConfig(path=str(tmp_path / "ckpt"), every_steps=3)
+    # Synchronous writes: the step-6 checkpoint is complete before step 7 starts (an
+    # asynchronous one may still be in flight when both workers die at step 7; then the run
+    # correctly falls back to step 3).
+    checkpoint = elastic.CheckpointConfig(path=str(tmp_path / "ckpt"), every_steps=3,
+                                          async_write=False)
     chaos = (ChaosEvent(step=7, rank=0, action="kill", phase="backward"),
              ChaosEvent(step=7, rank=1, action="kill", phase="backward"))
     config = _config(tmp_path, max_steps=12, checkpoint=checkpoint, chaos=chaos,

@@ -20,7 +20,8 @@ def test_alpha_beta_fit_recovers_a_line():
 
 def _rec(algorithm, size, t):
     return AllreduceRecord(algorithm=algorithm, size_bytes=size, world_size=4, median_s=t,
-                           algbw_gbps=0, busbw_gbps=0, correct=True, iterations=5)
+                           algbw_gbps=0, busbw_gbps=0, correct=True, iterations=5,
+                           transport="shm")
 
 
 def test_crossover_is_the_smallest_size_from_which_ring_always_wins():
