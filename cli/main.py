@@ -175,13 +175,16 @@ def bench_overhead(
     overlap: Annotated[bool | None, typer.Option(
         "--overlap/--no-overlap", help="Overlap gradient buckets with backward (default: the "
         "backend's default, off for gloo).")] = None,
+    rounds: Annotated[int, typer.Option(
+        help="Runs of each, alternating; the ratio is the median of the per-round ratios.")] = 1,
     json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """elastic.fit against a plain torch DDP loop: same model, data, batch and world size."""
     from elastic.bench.overhead import run_overhead_bench
 
     try:
-        r = run_overhead_bench(workers, model, steps, batch, algorithm=algorithm, overlap=overlap)
+        r = run_overhead_bench(workers, model, steps, batch, algorithm=algorithm, overlap=overlap,
+                               rounds=rounds)
     except (ValueError, ElasticError) as e:
         raise _fail(_one_line(e)) from None
     table = Table(title=f"{model} ({r.parameters:,} parameters), {workers} workers, global batch {batch}")
@@ -193,6 +196,10 @@ def bench_overhead(
                   f"{r.ddp_wall_per_step_s * 1e3:.1f}")
     table.add_row("ratio", f"{r.step_ratio:.2f}x", f"{r.wall_ratio:.2f}x")
     console.print(table)
+    if len(r.rounds) > 1:
+        console.print("per-round step ratios: " + ", ".join(
+            f"{x['step_ratio']:.2f}x" for x in r.rounds) + " (wall: " + ", ".join(
+            f"{x['wall_ratio']:.2f}x" for x in r.rounds) + ")")
     console.print(f"elastic medians: forward/backward {r.elastic_forward_backward_median_s * 1e3:.1f} ms, "
                   f"exposed communication {r.elastic_comm_median_s * 1e3:.1f} ms "
                   f"(algorithm {r.algorithm}, overlap {'on' if r.overlap else 'off'})")

@@ -15,7 +15,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -76,6 +76,9 @@ class OverheadResult:
     elastic_forward_backward_median_s: float
     algorithm: str
     overlap: bool
+    # One (elastic, DDP) pair per round, run alternately; the fields above are medians over
+    # the rounds (the ratios: the median of the per-round ratios).
+    rounds: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -117,9 +120,10 @@ def _ddp_worker(rank: int, world: int, store_path: str, model_name: str, batch: 
 def run_overhead_bench(workers: int = 2, model: str = "mlp", steps: int = 40,
                        global_batch_size: int = 256, warmup: int = 8,
                        algorithm: str = CollectiveConfig().algorithm,
-                       overlap: bool | None = None) -> OverheadResult:
-    """Trains `model` for `steps` steps with `elastic.fit` and with DDP; medians leave out the
-    first `warmup` steps.
+                       overlap: bool | None = None, rounds: int = 1) -> OverheadResult:
+    """Trains `model` for `steps` steps with `elastic.fit` and with DDP, `rounds` times
+    alternately (so that drift of the shared machine hits both alike); medians leave out the
+    first `warmup` steps of each run.
 
     Raises:
         ValueError: an unknown model, or sizes that do not fit.
@@ -130,37 +134,55 @@ def run_overhead_bench(workers: int = 2, model: str = "mlp", steps: int = 40,
         raise ValueError(f"need at least 1 worker and more than {warmup + 2} steps")
     if global_batch_size % workers:
         raise ValueError("--batch must be divisible by --workers (DDP takes even shares)")
+    if rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {rounds}")
     job = TrainJob(model=lambda: make_model(model), optimizer=_optimizer, loss=_loss,
                    dataset=lambda: make_dataset(model))
-    config = FitConfig(
-        scaling=ScalingConfig(num_workers=workers),
-        batch=BatchConfig(global_batch_size=global_batch_size, autotune=False, rebalance=False),
-        collective=CollectiveConfig(algorithm=algorithm, overlap=overlap),  # type: ignore[arg-type]
-        max_steps=steps, steps_per_chunk=steps, run_dir=tempfile.mkdtemp(prefix="elastic-bench-overhead-"),
-    )
-    result = fit(job, config)
-    measured = [m for m in result.metrics if m["step"] >= warmup]
-    elastic_step = statistics.median(m["step_time_s"] for m in measured)
-    elastic_wall = (measured[-1]["time"] - measured[0]["time"]) / (len(measured) - 1)
-    elastic_comm = statistics.median(m["comm_s"] for m in measured)
-    elastic_compute = statistics.median(m["forward_backward_s"] for m in measured)
+    collective = CollectiveConfig(algorithm=algorithm, overlap=overlap)  # type: ignore[arg-type]
+    per_round = []
+    for _ in range(rounds):
+        config = FitConfig(
+            scaling=ScalingConfig(num_workers=workers),
+            batch=BatchConfig(global_batch_size=global_batch_size, autotune=False, rebalance=False),
+            collective=collective, max_steps=steps, steps_per_chunk=steps,
+            run_dir=tempfile.mkdtemp(prefix="elastic-bench-overhead-"),
+        )
+        result = fit(job, config)
+        measured = [m for m in result.metrics if m["step"] >= warmup]
+        elastic_step = statistics.median(m["step_time_s"] for m in measured)
+        with tempfile.TemporaryDirectory() as directory:
+            store = os.path.join(directory, "store")
+            out = os.path.join(directory, "ddp.pt")
+            mp.start_processes(_ddp_worker,
+                               args=(workers, store, model, global_batch_size, steps, out),
+                               nprocs=workers, join=True, start_method="spawn")
+            ddp = torch.load(out, weights_only=True)
+        ddp_step = statistics.median(ddp["times"][warmup:])
+        ends = ddp["ends"][warmup:]
+        ddp_wall = (ends[-1] - ends[0]) / (len(ends) - 1)
+        elastic_wall = (measured[-1]["time"] - measured[0]["time"]) / (len(measured) - 1)
+        per_round.append({
+            "elastic_step_median_s": elastic_step, "ddp_step_median_s": ddp_step,
+            "step_ratio": elastic_step / ddp_step,
+            "elastic_wall_per_step_s": elastic_wall, "ddp_wall_per_step_s": ddp_wall,
+            "wall_ratio": elastic_wall / ddp_wall,
+            "elastic_comm_median_s": statistics.median(m["comm_s"] for m in measured),
+            "elastic_forward_backward_median_s":
+                statistics.median(m["forward_backward_s"] for m in measured),
+        })
 
-    with tempfile.TemporaryDirectory() as directory:
-        store = os.path.join(directory, "store")
-        out = os.path.join(directory, "ddp.pt")
-        mp.start_processes(_ddp_worker, args=(workers, store, model, global_batch_size, steps, out),
-                           nprocs=workers, join=True, start_method="spawn")
-        ddp = torch.load(out, weights_only=True)
-    ddp_step = statistics.median(ddp["times"][warmup:])
-    ends = ddp["ends"][warmup:]
-    ddp_wall = (ends[-1] - ends[0]) / (len(ends) - 1)
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in per_round)
+
     parameters = sum(p.numel() for p in make_model(model).parameters())
     return OverheadResult(
         model=model, workers=workers, global_batch_size=global_batch_size, steps=steps,
-        warmup=warmup, parameters=parameters, elastic_step_median_s=elastic_step,
-        ddp_step_median_s=ddp_step, step_ratio=elastic_step / ddp_step,
-        elastic_wall_per_step_s=elastic_wall, ddp_wall_per_step_s=ddp_wall,
-        wall_ratio=elastic_wall / ddp_wall, elastic_comm_median_s=elastic_comm,
-        elastic_forward_backward_median_s=elastic_compute, algorithm=algorithm,
-        overlap=config.collective.overlap_enabled,
+        warmup=warmup, parameters=parameters,
+        elastic_step_median_s=median("elastic_step_median_s"),
+        ddp_step_median_s=median("ddp_step_median_s"), step_ratio=median("step_ratio"),
+        elastic_wall_per_step_s=median("elastic_wall_per_step_s"),
+        ddp_wall_per_step_s=median("ddp_wall_per_step_s"), wall_ratio=median("wall_ratio"),
+        elastic_comm_median_s=median("elastic_comm_median_s"),
+        elastic_forward_backward_median_s=median("elastic_forward_backward_median_s"),
+        algorithm=algorithm, overlap=collective.overlap_enabled, rounds=per_round,
     )
