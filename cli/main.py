@@ -176,7 +176,7 @@ def bench_overhead(
         "--overlap/--no-overlap", help="Overlap gradient buckets with backward (default: the "
         "backend's default, off for gloo).")] = None,
     rounds: Annotated[int, typer.Option(
-        help="Runs of each, alternating; the ratio is the median of the per-round ratios.")] = 1,
+        help="Runs of each, alternating; the ratio is the median of the per-round ratios.")] = 3,
     json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """elastic.fit against a plain torch DDP loop: same model, data, batch and world size."""
