@@ -336,7 +336,7 @@ class Controller:
             endpoint = str(self.server.endpoint)
             refs = [m.actor.connect.remote(r, n, endpoint, self.generation)
                     for r, m in enumerate(self.members)]
-            steps, dead, broken = self._gather(refs)
+            joined, dead, broken = self._gather(refs)
             if dead:
                 self._drop(dead, "lost while connecting")
                 continue
@@ -344,6 +344,8 @@ class Controller:
                 attempts = self._retry_generation(attempts, broken)
                 continue
             rebuilt = time.time()
+            steps = [step for step, _ in joined]
+            transport = joined[0][1]  # every rank agrees (a shared-memory offer is all or none)
             # The newest committed step wins (ranks may differ by one step after a failure);
             # joiners and laggards take it from that rank.
             src = max(range(n), key=lambda r: (steps[r], -r))
@@ -370,7 +372,7 @@ class Controller:
             self.cursor = Cursor(**cursors[src])
             restored = time.time()
             self.log.event("generation", generation=self.generation, world_size=n, reason=reason,
-                           source_rank=src, step=self.global_step,
+                           source_rank=src, step=self.global_step, transport=transport,
                            workers=[m.worker_id for m in self.members])
             self._replan(reason)
             return rebuilt, restored

@@ -70,8 +70,9 @@ class WorkerActor:
         return {"worker_id": self.worker_id, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
-    def connect(self, rank: int, world_size: int, endpoint: str, generation: int) -> int:
-        """Joins generation `generation` as `rank`; returns this replica's committed step."""
+    def connect(self, rank: int, world_size: int, endpoint: str, generation: int) -> tuple[int, str]:
+        """Joins generation `generation` as `rank`; returns this replica's committed step and
+        the communicator's transport."""
         with self._lock:
             self._abort = threading.Event()
             signal_ = self._abort
@@ -80,7 +81,7 @@ class WorkerActor:
             old.close()
         self.replica.comm = Communicator(rank, world_size, Endpoint.parse(endpoint), generation,
                                          self.config.collective, abort_signal=signal_)
-        return self.replica.global_step
+        return self.replica.global_step, self.replica.comm.transport
 
     def sync(self, src: int) -> dict[str, int]:
         """Takes the state of rank `src` of the current generation; returns the data cursor."""

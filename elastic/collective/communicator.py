@@ -130,6 +130,12 @@ class Communicator:
             transport.abort()
 
     @property
+    def transport(self) -> str:
+        """What carries this communicator's point-to-point transfers: "gloo" (TCP),
+        "shared_memory" (every rank on one host) or "nccl"."""
+        return self._transport.name
+
+    @property
     def aborted(self) -> bool:
         """True once `abort()` was called."""
         return self._aborted.is_set()

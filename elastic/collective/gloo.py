@@ -107,6 +107,8 @@ class GlooTransport(Transport):
             and abort normally act first).
     """
 
+    name = "gloo"
+
     def __init__(
         self, rank: int, world_size: int, store: dist.Store, address: str, timeout: timedelta
     ) -> None:

@@ -106,6 +106,8 @@ class _CudaPending:
 class NcclTransport(Transport):
     """NCCL communicator for one generation."""
 
+    name = "nccl"
+
     def __init__(self, rank: int, world_size: int, store: dist.Store, timeout: timedelta) -> None:
         self._nccl = load_nccl()
         self.rank = rank

@@ -280,6 +280,8 @@ class SharedMemoryTransport(Transport):
     or size differs from the matching send fails with an error naming both.
     """
 
+    name = "shared_memory"
+
     def __init__(self, links: SharedMemoryLinks, native: Transport) -> None:
         self.rank = links.rank
         self.world_size = links.world_size

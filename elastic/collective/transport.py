@@ -39,6 +39,7 @@ class Transport(ABC):
 
     rank: int
     world_size: int
+    name: str  # what carries point-to-point transfers: "gloo", "shared_memory" or "nccl"
 
     @abstractmethod
     def exchange(

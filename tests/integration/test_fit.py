@@ -49,6 +49,8 @@ def test_uninterrupted_run_matches_plain_pytorch(ray_cluster, tmp_path):
     assert result.metrics[0]["shares"] == [4, 4, 4, 4]
     assert result.metrics[0]["micro_batch"] == 3
     assert [e["epoch"] for e in _events(result, "evaluate")] == [1, 2]
+    # Four workers on one host: gradients travel through shared memory.
+    assert [e["transport"] for e in _events(result, "generation")] == ["shared_memory"]
     on_disk = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
     assert on_disk == result.metrics
 
