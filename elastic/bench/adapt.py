@@ -7,6 +7,7 @@ it stands for a slower GPU or a busier host. The global batch and the result do 
 
 from __future__ import annotations
 
+import functools
 import statistics
 import tempfile
 from dataclasses import asdict, dataclass
@@ -16,6 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from elastic.api import fit
+from elastic.bench import classification_loss, sgd
 from elastic.config import BatchConfig, ChaosEvent, FitConfig, ScalingConfig
 from elastic.job import TrainJob
 
@@ -33,12 +35,8 @@ def _model() -> nn.Module:
     )
 
 
-def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
-
-def _optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.05)
+_optimizer = functools.partial(sgd, lr=0.05)
 
 
 @dataclass
@@ -84,7 +82,7 @@ def run_adapt_bench(workers: int = 4, slow_factor: float = 2.0, steps: int = 64,
         max_steps=steps, run_dir=directory, steps_per_chunk=even_steps,
         chaos=(ChaosEvent(step=0, rank=slow_rank, action="slow", factor=slow_factor, steps=None),),
     )
-    job = TrainJob(model=_model, optimizer=_optimizer, loss=_loss, dataset=_dataset)
+    job = TrainJob(model=_model, optimizer=_optimizer, loss=classification_loss, dataset=_dataset)
     result = fit(job, config)
     rebalances = [e for e in result.events if e["event"] == "rebalanced"]
     if not rebalances:

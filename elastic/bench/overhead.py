@@ -11,6 +11,7 @@ round trip between chunks of steps).
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import tempfile
@@ -24,6 +25,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from elastic.api import fit
+from elastic.bench import classification_loss, sgd
 from elastic.config import BatchConfig, CollectiveConfig, FitConfig, ScalingConfig
 from elastic.job import TrainJob
 
@@ -50,12 +52,8 @@ def make_model(model: str) -> nn.Module:
     )
 
 
-def _loss(model: nn.Module, batch) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
-
-def _optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+_optimizer = functools.partial(sgd, momentum=0.9)
 
 
 @dataclass
@@ -136,7 +134,7 @@ def run_overhead_bench(workers: int = 2, model: str = "mlp", steps: int = 40,
         raise ValueError("--batch must be divisible by --workers (DDP takes even shares)")
     if rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {rounds}")
-    job = TrainJob(model=lambda: make_model(model), optimizer=_optimizer, loss=_loss,
+    job = TrainJob(model=lambda: make_model(model), optimizer=_optimizer, loss=classification_loss,
                    dataset=lambda: make_dataset(model))
     collective = CollectiveConfig(algorithm=algorithm, overlap=overlap)  # type: ignore[arg-type]
     per_round = []

@@ -9,6 +9,7 @@ the background and join at a later boundary, which is reported separately as `jo
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import statistics
 import tempfile
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from elastic.api import events, fit, kill, scale, status, stop
+from elastic.bench import classification_loss, sgd
 from elastic.config import BatchConfig, FailureConfig, FitConfig, ScalingConfig
 from elastic.errors import RunNotFoundError
 from elastic.job import TrainJob
@@ -40,12 +42,8 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 2))
 
 
-def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
-
-def _optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.05)
+_optimizer = functools.partial(sgd, lr=0.05)
 
 
 @dataclass(frozen=True)
@@ -97,7 +95,7 @@ def run_recovery_bench(workers: int, trials: int, seed: int = 0,
         batch=BatchConfig(global_batch_size=256), max_steps=10_000_000, run_dir=directory,
         steps_per_chunk=8,
     )
-    job = TrainJob(model=_model, optimizer=_optimizer, loss=_loss, dataset=_dataset)
+    job = TrainJob(model=_model, optimizer=_optimizer, loss=classification_loss, dataset=_dataset)
     errors: list[BaseException] = []
     finished = threading.Event()
 

@@ -12,6 +12,7 @@ and `resnet50` (bottleneck residual blocks), all on 3x32x32 images.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import tempfile
@@ -22,6 +23,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from elastic.api import fit
+from elastic.bench import classification_loss, sgd
 from elastic.config import BatchConfig, FitConfig, ScalingConfig
 from elastic.job import TrainJob
 
@@ -88,12 +90,8 @@ def make_dataset(name: str) -> TensorDataset:
     return TensorDataset(torch.randn(*shape, generator=g), torch.randint(0, 10, (SAMPLES,), generator=g))
 
 
-def _loss(model: nn.Module, batch) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
-
-def _optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+_optimizer = functools.partial(sgd, momentum=0.9)
 
 
 @dataclass
@@ -180,7 +178,7 @@ def run_scaling_bench(model: str, workers: list[int], batches: list[int], steps:
     net = make_model(model)
     parameters = sum(p.numel() for p in net.parameters())
     nbytes = parameters * 4
-    job = TrainJob(model=lambda: make_model(model), optimizer=_optimizer, loss=_loss,
+    job = TrainJob(model=lambda: make_model(model), optimizer=_optimizer, loss=classification_loss,
                    dataset=lambda: make_dataset(model))
     points: list[ScalingPoint] = []
     for batch in batches:
