@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import threading
+from collections.abc import Callable
 from typing import Annotated
 
 import pydantic
@@ -32,6 +33,19 @@ console = Console()
 def _fail(message: str) -> typer.Exit:
     console.print(f"[red]error:[/red] {message}")
     return typer.Exit(code=2)
+
+
+def _save(path: pathlib.Path | None, write: Callable[[pathlib.Path], object]) -> None:
+    """Writes an output the user asked for (`--json`, `--plot`), creating its folder."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write(path)
+    console.print(f"wrote {path}")
+
+
+def _save_json(path: pathlib.Path | None, data: dict) -> None:
+    _save(path, lambda p: p.write_text(json.dumps(data, indent=2)))
 
 
 def _human(size: int) -> str:
@@ -91,14 +105,8 @@ def bench_allreduce(
     console.print(fits)
     cross = result.ring_beats_tree_from_bytes
     console.print(f"ring beats tree from: {_human(cross) if cross else 'no measured size'}")
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result.to_json(), indent=2))
-        console.print(f"wrote {json_path}")
-    if plot:
-        plot.parent.mkdir(parents=True, exist_ok=True)
-        plot_allreduce(result, str(plot))
-        console.print(f"wrote {plot}")
+    _save_json(json_path, result.to_json())
+    _save(plot, lambda path: plot_allreduce(result, str(path)))
     if not all(r.correct for r in result.records):
         raise _fail("some results were wrong (see the 'correct' column)")
 
@@ -129,10 +137,7 @@ def bench_recovery(
     console.print(table)
     console.print(f"replacements joined: {result.joins}; work lost per failure (steps): "
                   f"{result.work_lost_steps}; run dir {result.run_dir}")
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result.to_json(), indent=2))
-        console.print(f"wrote {json_path}")
+    _save_json(json_path, result.to_json())
 
 
 @bench_app.command("adapt")
@@ -159,10 +164,7 @@ def bench_adapt(
     console.print(table)
     console.print(f"rebalanced / even step time: {r.ratio:.2f}x ({len(r.rebalances)} rebalance(s)); "
                   f"run dir {r.run_dir}")
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(r.to_json(), indent=2))
-        console.print(f"wrote {json_path}")
+    _save_json(json_path, r.to_json())
 
 
 @bench_app.command("overhead")
@@ -203,10 +205,7 @@ def bench_overhead(
     console.print(f"elastic medians: forward/backward {r.elastic_forward_backward_median_s * 1e3:.1f} ms, "
                   f"exposed communication {r.elastic_comm_median_s * 1e3:.1f} ms "
                   f"(algorithm {r.algorithm}, overlap {'on' if r.overlap else 'off'})")
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(r.to_json(), indent=2))
-        console.print(f"wrote {json_path}")
+    _save_json(json_path, r.to_json())
 
 
 @bench_app.command("scaling")
@@ -240,14 +239,8 @@ def bench_scaling(
     bandwidth = 1 / r.beta_s_per_byte / 1e9 if r.beta_s_per_byte else float("inf")
     console.print(f"projection at B={r.projection_batch} (compute {r.compute_per_sample_s * 1e6:.1f} "
                   f"us/sample, alpha {r.alpha_s * 1e3:.3f} ms, 1/beta {bandwidth:.2f} GB/s): {projected}")
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(r.to_json(), indent=2))
-        console.print(f"wrote {json_path}")
-    if plot:
-        plot.parent.mkdir(parents=True, exist_ok=True)
-        plot_scaling(r, str(plot))
-        console.print(f"wrote {plot}")
+    _save_json(json_path, r.to_json())
+    _save(plot, lambda path: plot_scaling(r, str(path)))
 
 
 @bench_app.command("checkpoint")
@@ -274,10 +267,7 @@ def bench_checkpoint(
     table.add_row("plain fsynced write (GB/s)", f"{r.plain_write_gbps:.3f}")
     table.add_row("checkpoint / plain", f"{r.write_fraction:.1%}")
     console.print(table)
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(r.to_json(), indent=2))
-        console.print(f"wrote {json_path}")
+    _save_json(json_path, r.to_json())
 
 
 def _load_config_file(path: pathlib.Path) -> dict:
