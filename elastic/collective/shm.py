@@ -40,7 +40,8 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -132,7 +133,6 @@ class _Segment:
     def __init__(self, mm: mmap.mmap, world_size: int, capacity: int) -> None:
         self.mm = mm
         self.doorbell = ctypes.c_uint32.from_buffer(mm, _DOORBELL)
-        self.capacity = capacity
         self.rings = [_Ring(mm, _SEGMENT_HEADER + i * (_CHANNEL_HEADER + capacity), capacity)
                       for i in range(world_size - 1)]
 
@@ -193,14 +193,14 @@ class _Transfer:
             raise self.error
 
 
+@dataclass(frozen=True)
 class SharedMemoryLinks:
     """The mapped segments of one generation on one host (see `connect`)."""
 
-    def __init__(self, rank: int, world_size: int, segments: list[_Segment], pids: list[int]) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.segments = segments
-        self.pids = pids
+    rank: int
+    world_size: int
+    segments: list[_Segment]
+    pids: list[int]
 
 
 def connect(rank: int, world_size: int, store: dist.Store, capacity: int) -> SharedMemoryLinks | None:
@@ -420,28 +420,13 @@ class SharedMemoryTransport(Transport):
 
     def _send_some(self, peer: int, queue: deque[_Transfer]) -> bool:
         ring = self._outbound[peer]
-        tail = start = self._sent[peer]
-        free = ring.capacity - (tail - ring.head.value)
-        while queue:
-            transfer = queue[0]
-            if not transfer.started:
-                if free < _MESSAGE_HEADER:
-                    break
-                self._header[0], self._header[1] = transfer.tag, transfer.data.numel()
-                ring.put(tail, self._header.view(torch.uint8))
-                tail += _MESSAGE_HEADER
-                free -= _MESSAGE_HEADER
-                transfer.started = True
-            count = min(transfer.data.numel() - transfer.moved, free)
-            if count:
-                ring.put(tail, transfer.data[transfer.moved : transfer.moved + count])
-                tail += count
-                free -= count
-                transfer.moved += count
-            if transfer.moved < transfer.data.numel():
-                break
-            transfer.done = True
-            queue.popleft()
+        start = self._sent[peer]
+
+        def header(transfer: _Transfer, position: int) -> None:
+            self._header[0], self._header[1] = transfer.tag, transfer.data.numel()
+            ring.put(position, self._header.view(torch.uint8))
+
+        tail = _advance(queue, start, ring.capacity - (start - ring.head.value), header, ring.put)
         if tail == start:
             return False
         self._sent[peer] = tail
@@ -450,34 +435,19 @@ class SharedMemoryTransport(Transport):
 
     def _receive_some(self, peer: int, queue: deque[_Transfer]) -> bool:
         ring = self._inbound[peer]
-        head = start = self._received[peer]
-        available = ring.tail.value - head
-        while queue:
-            transfer = queue[0]
-            if not transfer.started:
-                if available < _MESSAGE_HEADER:
-                    break
-                ring.get(head, self._header.view(torch.uint8))
-                tag, nbytes = int(self._header[0]), int(self._header[1])
-                if tag != transfer.tag or nbytes != transfer.data.numel():
-                    raise _Mismatch(
-                        f"rank {self.rank} expected {transfer.data.numel()} bytes with tag "
-                        f"{transfer.tag} from rank {peer} but its next message has {nbytes} "
-                        f"bytes with tag {tag}; transfers between two ranks match in order"
-                    )
-                head += _MESSAGE_HEADER
-                available -= _MESSAGE_HEADER
-                transfer.started = True
-            count = min(transfer.data.numel() - transfer.moved, available)
-            if count:
-                ring.get(head, transfer.data[transfer.moved : transfer.moved + count])
-                head += count
-                available -= count
-                transfer.moved += count
-            if transfer.moved < transfer.data.numel():
-                break
-            transfer.done = True
-            queue.popleft()
+        start = self._received[peer]
+
+        def header(transfer: _Transfer, position: int) -> None:
+            ring.get(position, self._header.view(torch.uint8))
+            tag, nbytes = int(self._header[0]), int(self._header[1])
+            if tag != transfer.tag or nbytes != transfer.data.numel():
+                raise _Mismatch(
+                    f"rank {self.rank} expected {transfer.data.numel()} bytes with tag "
+                    f"{transfer.tag} from rank {peer} but its next message has {nbytes} "
+                    f"bytes with tag {tag}; transfers between two ranks match in order"
+                )
+
+        head = _advance(queue, start, ring.tail.value - start, header, ring.get)
         if head == start:
             return False
         self._received[peer] = head
@@ -507,6 +477,34 @@ class SharedMemoryTransport(Transport):
                     transfer = queue.popleft()
                     transfer.error = error
                     transfer.done = True
+
+
+def _advance(queue: deque[_Transfer], position: int, room: int,
+             header: Callable[[_Transfer, int], None],
+             payload: Callable[[int, torch.Tensor], None]) -> int:
+    """Moves the queued transfers of one ring, in order, through `room` bytes from stream
+    `position` (free space for a sender, unread bytes for a receiver): each message header,
+    then as much payload as fits. Returns the new stream position."""
+    while queue:
+        transfer = queue[0]
+        if not transfer.started:
+            if room < _MESSAGE_HEADER:
+                break
+            header(transfer, position)
+            position += _MESSAGE_HEADER
+            room -= _MESSAGE_HEADER
+            transfer.started = True
+        count = min(transfer.data.numel() - transfer.moved, room)
+        if count:
+            payload(position, transfer.data[transfer.moved : transfer.moved + count])
+            position += count
+            room -= count
+            transfer.moved += count
+        if transfer.moved < transfer.data.numel():
+            break
+        transfer.done = True
+        queue.popleft()
+    return position
 
 
 class _Mismatch(Exception):
