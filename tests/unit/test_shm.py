@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch.distributed as dist
 
 from elastic.collective import RendezvousServer, shm
 from elastic.config import CollectiveConfig
-from elastic.errors import CollectiveError
+from elastic.errors import CollectiveAbortedError, CollectiveError
 from tests.threads import run_ranks
 
 pytestmark = pytest.mark.skipif(shm.supported() is not None, reason=str(shm.supported()))
@@ -70,17 +69,25 @@ def test_a_receive_that_does_not_match_the_send_fails_naming_both(server):
 
 
 def test_abort_from_another_thread_wakes_a_waiting_receive(server):
+    # Rank 0 never sends. Once rank 1's receive is posted, another thread aborts: the receive
+    # must end with CollectiveAbortedError, not wait out the 5-minute collective timeout
+    # (pytest-timeout would fail the test first).
     def body(comm):
         if comm.rank == 0:
-            return None  # never sends
-        threading.Timer(0.2, comm.abort).start()
-        started = time.monotonic()
-        with pytest.raises(CollectiveError, match="aborted"):
-            comm.recv(torch.zeros(4), src=0)
-        return time.monotonic() - started
+            return None
+        posted = threading.Event()
 
-    waited = run_ranks(server, 2, body)[1]
-    assert waited < 60  # woken by abort, not by the 5-minute collective timeout
+        def abort_once_posted() -> None:
+            while not comm._transport._recvs[0]:
+                posted.wait(0.001)
+            comm.abort()
+
+        threading.Thread(target=abort_once_posted, daemon=True).start()
+        with pytest.raises(CollectiveAbortedError):
+            comm.recv(torch.zeros(4), src=0)
+        return "woken"
+
+    assert run_ranks(server, 2, body)[1] == "woken"
 
 
 def test_segments_orphaned_by_a_killed_rank_are_removed_by_the_next_rendezvous(server):
