@@ -68,7 +68,7 @@ def _scenario(rank: int, world_size: int, endpoint: str, scenario: str, conn: Co
     except Exception as e:
         report_failure(e)
         return
-    conn.send(("connected", rank, type(comm._transport).__name__))
+    conn.send(("connected", rank, comm.transport))
     try:
         if scenario == "recv_forever":
             if rank == 1:

@@ -94,8 +94,7 @@ def _iterations(size_bytes: int) -> int:
 def _transport_name(comm: Communicator, algorithm: str) -> str:
     if algorithm == "native":
         return "gloo"
-    shared = type(comm._transport).__name__ == "SharedMemoryTransport"
-    return "shm" if shared else "tcp"
+    return "shm" if comm.transport == "shared_memory" else "tcp"
 
 
 def _rank_main(rank: int, world_size: int, endpoint: str, sizes: list[int],

@@ -21,7 +21,7 @@ def server():
 
 TRANSPORTS = pytest.mark.parametrize(
     ("shared_memory", "transport"),
-    [(True, "SharedMemoryTransport"), (False, "GlooTransport")], ids=["shm", "gloo"],
+    [(True, "shared_memory"), (False, "gloo")], ids=["shm", "gloo"],
 )
 
 
@@ -100,7 +100,7 @@ def test_shared_memory_survivors_notice_a_killed_peer_without_being_aborted(serv
     ranks = Ranks(4, server.endpoint, "allreduce_forever", shared_memory=True)
     try:
         for rank in range(4):
-            assert ranks.expect(rank, "connected")[2] == "SharedMemoryTransport"
+            assert ranks.expect(rank, "connected")[2] == "shared_memory"
         for rank in range(4):
             ranks.expect(rank, "running")
         os.kill(ranks.procs[1].pid, signal.SIGKILL)

@@ -33,15 +33,15 @@ def _own_segments() -> list[str]:
 
 
 def test_ranks_of_one_host_use_shared_memory_and_leave_no_segment(server):
-    names = run_ranks(server, 3, lambda c: type(c._transport).__name__)
-    assert names == ["SharedMemoryTransport"] * 3
+    names = run_ranks(server, 3, lambda c: c.transport)
+    assert names == ["shared_memory"] * 3
     assert _own_segments() == []
 
 
 def test_turned_off_it_uses_gloo(server):
-    names = run_ranks(server, 2, lambda c: type(c._transport).__name__,
+    names = run_ranks(server, 2, lambda c: c.transport,
                       CollectiveConfig(shared_memory=False))
-    assert names == ["GlooTransport"] * 2
+    assert names == ["gloo"] * 2
 
 
 @pytest.mark.parametrize("peer_offer", [
