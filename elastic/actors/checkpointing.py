@@ -61,6 +61,9 @@ class CheckpointCoordinator:
         also waits for the write to finish)."""
         if not self.enabled:
             return
+        if final:
+            # The final checkpoint must not be skipped because an earlier write is in flight.
+            self._log_writes(ray.get(actor.flush_checkpoints.remote()))
         if final or self._due(step):
             meta = {"world_size": world_size, "fingerprint": self.fingerprint()}
             answer = ray.get(actor.checkpoint.remote(meta))
