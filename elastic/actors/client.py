@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import threading
 import uuid
-from types import ModuleType
 from typing import Any
 
 import ray
@@ -16,6 +14,7 @@ from elastic.actors.controller import NAMESPACE, Outcome, RemoteController, cont
 from elastic.config import FitConfig
 from elastic.errors import ConfigError, RunNotFoundError
 from elastic.job import TrainJob
+from elastic.shipping import user_modules
 
 
 def ensure_ray(config: FitConfig | None = None, start: bool = True) -> None:
@@ -51,26 +50,12 @@ def _worker_logs() -> bool:
 
 
 def ship_job_code(job: TrainJob) -> None:
-    """Makes the job's code travel with it: modules of the factories that are not installed
-    packages (a script, a file target, a test module) are pickled by value, so that workers
-    on any node can run them without the file on their path."""
-    for field in dataclasses.fields(job):
-        obj = getattr(job, field.name)
-        if obj is None:
-            continue
-        name = getattr(obj, "__module__", None) or type(obj).__module__
-        module = sys.modules.get(name)
-        if module is not None and _is_user_module(module):
-            ray.cloudpickle.register_pickle_by_value(module)
-
-
-def _is_user_module(module: ModuleType) -> bool:
-    path = getattr(module, "__file__", None)
-    if not path or module.__name__ == "__main__":
-        return False
-    if module.__name__.split(".")[0] in ("elastic", "cli", "torch", "ray"):
-        return False
-    return "site-packages" not in path and "dist-packages" not in path
+    """Makes the job's code travel with it: the user's modules that its factories reference
+    (a script, a file target, a test module; see `elastic.shipping`) are pickled by value,
+    so that workers on any node can run them without the file on their path."""
+    factories = [getattr(job, field.name) for field in dataclasses.fields(job)]
+    for module in user_modules(factories):
+        ray.cloudpickle.register_pickle_by_value(module)
 
 
 HEAD_RESOURCE = "node:__internal_head__"

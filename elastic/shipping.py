@@ -1,0 +1,154 @@
+"""Which modules must travel with a job: the user's own code that the workers cannot import.
+
+A job's factories may be written any way Python allows (a function, a lambda or closure, a
+`functools.partial`, a bound method, a callable instance, a class). Walking what they
+reference finds the modules they come from; only those whose file is the user's (neither the
+standard library nor an installed distribution nor this package) are pickled by value, so
+that workers on any node run them without the file on their path. Everything else is
+pickled by reference as usual: registering `functools` or `torch` by value would try to
+pickle their C-level internals and fail.
+
+No Ray here: the caller registers the modules this returns with cloudpickle.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import os
+import site
+import sys
+import sysconfig
+import types
+from collections.abc import Iterable
+from typing import Any
+
+# A walk that visits more objects than this stops: a factory that holds a data set in a
+# closure must not make every submission crawl through millions of samples.
+_MAX_VISITS = 20_000
+
+
+def user_modules(roots: Iterable[Any]) -> list[types.ModuleType]:
+    """The user modules (see the module docstring) that `roots` reference, in first-seen order.
+
+    `__main__` is never returned: cloudpickle already pickles its functions and classes by
+    value, and it cannot be registered.
+    """
+    found: dict[str, types.ModuleType] = {}
+    seen: set[int] = set()
+    stack = list(roots)
+    visits = 0
+    while stack and visits < _MAX_VISITS:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, _LEAVES):
+            continue
+        seen.add(id(obj))
+        visits += 1
+        module = _module_of(obj)
+        if module is not None and module.__name__ not in found and is_user_module(module):
+            found[module.__name__] = module
+        stack.extend(_references(obj, module))
+    return list(found.values())
+
+
+_LEAVES = (str, bytes, bytearray, int, float, complex, bool, types.BuiltinFunctionType)
+
+
+def _module_of(obj: Any) -> types.ModuleType | None:
+    if isinstance(obj, types.ModuleType):  # `import helpers` then `helpers.f` in a function
+        return obj
+    if isinstance(obj, types.FunctionType):
+        name = obj.__globals__.get("__name__") or obj.__module__
+    elif isinstance(obj, type):
+        name = obj.__module__
+    else:
+        name = type(obj).__module__
+    return sys.modules.get(name) if isinstance(name, str) else None
+
+
+def _references(obj: Any, module: types.ModuleType | None) -> list[Any]:
+    """What `obj` refers to that may come from other modules."""
+    if isinstance(obj, types.ModuleType):
+        return []  # registered by value as a whole, or a library: nothing to follow
+    if isinstance(obj, functools.partial):
+        return [obj.func, *obj.args, *obj.keywords.values()]
+    if isinstance(obj, types.MethodType):
+        return [obj.__func__, obj.__self__]
+    if isinstance(obj, types.FunctionType):
+        refs: list[Any] = [*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
+        for cell in obj.__closure__ or ():
+            try:
+                refs.append(cell.cell_contents)
+            except ValueError:  # an empty cell (a variable not yet assigned)
+                continue
+        refs.extend(obj.__globals__[n] for n in _global_names(obj.__code__) if n in obj.__globals__)
+        return refs
+    if isinstance(obj, type):
+        # A class's methods reference the globals of its module; its bases may live elsewhere.
+        refs = [b for b in obj.__bases__ if b is not object]
+        for value in vars(obj).values():
+            if isinstance(value, (staticmethod, classmethod)):
+                refs.append(value.__func__)
+            elif isinstance(value, types.FunctionType):
+                refs.append(value)
+        return refs
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return list(obj)
+    if isinstance(obj, dict):
+        return [*obj.keys(), *obj.values()]
+    # An instance (a callable object, a model, a config): its class, and its attributes when
+    # that class is the user's (a library object's internals are the library's business).
+    refs = [type(obj)]
+    if module is not None and is_user_module(module):
+        refs.extend(getattr(obj, "__dict__", {}).values())
+    return refs
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):  # nested functions, lambdas, comprehensions
+            names |= _global_names(const)
+    return names
+
+
+def is_user_module(module: types.ModuleType) -> bool:
+    """Whether `module` is the user's own code: a file that is not in the standard library,
+    not part of an installed distribution and not part of this package."""
+    path = getattr(module, "__file__", None)
+    if not path or module.__name__ == "__main__":
+        return False
+    if module.__name__.split(".")[0] in _editable_top_levels():
+        return False
+    path = os.path.realpath(path)
+    return not any(path == root or path.startswith(root + os.sep) for root in _library_roots())
+
+
+@functools.lru_cache(maxsize=1)
+def _library_roots() -> tuple[str, ...]:
+    """Folders that hold the standard library and installed packages of this interpreter."""
+    roots = set()
+    for scheme_path in ("stdlib", "platstdlib", "purelib", "platlib"):
+        roots.add(sysconfig.get_paths()[scheme_path])
+    roots.update(site.getsitepackages())
+    if site.ENABLE_USER_SITE and site.getusersitepackages():
+        roots.add(site.getusersitepackages())
+    return tuple(os.path.realpath(r) for r in roots if r)
+
+
+@functools.lru_cache(maxsize=1)
+def _editable_top_levels() -> frozenset[str]:
+    """Top-level import names of distributions installed in editable mode (`pip install -e`,
+    this package among them): installed, though their files live outside site-packages.
+
+    Only the names each such distribution declares count, not its whole folder: a project's
+    `tests/` beside its editable package is still the user's code."""
+    editable = {"elastic"}
+    for dist in importlib.metadata.distributions():
+        text = dist.read_text("direct_url.json")
+        if text and json.loads(text).get("dir_info", {}).get("editable"):
+            editable.add(dist.metadata["Name"])
+    tops = {top for top, names in importlib.metadata.packages_distributions().items()
+            if editable.intersection(names)}
+    return frozenset(tops | {"elastic", "cli"})
