@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import threading
+import time
 from collections.abc import Callable
 from typing import Annotated
 
@@ -18,7 +19,6 @@ from rich.console import Console
 from rich.table import Table
 
 import elastic
-from elastic.bench.allreduce import parse_size, plot_allreduce, run_allreduce_bench
 from elastic.config import ALGORITHMS, CollectiveConfig
 from elastic.errors import ElasticError
 from elastic.runlog import read_jsonl
@@ -69,6 +69,8 @@ def bench_allreduce(
     segment_bytes: Annotated[str, typer.Option(help="Ring segment size.")] = "16MB",
 ) -> None:
     """Time every allreduce algorithm at every size, check results, fit alpha-beta."""
+    from elastic.bench.allreduce import parse_size, plot_allreduce, run_allreduce_bench
+
     try:
         size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
     except ValueError as e:
@@ -554,18 +556,38 @@ def report(
 
 
 @app.command("list")
-def list_runs() -> None:
-    """List the live runs on the connected Ray cluster."""
-    names = elastic.runs()
-    if not names:
-        console.print("no live runs")
-    for run_name in names:
-        console.print(run_name)
+def list_runs(
+    live: Annotated[bool, typer.Option("--live", help="Only the runs still going.")] = False,
+) -> None:
+    """List runs, live and ended, newest first, with their state."""
+    records = elastic.runs(live_only=live)
+    if not records:
+        console.print("no live runs" if live else "no runs")
+        return
+    # Names are never cut (folded at worst): they are what users copy. `elastic status NAME`
+    # has the run dir and the rest.
+    table = Table()
+    table.add_column("name", overflow="fold")
+    for column in ("state", "step", "last loss", "started", "ended"):
+        table.add_column(column, no_wrap=True)
+    for r in records:
+        table.add_row(r["name"], r["state"], f"{r['step']}/{r['total_steps']}", _loss(r.get("last_loss")),
+                      _when(r.get("started_at")), _when(r.get("ended_at")))
+    # Piped output (80 columns by default) gets room for whole rows.
+    (console if console.is_terminal else Console(width=160)).print(table)
+
+
+def _when(timestamp: float | None) -> str:
+    return time.strftime("%m-%d %H:%M:%S", time.localtime(timestamp)) if timestamp else "-"
+
+
+def _loss(value: float | None) -> str:
+    return f"{value:.4f}" if value is not None else "-"
 
 
 @app.command()
 def logs(name: Annotated[str, typer.Argument(help="Run name.")]) -> None:
-    """Print a live run's events so far."""
+    """Print a run's events so far (live or ended)."""
     try:
         events = elastic.events(name)
     except ElasticError as e:
@@ -580,7 +602,7 @@ def status(
     name: Annotated[str, typer.Argument(help="Run name.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Show a live run's state, step and workers."""
+    """Show a run's state, step and workers; for an ended run, how it ended."""
     try:
         info = elastic.status(name)
     except ElasticError as e:
@@ -588,9 +610,20 @@ def status(
     if as_json:
         console.print_json(json.dumps(info))
         return
-    console.print(f"run {info['name']}: {info['state']}, step {info['step']}/{info['total_steps']}, "
-                  f"{info['world_size']} workers (target {info['target_workers']}), "
-                  f"generation {info['generation']}, {info['failures']} failures")
+    line = (f"run {info['name']}: {info['state']}, step {info['step']}/{info['total_steps']}, "
+            f"last loss {_loss(info.get('last_loss'))}, started {_when(info.get('started_at'))}")
+    if info.get("ended_at"):
+        line += f", ended {_when(info['ended_at'])}"
+    console.print(line + f", {info['failures']} failures; run dir {info['run_dir']}")
+    if info.get("error_type"):
+        console.print(f"error: {info['error_type']}: {info['error_message']}")
+    if info["state"] == "lost":
+        console.print("its controller no longer answers and recorded no end: the process or the Ray "
+                      "cluster stopped before the run could finish")
+    if not info["workers"]:
+        return
+    console.print(f"{info['world_size']} workers (target {info['target_workers']}), "
+                  f"generation {info['generation']}")
     table = Table()
     for column in ("rank", "worker", "pid", "node"):
         table.add_column(column)

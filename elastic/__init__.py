@@ -12,8 +12,17 @@ from elastic.config import (
 )
 from elastic.errors import ElasticError, UserCodeError
 from elastic.job import TrainJob
-from elastic.result import FitResult
 from elastic.targets import load_target
+
+
+def __getattr__(name: str):
+    # FitResult needs torch; importing it lazily keeps `import elastic` (and so the control
+    # commands of the CLI) free of torch's import time.
+    if name == "FitResult":
+        from elastic.result import FitResult
+
+        return FitResult
+    raise AttributeError(f"module 'elastic' has no attribute {name!r}")
 
 __all__ = [
     "BatchConfig",

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from elastic.actors import client
-from elastic.checkpoint import LoadedCheckpoint
-from elastic.checkpoint import load_checkpoint as _load_checkpoint
+from elastic import control
 from elastic.config import FitConfig
+from elastic.errors import RunNotFoundError
 from elastic.job import TrainJob
-from elastic.result import FitResult
+from elastic.registry import LOST, RunRegistry, is_terminal, this_host
+from elastic.runlog import read_jsonl
+
+if TYPE_CHECKING:
+    from elastic.checkpoint import LoadedCheckpoint
+    from elastic.result import FitResult
+
+# Ray and torch are imported where they are used: the control commands (`elastic status`,
+# `list`, `scale`, `kill`, `stop`) must answer without paying seconds to import them.
 
 
 def fit(job: TrainJob, config: FitConfig) -> FitResult:
@@ -25,6 +32,9 @@ def fit(job: TrainJob, config: FitConfig) -> FitResult:
         ConfigError: the job cannot be built (a factory raised or returned the wrong type).
         WorkerOutOfMemoryError: a worker ran out of memory even at micro-batch 1.
     """
+    from elastic.actors import client
+    from elastic.result import FitResult
+
     if not isinstance(job, TrainJob):
         raise TypeError(f"fit needs an elastic.TrainJob, got {type(job).__name__}")
     name = config.name or client.new_run_name()
@@ -48,6 +58,8 @@ def start(job: TrainJob, config: FitConfig) -> str:
     Raises:
         ConfigError: no Ray cluster is running, or the name is taken.
     """
+    from elastic.actors import client
+
     if not isinstance(job, TrainJob):
         raise TypeError(f"start needs an elastic.TrainJob, got {type(job).__name__}")
     name = config.name or client.new_run_name()
@@ -56,56 +68,124 @@ def start(job: TrainJob, config: FitConfig) -> str:
     return name
 
 
-def runs() -> list[str]:
-    """Names of the live runs on the connected cluster (none if no cluster is running)."""
-    return client.list_runs()
+def runs(live_only: bool = False) -> list[dict[str, Any]]:
+    """The runs this host knows of, newest first: every run whose controller ran here (live
+    or ended, from the index under `ELASTIC_HOME`), plus, when `RAY_ADDRESS` names a cluster,
+    its live runs whose controllers run elsewhere. Each is a record as `status` returns it;
+    `state` is one of starting, running, recovering, resizing, finished, stopped, failed, or
+    lost (the controller died before it could record an end).
+    """
+    records = [_refresh(r) for r in RunRegistry().all()]
+    if os.environ.get("RAY_ADDRESS"):
+        from elastic.actors import client
+
+        known = {r["name"] for r in records}
+        for name in client.live_run_names():
+            if name not in known:
+                try:
+                    records.append(client.call(name, "status"))
+                except RunNotFoundError:
+                    continue  # it ended meanwhile
+    if live_only:
+        records = [r for r in records if not is_terminal(r) and r["state"] != LOST]
+    return sorted(records, key=lambda r: r.get("started_at") or 0.0, reverse=True)
 
 
 def events(name: str) -> list[dict[str, Any]]:
-    """The events of live run `name` so far.
+    """The events of run `name` so far (live or ended).
 
     Raises:
         RunNotFoundError: no such run.
     """
-    return client.call(name, "events")
+    return _control(name, "events")
 
 
 def status(name: str) -> dict[str, Any]:
-    """A snapshot of run `name`: state, step, world size, workers.
+    """A snapshot of run `name`, live or ended: state, step, world size, workers, start and
+    end times, last loss and, for a failed run, its error's class and message.
 
     Raises:
         RunNotFoundError: no such run.
     """
-    return client.call(name, "status")
+    return _control(name, "status")
 
 
 def scale(name: str, num_workers: int) -> None:
     """Grows or shrinks run `name` at its next step boundary, within [min, max] workers.
 
     Raises:
-        RunNotFoundError: no such run.
+        RunNotFoundError: no such live run.
         ConfigError: outside the run's bounds.
     """
-    client.call(name, "scale", num_workers)
+    _control(name, "scale", num_workers)
 
 
 def kill(name: str, rank: int) -> None:
     """Kills the worker at `rank` of run `name` (a drill: the run recovers).
 
     Raises:
-        RunNotFoundError: no such run.
+        RunNotFoundError: no such live run.
         ConfigError: no such rank.
     """
-    client.call(name, "kill", rank)
+    _control(name, "kill", rank)
 
 
 def stop(name: str) -> None:
     """Stops run `name` gracefully at its next step boundary.
 
     Raises:
-        RunNotFoundError: no such run.
+        RunNotFoundError: no such live run.
     """
-    client.call(name, "stop")
+    _control(name, "stop")
+
+
+def _control(name: str, method: str, *args: Any) -> Any:
+    """Calls `method` on run `name`: through its control channel when its controller runs on
+    this host (milliseconds), from its record when it has ended, else through Ray."""
+    record = RunRegistry().read(name)
+    if record is not None and not is_terminal(record) and _local(record):
+        try:
+            return control.call(record["control"], method, *args)
+        except control.ControlUnavailable:
+            record = RunRegistry().read(name) or record  # it may have ended just now
+            if not is_terminal(record):
+                record = {**record, "state": LOST}
+    if record is not None and (is_terminal(record) or record["state"] == LOST):
+        return _from_record(record, method)
+    from elastic.actors import client
+
+    try:
+        return client.call(name, method, *args)
+    except RunNotFoundError:
+        cached = client.cached_record(name)
+        if cached is None:
+            raise
+        return _from_record(cached, method)
+
+
+def _local(record: dict[str, Any]) -> bool:
+    return bool(record.get("control")) and record.get("host") == this_host()
+
+
+def _refresh(record: dict[str, Any]) -> dict[str, Any]:
+    """A live record's current status from its controller, or the record marked lost."""
+    if is_terminal(record) or not _local(record):
+        return record
+    try:
+        return control.call(record["control"], "status")
+    except control.ControlUnavailable:
+        again = RunRegistry().read(record["name"]) or record
+        return again if is_terminal(again) else {**again, "state": LOST}
+
+
+def _from_record(record: dict[str, Any], method: str) -> Any:
+    """What an ended (or lost) run can still answer."""
+    if method == "status":
+        return record
+    if method == "events":
+        return read_jsonl(os.path.join(record["run_dir"], "events.jsonl"))
+    what = f"{record['state']} at step {record['step']}"
+    raise RunNotFoundError(f"run {record['name']!r} is not running ({what}); there is nothing to {method}")
 
 
 def load_checkpoint(path: str, step: int | None = None) -> LoadedCheckpoint | None:
@@ -116,4 +196,6 @@ def load_checkpoint(path: str, step: int | None = None) -> LoadedCheckpoint | No
         CheckpointCorruptError: `step` was given and that checkpoint does not verify, or
             holds a pickle that would run code (it is refused, never executed).
     """
+    from elastic.checkpoint import load_checkpoint as _load_checkpoint
+
     return _load_checkpoint(path, step)

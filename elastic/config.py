@@ -7,6 +7,7 @@ are read here only, from the named constants below.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Literal
 
@@ -17,6 +18,14 @@ Algorithm = Literal["ring", "tree", "halving_doubling", "native"]
 ReduceOp = Literal["sum", "avg", "max"]
 
 ALGORITHMS: tuple[Algorithm, ...] = ("ring", "tree", "halving_doubling", "native")
+
+HOME_ENV = "ELASTIC_HOME"
+"""Storage root of the run index (`<root>/runs/NAME.json`); default `~/.elastic`."""
+
+
+def storage_root() -> str:
+    """Where the run index lives: `$ELASTIC_HOME`, else `~/.elastic`."""
+    return os.environ.get(HOME_ENV) or os.path.join(os.path.expanduser("~"), ".elastic")
 
 
 class _Frozen(BaseModel):
@@ -340,6 +349,8 @@ class FitConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> FitConfig:
+        if self.name in (".", ".."):
+            raise ValueError(f"name {self.name!r} is not a run name: use letters, digits, _ . -")
         if self.epochs is None and self.max_steps is None:
             raise ValueError("set epochs or max_steps (or both) so that the run has an end")
         batch = self.batch

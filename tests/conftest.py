@@ -1,5 +1,12 @@
+import os
+import tempfile
+
 import pytest
 import torch
+
+# The run index of every run the tests start goes to a folder of this session, never to the
+# user's ~/.elastic (subprocesses and the Ray cluster inherit it).
+os.environ["ELASTIC_HOME"] = tempfile.mkdtemp(prefix="elastic-home-")
 
 
 def pytest_collection_modifyitems(config, items):

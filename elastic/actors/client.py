@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 import uuid
 from typing import Any
 
 import ray
+from ray.experimental import internal_kv
 
-from elastic.actors.controller import NAMESPACE, Outcome, RemoteController, controller_name
-from elastic.config import FitConfig
+from elastic.actors.controller import (
+    NAMESPACE,
+    RECORD_KEY_PREFIX,
+    Outcome,
+    RemoteController,
+    controller_name,
+)
+from elastic.config import HOME_ENV, FitConfig
 from elastic.errors import ConfigError, RunNotFoundError
 from elastic.job import TrainJob
 from elastic.shipping import user_modules
@@ -81,7 +89,7 @@ def _launch(job: TrainJob, config: FitConfig, name: str, run_dir: str, detached:
         name=controller_name(name), namespace=NAMESPACE, num_cpus=0, max_concurrency=16,
         lifetime="detached" if detached else None, resources={HEAD_RESOURCE: 0.001},
         max_restarts=config.failure.controller_restarts if detached else 0,
-    ).remote(job, config, name, run_dir, detached)
+    ).remote(job, config, name, run_dir, detached, os.environ.get(HOME_ENV))
 
 
 def run_controller(job: TrainJob, config: FitConfig, name: str, run_dir: str) -> Outcome:
@@ -117,8 +125,9 @@ def start_detached(job: TrainJob, config: FitConfig, name: str, run_dir: str) ->
     ray.get(controller.status.remote())
 
 
-def list_runs() -> list[str]:
-    """Names of the runs whose controllers are alive on the connected cluster."""
+def live_run_names() -> list[str]:
+    """Names of the runs whose controllers are alive on the connected cluster (none if no
+    cluster is running)."""
     try:
         ensure_ray(start=False)
     except ConnectionError:
@@ -149,7 +158,11 @@ def find(name: str) -> Any:
 
 
 def call(name: str, method: str, *args: Any) -> Any:
-    """Calls a control method of run `name`'s controller and returns its result."""
+    """Calls a control method of run `name`'s controller through Ray and returns its result.
+
+    Raises:
+        RunNotFoundError: no live run of that name on the connected cluster.
+    """
     controller = find(name)
     try:
         return ray.get(getattr(controller, method).remote(*args))
@@ -158,3 +171,13 @@ def call(name: str, method: str, *args: Any) -> Any:
         if isinstance(cause, Exception):
             raise cause from None
         raise
+
+
+def cached_record(name: str) -> dict[str, Any] | None:
+    """The record an ended run left in the connected cluster's key-value store, if any."""
+    try:
+        ensure_ray(start=False)
+    except ConnectionError:
+        return None
+    value = internal_kv._internal_kv_get(RECORD_KEY_PREFIX + name, namespace=NAMESPACE)
+    return json.loads(value) if value else None

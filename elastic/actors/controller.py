@@ -10,6 +10,7 @@ processes are served on other threads of this actor and take effect at the next 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 import ray
 import torch
 from ray.exceptions import RayActorError, RayTaskError
+from ray.experimental import internal_kv
 
 from elastic.actors.checkpointing import CheckpointCoordinator
 from elastic.actors.state import RunState
@@ -32,6 +34,7 @@ from elastic.adapt.tuning import MicroBatchTuner, back_off, candidates
 from elastic.checkpoint.store import check_root
 from elastic.collective import RendezvousServer
 from elastic.config import ChaosEvent, FitConfig
+from elastic.control import ControlServer
 from elastic.errors import (
     CollectiveError,
     ConfigError,
@@ -46,6 +49,7 @@ from elastic.errors import (
 )
 from elastic.job import TrainJob
 from elastic.recovery import PendingRecovery
+from elastic.registry import RunRegistry, this_host
 from elastic.runlog import RunLog
 from elastic.trainer.data import Cursor
 
@@ -96,7 +100,7 @@ class Controller:
     """Drives one run. Created by `elastic.fit` as a named Ray actor."""
 
     def __init__(self, job: TrainJob, config: FitConfig, name: str, run_dir: str,
-                 detached: bool = False) -> None:
+                 detached: bool = False, home: str | None = None) -> None:
         self.job = job
         self.config = config
         self.name = name
@@ -133,6 +137,15 @@ class Controller:
         self._evaluation: dict[str, float] = {}
         self.server = RendezvousServer(host=ray.util.get_node_ip_address())
         self._restarted = detached and ray.get_runtime_context().was_current_actor_reconstructed
+        # The run's record in the index (found by name, live or ended) and its fast control
+        # channel; `home` is the starting process's ELASTIC_HOME, if it set one.
+        self.detached = detached
+        self.started_at = time.time()
+        self.ended_at: float | None = None
+        self.error: BaseException | None = None
+        self.registry = RunRegistry(home)
+        self.control = ControlServer(self._on_control)
+        self._publish()
         if detached:
             # A detached run drives itself: it must not depend on the process that started it
             # (that process may exit at once), so the loop starts here, not from a caller.
@@ -142,15 +155,15 @@ class Controller:
     # --- detached runs -------------------------------------------------------------------------
 
     def _run_detached(self) -> None:
-        outcome = self.run()
-        if outcome.model_state is not None:
-            path = os.path.join(self.run_dir, FINAL_MODEL)
-            torch.save(outcome.model_state, path + ".tmp")
-            os.replace(path + ".tmp", path)
-            self.log.event("final_model_written", path=path)
-        self.log.event("detached_exit", failed=outcome.error is not None)
-        # The record of the run stays in run_dir; the named actor goes away.
+        self.run()
+        # The record of the run stays in run_dir and the index; the named actor goes away.
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    def _write_final_model(self, model_state: dict[str, Any]) -> None:
+        path = os.path.join(self.run_dir, FINAL_MODEL)
+        torch.save(model_state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        self.log.event("final_model_written", path=path)
 
     @property
     def global_step(self) -> int:
@@ -163,10 +176,15 @@ class Controller:
     # --- control requests (other threads) ---------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        """A snapshot of the run for `elastic status`."""
+        """A snapshot of the run for `elastic status`: the fields of its record in the index."""
+        last_loss = self.log.metrics[-1].get("loss") if self.log.metrics else None
+        error = self.error
         with self._lock:
+            state = self.state.value
+            if self.state == RunState.FINISHED and self._stop_requested:
+                state = "stopped"
             return {
-                "name": self.name, "state": self.state.value, "step": self.global_step,
+                "name": self.name, "state": state, "step": self.global_step,
                 "total_steps": self.total_steps, "generation": self.generation,
                 "world_size": len(self.members), "target_workers": self._target,
                 "global_batch_size": self.batch_now,
@@ -175,8 +193,28 @@ class Controller:
                 "starting_workers": len(self.pending), "failures": self.failures,
                 "workers": [{"rank": r, "worker_id": m.worker_id, "pid": m.pid, "node_id": m.node_id}
                             for r, m in enumerate(self.members)],
-                "run_dir": self.run_dir,
+                "run_dir": self.run_dir, "started_at": self.started_at, "ended_at": self.ended_at,
+                "last_loss": last_loss, "detached": self.detached,
+                "error_type": type(error).__name__ if error is not None else None,
+                "error_message": str(error) if error is not None else None,
+                "host": this_host(), "pid": os.getpid(), "control": self.control.address,
+                "updated_at": time.time(),
             }
+
+    def _on_control(self, method: str, args: list[Any]) -> Any:
+        """A request on the fast control channel (`elastic.control`): the same methods."""
+        return getattr(self, method)(*args)
+
+    def _publish(self) -> None:
+        """Writes the run's record to the index; a failure to write never fails the run."""
+        record = self.status()
+        try:
+            self.registry.write(record)
+        except OSError as e:
+            logger.warning("cannot write the record of run %s to %s: %s", self.name,
+                           self.registry.directory, e)
+        if record["state"] in ("finished", "stopped", "failed"):
+            _cache_record(record)
 
     def scale(self, num_workers: int) -> None:
         """Sets the target world size; applied at the next chunk boundary.
@@ -221,7 +259,11 @@ class Controller:
     def _set_state(self, state: RunState, **fields: Any) -> None:
         with self._lock:
             previous, self.state = self.state, state
+            if state.is_terminal:
+                self.ended_at = time.time()
         self.log.event("state", previous=previous.value, state=state.value, **fields)
+        if not state.is_terminal:  # the end is published last, by `run`
+            self._publish()
 
     def run(self) -> Outcome:
         """Runs the whole training; returns when finished, stopped or failed."""
@@ -244,9 +286,18 @@ class Controller:
             error.__cause__ = e
         if error is not None:
             self.log.event("failed", error=f"{type(error).__name__}: {error}", step=self.global_step)
+            self.error = error
             self._set_state(RunState.FAILED)
         self._shutdown_workers()
         self.server.close()
+        if self.detached:
+            if model_state is not None:
+                self._write_final_model(model_state)
+            self.log.event("detached_exit", failed=error is not None)
+        # The end is published once everything it points to is written, and before the
+        # channel closes: a caller that finds nobody answering reads the record again.
+        self._publish()
+        self.control.close()
         return Outcome(
             model_state=model_state, steps=self.global_step,
             samples=self.cursor.samples,
@@ -808,6 +859,7 @@ class Controller:
             first_end = min(r.end_time for r in by_step[min(by_step)].values())
             self.log.event("recovered", **self._recovery.breakdown(first_end))
             self._recovery = None
+        self._publish()
 
     def _recover(self, lost: list[int], results: dict[int, ChunkResult], detected: float,
                  chaos: list[ChaosEvent]) -> None:
@@ -901,6 +953,19 @@ class Controller:
             ray.kill(actor, no_restart=True)
         self.members = []
         self.pending = {}
+
+
+RECORD_KEY_PREFIX = "run-record:"
+
+
+def _cache_record(record: dict[str, Any]) -> None:
+    """Keeps an ended run's record in the cluster's key-value store too, for callers on other
+    hosts than the controller's (the index is a file on the controller's host)."""
+    try:
+        internal_kv._internal_kv_put(
+            RECORD_KEY_PREFIX + record["name"], json.dumps(record), overwrite=True, namespace=NAMESPACE)
+    except Exception as e:  # a cache: never fail the run over it
+        logger.warning("cannot cache the record of run %s in Ray: %s", record["name"], e)
 
 
 def _user_start_error(e: RayTaskError) -> ElasticError:

@@ -87,7 +87,7 @@ def nodes(out_path: str) -> None:
         summary["rejoined_pids"] = sorted(w["pid"] for w in rejoined["workers"])
         elastic.stop(name)
         deadline = time.monotonic() + LIMIT_S
-        while name in elastic.runs() and time.monotonic() < deadline:
+        while not _ended(name) and time.monotonic() < deadline:
             time.sleep(0.1)
         with open(os.path.join(run_dir, "events.jsonl")) as f:
             summary["events"] = [json.loads(line) for line in f]
@@ -149,7 +149,7 @@ def chaos(out_path: str) -> None:
         summary["failures"] = final["failures"]
         elastic.stop(name)
         deadline = time.monotonic() + LIMIT_S
-        while name in elastic.runs() and time.monotonic() < deadline:
+        while not _ended(name) and time.monotonic() < deadline:
             time.sleep(0.1)
         with open(os.path.join(run_dir, "events.jsonl")) as f:
             summary["events"] = [json.loads(line) for line in f]
@@ -159,6 +159,10 @@ def chaos(out_path: str) -> None:
             json.dump(summary, f)
         ray.shutdown()
         cluster.shutdown()
+
+
+def _ended(name: str) -> bool:
+    return elastic.status(name)["state"] in ("finished", "stopped", "failed")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def test_a_detached_run_finishes_after_its_driver_exits(ray_cluster, tmp_path):
     assert driver.returncode == 0, driver.stderr[-2000:]
     assert driver.stdout.strip().splitlines()[-1] == name
     # The driver is gone; the run goes on and leaves its record when it ends.
-    _wait_until(lambda: name not in elastic.runs())
+    _wait_until(lambda: elastic.status(name)["state"] in ("finished", "stopped"))
     events = [json.loads(line) for line in open(run_dir / "events.jsonl")]
     kinds = [e["event"] for e in events]
     assert "finish" in kinds
@@ -109,7 +109,7 @@ def test_the_detached_lifecycle_through_the_cli(ray_cluster, tmp_path):
     assert "worker lost" in logs.output
     assert cli.invoke(app, ["status", name, "--json"]).exit_code == 0
     assert cli.invoke(app, ["stop", name]).exit_code == 0
-    _wait_until(lambda: name not in elastic.runs())
+    _wait_until(lambda: elastic.status(name)["state"] in ("finished", "stopped"))
 
     events = [json.loads(line) for line in open(run_dir / "events.jsonl")]
     kinds = [e["event"] for e in events]

@@ -68,7 +68,7 @@ def test_the_option_surface_is_what_was_reviewed():
                   "global_batch",
                   "kill_at", "ledger", "max_micro_batch", "max_steps", "max_workers", "min_workers",
                   "name", "run_dir", "seed", "target", "workers"],
-        "list": [],
+        "list": ["live"],
         "demo": ["epochs", "run_dir", "workers"],
         "report": ["out", "run_dir", "trace"],
         "logs": ["name"],

@@ -1,0 +1,163 @@
+"""A run's control channel on its controller's host: `status`, `events`, `scale`, `kill` and
+`stop` answered in milliseconds, without starting a Ray driver (which costs seconds).
+
+The controller listens on a Linux abstract Unix socket with a random name that it publishes
+in the run's private record (`elastic.registry`). No port and no file is opened, and the
+server answers only processes of its own user: it checks the caller's uid with
+`SO_PEERCRED`, so knowing the name alone gives another local user nothing. Elsewhere (not
+Linux) there is no channel and callers go through Ray.
+
+One request per connection: a JSON line `{"method": ..., "args": [...]}`, answered by
+`{"result": ...}` or `{"error": {"type": ..., "message": ...}}`.
+
+No Ray here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from elastic import errors
+from elastic.errors import ControllerError, ElasticError
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("status", "events", "scale", "kill", "stop")
+_MAX_REQUEST = 1 << 16
+_TIMEOUT_S = 10.0
+
+
+class ControlUnavailable(Exception):
+    """Nobody answers at the address: the controller is gone (internal; callers fall back)."""
+
+
+class ControlServer:
+    """Serves `handler(method, args)` on an abstract Unix socket until `close`.
+
+    Args:
+        handler: called on a server thread for each request; its `ElasticError`s are sent
+            back to the caller and raised there with the same type and message.
+    """
+
+    def __init__(self, handler: Callable[[str, list[Any]], Any]) -> None:
+        self.handler = handler
+        self.address: str | None = None
+        self._sock: socket.socket | None = None
+        if not sys.platform.startswith("linux"):
+            return
+        address = f"elastic-{secrets.token_hex(16)}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind("\0" + address)
+        sock.listen(16)
+        self._sock, self.address = sock, address
+        threading.Thread(target=self._accept, args=(sock,), name="elastic-control", daemon=True).start()
+
+    def _accept(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="elastic-control-call",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(_TIMEOUT_S)
+            try:
+                if _peer_uid(conn) != os.getuid():
+                    return  # another user: no answer at all
+                request = json.loads(_read_line(conn))
+                method, args = request["method"], list(request.get("args", []))
+                if method not in METHODS:
+                    raise ControllerError(f"unknown control method {method!r}")
+                reply: dict[str, Any] = {"result": self.handler(method, args)}
+            except ElasticError as e:
+                reply = {"error": {"type": type(e).__name__, "message": str(e)}}
+            except Exception as e:  # a malformed request or a bug of ours: the caller hears of it
+                logger.exception("control request failed")
+                reply = {"error": {"type": "ControllerError", "message": f"{type(e).__name__}: {e}"}}
+            try:
+                conn.sendall(json.dumps(reply).encode() + b"\n")
+            except OSError:
+                pass  # the caller went away
+
+    def close(self) -> None:
+        """Stops answering: the name is released at once and later callers are refused."""
+        if self._sock is not None:
+            # close() alone does not wake a thread blocked in accept(); shutdown() does, and
+            # only then is the abstract name released.
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+            self._sock = None
+
+
+def call(address: str, method: str, *args: Any, timeout: float = _TIMEOUT_S) -> Any:
+    """Calls `method` on the controller listening at `address` and returns its result.
+
+    Raises:
+        ControlUnavailable: nobody listens there (the controller is gone).
+        ElasticError: what the controller raised, with its type and message.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    with sock:
+        try:
+            sock.connect("\0" + address)
+        except (ConnectionRefusedError, FileNotFoundError) as e:
+            raise ControlUnavailable(address) from e
+        sock.sendall(json.dumps({"method": method, "args": list(args)}).encode() + b"\n")
+        try:
+            line = _read_line(sock, limit=None)
+        except ConnectionError as e:
+            raise ControlUnavailable(address) from e
+    if not line:  # closed without an answer: not ours to talk to, or it died mid-call
+        raise ControlUnavailable(address)
+    reply = json.loads(line)
+    if "error" in reply:
+        raise _error(reply["error"]["type"], reply["error"]["message"])
+    return reply["result"]
+
+
+def _error(type_name: str, message: str) -> ElasticError:
+    cls = getattr(errors, type_name, None)
+    if isinstance(cls, type) and issubclass(cls, ElasticError):
+        try:
+            return cls(message)
+        except TypeError:  # needs fields a message alone does not give
+            pass
+    return ControllerError(f"{type_name}: {message}")
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+def _read_line(conn: socket.socket, limit: int | None = _MAX_REQUEST) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+        if limit is not None and size > limit:
+            raise ValueError(f"control request over {limit} bytes")
+    return b"".join(chunks)

@@ -1,0 +1,87 @@
+"""The run index: one record per run under the storage root, so that a run can be found by
+name, live or ended, without knowing its run directory, and after the Ray cluster is gone.
+
+The controller publishes its record at every state change and step boundary (a small JSON
+file replaced atomically); `elastic status` and `elastic list` read it without starting a
+Ray driver. Records are private (0600 in a 0700 folder): they name the run directory and the
+controller's control channel.
+
+No Ray here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from typing import Any
+
+from elastic.config import storage_root
+
+TERMINAL_STATES = ("finished", "stopped", "failed")
+LOST = "lost"
+"""Shown for a record that says a run is live whose controller no longer answers (its
+process was killed, or the cluster stopped, before it could write its end)."""
+
+
+def this_host() -> str:
+    return socket.gethostname()
+
+
+class RunRegistry:
+    """The records under `<root>/runs/NAME.json`.
+
+    Args:
+        root: the storage root; default `elastic.config.storage_root()`.
+    """
+
+    def __init__(self, root: str | None = None) -> None:
+        self.directory = os.path.join(root or storage_root(), "runs")
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, f"{name}.json")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Replaces the record of `record["name"]` atomically (readers never see half a file)."""
+        _private_dir(self.directory)
+        fd, tmp = tempfile.mkstemp(prefix=f".{record['name']}.", suffix=".tmp", dir=self.directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(record, f)
+            os.replace(tmp, self._path(record["name"]))
+        except BaseException:
+            _unlink(tmp)
+            raise
+
+    def read(self, name: str) -> dict[str, Any] | None:
+        """The record of run `name`, or None."""
+        try:
+            with open(self._path(name)) as f:
+                return json.load(f)
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def all(self) -> list[dict[str, Any]]:
+        """Every record, newest first (by start time)."""
+        try:
+            names = [n[:-5] for n in os.listdir(self.directory) if n.endswith(".json")]
+        except FileNotFoundError:
+            return []
+        records = [r for r in (self.read(n) for n in names) if r is not None]
+        return sorted(records, key=lambda r: r.get("started_at") or 0.0, reverse=True)
+
+
+def is_terminal(record: dict[str, Any]) -> bool:
+    return record.get("state") in TERMINAL_STATES
+
+
+def _private_dir(path: str) -> None:
+    os.makedirs(path, mode=0o700, exist_ok=True)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,114 @@
+"""The run index and the fast control channel, without Ray."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from elastic import control
+from elastic.errors import ConfigError, ControllerError
+from elastic.registry import RunRegistry
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract sockets are Linux's")
+
+
+class _Run:
+    """A stand-in for the controller's methods."""
+
+    def __init__(self) -> None:
+        self.target = 2
+        self.stopped = False
+
+    def handle(self, method: str, args: list) -> object:
+        if method == "status":
+            return {"state": "running", "target": self.target}
+        if method == "scale":
+            if args[0] > 4:
+                raise ConfigError("cannot scale to more than 4")
+            self.target = args[0]
+            return None
+        if method == "stop":
+            self.stopped = True
+            return None
+        raise RuntimeError("a bug")
+
+
+@pytest.fixture
+def server():
+    run = _Run()
+    srv = control.ControlServer(run.handle)
+    yield srv, run
+    srv.close()
+
+
+def test_calls_reach_the_handler_and_return_its_result(server):
+    srv, run = server
+    assert control.call(srv.address, "status") == {"state": "running", "target": 2}
+    assert control.call(srv.address, "scale", 3) is None
+    assert run.target == 3
+    control.call(srv.address, "stop")
+    assert run.stopped
+
+
+def test_an_elastic_error_crosses_with_its_type_and_message(server):
+    srv, _ = server
+    with pytest.raises(ConfigError, match="more than 4"):
+        control.call(srv.address, "scale", 9)
+
+
+def test_a_bug_in_the_handler_and_an_unknown_method_are_controller_errors(server):
+    srv, _ = server
+    with pytest.raises(ControllerError, match="a bug"):
+        control.call(srv.address, "kill", 0)
+    with pytest.raises(ControllerError, match="unknown control method"):
+        control.call(srv.address, "shutdown")
+
+
+def test_a_closed_channel_is_unavailable(server):
+    srv, _ = server
+    address = srv.address
+    srv.close()
+    with pytest.raises(control.ControlUnavailable):
+        control.call(address, "status")
+
+
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to act as another user")
+def test_another_user_gets_no_answer(server, tmp_path):
+    srv, run = server
+    # As uid 65534 (nobody): connect, ask to scale, read whatever comes back.
+    probe = textwrap.dedent(f"""
+        import socket
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect("\\0{srv.address}")
+        s.sendall(b'{{"method": "scale", "args": [4]}}\\n')
+        try:
+            print(repr(s.recv(1000)))
+        except ConnectionResetError:
+            print(repr(b""))
+    """)
+    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                           sys.executable, "-c", probe], capture_output=True, text=True, timeout=30,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "b''"
+    assert run.target == 2
+
+
+def test_records_are_private_replaced_whole_and_listed_newest_first(tmp_path):
+    registry = RunRegistry(str(tmp_path / "home"))
+    registry.write({"name": "old", "state": "finished", "started_at": 1.0})
+    registry.write({"name": "new", "state": "running", "started_at": 2.0})
+    registry.write({"name": "old", "state": "failed", "started_at": 1.0})
+    assert [(r["name"], r["state"]) for r in registry.all()] == [("new", "running"), ("old", "failed")]
+    assert registry.read("missing") is None
+    assert stat.S_IMODE(os.stat(registry.directory).st_mode) == 0o700
+    for name in os.listdir(registry.directory):
+        assert name in ("old.json", "new.json")  # no temporary file left behind
+        assert stat.S_IMODE(os.stat(os.path.join(registry.directory, name)).st_mode) == 0o600
