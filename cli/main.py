@@ -305,8 +305,13 @@ def _one_line(e: Exception) -> str:
 def _describe(event: dict) -> str | None:
     kind = event["event"]
     if kind == "worker_failure":
-        return (f"worker lost: ranks {event['lost_ranks']} at step {event['step']}, "
-                f"{event['survivors']} survivors")
+        ranks = ", ".join(map(str, event["lost_ranks"])) or "none"
+        if event.get("planned"):
+            return (f"killed rank {ranks} on purpose at step {event['step']}; "
+                    f"{event['survivors']} survivors go on")
+        reasons = "; ".join(r for r in event.get("reasons", []) if r)
+        return (f"worker lost: rank {ranks} at step {event['step']}, {event['survivors']} survivors"
+                + (f" (Ray: {reasons})" if reasons else ""))
     if kind == "recovered":
         return (f"ring rebuilt {event['world_before']} -> {event['world_after']} workers in "
                 f"{event['total_s']:.2f} s (abort {event['abort_s'] * 1e3:.0f} ms, rebuild "
@@ -337,6 +342,8 @@ def _describe(event: dict) -> str | None:
                 f"over {event['warmup_steps']} steps")
     if kind == "checkpoint_written":
         return f"checkpoint of step {event['step']} written in {event['seconds']:.2f} s"
+    if kind == "chaos" and event["action"] == "kill":
+        return None  # the failure it causes is described as planned
     if kind in ("worker_hung", "stopping", "failed", "chaos"):
         return f"{kind}: {({k: v for k, v in event.items() if k not in ('time', 'event')})}"
     return None

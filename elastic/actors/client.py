@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import threading
 import uuid
@@ -34,6 +35,7 @@ def ensure_ray(config: FitConfig | None = None, start: bool = True) -> None:
     with _INIT_LOCK:
         if not ray.is_initialized():
             _init(config, start)
+            _route_ray_messages()
 
 
 # Control calls from other threads (an operator thread beside `fit`) may connect concurrently.
@@ -46,15 +48,52 @@ def _init(config: FitConfig | None, start: bool) -> None:
         scaling = config.scaling
         kwargs["num_cpus"] = max(os.cpu_count() or 1, int(scaling.upper * scaling.cpus_per_worker + 0.999))
     try:
-        ray.init(address="auto", namespace=NAMESPACE, log_to_driver=_worker_logs())
+        ray.init(address="auto", namespace=NAMESPACE, log_to_driver=_worker_logs(),
+                 logging_level=logging.WARNING)
     except ConnectionError:
         if not start:
             raise
-        ray.init(namespace=NAMESPACE, log_to_driver=_worker_logs(), **kwargs)
+        ray.init(namespace=NAMESPACE, log_to_driver=_worker_logs(), logging_level=logging.WARNING,
+                 **kwargs)
 
 
 def _worker_logs() -> bool:
     return os.environ.get("ELASTIC_WORKER_LOGS") == "1"
+
+
+# Where Ray's driver-side messages go: the log of the newest run this process started.
+_ray_log: dict[str, str | None] = {"path": None}
+
+
+def _route_ray_messages() -> None:
+    """Sends what Ray's driver would print about its workers (a raylet's "A worker died or
+    was killed ... OOM killer ... SIGSEGV" note after every kill) to the current run's
+    `ray.log` instead of the terminal. A worker killed on purpose is not a crash, and an
+    unplanned death is reported by the run's own `worker_failure` event with Ray's reason.
+
+    Ray prints these through `ray._private.worker.print_to_stdstream`, looked up at each
+    call; where a Ray version lacks it, its messages are left as they are.
+    """
+    from ray._private import worker as ray_worker
+
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "_elastic", False):
+        return
+
+    def to_run_log(data: dict[str, Any], ignore_prefix: bool) -> None:
+        path = _ray_log["path"]
+        if path is None:
+            original(data, ignore_prefix)
+            return
+        try:
+            with open(path, "a") as f:
+                for line in data.get("lines", []):
+                    f.write(f"({data.get('pid', 'ray')}) {line}\n")
+        except OSError:
+            original(data, ignore_prefix)
+
+    to_run_log._elastic = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = to_run_log
 
 
 def ship_job_code(job: TrainJob) -> None:
@@ -99,6 +138,8 @@ def run_controller(job: TrainJob, config: FitConfig, name: str, run_dir: str) ->
         ConfigError: the name is taken.
     """
     ensure_ray(config)
+    os.makedirs(run_dir, exist_ok=True)
+    _ray_log["path"] = os.path.join(run_dir, "ray.log")
     controller = _launch(job, config, name, run_dir, detached=False)
     try:
         return ray.get(controller.run.remote())

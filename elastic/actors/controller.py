@@ -133,6 +133,8 @@ class Controller:
         self._stop_requested = False
         self._recovery: PendingRecovery | None = None
         self._killed_at: float | None = None  # time of the last kill() request
+        self._killed_on_purpose: set[int] = set()  # worker ids killed by kill()
+        self._death_reasons: dict[int, str] = {}  # rank -> Ray's reason, for the next recovery
         self.checkpoints = CheckpointCoordinator(config, self.log)
         self._evaluation: dict[str, float] = {}
         self.server = RendezvousServer(host=ray.util.get_node_ip_address())
@@ -246,6 +248,7 @@ class Controller:
         self.log.event("kill_requested", rank=rank, worker_id=member.worker_id)
         with self._lock:
             self._killed_at = time.time()
+            self._killed_on_purpose.add(member.worker_id)
         ray.kill(member.actor, no_restart=True)
 
     def stop(self) -> None:
@@ -762,7 +765,8 @@ class Controller:
             rank = refs[ready[0]]
             try:
                 results[rank] = ray.get(ready[0])
-            except RayActorError:
+            except RayActorError as e:
+                self._death_reasons[rank] = _death_reason(e)
                 lost.append(rank)
                 if len(lost) == 1:
                     detected = time.time()
@@ -874,9 +878,16 @@ class Controller:
                 with open(path) as f:
                     killed_at = float(f.read())
         newest = max((r.committed_step for r in results.values()), default=self.global_step)
-        self.log.event("worker_failure", lost_ranks=lost, step=newest,
-                       lost_workers=[self.members[r].worker_id for r in lost],
-                       survivors=len(self.members) - len(lost))
+        lost_workers = [self.members[r].worker_id for r in lost]
+        chaos_kills = {e.rank for e in chaos if e.action == "kill"}
+        with self._lock:
+            killed = self._killed_on_purpose
+            on_purpose = chaos_kills | {r for r in lost if self.members[r].worker_id in killed}
+        planned = bool(lost) and set(lost) <= on_purpose
+        reasons, self._death_reasons = self._death_reasons, {}
+        self.log.event("worker_failure", lost_ranks=lost, step=newest, lost_workers=lost_workers,
+                       survivors=len(self.members) - len(lost), planned=planned,
+                       reasons=[reasons.get(r, "") for r in lost])
         if lost:
             self._drop(lost, "actor died")
         rebuilt, restored = self._form("recovery")
@@ -956,6 +967,15 @@ class Controller:
 
 
 RECORD_KEY_PREFIX = "run-record:"
+
+
+def _death_reason(e: RayActorError) -> str:
+    """Ray's reason for an actor's death, in one line (its exit detail when it gives one)."""
+    text = " ".join(str(getattr(e, "error_msg", None) or e).split())
+    marker = "Worker exit detail: "
+    if marker in text:
+        text = text[text.index(marker) + len(marker):]
+    return text[:300]
 
 
 def _cache_record(record: dict[str, Any]) -> None:

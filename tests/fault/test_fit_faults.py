@@ -1,5 +1,8 @@
 """Real worker faults during elastic.fit: SIGKILL in every phase of the step, and a hang."""
 
+import os
+import signal
+import threading
 from datetime import timedelta
 
 import pytest
@@ -32,7 +35,7 @@ def test_sigkill_in_any_phase_recovers_to_the_reference_weights(ray_cluster, tmp
     result = elastic.fit(regression_job(), _config(tmp_path, chaos))
     assert result.steps == 9
     torch.testing.assert_close(result.model_state, reference_weights(0, B, 9), rtol=1e-9, atol=1e-10)
-    assert [f["lost_ranks"] for f in _kinds(result, "worker_failure")] == [[3]]
+    assert [(f["lost_ranks"], f["planned"]) for f in _kinds(result, "worker_failure")] == [([3], True)]
     (recovered,) = _kinds(result, "recovered")
     assert recovered["world_before"] == 4
     assert recovered["world_after"] == 3
@@ -46,7 +49,39 @@ def test_a_hung_worker_is_found_by_the_watchdog_killed_and_the_run_continues(ray
     torch.testing.assert_close(result.model_state, reference_weights(0, B, 9), rtol=1e-9, atol=1e-10)
     hung = _kinds(result, "worker_hung")
     assert [(h["rank"], h["phase"]) for h in hung] == [(1, "forward")]
-    assert [f["lost_ranks"] for f in _kinds(result, "worker_failure")] == [[1]]
+    assert [(f["lost_ranks"], f["planned"]) for f in _kinds(result, "worker_failure")] == [([1], False)]
+
+
+def test_an_unplanned_death_is_reported_with_rays_reason(ray_cluster, tmp_path):
+    # SIGKILL from outside (as the OOM killer would): not planned, and Ray's reason is kept.
+    name = "unplanned-kill"
+    config = _config(tmp_path, (), name=name).model_copy(update={"max_steps": 400})
+    killed = threading.Event()
+
+    def kill_rank_1() -> None:
+        while not killed.is_set():
+            try:
+                status = elastic.status(name)
+            except elastic.errors.RunNotFoundError:
+                status = None
+            if status and status["state"] == "running" and status["step"] >= 2:
+                os.kill(status["workers"][1]["pid"], signal.SIGKILL)
+                killed.set()
+                return
+            killed.wait(0.05)
+
+    killer = threading.Thread(target=kill_rank_1, daemon=True)
+    killer.start()
+    try:
+        result = elastic.fit(regression_job(), config)
+    finally:
+        killed.set()
+        killer.join()
+    torch.testing.assert_close(result.model_state, reference_weights(0, B, 400), rtol=1e-9, atol=1e-9)
+    (failure,) = _kinds(result, "worker_failure")
+    assert failure["planned"] is False
+    assert failure["lost_ranks"] == [1]
+    assert "exit" in failure["reasons"][0].lower()
 
 
 def test_losing_every_worker_fails_with_a_typed_error_instead_of_restarting_from_scratch(

@@ -124,7 +124,7 @@ def test_a_submitted_job_is_scaled_killed_stopped_and_succeeds(head):
     _wait_until(lambda: (s := status()) and s["failures"] == 1 and s["state"] == "running",
                 limit=180)
     logs = _run([str(BIN / "elastic"), "logs", "sj"], elastic_env)
-    assert "worker lost" in logs.stdout and "resized" in logs.stdout
+    assert "on purpose" in logs.stdout and "resized" in logs.stdout
     assert _run([str(BIN / "elastic"), "stop", "sj"], elastic_env).returncode == 0
 
     def finished() -> str | None:
