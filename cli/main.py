@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -243,6 +244,33 @@ def bench_scaling(
                   f"us/sample, alpha {r.alpha_s * 1e3:.3f} ms, 1/beta {bandwidth:.2f} GB/s): {projected}")
     _save_json(json_path, r.to_json())
     _save(plot, lambda path: plot_scaling(r, str(path)))
+
+
+@bench_app.command("control")
+def bench_control(
+    calls: Annotated[int, typer.Option(help="Calls of each command.")] = 20,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Time `elastic status/list/scale/kill/stop` as typed (a process each) on a live run."""
+    from elastic.bench.control import run_control_bench
+
+    try:
+        r = run_control_bench(calls)
+    except (ValueError, RuntimeError, TimeoutError, ElasticError) as e:
+        raise _fail(_one_line(e)) from None
+    table = Table(title=f"control commands on a live local run, {calls} calls each")
+    for column in ("command", "median ms", "max ms", "from Python, median ms"):
+        table.add_column(column, justify="right")
+    for c in r.commands:
+        table.add_row(f"elastic {c.command}", f"{c.cli_median_s * 1e3:.0f}", f"{c.cli_max_s * 1e3:.0f}",
+                      f"{c.python_median_s * 1e3:.1f}" if c.python_median_s is not None else "-")
+    console.print(table)
+    for label, values in (("down", r.scale_down_to_step_s), ("up", r.scale_up_to_step_s)):
+        if values:
+            console.print(f"elastic scale {label} -> first step at the new size: median "
+                          f"{statistics.median(values) * 1e3:.0f} ms, max {max(values) * 1e3:.0f} ms "
+                          f"({len(values)} resizes)")
+    _save_json(json_path, r.to_json())
 
 
 @bench_app.command("checkpoint")

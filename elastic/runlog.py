@@ -48,8 +48,9 @@ class RunLog:
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
-    """Reads a JSON-lines file written by `RunLog`."""
+    """Reads a JSON-lines file written by `RunLog`; a last line still being written (no
+    newline yet) is left for the next read."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.strip() and line.endswith("\n")]

@@ -58,6 +58,7 @@ def test_the_option_surface_is_what_was_reviewed():
         "bench checkpoint": ["directory", "json_path", "size_mb", "trials"],
         "bench scaling": ["batch_sizes", "json_path", "model", "plot", "steps", "workers"],
         "bench adapt": ["batch", "json_path", "slow_factor", "steps", "workers"],
+        "bench control": ["calls", "json_path"],
         "bench overhead": ["algorithm", "batch", "json_path", "model", "overlap", "rounds",
                            "steps", "workers"],
         "run": ["address", "algorithm", "backend", "batch_policy", "config", "debug", "epochs",
