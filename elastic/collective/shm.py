@@ -36,6 +36,7 @@ import os
 import platform
 import re
 import select
+import stat
 import threading
 import time
 import uuid
@@ -109,7 +110,8 @@ def _host_identity() -> str:
 
 
 def _remove_orphans() -> None:
-    """Unlinks segments whose creating process is gone (killed during a rendezvous)."""
+    """Unlinks segments whose creating process is gone (killed during a rendezvous): only
+    regular files of our name pattern that this user owns."""
     try:
         names = os.listdir(_SHM_DIR)
     except OSError:
@@ -118,13 +120,52 @@ def _remove_orphans() -> None:
         match = _NAME.match(name)
         if match is None:
             continue
+        path = os.path.join(_SHM_DIR, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            continue
         try:
             os.kill(int(match.group(1)), 0)
         except ProcessLookupError:
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(_SHM_DIR, name))
+                os.unlink(path)
         except PermissionError:
             pass  # another user's live process
+
+
+def _map_peer_segment(name: object, size: int) -> mmap.mmap:
+    """Maps the segment a peer offered, trusting nothing in the offer but a name to check.
+
+    The name must be one of ours (so it has no `/` and no `..`); it is opened relative to
+    /dev/shm without following a link, and must be a regular file with one link, owned by
+    this user, mode 0600 and exactly `size` bytes. Anything else is refused before a byte is
+    written (a forged offer could otherwise name any file this process can write).
+
+    Raises:
+        OSError: the segment is refused or cannot be mapped.
+    """
+    if not isinstance(name, str) or _NAME.fullmatch(name) is None:
+        raise OSError(f"refused segment {name!r}: not a name of ours")
+    directory = os.open(_SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+    finally:
+        os.close(directory)
+    try:
+        st = os.fstat(fd)
+        problem = ("not a regular file" if not stat.S_ISREG(st.st_mode) else
+                   f"{st.st_nlink} links" if st.st_nlink != 1 else
+                   f"owned by uid {st.st_uid}" if st.st_uid != os.getuid() else
+                   f"mode {stat.S_IMODE(st.st_mode):o}" if stat.S_IMODE(st.st_mode) != 0o600 else
+                   f"{st.st_size} bytes, not {size}" if st.st_size != size else None)
+        if problem is not None:
+            raise OSError(f"refused segment {name!r}: {problem}")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
 
 
 class _Segment:
@@ -249,11 +290,7 @@ def connect(rank: int, world_size: int, store: dist.Store, capacity: int) -> Sha
                 segments[q] = _Segment(own, world_size, capacity)
                 continue
             try:
-                fd = os.open(os.path.join(_SHM_DIR, offer["name"]), os.O_RDWR)
-                try:
-                    mm = mmap.mmap(fd, size)
-                finally:
-                    os.close(fd)
+                mm = _map_peer_segment(offer["name"], size)
                 if mm[:_NONCE_BYTES] != bytes.fromhex(offer["nonce"]):
                     raise OSError(f"segment of rank {q} holds another nonce")
                 segments[q] = _Segment(mm, world_size, capacity)

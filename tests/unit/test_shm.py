@@ -3,6 +3,7 @@
 Correctness of every algorithm over it is in test_collective.py (hypothesis draws the
 transport); killed peers and abort with real processes are in tests/fault."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -98,3 +99,89 @@ def test_segments_orphaned_by_a_killed_rank_are_removed_by_the_next_rendezvous(s
         f.write(b"\0" * 4096)
     run_ranks(server, 2, lambda c: c.allreduce(torch.ones(3)))
     assert not os.path.exists(orphan)
+
+
+def _segment_file(name: str, size: int, mode: int = 0o600) -> str:
+    path = os.path.join("/dev/shm", name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+    os.ftruncate(fd, size)
+    os.fchmod(fd, mode)
+    os.close(fd)
+    return path
+
+
+def _our_name() -> str:
+    return f"elastic-shm-{os.getpid()}-{os.urandom(16).hex()}"
+
+
+def test_a_valid_peer_segment_maps():
+    path = _segment_file(_our_name(), 4096)
+    try:
+        assert len(shm._map_peer_segment(os.path.basename(path), 4096)) == 4096
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("name", ["/usr/bin/env", "../../etc/passwd", "elastic-shm-1-../x", 42, "other-file"])
+def test_an_offer_naming_a_path_or_a_foreign_name_is_refused_before_opening(name):
+    with pytest.raises(OSError, match="not a name of ours"):
+        shm._map_peer_segment(name, 4096)
+
+
+def test_a_symlink_a_hard_link_a_wrong_mode_or_size_or_another_owner_is_refused(tmp_path):
+    target = tmp_path / "victim"
+    target.write_bytes(b"\x7fELF" + bytes(4092))
+    made = []
+    try:
+        link = os.path.join("/dev/shm", _our_name())
+        os.symlink(target, link)
+        made.append(link)
+        with pytest.raises(OSError):  # ELOOP from O_NOFOLLOW
+            shm._map_peer_segment(os.path.basename(link), 4096)
+
+        hard = _segment_file(_our_name(), 4096)
+        made.append(hard)
+        extra = hard + "-second-link"
+        os.link(hard, extra)
+        made.append(extra)
+        with pytest.raises(OSError, match="2 links"):
+            shm._map_peer_segment(os.path.basename(hard), 4096)
+
+        loose = _segment_file(_our_name(), 4096, mode=0o666)
+        made.append(loose)
+        with pytest.raises(OSError, match="mode 666"):
+            shm._map_peer_segment(os.path.basename(loose), 4096)
+
+        small = _segment_file(_our_name(), 1024)
+        made.append(small)
+        with pytest.raises(OSError, match="1024 bytes"):
+            shm._map_peer_segment(os.path.basename(small), 4096)
+
+        if os.getuid() == 0:
+            foreign = _segment_file(_our_name(), 4096)
+            made.append(foreign)
+            os.chown(foreign, 65534, 65534)
+            with pytest.raises(OSError, match="owned by uid 65534"):
+                shm._map_peer_segment(os.path.basename(foreign), 4096)
+    finally:
+        for path in made:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    assert target.read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to create another user's file")
+def test_orphan_cleanup_leaves_another_users_segment_alone():
+    # A name of ours whose "creator" pid cannot exist, owned by someone else.
+    name = f"elastic-shm-{2**22 + 7}-{os.urandom(16).hex()}"
+    path = _segment_file(name, 64)
+    try:
+        os.chown(path, 65534, 65534)
+        shm._remove_orphans()
+        assert os.path.exists(path)
+        os.chown(path, os.getuid(), os.getgid())
+        shm._remove_orphans()
+        assert not os.path.exists(path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
