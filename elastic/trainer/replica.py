@@ -28,7 +28,7 @@ from torch.utils.data import default_collate
 from elastic.adapt.plan import BatchPlan
 from elastic.collective import Communicator
 from elastic.config import ChaosEvent, ChaosPhase, FitConfig
-from elastic.errors import ConfigError, InjectedFault
+from elastic.errors import CollectiveError, ConfigError, InjectedFault
 from elastic.job import TrainJob
 from elastic.trainer.buckets import GradientBuckets
 from elastic.trainer.data import Cursor, SampleOrder, steps_per_epoch
@@ -201,8 +201,17 @@ class Replica:
         payload = self.state_bytes() if comm.rank == src else b""
         size = torch.tensor([len(payload)], dtype=torch.int64)
         comm.broadcast(size, src)
+        announced = int(size.item())
+        if comm.rank != src:
+            # Checked before a byte is allocated: a peer cannot make this rank exhaust memory.
+            limit = max_state_bytes(self.model, self.optimizer)
+            if not 0 < announced <= limit:
+                raise CollectiveError(
+                    f"rank {src} announced a committed state of {announced} bytes; this rank "
+                    f"expects at most {limit} for its model and optimizer; refused",
+                    rank=comm.rank)
         data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if comm.rank == src
-                else torch.empty(int(size.item()), dtype=torch.uint8))
+                else torch.empty(announced, dtype=torch.uint8))
         comm.broadcast(data, src)
         if comm.rank != src:
             self.load_state_bytes(data.numpy().tobytes())
@@ -431,3 +440,29 @@ class Replica:
                 dtype == torch.float32 and torch.float64 in buffers
             ):
                 comm.allreduce(buffer)
+
+
+# Per-parameter tensors an optimizer may keep that a fresh one has not created yet (Adam with
+# amsgrad keeps three: exp_avg, exp_avg_sq, max_exp_avg_sq), and room for everything that is
+# not a tensor of the model's size (cursor, RNG state, scheduler, pickling).
+_OPTIMIZER_SLOTS = 3
+_STATE_SLACK_BYTES = 16 << 20
+
+
+def max_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """An upper bound of the serialised committed state of a replica of `model`: its own
+    parameters and buffers plus up to `_OPTIMIZER_SLOTS` tensors per parameter in the
+    optimizer (or what the optimizer already holds, if more), plus a fixed slack."""
+    tensors = list(model.state_dict().values())
+    model_bytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    held = sum(_tensor_bytes(v) for st in optimizer.state.values() for v in st.values())
+    return model_bytes + max(_OPTIMIZER_SLOTS * params, held) + _STATE_SLACK_BYTES
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):  # LBFGS keeps its history as lists of tensors
+        return sum(_tensor_bytes(v) for v in value)
+    return 0

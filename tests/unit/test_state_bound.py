@@ -1,0 +1,37 @@
+"""Peer restore refuses an announced state larger than any this replica could hold."""
+
+import io
+
+import torch
+from torch import nn
+
+from elastic.trainer.replica import max_state_bytes
+
+
+def _serialised(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "rng": torch.get_rng_state(), "cursor": {"epoch": 3, "offset": 10, "samples": 999}}, buffer)
+    return len(buffer.getvalue())
+
+
+def _trained(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+
+
+def test_the_bound_covers_a_trained_peers_state_even_when_this_optimizer_is_fresh():
+    for make in (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                 lambda p: torch.optim.Adam(p, amsgrad=True)):
+        torch.manual_seed(0)
+        peer = nn.Sequential(nn.Linear(32, 512), nn.BatchNorm1d(512), nn.Linear(512, 8))
+        peer_opt = make(peer.parameters())
+        _trained(peer, peer_opt)
+        fresh = nn.Sequential(nn.Linear(32, 512), nn.BatchNorm1d(512), nn.Linear(512, 8))
+        assert _serialised(peer, peer_opt) <= max_state_bytes(fresh, make(fresh.parameters()))
+
+
+def test_the_bound_refuses_what_a_hostile_peer_would_announce():
+    model = nn.Linear(8, 8)
+    bound = max_state_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert bound < 64 << 20  # a tiny model: far below what exhausting memory takes
