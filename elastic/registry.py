@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import tempfile
 from typing import Any
 
 from elastic.config import storage_root
 
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # FitConfig.name's pattern
 TERMINAL_STATES = ("finished", "stopped", "failed")
 LOST = "lost"
 """Shown for a record that says a run is live whose controller no longer answers (its
@@ -40,6 +42,8 @@ class RunRegistry:
         self.directory = os.path.join(root or storage_root(), "runs")
 
     def _path(self, name: str) -> str:
+        if not _NAME.fullmatch(name) or name in (".", ".."):
+            raise ValueError(f"{name!r} is not a run name")
         return os.path.join(self.directory, f"{name}.json")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -55,11 +59,11 @@ class RunRegistry:
             raise
 
     def read(self, name: str) -> dict[str, Any] | None:
-        """The record of run `name`, or None."""
+        """The record of run `name`, or None (also for a string that is no run name)."""
         try:
             with open(self._path(name)) as f:
                 return json.load(f)
-        except (FileNotFoundError, json.JSONDecodeError):
+        except (ValueError, FileNotFoundError):  # JSONDecodeError is a ValueError
             return None
 
     def all(self) -> list[dict[str, Any]]:
