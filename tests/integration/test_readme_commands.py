@@ -1,0 +1,194 @@
+"""Every command of the README's command-line block runs, as a user would type it (a process
+each, against a head of our own), at a tiny size, and gives what it promises.
+
+The commands are read from the README itself, so the two cannot drift apart: a new line
+there fails here until it has an entry below. Only values shrink; the flags are the README's
+(plus, where the README leaves a size at its default, a smaller one from `EXTRA`).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shlex
+import subprocess
+
+import pytest
+
+import elastic
+from tests.head import BIN, own_head, wait_until
+
+pytestmark = pytest.mark.integration
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+NAME = "readme-run"  # the README's `--name demo` and NAME
+
+# (command, flag) -> the tiny value used instead of the README's.
+TINY = {
+    ("run", "--epochs"): "1",
+    # Long enough to be listed, scaled, killed and stopped by the commands after it.
+    ("start", "--epochs"): "100000",
+    ("start", "--name"): NAME,
+    ("bench allreduce", "--world-size"): "2",
+    ("bench allreduce", "--sizes"): "4KB,64KB",
+    ("bench recovery", "--workers"): "2",
+    ("bench recovery", "--trials"): "1",
+    ("bench checkpoint", "--size-mb"): "4",
+    ("bench control", "--calls"): "2",
+    ("bench adapt", "--workers"): "2",
+    ("bench overhead", "--steps"): "11",
+    ("bench scaling", "--workers"): "1,2",
+    ("bench scaling", "--batch-sizes"): "20,64",
+}
+# Sizes the README leaves at their defaults, made small.
+EXTRA = {
+    "bench adapt": ["--steps", "20", "--batch", "64"],
+    "bench overhead": ["--rounds", "1"],
+    "bench scaling": ["--steps", "9"],
+    "demo": ["--workers", "2", "--epochs", "2"],
+}
+
+
+def readme_commands() -> list[str]:
+    """The lines of the README's `## Command line` block, optional parts expanded and
+    alternatives (`mlp|cnn`) split into one line each."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Command line\n+```\n(.*?)```", text, re.S).group(1)
+    lines = []
+    for line in block.strip().splitlines():
+        line = re.sub(r"\[([^\]]*)\]", r"\1", line).strip()
+        alternatives = re.search(r"(\S+\|\S+)", line)
+        if alternatives:
+            lines += [line.replace(alternatives.group(1), a) for a in alternatives.group(1).split("|")]
+        else:
+            lines.append(line)
+    return lines
+
+
+def _kind(argv: list[str]) -> str:
+    return " ".join(argv[1:3]) if argv[1] == "bench" else argv[1]
+
+
+def _tiny(line: str, out: pathlib.Path, gcs: str) -> list[str]:
+    places = {"NAME": NAME, "N": "3", "R": "1", "HOST:PORT": gcs,
+              "RUN_DIR": str(out / "demo" / "elastic"), "DIR": str(out / "report"),
+              "trace.json": str(out / "trace.json")}
+    argv = shlex.split(line)
+    kind = _kind(argv)
+    result = []
+    for i, token in enumerate(argv):
+        flag = argv[i - 1] if i > 0 and argv[i - 1].startswith("--") else None
+        if (kind, flag) in TINY:
+            token = TINY[(kind, flag)]
+        elif token in ("out.json", "out.png"):
+            token = str(out / f"{kind.replace(' ', '-')}{pathlib.Path(token).suffix}")
+        else:
+            token = places.get(token, token)
+        result.append(token)
+    result += EXTRA.get(kind, [])
+    if kind == "demo":
+        result += ["--run-dir", str(out / "demo")]
+    return result
+
+
+def _flags(argv: list[str]) -> set[str]:
+    return {t for t in argv if t.startswith("--")}
+
+
+def test_every_readme_command_has_a_smoke_entry_that_keeps_its_flags(tmp_path):
+    kinds = {"run", "start", "list", "logs", "status", "scale", "kill", "stop", "demo", "report",
+             "bench allreduce", "bench recovery", "bench checkpoint", "bench control", "bench adapt",
+             "bench overhead", "bench scaling"}
+    for line in readme_commands():
+        argv = shlex.split(line)
+        assert argv[0] == "elastic" and _kind(argv) in kinds, f"README command without a smoke entry: {line}"
+        tiny = _tiny(line, tmp_path, "127.0.0.1:1")
+        assert _flags(argv) <= _flags(tiny), line
+        assert _flags(tiny) - _flags(argv) <= set(EXTRA.get(_kind(argv), [])) | {"--run-dir"}, line
+    assert {_kind(shlex.split(line)) for line in readme_commands()} == kinds
+
+
+@pytest.fixture(scope="module")
+def head():
+    with own_head(dashboard=False, num_cpus=8) as info:
+        yield info
+
+
+def _png(path: pathlib.Path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _status() -> dict | None:
+    try:
+        return elastic.status(NAME)
+    except elastic.errors.RunNotFoundError:
+        return None
+
+
+def _check(kind: str, output: str, out: pathlib.Path) -> None:
+    """What each command promises, beyond exit status 0."""
+    written = out / f"{kind.replace(' ', '-')}.json"
+    data = json.loads(written.read_text()) if kind.startswith("bench") else None
+    match kind:
+        case "run":
+            assert "killed rank 1 on purpose at step 20" in output
+            assert "A worker died or was killed" not in output  # Ray's note goes to ray.log
+            assert re.search(r"recoveries\s*│\s*1", output)
+        case "start":
+            assert f"started run {NAME}" in output
+            wait_until(lambda: (s := _status()) and s["state"] == "running" and s["step"] > 0, limit=120)
+        case "list":
+            assert NAME in output and "running" in output
+        case "logs":
+            assert "generation" in output
+        case "status":
+            assert json.loads(output)["name"] == NAME
+        case "scale":
+            wait_until(lambda: (s := _status()) and s["world_size"] == 3 and s["state"] == "running",
+                       limit=120)
+        case "kill":
+            wait_until(lambda: (s := _status()) and s["failures"] == 1 and s["state"] == "running",
+                       limit=120)
+        case "stop":
+            wait_until(lambda: (s := _status()) and s["state"] == "stopped", limit=120)
+        case "bench allreduce":
+            assert data["records"] and all(r["correct"] for r in data["records"])
+            assert _png(out / "bench-allreduce.png")
+        case "bench recovery":
+            assert {s["stage"] for s in data["stages"]} >= {"detect_s", "total_s"}
+        case "bench checkpoint":
+            assert 0 < data["stall_fraction"]
+        case "bench control":
+            assert [c["command"] for c in data["commands"]] == ["status", "list", "scale", "kill", "stop"]
+            assert all(c["calls"] == 2 for c in data["commands"])
+        case "bench adapt":
+            assert data["ratio"] > 0
+        case "bench overhead":
+            assert data["step_ratio"] > 0
+        case "bench scaling":
+            assert len(data["points"]) == 4
+            assert _png(out / "bench-scaling.png")
+        case "demo":
+            assert "killed rank 1 on purpose at step 30" in output
+            assert "uninterrupted" in output
+            assert "A worker died or was killed" not in output
+        case "report":
+            pngs = list((out / "report").glob("*.png"))
+            assert pngs and all(_png(p) for p in pngs)
+            assert json.loads((out / "trace.json").read_text())["traceEvents"]
+        case _:
+            raise AssertionError(f"no check for {kind}")
+
+
+@pytest.mark.timeout(1200)
+def test_every_readme_command_runs_and_gives_what_it_promises(head, tmp_path):
+    env = {**head["env"], "RAY_ADDRESS": head["gcs"], "COLUMNS": "200"}
+    for line in readme_commands():
+        argv = _tiny(line, tmp_path, head["gcs"])
+        kind = _kind(argv)
+        done = subprocess.run([str(BIN / "elastic"), *argv[1:]], env=env, cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, f"{' '.join(argv)} exited {done.returncode}:\n{output[-3000:]}"
+        _check(kind, output, tmp_path)
