@@ -50,6 +50,16 @@ def fit(job: TrainJob, config: FitConfig) -> FitResult:
     )
 
 
+def connect(config: FitConfig | None = None) -> None:
+    """Connects this process to the Ray cluster (`RAY_ADDRESS`, or one running on this
+    machine), or starts a local one sized for `config`. `fit` does this itself; call it first
+    from the main thread when `fit` will run on other threads: a local cluster's processes
+    die with the thread that started them."""
+    from elastic.actors import client
+
+    client.ensure_ray(config)
+
+
 def start(job: TrainJob, config: FitConfig) -> str:
     """Starts a detached run and returns its name at once. The run survives the exit of this
     process; control it by name, read its record in its run dir (events.jsonl,
@@ -148,11 +158,17 @@ def _control(name: str, method: str, *args: Any) -> Any:
             return control.call(record["control"], method, *args)
         except control.ControlUnavailable:
             record = RunRegistry().read(name) or record  # it may have ended just now
-            if not is_terminal(record):
-                record = {**record, "state": LOST}
-    if record is not None and (is_terminal(record) or record["state"] == LOST):
+    if record is not None and is_terminal(record):
         return _from_record(record, method)
+    # Not on this host, or its channel did not answer (a detached controller Ray is
+    # restarting answers through Ray again): ask Ray.
     from elastic.actors import client
+
+    if record is not None:
+        try:
+            return client.call(name, method, *args)
+        except RunNotFoundError:
+            return _from_record({**record, "state": LOST}, method)
 
     try:
         return client.call(name, method, *args)

@@ -23,6 +23,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("status", "events", "scale", "kill", "stop")
 _MAX_REQUEST = 1 << 16
+_MAX_REPLY = 256 << 20  # a long run's events
 _TIMEOUT_S = 10.0
 
 
@@ -107,25 +109,29 @@ class ControlServer:
 def call(address: str, method: str, *args: Any, timeout: float = _TIMEOUT_S) -> Any:
     """Calls `method` on the controller listening at `address` and returns its result.
 
+    Only a listener of this user is talked to: after a controller's death its name is free,
+    and another user could bind it.
+
     Raises:
-        ControlUnavailable: nobody listens there (the controller is gone).
+        ControlUnavailable: nobody of this user answers there (the controller is gone), or the
+            answer did not come within `timeout` or was not one.
         ElasticError: what the controller raised, with its type and message.
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
     with sock:
         try:
             sock.connect("\0" + address)
-        except (ConnectionRefusedError, FileNotFoundError) as e:
-            raise ControlUnavailable(address) from e
-        sock.sendall(json.dumps({"method": method, "args": list(args)}).encode() + b"\n")
-        try:
-            line = _read_line(sock, limit=None)
-        except ConnectionError as e:
-            raise ControlUnavailable(address) from e
-    if not line:  # closed without an answer: not ours to talk to, or it died mid-call
+            if _peer_uid(sock) != os.getuid():
+                raise ControlUnavailable(f"{address} is held by another user")
+            sock.sendall(json.dumps({"method": method, "args": list(args)}).encode() + b"\n")
+            line = _read_line(sock, limit=_MAX_REPLY, deadline=deadline)
+            reply = json.loads(line) if line else None
+        except (OSError, ValueError) as e:  # refused, reset, timed out, oversized, not JSON
+            raise ControlUnavailable(f"{address}: {e}") from e
+    if not isinstance(reply, dict):  # closed without an answer
         raise ControlUnavailable(address)
-    reply = json.loads(line)
     if "error" in reply:
         raise _error(reply["error"]["type"], reply["error"]["message"])
     return reply["result"]
@@ -147,10 +153,12 @@ def _peer_uid(conn: socket.socket) -> int:
     return uid
 
 
-def _read_line(conn: socket.socket, limit: int | None = _MAX_REQUEST) -> bytes:
+def _read_line(conn: socket.socket, limit: int = _MAX_REQUEST, deadline: float | None = None) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError("no whole answer in time")
         chunk = conn.recv(1 << 16)
         if not chunk:
             break
@@ -158,6 +166,6 @@ def _read_line(conn: socket.socket, limit: int | None = _MAX_REQUEST) -> bytes:
         size += len(chunk)
         if chunk.endswith(b"\n"):
             break
-        if limit is not None and size > limit:
-            raise ValueError(f"control request over {limit} bytes")
+        if size > limit:
+            raise ValueError(f"control message over {limit} bytes")
     return b"".join(chunks)

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import socket
+import stat
 import tempfile
 from typing import Any
 
@@ -47,8 +48,15 @@ class RunRegistry:
         return os.path.join(self.directory, f"{name}.json")
 
     def write(self, record: dict[str, Any]) -> None:
-        """Replaces the record of `record["name"]` atomically (readers never see half a file)."""
-        _private_dir(self.directory)
+        """Replaces the record of `record["name"]` atomically (readers never see half a file).
+
+        Raises:
+            OSError: the index folder cannot be made private to this user.
+        """
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        if not _private(self.directory):
+            raise PermissionError(f"refusing the run index {self.directory}: it must be a folder of "
+                                  "this user that no one else can write (set ELASTIC_HOME elsewhere)")
         fd, tmp = tempfile.mkstemp(prefix=f".{record['name']}.", suffix=".tmp", dir=self.directory)
         try:
             with os.fdopen(fd, "w") as f:
@@ -59,7 +67,10 @@ class RunRegistry:
             raise
 
     def read(self, name: str) -> dict[str, Any] | None:
-        """The record of run `name`, or None (also for a string that is no run name)."""
+        """The record of run `name`, or None (also for a string that is no run name, and in an
+        index folder that is not private to this user: its records could be planted)."""
+        if not _private(self.directory):
+            return None
         try:
             with open(self._path(name)) as f:
                 return json.load(f)
@@ -68,6 +79,8 @@ class RunRegistry:
 
     def all(self) -> list[dict[str, Any]]:
         """Every record, newest first (by start time)."""
+        if not _private(self.directory):
+            return []
         try:
             names = [n[:-5] for n in os.listdir(self.directory) if n.endswith(".json")]
         except FileNotFoundError:
@@ -80,8 +93,13 @@ def is_terminal(record: dict[str, Any]) -> bool:
     return record.get("state") in TERMINAL_STATES
 
 
-def _private_dir(path: str) -> None:
-    os.makedirs(path, mode=0o700, exist_ok=True)
+def _private(path: str) -> bool:
+    """Whether `path` is a real folder (not a link) of this user that no one else can write."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True  # nothing there yet: nothing planted
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _unlink(path: str) -> None:

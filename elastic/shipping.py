@@ -70,7 +70,12 @@ def _module_of(obj: Any) -> types.ModuleType | None:
 def _references(obj: Any, module: types.ModuleType | None) -> list[Any]:
     """What `obj` refers to that may come from other modules."""
     if isinstance(obj, types.ModuleType):
-        return []  # registered by value as a whole, or a library: nothing to follow
+        # A user module travels by value with its functions and classes, which may use
+        # further user modules; a library module is imported on the workers as it is.
+        if module is None or not is_user_module(module):
+            return []
+        return [v for v in vars(obj).values()
+                if isinstance(v, (types.FunctionType, type, types.ModuleType, functools.partial))]
     if isinstance(obj, functools.partial):
         return [obj.func, *obj.args, *obj.keywords.values()]
     if isinstance(obj, types.MethodType):
@@ -119,10 +124,25 @@ def is_user_module(module: types.ModuleType) -> bool:
     path = getattr(module, "__file__", None)
     if not path or module.__name__ == "__main__":
         return False
-    if module.__name__.split(".")[0] in _editable_top_levels():
-        return False
+    top = module.__name__.split(".")[0]
+    if top in _editable_top_levels() or not (os.path.isabs(path) and os.path.isfile(path)):
+        return False  # an installed package, or a module-like object (`torch.ops.aten`)
+    if top != module.__name__:
+        # A submodule is the user's only if its package is (torch's generated modules are not).
+        package = sys.modules.get(top)
+        if package is None:
+            return False
+        if getattr(package, "__file__", None) is None:  # a namespace package: its folders
+            if all(_in_library(p) for p in getattr(package, "__path__", [])):
+                return False
+        elif not is_user_module(package):
+            return False
+    return not _in_library(path)
+
+
+def _in_library(path: str) -> bool:
     path = os.path.realpath(path)
-    return not any(path == root or path.startswith(root + os.sep) for root in _library_roots())
+    return any(path == root or path.startswith(root + os.sep) for root in _library_roots())
 
 
 @functools.lru_cache(maxsize=1)

@@ -61,15 +61,18 @@ def _worker_logs() -> bool:
     return os.environ.get("ELASTIC_WORKER_LOGS") == "1"
 
 
-# Where Ray's driver-side messages go: the log of the newest run this process started.
+# Where Ray's driver-side notes about dead workers go: the log of the newest run this process
+# started (a note can arrive just after its run ended).
 _ray_log: dict[str, str | None] = {"path": None}
+_WORKER_DEATH = "A worker died or was killed"
 
 
 def _route_ray_messages() -> None:
-    """Sends what Ray's driver would print about its workers (a raylet's "A worker died or
-    was killed ... OOM killer ... SIGSEGV" note after every kill) to the current run's
-    `ray.log` instead of the terminal. A worker killed on purpose is not a crash, and an
-    unplanned death is reported by the run's own `worker_failure` event with Ray's reason.
+    """Sends Ray's driver-side note about a dead worker (a raylet's "A worker died or was
+    killed ... OOM killer ... SIGSEGV" after every kill) to the current run's `ray.log`
+    instead of the terminal; Ray's other messages are left as they are. A worker killed on
+    purpose is not a crash, and an unplanned death is reported by the run's own
+    `worker_failure` event with Ray's reason.
 
     Ray prints these through `ray._private.worker.print_to_stdstream`, looked up at each
     call; where a Ray version lacks it, its messages are left as they are.
@@ -82,12 +85,13 @@ def _route_ray_messages() -> None:
 
     def to_run_log(data: dict[str, Any], ignore_prefix: bool) -> None:
         path = _ray_log["path"]
-        if path is None:
-            original(data, ignore_prefix)
+        lines = data.get("lines", [])
+        if path is None or not lines or not all(_WORKER_DEATH in line for line in lines):
+            original(data, ignore_prefix)  # anything else of Ray's still reaches the terminal
             return
         try:
             with open(path, "a") as f:
-                for line in data.get("lines", []):
+                for line in lines:
                     f.write(f"({data.get('pid', 'ray')}) {line}\n")
         except OSError:
             original(data, ignore_prefix)

@@ -131,6 +131,7 @@ class Controller:
         self._target = config.scaling.num_workers
         self._scaled_by_user = False
         self._stop_requested = False
+        self._stopped_early = False  # the loop ended on a stop request, before its last step
         self._recovery: PendingRecovery | None = None
         self._killed_at: float | None = None  # time of the last kill() request
         self._killed_on_purpose: set[int] = set()  # worker ids killed by kill()
@@ -183,7 +184,7 @@ class Controller:
         error = self.error
         with self._lock:
             state = self.state.value
-            if self.state == RunState.FINISHED and self._stop_requested:
+            if self.state == RunState.FINISHED and self._stopped_early:
                 state = "stopped"
             return {
                 "name": self.name, "state": state, "step": self.global_step,
@@ -252,8 +253,10 @@ class Controller:
         ray.kill(member.actor, no_restart=True)
 
     def stop(self) -> None:
-        """Ends the run gracefully at the next chunk boundary."""
+        """Ends the run gracefully at the next chunk boundary (nothing once it has ended)."""
         with self._lock:
+            if self.state.is_terminal:
+                return
             self._stop_requested = True
         self.log.event("stop_requested")
 
@@ -291,21 +294,23 @@ class Controller:
             self.log.event("failed", error=f"{type(error).__name__}: {error}", step=self.global_step)
             self.error = error
             self._set_state(RunState.FAILED)
-        self._shutdown_workers()
-        self.server.close()
-        if self.detached:
-            if model_state is not None:
-                self._write_final_model(model_state)
-            self.log.event("detached_exit", failed=error is not None)
-        # The end is published once everything it points to is written, and before the
-        # channel closes: a caller that finds nobody answering reads the record again.
-        self._publish()
-        self.control.close()
+        try:
+            self._shutdown_workers()
+            self.server.close()
+            if self.detached:
+                if model_state is not None:
+                    self._write_final_model(model_state)
+                self.log.event("detached_exit", failed=error is not None)
+        finally:
+            # The end is published once everything it points to is written, and before the
+            # channel closes: a caller that finds nobody answering reads the record again.
+            self._publish()
+            self.control.close()
         return Outcome(
             model_state=model_state, steps=self.global_step,
             samples=self.cursor.samples,
             events=list(self.log.events), metrics=list(self.log.metrics),
-            evaluation=self._evaluation, stopped=self._stop_requested, error=error,
+            evaluation=self._evaluation, stopped=self._stopped_early, error=error,
         )
 
     # --- start-up ------------------------------------------------------------------------------
@@ -671,6 +676,7 @@ class Controller:
         with self._lock:
             stop, target = self._stop_requested, self._target
         if stop:
+            self._stopped_early = True
             self.log.event("stopping", step=self.global_step)
             return True
         changed = False
@@ -879,7 +885,10 @@ class Controller:
                     killed_at = float(f.read())
         newest = max((r.committed_step for r in results.values()), default=self.global_step)
         lost_workers = [self.members[r].worker_id for r in lost]
-        chaos_kills = {e.rank for e in chaos if e.action == "kill"}
+        # A scheduled kill counts only if it fired (its marker exists): a rank that died of
+        # something else first is an unplanned death.
+        chaos_kills = {e.rank for e in chaos if e.action == "kill" and os.path.exists(
+            os.path.join(self.run_dir, "chaos", f"kill-{e.step}-{e.rank}"))}
         with self._lock:
             killed = self._killed_on_purpose
             on_purpose = chaos_kills | {r for r in lost if self.members[r].worker_id in killed}
@@ -947,12 +956,12 @@ class Controller:
     # --- the end -------------------------------------------------------------------------------
 
     def _finish(self) -> dict[str, Any]:
-        if self._stop_requested and self.job.evaluate is not None and not self._evaluation:
+        if self._stopped_early and self.job.evaluate is not None and not self._evaluation:
             self._evaluate()
         self._on_any_member(lambda a: self.checkpoints.maybe_write(a, self.global_step,
                                                                    len(self.members), final=True))
         state = self._on_any_member(lambda a: ray.get(a.model_state.remote()))
-        self.log.event("finish", step=self.global_step, stopped=self._stop_requested,
+        self.log.event("finish", step=self.global_step, stopped=self._stopped_early,
                        samples=self.cursor.samples)
         self._set_state(RunState.FINISHED)
         return state

@@ -27,8 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic.actors.client import ensure_ray
-from elastic.api import fit, runs, scale, status, stop
+from elastic.api import connect, fit, runs, scale, status, stop
 from elastic.bench import classification_loss, sgd
 from elastic.config import BatchConfig, FitConfig, ScalingConfig
 from elastic.errors import RunNotFoundError
@@ -141,7 +140,7 @@ def run_control_bench(calls: int = 20, timeout_s: float = 300.0,
     directory = run_dir or tempfile.mkdtemp(prefix="elastic-bench-control-")
     # The runs train on threads; a local cluster must be started from this (the main)
     # thread: Ray's processes die with the thread that started them (PR_SET_PDEATHSIG).
-    ensure_ray(_config("bench-control", directory, 2))
+    connect(_config("bench-control", directory, 2))
     cli_times: dict[str, list[float]] = {c: [] for c in COMMANDS}
     py_times: dict[str, list[float]] = {c: [] for c in COMMANDS}
     down: list[float] = []

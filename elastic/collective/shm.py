@@ -136,6 +136,20 @@ def _remove_orphans() -> None:
             pass  # another user's live process
 
 
+_OFFER_KEYS = frozenset({"host", "name", "nonce", "pid", "size"})
+
+
+def _parse_offer(raw: bytes) -> dict:
+    """A peer's offer, or a refusal when it is not one (every rank then agrees on gloo)."""
+    try:
+        offer = json.loads(raw)
+    except ValueError:
+        offer = None
+    if isinstance(offer, dict) and ("reason" in offer or _OFFER_KEYS <= offer.keys()):
+        return offer
+    return {"reason": "a malformed shared-memory offer"}
+
+
 def _map_peer_segment(name: object, size: int) -> mmap.mmap:
     """Maps the segment a peer offered, trusting nothing in the offer but a name to check.
 
@@ -275,7 +289,7 @@ def connect(rank: int, world_size: int, store: dist.Store, capacity: int) -> Sha
             "size": size,
         }
         store.set(f"shm/offer/{rank}", json.dumps(mine))
-        offers = [json.loads(store.get(f"shm/offer/{q}")) for q in range(world_size)]
+        offers = [_parse_offer(store.get(f"shm/offer/{q}")) for q in range(world_size)]
         refusal = next((o["reason"] for o in offers if "reason" in o), None)
         if refusal is None and len({(o["host"], o["size"]) for o in offers}) != 1:
             refusal = "the ranks are on different hosts"
@@ -290,11 +304,12 @@ def connect(rank: int, world_size: int, store: dist.Store, capacity: int) -> Sha
                 segments[q] = _Segment(own, world_size, capacity)
                 continue
             try:
-                mm = _map_peer_segment(offer["name"], size)
-                if mm[:_NONCE_BYTES] != bytes.fromhex(offer["nonce"]):
+                mm = _map_peer_segment(offer.get("name"), size)
+                if mm[:_NONCE_BYTES] != bytes.fromhex(str(offer.get("nonce"))):
+                    mm.close()
                     raise OSError(f"segment of rank {q} holds another nonce")
                 segments[q] = _Segment(mm, world_size, capacity)
-            except OSError as e:
+            except (OSError, ValueError) as e:  # a refused segment or a malformed offer
                 mapped = f"rank {rank} cannot map the segment of rank {q}: {e}"
                 break
         store.set(f"shm/mapped/{rank}", mapped)

@@ -83,3 +83,20 @@ def test_a_file_outside_every_path_is_a_user_module_and_main_is_not(tmp_path):
     finally:
         del sys.modules["loose_module"]
     assert not is_user_module(sys.modules["__main__"])
+
+
+def test_a_module_of_a_namespace_package_in_the_users_folder_ships(tmp_path, monkeypatch):
+    (tmp_path / "userns").mkdir()  # no __init__.py: a namespace package
+    (tmp_path / "userns" / "helpers.py").write_text("def f():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import userns.helpers
+
+    try:
+        assert _names(userns.helpers.f) == ["userns.helpers"]
+    finally:
+        for name in ("userns.helpers", "userns"):
+            sys.modules.pop(name, None)
+
+
+def test_module_like_objects_of_installed_packages_are_not_user_modules():
+    assert not is_user_module(torch.ops.aten)
