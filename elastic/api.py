@@ -164,19 +164,15 @@ def _control(name: str, method: str, *args: Any) -> Any:
     # restarting answers through Ray again): ask Ray.
     from elastic.actors import client
 
-    if record is not None:
-        try:
-            return client.call(name, method, *args)
-        except RunNotFoundError:
-            return _from_record({**record, "state": LOST}, method)
-
     try:
         return client.call(name, method, *args)
     except RunNotFoundError:
-        cached = client.cached_record(name)
-        if cached is None:
+        # Ray does not know it either: a local record was left by a controller that died
+        # before recording an end; otherwise the cluster may still hold an ended run's record.
+        ended = {**record, "state": LOST} if record is not None else client.cached_record(name)
+        if ended is None:
             raise
-        return _from_record(cached, method)
+        return _from_record(ended, method)
 
 
 def _local(record: dict[str, Any]) -> bool:

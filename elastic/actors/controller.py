@@ -49,7 +49,7 @@ from elastic.errors import (
 )
 from elastic.job import TrainJob
 from elastic.recovery import PendingRecovery
-from elastic.registry import RunRegistry, this_host
+from elastic.registry import RunRegistry, is_terminal, this_host
 from elastic.runlog import RunLog
 from elastic.trainer.data import Cursor
 
@@ -216,7 +216,7 @@ class Controller:
         except OSError as e:
             logger.warning("cannot write the record of run %s to %s: %s", self.name,
                            self.registry.directory, e)
-        if record["state"] in ("finished", "stopped", "failed"):
+        if is_terminal(record):
             _cache_record(record)
 
     def scale(self, num_workers: int) -> None:
@@ -878,17 +878,17 @@ class Controller:
         world_before = len(self.members)
         with self._lock:
             killed_at, self._killed_at = self._killed_at, None
+        # A scheduled kill counts only if it fired (the worker left its marker with the time):
+        # a rank that died of something else first is an unplanned death.
+        chaos_kills: set[int] = set()
         for event in chaos:
             path = os.path.join(self.run_dir, "chaos", f"kill-{event.step}-{event.rank}")
             if event.action == "kill" and os.path.exists(path):
+                chaos_kills.add(event.rank)
                 with open(path) as f:
                     killed_at = float(f.read())
         newest = max((r.committed_step for r in results.values()), default=self.global_step)
         lost_workers = [self.members[r].worker_id for r in lost]
-        # A scheduled kill counts only if it fired (its marker exists): a rank that died of
-        # something else first is an unplanned death.
-        chaos_kills = {e.rank for e in chaos if e.action == "kill" and os.path.exists(
-            os.path.join(self.run_dir, "chaos", f"kill-{e.step}-{e.rank}"))}
         with self._lock:
             killed = self._killed_on_purpose
             on_purpose = chaos_kills | {r for r in lost if self.members[r].worker_id in killed}

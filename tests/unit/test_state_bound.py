@@ -31,7 +31,12 @@ def test_the_bound_covers_a_trained_peers_state_even_when_this_optimizer_is_fres
         assert _serialised(peer, peer_opt) <= max_state_bytes(fresh, make(fresh.parameters()))
 
 
-def test_the_bound_refuses_what_a_hostile_peer_would_announce():
-    model = nn.Linear(8, 8)
-    bound = max_state_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert bound < 64 << 20  # a tiny model: far below what exhausting memory takes
+def test_the_bound_follows_the_model_so_a_huge_announcement_is_refused_for_a_small_one():
+    small, large = nn.Linear(8, 8), nn.Linear(2048, 2048)
+    small_bound = max_state_bytes(small, torch.optim.SGD(small.parameters(), lr=0.1))
+    large_bound = max_state_bytes(large, torch.optim.SGD(large.parameters(), lr=0.1))
+    assert small_bound < 64 << 20  # far below what exhausting memory takes
+    # Each parameter byte allows itself plus three optimizer tensors, no more.
+    params = sum(p.numel() * p.element_size() for p in large.parameters())
+    assert large_bound - small_bound >= 4 * (params - 8 * 9 * 4)
+    assert large_bound - small_bound <= 4 * params
