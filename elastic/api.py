@@ -200,14 +200,27 @@ def _from_record(record: dict[str, Any], method: str) -> Any:
     raise RunNotFoundError(f"run {record['name']!r} is not running ({what}); there is nothing to {method}")
 
 
-def load_checkpoint(path: str, step: int | None = None) -> LoadedCheckpoint | None:
+def load_checkpoint(path: str, step: int | None = None, *, key_file: str | None = None,
+                    signed: bool = True) -> LoadedCheckpoint | None:
     """The newest checkpoint under `path` whose manifest and checksums verify (or exactly
     `step`); None if there is none. `parts["model"]` is the model's state dict.
 
+    Args:
+        path: the checkpoint root (`CheckpointConfig.path`).
+        step: exactly this step instead of the newest.
+        key_file: the signing key (default `$ELASTIC_HOME/keys/checkpoint.key`, the one
+            `fit` uses by default on this machine).
+        signed: False loads checkpoints written with `CheckpointConfig(sign=False)`; their
+            checksums still verify, but anyone who can write `path` could have replaced them.
+
     Raises:
-        CheckpointCorruptError: `step` was given and that checkpoint does not verify, or
-            holds a pickle that would run code (it is refused, never executed).
+        CheckpointCorruptError: `step` was given and that checkpoint does not verify (or is
+            not signed with the key), or holds a pickle that would run code (it is refused,
+            never executed).
+        ConfigError: `signed` and there is no readable, private key file.
     """
     from elastic.checkpoint import load_checkpoint as _load_checkpoint
+    from elastic.checkpoint.signing import default_key_file, read_key
 
-    return _load_checkpoint(path, step)
+    key = read_key(key_file or default_key_file()) if signed else None
+    return _load_checkpoint(path, step, key)

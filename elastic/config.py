@@ -305,6 +305,18 @@ class CheckpointConfig(_Frozen):
     async_write: bool = Field(
         default=True, description="Write in the background; the step pays only for a snapshot."
     )
+    sign: bool = Field(
+        default=True,
+        description="Sign every manifest (HMAC-SHA256) and load only checkpoints signed with "
+        "the same key, so that write access to the checkpoint folder alone cannot plant a "
+        "state. Off: checksums only (whoever can write the folder can replace a checkpoint).",
+    )
+    key_file: str | None = Field(
+        default=None,
+        description="The signing key's file (64 hex digits; created 0600 if missing). Default: "
+        "$ELASTIC_HOME/keys/checkpoint.key on the machine that starts the run; copy it "
+        "privately to resume from these checkpoints elsewhere.",
+    )
 
 
 class FitConfig(_Frozen):

@@ -8,24 +8,46 @@ import threading
 import time
 from typing import Any
 
+from elastic.private import ensure_private_dir, open_private_append
+
 
 class RunLog:
     """Appends JSON lines to the run directory and keeps the events in memory.
 
     Args:
-        run_dir: created if missing.
+        run_dir: created 0700 if missing; an existing one must be this user's and writable by
+            no one else. Files are 0600 and never written through a link.
+
+    Raises:
+        ConfigError: `run_dir`, or a file in it, is not private to this user.
     """
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
-        os.makedirs(run_dir, exist_ok=True)
+        ensure_private_dir(run_dir, "run_dir")
         self._lock = threading.Lock()
+        self._files: dict[str, int] = {}
         self.events: list[dict[str, Any]] = []
         self.metrics: list[dict[str, Any]] = []
+        self._descriptor("events.jsonl")  # a planted file or link fails the run at its start
+
+    def _descriptor(self, name: str) -> int:
+        fd = self._files.get(name)
+        if fd is None:
+            fd = self._files[name] = open_private_append(os.path.join(self.run_dir, name))
+        return fd
 
     def _append(self, name: str, record: dict[str, Any]) -> None:
-        with open(os.path.join(self.run_dir, name), "a") as f:
-            f.write(json.dumps(record) + "\n")
+        fd, data = self._descriptor(name), (json.dumps(record) + "\n").encode()
+        while data:
+            data = data[os.write(fd, data):]
+
+    def close(self) -> None:
+        """Closes the files (a later record opens them again)."""
+        with self._lock:
+            files, self._files = self._files, {}
+        for fd in files.values():
+            os.close(fd)
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         """Records one event (`kind` plus fields) with a wall-clock timestamp."""

@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from elastic.collective import Communicator, Endpoint
+from elastic.collective import Communicator, Endpoint, RendezvousServer
 from elastic.config import CollectiveConfig
 from elastic.errors import CollectiveError
 
@@ -36,22 +36,22 @@ def _listen(conn: Connection, comm_box: dict, orders: queue.SimpleQueue) -> None
             orders.put(message)
 
 
-def rank_main(rank: int, world_size: int, endpoint: str, scenario: str, conn: Connection,
-              timeout_s: float = 300.0, shared_memory: bool = True) -> None:
+def rank_main(rank: int, world_size: int, endpoint: str, secret: bytes, scenario: str,
+              conn: Connection, timeout_s: float = 300.0, shared_memory: bool = True) -> None:
     """Child entry point. Reports ("error", type name) when an operation fails.
 
     Ends with `os._exit`: a process that abandoned gloo operations must not run interpreter
     finalization while gloo may still wake their waiter threads (see `elastic.collective.gloo`).
     """
     try:
-        _scenario(rank, world_size, endpoint, scenario, conn, timeout_s, shared_memory)
+        _scenario(rank, world_size, endpoint, secret, scenario, conn, timeout_s, shared_memory)
     finally:
         conn.close()
         os._exit(0)
 
 
-def _scenario(rank: int, world_size: int, endpoint: str, scenario: str, conn: Connection,
-              timeout_s: float, shared_memory: bool) -> None:
+def _scenario(rank: int, world_size: int, endpoint: str, secret: bytes, scenario: str,
+              conn: Connection, timeout_s: float, shared_memory: bool) -> None:
     comm_box: dict = {"signal": threading.Event()}
     orders: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_listen, args=(conn, comm_box, orders), daemon=True).start()
@@ -63,7 +63,8 @@ def _scenario(rank: int, world_size: int, endpoint: str, scenario: str, conn: Co
         conn.send(("error", type(e).__name__, isinstance(e, CollectiveError)))
 
     try:
-        comm = Communicator(rank, world_size, ep, 0, config, abort_signal=comm_box["signal"])
+        comm = Communicator(rank, world_size, ep, 0, config, abort_signal=comm_box["signal"],
+                            secret=secret)
         comm_box["comm"] = comm
     except Exception as e:
         report_failure(e)
@@ -92,7 +93,7 @@ def _scenario(rank: int, world_size: int, endpoint: str, scenario: str, conn: Co
     message = orders.get()
     if message[0] == "regen":
         _, new_rank, new_world, generation = message
-        comm = Communicator(new_rank, new_world, ep, generation, config)
+        comm = Communicator(new_rank, new_world, ep, generation, config, secret=secret)
         result = comm.allreduce(torch.full((1001,), float(new_rank + 1)), "sum", "ring")
         conn.send(("regen_result", new_rank, result.tolist()))
         comm.close()
@@ -101,7 +102,7 @@ def _scenario(rank: int, world_size: int, endpoint: str, scenario: str, conn: Co
 class Ranks:
     """Spawns `world_size` ranks (or a subset) running one scenario."""
 
-    def __init__(self, world_size: int, endpoint: Endpoint, scenario: str,
+    def __init__(self, world_size: int, server: RendezvousServer, scenario: str,
                  start: list[int] | None = None, timeout_s: float = 300.0,
                  shared_memory: bool = True) -> None:
         ctx = mp.get_context("spawn")
@@ -109,8 +110,10 @@ class Ranks:
         self.pipes: dict[int, Connection] = {}
         for rank in start if start is not None else range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=rank_main, args=(rank, world_size, str(endpoint), scenario,
-                                                       child, timeout_s, shared_memory),
+            # The secret goes through the spawn pipe, as it goes through Ray calls in a run.
+            proc = ctx.Process(target=rank_main, args=(rank, world_size, str(server.endpoint),
+                                                       server.secret, scenario, child, timeout_s,
+                                                       shared_memory),
                                daemon=True)
             proc.start()
             self.procs[rank] = proc

@@ -28,7 +28,8 @@ def run_ranks(
 
     def target(rank: int) -> None:
         try:
-            comm = Communicator(rank, world_size, server.endpoint, generation, config)
+            comm = Communicator(rank, world_size, server.endpoint, generation, config,
+                                secret=server.secret)
             try:
                 results[rank] = fn(comm)
             finally:

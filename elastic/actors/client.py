@@ -20,9 +20,11 @@ from elastic.actors.controller import (
     RemoteController,
     controller_name,
 )
+from elastic.checkpoint.signing import load_or_create_key
 from elastic.config import HOME_ENV, FitConfig
 from elastic.errors import ConfigError, RunNotFoundError
 from elastic.job import TrainJob
+from elastic.private import ensure_private_dir, open_private_append
 from elastic.shipping import user_modules
 
 
@@ -90,10 +92,11 @@ def _route_ray_messages() -> None:
             original(data, ignore_prefix)  # anything else of Ray's still reaches the terminal
             return
         try:
-            with open(path, "a") as f:
+            fd = open_private_append(path)
+            with os.fdopen(fd, "a") as f:
                 for line in lines:
                     f.write(f"({data.get('pid', 'ray')}) {line}\n")
-        except OSError:
+        except (OSError, ConfigError):
             original(data, ignore_prefix)
 
     to_run_log._elastic = True  # type: ignore[attr-defined]
@@ -128,11 +131,14 @@ def _launch(job: TrainJob, config: FitConfig, name: str, run_dir: str, detached:
     # On the head node: a controller on a worker node would die with that node. A detached
     # run's controller is restarted by Ray when its process dies and resumes from the newest
     # checkpoint (FailureConfig.controller_restarts).
+    key = None
+    if config.checkpoint is not None and config.checkpoint.sign:
+        key = load_or_create_key(config.checkpoint.key_file)
     return RemoteController.options(
         name=controller_name(name), namespace=NAMESPACE, num_cpus=0, max_concurrency=16,
         lifetime="detached" if detached else None, resources={HEAD_RESOURCE: 0.001},
         max_restarts=config.failure.controller_restarts if detached else 0,
-    ).remote(job, config, name, run_dir, detached, os.environ.get(HOME_ENV))
+    ).remote(job, config, name, run_dir, detached, os.environ.get(HOME_ENV), key)
 
 
 def run_controller(job: TrainJob, config: FitConfig, name: str, run_dir: str) -> Outcome:
@@ -141,8 +147,8 @@ def run_controller(job: TrainJob, config: FitConfig, name: str, run_dir: str) ->
     Raises:
         ConfigError: the name is taken.
     """
+    ensure_private_dir(run_dir, "run_dir")  # before any actor: a refusal leaves nothing behind
     ensure_ray(config)
-    os.makedirs(run_dir, exist_ok=True)
     _ray_log["path"] = os.path.join(run_dir, "ray.log")
     controller = _launch(job, config, name, run_dir, detached=False)
     try:
@@ -158,6 +164,7 @@ def start_detached(job: TrainJob, config: FitConfig, name: str, run_dir: str) ->
         ConfigError: no Ray cluster is running (a detached run needs one that outlives this
             process), or the name is taken.
     """
+    ensure_private_dir(run_dir, "run_dir")
     try:
         ensure_ray(config, start=False)
     except ConnectionError as e:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import ray
-import torch
 from ray.exceptions import RayActorError, RayTaskError
 from ray.experimental import internal_kv
 
@@ -31,7 +30,7 @@ from elastic.adapt.balance import ThroughputTracker, rebalance
 from elastic.adapt.lr import LrRamp, global_batch_for, resize
 from elastic.adapt.plan import BatchPlan, plan_batch
 from elastic.adapt.tuning import MicroBatchTuner, back_off, candidates
-from elastic.checkpoint.store import check_root
+from elastic.checkpoint.store import check_root, serialize
 from elastic.collective import RendezvousServer
 from elastic.config import ChaosEvent, FitConfig
 from elastic.control import ControlServer
@@ -48,6 +47,7 @@ from elastic.errors import (
     WorkerOutOfMemoryError,
 )
 from elastic.job import TrainJob
+from elastic.private import write_private
 from elastic.recovery import PendingRecovery
 from elastic.registry import RunRegistry, is_terminal, this_host
 from elastic.runlog import RunLog
@@ -100,7 +100,8 @@ class Controller:
     """Drives one run. Created by `elastic.fit` as a named Ray actor."""
 
     def __init__(self, job: TrainJob, config: FitConfig, name: str, run_dir: str,
-                 detached: bool = False, home: str | None = None) -> None:
+                 detached: bool = False, home: str | None = None,
+                 checkpoint_key: bytes | None = None) -> None:
         self.job = job
         self.config = config
         self.name = name
@@ -137,6 +138,7 @@ class Controller:
         self._killed_on_purpose: set[int] = set()  # worker ids killed by kill()
         self._death_reasons: dict[int, str] = {}  # rank -> Ray's reason, for the next recovery
         self.checkpoints = CheckpointCoordinator(config, self.log)
+        self._checkpoint_key = checkpoint_key  # signs manifests; only ever sent in Ray calls
         self._evaluation: dict[str, float] = {}
         self.server = RendezvousServer(host=ray.util.get_node_ip_address())
         self._restarted = detached and ray.get_runtime_context().was_current_actor_reconstructed
@@ -164,8 +166,7 @@ class Controller:
 
     def _write_final_model(self, model_state: dict[str, Any]) -> None:
         path = os.path.join(self.run_dir, FINAL_MODEL)
-        torch.save(model_state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        write_private(path, serialize(model_state))
         self.log.event("final_model_written", path=path)
 
     @property
@@ -322,7 +323,7 @@ class Controller:
         actor = WorkerActor.options(
             num_cpus=scaling.cpus_per_worker, num_gpus=1 if scaling.use_gpu else 0,
             max_concurrency=4,
-        ).remote(self.job, self.config, self.run_dir, worker_id)
+        ).remote(self.job, self.config, self.run_dir, worker_id, self._checkpoint_key)
         return actor.info.remote(), actor
 
     def _start(self) -> None:
@@ -393,9 +394,10 @@ class Controller:
             self.generation += 1
             n = len(self.members)
             endpoint = str(self.server.endpoint)
-            refs = [m.actor.connect.remote(r, n, endpoint, self.generation)
+            refs = [m.actor.connect.remote(r, n, endpoint, self.generation, self.server.secret)
                     for r, m in enumerate(self.members)]
             joined, dead, broken = self._gather(refs)
+            self.server.forget(self.generation)
             if dead:
                 self._drop(dead, "lost while connecting")
                 continue

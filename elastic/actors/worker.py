@@ -55,14 +55,16 @@ class ChunkResult:
 class WorkerActor:
     """One data-parallel worker. Built in the background; joins a generation via `connect`."""
 
-    def __init__(self, job: TrainJob, config: FitConfig, run_dir: str, worker_id: int) -> None:
+    def __init__(self, job: TrainJob, config: FitConfig, run_dir: str, worker_id: int,
+                 checkpoint_key: bytes | None = None) -> None:
         self.worker_id = worker_id
         self.config = config
         self.replica = Replica(job, config, run_dir)
         self._abort = threading.Event()
         self._lock = threading.Lock()
         ckpt = config.checkpoint
-        self._writer = CheckpointWriter(ckpt.path, ckpt.keep_last) if ckpt else None
+        self._key = checkpoint_key
+        self._writer = CheckpointWriter(ckpt.path, ckpt.keep_last, checkpoint_key) if ckpt else None
         self._checkpoint_chaos: list[ChaosEvent] = []  # kills to fire during a checkpoint write
 
     def info(self) -> dict[str, Any]:
@@ -70,8 +72,10 @@ class WorkerActor:
         return {"worker_id": self.worker_id, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
-    def connect(self, rank: int, world_size: int, endpoint: str, generation: int) -> tuple[int, str]:
-        """Joins generation `generation` as `rank`; returns this replica's committed step and
+    def connect(self, rank: int, world_size: int, endpoint: str, generation: int,
+                secret: bytes) -> tuple[int, str]:
+        """Joins generation `generation` as `rank` (`secret`: the run's rendezvous secret, which
+        reaches the worker only through this call); returns this replica's committed step and
         the communicator's transport."""
         with self._lock:
             self._abort = threading.Event()
@@ -80,7 +84,8 @@ class WorkerActor:
         if old is not None:
             old.close()
         self.replica.comm = Communicator(rank, world_size, Endpoint.parse(endpoint), generation,
-                                         self.config.collective, abort_signal=signal_)
+                                         self.config.collective, abort_signal=signal_,
+                                         secret=secret)
         return self.replica.global_step, self.replica.comm.transport
 
     def sync(self, src: int) -> dict[str, int]:
@@ -134,7 +139,7 @@ class WorkerActor:
             submitted = self._writer.submit(step, snapshot, meta, after_part=crash)
         else:
             parts = {name: serialize(value) for name, value in state.items() if value is not None}
-            write_checkpoint(ckpt.path, step, parts, meta, after_part=crash)
+            write_checkpoint(ckpt.path, step, parts, meta, after_part=crash, key=self._key)
             submitted = True
         return {"submitted": submitted, "reports": self._reports()}
 
@@ -164,7 +169,7 @@ class WorkerActor:
         """Loads the newest valid checkpoint into this replica, if there is one."""
         ckpt = self.config.checkpoint
         assert ckpt is not None, "no checkpoint configured"
-        loaded = load_checkpoint(ckpt.path)
+        loaded = load_checkpoint(ckpt.path, key=self._key)
         if loaded is None:
             return {"step": None, "path": None, "skipped": []}
         self.replica.load_state(loaded.parts)

@@ -97,13 +97,13 @@ def _transport_name(comm: Communicator, algorithm: str) -> str:
     return "shm" if comm.transport == "shared_memory" else "tcp"
 
 
-def _rank_main(rank: int, world_size: int, endpoint: str, sizes: list[int],
+def _rank_main(rank: int, world_size: int, endpoint: str, secret: bytes, sizes: list[int],
                algorithms: list[str], segment_bytes: int, shared_memory: bool,
                conn: Connection) -> None:
     try:
         torch.set_num_threads(1)
         config = CollectiveConfig(segment_bytes=segment_bytes, shared_memory=shared_memory)
-        comm = Communicator(rank, world_size, Endpoint.parse(endpoint), 0, config)
+        comm = Communicator(rank, world_size, Endpoint.parse(endpoint), 0, config, secret=secret)
         results = []
         expected_factor = world_size * (world_size + 1) / 2
         for algorithm in algorithms:
@@ -233,8 +233,8 @@ def run_allreduce_bench(world_size: int, sizes: list[int], algorithms: list[Algo
     for rank in range(world_size):
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_rank_main, daemon=True,
-                           args=(rank, world_size, str(server.endpoint), sizes, list(algorithms),
-                                 segment_bytes, shared_memory, child))
+                           args=(rank, world_size, str(server.endpoint), server.secret, sizes,
+                                 list(algorithms), segment_bytes, shared_memory, child))
         proc.start()
         pipes.append(parent)
         procs.append(proc)

@@ -6,6 +6,10 @@ temporary name, flushed and fsynced (on local disks), then renamed; the manifest
 carries the sha256 and size of every file, is written last and is the commit marker. A
 directory without a valid manifest, or whose files do not match it, is not a checkpoint.
 Loading never unpickles arbitrary objects: `torch.load(weights_only=True)`.
+
+With a key (`elastic.checkpoint.signing`), the manifest is signed and only checkpoints signed
+with that key are loaded or counted by retention. On a local disk the root and every step
+folder are 0700 and the files 0600, written through fresh no-follow names and renamed.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from typing import Any
 import fsspec
 import torch
 
+from elastic.checkpoint.signing import sign, signature_problem
 from elastic.errors import CheckpointCorruptError, ConfigError
+from elastic.private import ensure_private_dir, write_private
 
 MANIFEST = "MANIFEST.json"
 FORMAT_VERSION = 1
@@ -44,12 +50,15 @@ def check_root(root: str) -> None:
     starts.
 
     Raises:
-        ConfigError: the URL's protocol is unknown, `root` is a file, or it cannot be created.
+        ConfigError: the URL's protocol is unknown, `root` is a file, it cannot be created,
+            or (on a local disk) it is another user's or writable by group or others.
     """
     try:
         fs, path = _fs(root)
     except (ValueError, ImportError) as e:
         raise ConfigError(f"checkpoint.path {root!r} cannot be used: {e}") from e
+    if _is_local(fs) and not (os.path.exists(path) and not os.path.isdir(path)):
+        ensure_private_dir(path, "checkpoint.path")
     try:
         if fs.exists(path) and not fs.isdir(path):
             raise ConfigError(f"checkpoint.path {root!r} is a file, not a directory; point it at "
@@ -67,6 +76,9 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 def _write_atomically(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    if _is_local(fs):
+        write_private(path, data)
+        return
     tmp = f"{path}.tmp"
     with fs.open(tmp, "wb") as f:
         f.write(data)
@@ -93,7 +105,8 @@ def serialize(obj: Any) -> bytes:
 
 
 def write_checkpoint(root: str, step: int, parts: Mapping[str, bytes], meta: Mapping[str, Any],
-                     after_part: Callable[[str], None] | None = None) -> str:
+                     after_part: Callable[[str], None] | None = None,
+                     key: bytes | None = None) -> str:
     """Writes one checkpoint atomically and returns its directory.
 
     Args:
@@ -103,10 +116,14 @@ def write_checkpoint(root: str, step: int, parts: Mapping[str, bytes], meta: Map
         meta: extra manifest fields (epoch, world size, config fingerprint, ...).
         after_part: called with each part's name once it is on disk, before the manifest
             commits the checkpoint (chaos injects a crash mid-write here).
+        key: signs the manifest (see `elastic.checkpoint.signing`); None writes it unsigned.
     """
     fs, base = _fs(root)
     directory = f"{base}/{step_dir_name(step)}"
-    fs.makedirs(directory, exist_ok=True)
+    if _is_local(fs):
+        ensure_private_dir(directory, "checkpoint.path")
+    else:
+        fs.makedirs(directory, exist_ok=True)
     if fs.exists(f"{directory}/{MANIFEST}"):
         fs.rm(f"{directory}/{MANIFEST}")  # re-writing a step: uncommit it first
     files = {}
@@ -122,6 +139,8 @@ def write_checkpoint(root: str, step: int, parts: Mapping[str, bytes], meta: Map
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         **meta,
     }
+    if key is not None:
+        manifest = sign(manifest, key)
     _write_atomically(fs, f"{directory}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
     _fsync_dir(fs, directory)
     return directory
@@ -159,12 +178,13 @@ def list_steps(root: str) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def verify(root: str, step: int) -> LoadedCheckpoint:
-    """Loads and verifies the checkpoint of `step`.
+def verify(root: str, step: int, key: bytes | None = None) -> LoadedCheckpoint:
+    """Loads and verifies the checkpoint of `step` (and, with `key`, its signature).
 
     Raises:
-        CheckpointCorruptError: missing or unreadable manifest, a checksum or size mismatch,
-            or a file that is not plain tensor data (a pickle that would run code).
+        CheckpointCorruptError: missing or unreadable manifest, a manifest not validly signed
+            with `key`, a checksum or size mismatch, or a file that is not plain tensor data
+            (a pickle that would run code).
     """
     fs, base = _fs(root)
     directory = f"{base}/{step_dir_name(step)}"
@@ -178,6 +198,10 @@ def verify(root: str, step: int) -> LoadedCheckpoint:
         raise CheckpointCorruptError(f"{directory}: no manifest (an interrupted write)") from e
     except (ValueError, KeyError, UnicodeDecodeError) as e:
         raise CheckpointCorruptError(f"{directory}: unreadable manifest: {e}") from e
+    if key is not None:
+        problem = signature_problem(manifest, key)
+        if problem is not None:
+            raise CheckpointCorruptError(f"{directory}: refused, {problem}")
     parts: dict[str, Any] = {}
     for filename, expected in files.items():
         try:
@@ -197,20 +221,22 @@ def verify(root: str, step: int) -> LoadedCheckpoint:
     return LoadedCheckpoint(path=directory, step=step, parts=parts, manifest=manifest)
 
 
-def load_checkpoint(root: str, step: int | None = None) -> LoadedCheckpoint | None:
+def load_checkpoint(root: str, step: int | None = None,
+                    key: bytes | None = None) -> LoadedCheckpoint | None:
     """The newest checkpoint under `root` that verifies (or exactly `step`), or None.
 
-    Newer checkpoints that fail verification are skipped and listed in `skipped`.
+    Newer checkpoints that fail verification (with `key`: also those not validly signed with
+    it) are skipped and listed in `skipped`.
 
     Raises:
         CheckpointCorruptError: `step` was given and that checkpoint does not verify.
     """
     if step is not None:
-        return verify(root, step)
+        return verify(root, step, key)
     skipped: list[tuple[str, str]] = []
     for candidate in list_steps(root):
         try:
-            loaded = verify(root, candidate)
+            loaded = verify(root, candidate, key)
         except CheckpointCorruptError as e:
             skipped.append((step_dir_name(candidate), str(e)))
             continue
@@ -219,30 +245,41 @@ def load_checkpoint(root: str, step: int | None = None) -> LoadedCheckpoint | No
     return None
 
 
-def _complete(root: str, step: int) -> bool:
-    """Cheap validity for retention: a committed manifest whose files exist with the recorded
-    sizes. (Full verification reads and hashes every byte; `load_checkpoint` does that.)"""
+def _retention_state(root: str, step: int, key: bytes | None) -> str:
+    """Cheap validity for retention (full verification reads and hashes every byte;
+    `load_checkpoint` does that): "incomplete" without a committed manifest whose files exist
+    with the recorded sizes; "foreign" when complete but not validly signed with `key`; else
+    "valid". A foreign checkpoint (planted, or written with another key) never counts towards
+    `keep_last`, so it cannot push a real one out; it is never deleted either, so a mistaken
+    key costs no data."""
     fs, base = _fs(root)
     directory = f"{base}/{step_dir_name(step)}"
     try:
         with fs.open(f"{directory}/{MANIFEST}", "rb") as f:
-            files = json.loads(f.read().decode())["files"]
-        return all(fs.size(f"{directory}/{name}") == meta["bytes"] for name, meta in files.items())
-    except (FileNotFoundError, ValueError, KeyError, UnicodeDecodeError):
-        return False
+            manifest = json.loads(f.read().decode())
+        files = manifest["files"]
+        if not all(fs.size(f"{directory}/{name}") == meta["bytes"] for name, meta in files.items()):
+            return "incomplete"
+    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        return "incomplete"
+    if key is not None and signature_problem(manifest, key) is not None:
+        return "foreign"
+    return "valid"
 
 
-def prune(root: str, keep_last: int) -> list[int]:
-    """Deletes all but the newest `keep_last` complete checkpoints, and incomplete directories
-    older than the newest complete one. Never deletes the only complete checkpoint. Returns
-    the steps deleted."""
+def prune(root: str, keep_last: int, key: bytes | None = None) -> list[int]:
+    """Deletes all but the newest `keep_last` valid checkpoints (signed with `key`, if given),
+    and incomplete directories older than the newest valid one. Never deletes the only valid
+    checkpoint, nor a complete one signed otherwise. Returns the steps deleted."""
     fs, base = _fs(root)
-    valid, invalid = [], []
+    valid, incomplete = [], []
     for candidate in list_steps(root):
-        (valid if _complete(root, candidate) else invalid).append(candidate)
+        state = _retention_state(root, candidate, key)
+        if state != "foreign":
+            (valid if state == "valid" else incomplete).append(candidate)
     doomed = valid[max(1, keep_last):]
     if valid:
-        doomed += [s for s in invalid if s < valid[0]]
+        doomed += [s for s in incomplete if s < valid[0]]
     for s in doomed:
         fs.rm(f"{base}/{step_dir_name(s)}", recursive=True)
     return sorted(doomed)

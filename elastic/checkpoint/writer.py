@@ -28,11 +28,13 @@ class CheckpointWriter:
     Args:
         root: checkpoint root (local path or fsspec URL).
         keep_last: how many valid checkpoints retention keeps.
+        key: signs every manifest (see `elastic.checkpoint.signing`); None: unsigned.
     """
 
-    def __init__(self, root: str, keep_last: int) -> None:
+    def __init__(self, root: str, keep_last: int, key: bytes | None = None) -> None:
         self.root = root
         self.keep_last = keep_last
+        self.key = key
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._reports: list[WriteReport] = []
@@ -61,8 +63,8 @@ class CheckpointWriter:
         try:
             blobs = {name: value if isinstance(value, bytes) else serialize(value)
                      for name, value in parts.items()}
-            path = write_checkpoint(self.root, step, blobs, meta, after_part)
-            pruned = tuple(prune(self.root, self.keep_last))
+            path = write_checkpoint(self.root, step, blobs, meta, after_part, self.key)
+            pruned = tuple(prune(self.root, self.keep_last, self.key))
             report = WriteReport(step, path, time.perf_counter() - started, pruned=pruned)
         except Exception as e:
             report = WriteReport(step, None, time.perf_counter() - started,

@@ -47,10 +47,13 @@ class Communicator:
         abort_signal: an event another thread may set to abort the communicator while it is
             still being constructed (connecting); once built, `abort()` does the same and also
             wakes pending waits at once.
+        secret: the run's rendezvous secret (`RendezvousServer.secret`); every value read
+            from the store must be signed with it.
 
     Raises:
         ValueError: rank or world size out of range.
-        RendezvousError: the ranks did not all connect within `config.rendezvous_timeout`.
+        RendezvousError: the ranks did not all connect within `config.rendezvous_timeout`, or
+            a value in the store was not signed with `secret`.
         CollectiveAbortedError: `abort()` was called while connecting.
         BackendUnavailableError: the backend cannot run here.
     """
@@ -63,6 +66,8 @@ class Communicator:
         generation: int,
         config: CollectiveConfig | None = None,
         abort_signal: threading.Event | None = None,
+        *,
+        secret: bytes,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -74,11 +79,11 @@ class Communicator:
         self.config = config or CollectiveConfig()
         self._aborted = abort_signal if abort_signal is not None else threading.Event()
         self._broken: CollectiveError | None = None
-        self._transport = self._connect(endpoint)
+        self._transport = self._connect(endpoint, secret)
 
     # --- construction -------------------------------------------------------------------
 
-    def _connect(self, endpoint: Endpoint) -> Transport:
+    def _connect(self, endpoint: Endpoint, secret: bytes) -> Transport:
         """Builds the backend in a helper thread so that `abort()` can cut a rendezvous short
         (a backend blocks inside its constructor until every rank has connected)."""
         box: dict[str, object] = {}
@@ -87,11 +92,17 @@ class Communicator:
 
         def build() -> None:
             try:
-                with generation_store(endpoint, self.generation, timeout) as store:
-                    box["transport"] = _make_transport(
+                with generation_store(endpoint, self.generation, timeout, secret) as store:
+                    transport = _make_transport(
                         self.config, self.rank, self.world_size, store,
                         local_address_towards(endpoint.host),
                     )
+                    try:
+                        store.formed(self.world_size)
+                    except BaseException:
+                        transport.close()
+                        raise
+                    box["transport"] = transport
             except BaseException as e:  # handed to the caller below
                 box["error"] = e
             finally:

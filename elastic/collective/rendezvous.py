@@ -1,13 +1,32 @@
 """Rendezvous: where the ranks of a generation meet.
 
-A `RendezvousServer` hosts a key-value store (torch's TCPStore) on a free port. Every
-generation of a communicator uses its own key prefix in that store, so a new generation on the
-same endpoint never sees the keys of an old one. The server normally lives in the controller,
-which outlives every worker; tests host it in the test process.
+A `RendezvousServer` hosts a key-value store (torch's TCPStore) on a free port of one address
+and creates the run's secret: 32 random bytes that reach the ranks only as an argument of an
+authenticated call (Ray's, in a run), never on a command line, in the environment or in a file.
+
+The store itself takes anyone who can reach its port (TCPStore has no authentication). What
+makes it the run's own is `AuthenticatedStore`, the only view ranks use:
+
+- every generation's keys live under a prefix derived from the secret (HMAC), so a process
+  without the secret cannot name, read or pre-seed a key of any generation;
+- every value carries an HMAC-SHA256 tag over (generation, key, value): a forged value, or a
+  value replayed from another key or generation, is refused with `RendezvousError`, before
+  anything acts on it (a shared-memory offer, a gloo address, an NCCL unique id);
+- once every rank has built its transport, each deletes the keys it wrote, and the server
+  deletes the generation's bookkeeping keys (`RendezvousServer.forget`).
+
+HMAC over a shared store was chosen over moving the exchange onto the controller actor: the
+communicator stays free of Ray (tests and benches run it bare), gloo and NCCL keep blocking
+`wait`s on a store built for them, and no call of a rendezvous ever queues behind the
+controller's own work. What an outsider can still do is make the port busy (denial of service),
+as with any listening socket; see docs/reliability.md.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import socket
 import threading
 from collections.abc import Iterator
@@ -18,6 +37,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from elastic.errors import RendezvousError
+
+SECRET_BYTES = 32
+_TAG_BYTES = 32  # HMAC-SHA256
 
 
 @dataclass(frozen=True)
@@ -62,15 +84,102 @@ class RendezvousServer:
                                     master_listen_fd=self._socket.fileno())
         self._socket.detach()  # the store owns the descriptor now and closes it
         self.endpoint = Endpoint(host=host, port=port)
+        self.secret = secrets.token_bytes(SECRET_BYTES)
+
+    def __repr__(self) -> str:  # never the secret
+        return f"RendezvousServer({self.endpoint})"
+
+    def forget(self, generation: int) -> None:
+        """Deletes the bookkeeping keys of `generation` (the ranks delete their own values
+        once the generation has formed). Call it once every rank has connected or given up."""
+        prefix = generation_prefix(self.secret, generation)
+        for key in _BOOKKEEPING:
+            self._store.delete_key(prefix + key)
 
     def close(self) -> None:
         """Stops serving. Communicators of live generations lose their store."""
         del self._store
 
 
-def generation_prefix(generation: int) -> str:
-    """The key prefix of one generation; distinct generations never share a key."""
-    return f"elastic/gen{generation}/"
+# Keys every rank of a generation touches and no rank can delete alone.
+_CONNECTED = "connected"
+_FORMED = "formed"
+_FORMED_ALL = "formed/all"
+_BOOKKEEPING = (_CONNECTED, _FORMED, _FORMED_ALL)
+
+
+def generation_prefix(secret: bytes, generation: int) -> str:
+    """The key prefix of one generation: unguessable without the run's secret, and distinct
+    generations never share a key."""
+    digest = hmac.new(secret, b"elastic generation %d" % generation, hashlib.sha256).hexdigest()
+    return f"elastic/{digest[:32]}/"
+
+
+class AuthenticatedStore(dist.Store):
+    """One generation's view of the rendezvous store: namespaced, signed and verified.
+
+    Gloo, NCCL and the shared-memory exchange use only `set`, `get`, `wait` and `check`;
+    counters (`add`) cannot be signed and are refused, so nothing can come to rely on one.
+
+    Args:
+        client: a connection to the store.
+        secret: the run's secret (`RendezvousServer.secret`).
+        generation: the generation this view belongs to.
+    """
+
+    def __init__(self, client: dist.Store, secret: bytes, generation: int) -> None:
+        super().__init__()
+        if len(secret) < 16:
+            raise ValueError("the rendezvous secret must be at least 16 random bytes")
+        self._client = client
+        self._secret = secret
+        self.generation = generation
+        self._prefix = generation_prefix(secret, generation)
+        self._written: set[str] = set()
+
+    def _tag(self, key: str, value: bytes) -> bytes:
+        message = b"%d\0%s\0" % (self.generation, key.encode()) + value
+        return hmac.new(self._secret, message, hashlib.sha256).digest()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self._client.set(self._prefix + key, self._tag(key, data) + data)
+        self._written.add(key)
+
+    def get(self, key: str) -> bytes:
+        raw = bytes(self._client.get(self._prefix + key))
+        tag, data = raw[:_TAG_BYTES], raw[_TAG_BYTES:]
+        if len(raw) < _TAG_BYTES or not hmac.compare_digest(tag, self._tag(key, data)):
+            raise RendezvousError(
+                f"the rendezvous value {key!r} of generation {self.generation} is not signed "
+                "with this run's secret and was refused: another process wrote to the "
+                "rendezvous store (see the security section of docs/reliability.md)",
+                generation=self.generation,
+            )
+        return data
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        names = [self._prefix + k for k in keys]
+        if timeout is None:
+            self._client.wait(names)
+        else:
+            self._client.wait(names, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._client.check([self._prefix + k for k in keys]))
+
+    def add(self, key: str, amount: int) -> int:
+        raise NotImplementedError("counters cannot be authenticated; exchange signed values")
+
+    def formed(self, world_size: int) -> None:
+        """Called by every rank once its transport is built: waits until all have, then
+        deletes the values this rank wrote (nobody reads them any more)."""
+        if self._client.add(self._prefix + _FORMED, 1) == world_size:
+            self.set(_FORMED_ALL, b"1")
+        self.wait([_FORMED_ALL])
+        self.get(_FORMED_ALL)
+        for key in self._written - {_FORMED_ALL}:
+            self._client.delete_key(self._prefix + key)
 
 
 class _ClientPool:
@@ -105,7 +214,9 @@ _POOL = _ClientPool()
 
 
 @contextmanager
-def generation_store(endpoint: Endpoint, generation: int, timeout: timedelta) -> Iterator[dist.Store]:
+def generation_store(
+    endpoint: Endpoint, generation: int, timeout: timedelta, secret: bytes
+) -> Iterator[AuthenticatedStore]:
     """A store connection scoped to one generation, for the duration of a rendezvous.
 
     Raises:
@@ -115,7 +226,7 @@ def generation_store(endpoint: Endpoint, generation: int, timeout: timedelta) ->
         client = _POOL.acquire(endpoint, timeout)
         client.set_timeout(timeout)
         # A cheap round trip: a pooled client whose server went away fails here, not later.
-        client.add(f"{generation_prefix(generation)}connected", 1)
+        client.add(generation_prefix(secret, generation) + _CONNECTED, 1)
     except (RuntimeError, OSError) as e:
         raise RendezvousError(
             f"cannot reach the rendezvous store at {endpoint} within {timeout}: {e}",
@@ -123,7 +234,7 @@ def generation_store(endpoint: Endpoint, generation: int, timeout: timedelta) ->
         ) from e
     ok = False
     try:
-        yield dist.PrefixStore(generation_prefix(generation), client)
+        yield AuthenticatedStore(client, secret, generation)
         ok = True
     finally:
         if ok:

@@ -30,6 +30,7 @@ from elastic.collective import Communicator
 from elastic.config import ChaosEvent, ChaosPhase, FitConfig
 from elastic.errors import CollectiveError, ConfigError, InjectedFault
 from elastic.job import TrainJob
+from elastic.private import ensure_private_dir, write_private
 from elastic.trainer.buckets import GradientBuckets
 from elastic.trainer.data import Cursor, SampleOrder, steps_per_epoch
 
@@ -101,9 +102,10 @@ class Progress:
 def chaos_kill(run_dir: str, event: ChaosEvent) -> None:
     """Chaos 'kill': records the moment (for the recovery breakdown), then SIGKILLs this
     process."""
-    os.makedirs(os.path.join(run_dir, "chaos"), exist_ok=True)
-    with open(os.path.join(run_dir, "chaos", f"kill-{event.step}-{event.rank}"), "w") as f:
-        f.write(repr(time.time()))
+    directory = os.path.join(run_dir, "chaos")
+    ensure_private_dir(directory, "run_dir")
+    write_private(os.path.join(directory, f"kill-{event.step}-{event.rank}"),
+                  repr(time.time()).encode(), fsync=False)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

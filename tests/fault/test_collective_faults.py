@@ -27,7 +27,7 @@ TRANSPORTS = pytest.mark.parametrize(
 
 @TRANSPORTS
 def test_abort_wakes_a_recv_that_would_wait_forever(server, shared_memory, transport):
-    ranks = Ranks(2, server.endpoint, "recv_forever", shared_memory=shared_memory)
+    ranks = Ranks(2, server, "recv_forever", shared_memory=shared_memory)
     try:
         assert ranks.expect(0, "connected")[2] == transport
         assert ranks.expect(1, "connected")[2] == transport
@@ -40,7 +40,7 @@ def test_abort_wakes_a_recv_that_would_wait_forever(server, shared_memory, trans
 
 @TRANSPORTS
 def test_operation_past_its_timeout_raises_collective_timeout(server, shared_memory, transport):
-    ranks = Ranks(2, server.endpoint, "recv_forever", timeout_s=0.5, shared_memory=shared_memory)
+    ranks = Ranks(2, server, "recv_forever", timeout_s=0.5, shared_memory=shared_memory)
     try:
         ranks.expect(0, "connected")
         ranks.expect(1, "connected")
@@ -51,7 +51,7 @@ def test_operation_past_its_timeout_raises_collective_timeout(server, shared_mem
 
 
 def test_abort_cuts_a_rendezvous_short_when_a_member_never_comes(server):
-    ranks = Ranks(3, server.endpoint, "recv_forever", start=[0, 1])
+    ranks = Ranks(3, server, "recv_forever", start=[0, 1])
     try:
         for rank in (0, 1):
             ranks.send(rank, "abort")
@@ -63,7 +63,7 @@ def test_abort_cuts_a_rendezvous_short_when_a_member_never_comes(server):
 
 @TRANSPORTS
 def test_survivors_of_a_killed_peer_fail_cleanly_and_regroup(server, shared_memory, transport):
-    ranks = Ranks(4, server.endpoint, "allreduce_forever", shared_memory=shared_memory)
+    ranks = Ranks(4, server, "allreduce_forever", shared_memory=shared_memory)
     try:
         for rank in range(4):
             assert ranks.expect(rank, "connected")[2] == transport
@@ -97,7 +97,7 @@ def test_survivors_of_a_killed_peer_fail_cleanly_and_regroup(server, shared_memo
 def test_shared_memory_survivors_notice_a_killed_peer_without_being_aborted(server):
     # Nobody plays the controller here: every survivor (neighbours of the dead rank or not)
     # must fail on its own with a CollectiveError that is not the 300 s collective timeout.
-    ranks = Ranks(4, server.endpoint, "allreduce_forever", shared_memory=True)
+    ranks = Ranks(4, server, "allreduce_forever", shared_memory=True)
     try:
         for rank in range(4):
             assert ranks.expect(rank, "connected")[2] == "shared_memory"

@@ -338,3 +338,37 @@ def test_no_credential_reaches_the_run_record(ray_cluster, tmp_path):
         if path.is_file() and path.suffix == ".jsonl":
             text = path.read_text()
             assert not any(secret in text for secret in secrets), path
+
+
+def test_a_planted_checkpoint_is_skipped_and_the_run_resumes_from_its_own(ray_cluster, tmp_path):
+    """Someone who can write the checkpoint folder plants a newer step whose checksums are
+    right (they sit beside the files): without the key its manifest cannot be signed, so the
+    run resumes from its own newest checkpoint and ends on the reference."""
+    import hashlib
+
+    from elastic.checkpoint.store import MANIFEST, serialize, step_dir_name
+
+    root = tmp_path / "ckpt"
+    checkpoint = elastic.CheckpointConfig(path=str(root), every_steps=2)
+    first = elastic.fit(regression_job(), _config(tmp_path / "a", max_steps=4, checkpoint=checkpoint))
+    assert [e["step"] for e in _events(first, "checkpoint_written")][-1] == 4
+    own = json.loads((root / step_dir_name(4) / MANIFEST).read_text())
+    planted = root / step_dir_name(50)
+    planted.mkdir()
+    files = {}
+    for name in own["files"]:
+        data = (root / step_dir_name(4) / name).read_bytes()
+        if name == "model.pt":
+            state = torch.load(root / step_dir_name(4) / name, weights_only=True)
+            data = serialize({k: torch.zeros_like(v) for k, v in state.items()})
+        (planted / name).write_bytes(data)
+        files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (planted / MANIFEST).write_text(json.dumps({**own, "step": 50, "files": files}))
+
+    second = elastic.fit(regression_job(), _config(tmp_path / "b", max_steps=7, checkpoint=checkpoint))
+    skipped = _events(second, "checkpoint_skipped")
+    assert [e["path"] for e in skipped] == [step_dir_name(50)]
+    assert "does not match" in skipped[0]["reason"]  # its copied signature covers other bytes
+    assert [e["step"] for e in _events(second, "resumed")] == [4]
+    _assert_weights_equal_reference(second, 7)
+    assert planted.exists()  # never deleted: a wrong key must not cost anyone their data

@@ -173,7 +173,7 @@ def test_generations_on_one_endpoint_do_not_collide(server):
 
 def test_rank_out_of_range_is_refused(server):
     with pytest.raises(ValueError, match="rank must be in"):
-        Communicator(3, 3, server.endpoint, generation=10_000)
+        Communicator(3, 3, server.endpoint, generation=10_000, secret=server.secret)
 
 
 def test_endpoint_parse_round_trips_and_rejects_garbage():

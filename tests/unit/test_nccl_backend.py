@@ -37,7 +37,8 @@ def test_nccl_without_cuda_fails_with_a_message_naming_the_fix():
     server = RendezvousServer()
     try:
         with pytest.raises(BackendUnavailableError, match="backend='gloo'"):
-            Communicator(0, 1, server.endpoint, 0, CollectiveConfig(backend="nccl"))
+            Communicator(0, 1, server.endpoint, 0, CollectiveConfig(backend="nccl"),
+                         secret=server.secret)
     finally:
         server.close()
 
@@ -52,7 +53,8 @@ def test_nccl_allreduce_on_one_gpu_per_thread(algorithm):
 
     def rank(r):
         torch.cuda.set_device(r % devices)
-        comm = Communicator(r, world, server.endpoint, 0, CollectiveConfig(backend="nccl"))
+        comm = Communicator(r, world, server.endpoint, 0, CollectiveConfig(backend="nccl"),
+                            secret=server.secret)
         t = torch.full((1 << 16,), float(r + 1), device="cuda")
         comm.allreduce(t, "sum", algorithm)
         torch.cuda.synchronize()
