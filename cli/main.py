@@ -364,6 +364,10 @@ def _describe(event: dict) -> str | None:
         return (f"shares rebalanced {event['shares_before']} -> {event['shares_after']} "
                 f"(predicted compute {event['predicted_before_s'] * 1e3:.0f} -> "
                 f"{event['predicted_after_s'] * 1e3:.0f} ms)")
+    if kind == "rebalance_judged" and not event["delivered"]:
+        return (f"the re-split saved {event['realised_saving_s'] * 1e3:.1f} ms of a predicted "
+                f"{event['predicted_saving_s'] * 1e3:.1f} ms; the next one needs "
+                f"{event['threshold']:.0%} and is watched for {event['window']} chunks")
     if kind == "batch_planned":
         return (f"global batch {event['global_batch_size']} for {event['world_size']} workers, "
                 f"learning-rate factor {event['lr_factor_from']:.3g} -> {event['lr_factor_to']:.3g} "

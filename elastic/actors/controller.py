@@ -26,7 +26,7 @@ from ray.experimental import internal_kv
 from elastic.actors.checkpointing import CheckpointCoordinator
 from elastic.actors.state import RunState
 from elastic.actors.worker import ChunkResult, WorkerActor
-from elastic.adapt.balance import ThroughputTracker, rebalance
+from elastic.adapt.balance import Rebalancer, ThroughputTracker
 from elastic.adapt.lr import LrRamp, global_batch_for, resize
 from elastic.adapt.plan import BatchPlan, plan_batch
 from elastic.adapt.tuning import MicroBatchTuner, back_off, candidates
@@ -119,6 +119,7 @@ class Controller:
         self.batch_now = config.batch.global_batch_size
         self.lr_ramp: LrRamp | None = None
         self.tracker = ThroughputTracker()
+        self.rebalancer = Rebalancer(config.batch.rebalance_threshold)
         self.weights: dict[int, float] = {}  # worker id -> rate of the last rebalance
         self.micro_caps: dict[int, int] = {}  # worker id -> cap after out-of-memory errors
         self.tuned_micro: int | None = None
@@ -457,6 +458,7 @@ class Controller:
             self.batch_now = decision.global_batch_size
             self.lr_ramp = decision.ramp
         self.total_steps = self._total_steps()
+        self.rebalancer.membership_changed()
         self.tuner = None
         if batch.autotune:
             largest = max(plan_batch(self.batch_now, n, batch.max_micro_batch,
@@ -801,9 +803,12 @@ class Controller:
         rebalance of the shares if the measured throughputs call for one."""
         batch = self.config.batch
         step_times: dict[int, float] = {}  # a step lasts as long as its slowest rank
+        compute_times: dict[int, float] = {}
         for result in results.values():
             for record in result.records:
                 step_times[record.step] = max(step_times.get(record.step, 0.0), record.step_time_s)
+                compute_times[record.step] = max(compute_times.get(record.step, 0.0),
+                                                 record.compute_time_s)
         if trial is not None and self.tuner is not None:
             self.tuner.observe(trial, self.batch_now, list(step_times.values()))
             decision = self.tuner.decision()
@@ -814,17 +819,24 @@ class Controller:
                                samples_per_s={str(k): round(v, 2)
                                               for k, v in decision.samples_per_s.items()})
             return
-        if not batch.rebalance or len(self.members) < 2 or self.plan is None:
+        if not batch.rebalance or len(self.members) < 2 or self.plan is None or not step_times:
             return
+        compute = _median(compute_times.values())
+        judgement = self.rebalancer.observe(compute)
+        if judgement is not None:
+            self.log.event("rebalance_judged", step=self.global_step, delivered=judgement.delivered,
+                           predicted_saving_s=judgement.predicted_saving_s,
+                           realised_saving_s=judgement.realised_saving_s,
+                           window=judgement.window, threshold=judgement.threshold)
         ids = [m.worker_id for m in self.members]
         if any(self.tracker.count(w) < 2 for w in ids):
             return
         rates = [self.tracker.rate(w) or 0.0 for w in ids]
         if min(rates) <= 0:
             return
-        typical = sorted(step_times.values())[len(step_times) // 2] if step_times else 0.0
-        decision = rebalance(self.batch_now, self.plan.shares, rates, batch.rebalance_threshold,
-                             step_time_s=typical)
+        decision = self.rebalancer.decide(self.batch_now, self.plan.shares, rates,
+                                          step_time_s=_median(step_times.values()),
+                                          compute_s=compute)
         if decision is None:
             return
         self.weights = dict(zip(ids, decision.samples_per_s, strict=True))
@@ -978,6 +990,11 @@ class Controller:
 
 
 RECORD_KEY_PREFIX = "run-record:"
+
+
+def _median(values: Any) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else 0.0
 
 
 def _death_reason(e: RayActorError) -> str:

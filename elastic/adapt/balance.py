@@ -4,7 +4,8 @@ A step lasts as long as its slowest rank's compute plus the allreduce. With shar
 proportional to measured throughput every rank's compute takes about as long, so a worker
 twice as slow gets about half the samples. Shares change only when the predicted compute time
 drops by a threshold (noise on a shared machine must not make the plan flap), and never change
-the math.
+the math. `Rebalancer` judges every re-split by what it delivered and backs off when re-splits
+do not deliver, so the shares settle.
 """
 
 from __future__ import annotations
@@ -78,3 +79,102 @@ def rebalance(global_batch_size: int, shares: Sequence[int], rates: Sequence[flo
     return RebalanceDecision(shares_before=tuple(shares), shares_after=proposed,
                              samples_per_s=tuple(rates), predicted_before_s=before,
                              predicted_after_s=after)
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """How a re-split did, one observation window after it was made.
+
+    Attributes:
+        delivered: the realised saving was at least half the predicted one.
+        predicted_saving_s: predicted compute time before minus after.
+        realised_saving_s: measured compute time (median step) before minus after.
+        window: chunks the next re-split will be observed for.
+        threshold: the threshold the next re-split must clear.
+    """
+
+    delivered: bool
+    predicted_saving_s: float
+    realised_saving_s: float
+    window: int
+    threshold: float
+
+
+@dataclass
+class _UnderTrial:
+    decision: RebalanceDecision
+    measured_before_s: float
+    chunks_left: int
+    realised: list[float]
+
+
+class Rebalancer:
+    """Re-splits shares when the rates call for it, and checks every re-split against what it
+    predicted before making another.
+
+    After a re-split nothing else is decided for `window` chunks; then the realised saving
+    (median compute time of a step before and after) is compared with the predicted one. A
+    re-split that did not deliver at least half its prediction doubles both the observation
+    window and the threshold the next one must clear, so that on noise (a shared machine,
+    tiny steps) re-splits become rare instead of endless; one that delivered halves them
+    again, down to the configured values. A membership change ends any trial (the rates
+    change anyway) but keeps what was learnt about the machine.
+
+    Args:
+        threshold: the configured threshold (`BatchConfig.rebalance_threshold`).
+        window: chunks a re-split is observed for, at least.
+    """
+
+    def __init__(self, threshold: float, window: int = 1) -> None:
+        if not 0 < threshold < 1:
+            raise ValueError(f"threshold must lie in (0, 1), got {threshold}")
+        if window < 1:
+            raise ValueError(f"window must be at least 1 chunk, got {window}")
+        self.base_threshold, self.base_window = threshold, window
+        self.scale = 1  # 1, 2, 4, ...: how much the machine has taught us to distrust a re-split
+        self._trial: _UnderTrial | None = None
+
+    @property
+    def threshold(self) -> float:
+        return min(0.95, self.base_threshold * self.scale)
+
+    @property
+    def window(self) -> int:
+        return self.base_window * self.scale
+
+    @property
+    def under_trial(self) -> bool:
+        return self._trial is not None
+
+    def membership_changed(self) -> None:
+        self._trial = None
+
+    def observe(self, compute_s: float) -> Judgement | None:
+        """One chunk's median step compute time (slowest rank); the judgement of the re-split
+        under trial once its window is over."""
+        trial = self._trial
+        if trial is None:
+            return None
+        trial.realised.append(compute_s)
+        trial.chunks_left -= 1
+        if trial.chunks_left > 0:
+            return None
+        self._trial = None
+        after = sorted(trial.realised)[len(trial.realised) // 2]
+        predicted = trial.decision.predicted_before_s - trial.decision.predicted_after_s
+        realised = trial.measured_before_s - after
+        delivered = realised >= 0.5 * predicted
+        self.scale = max(1, self.scale // 2) if delivered else min(64, self.scale * 2)
+        return Judgement(delivered=delivered, predicted_saving_s=predicted,
+                         realised_saving_s=realised, window=self.window, threshold=self.threshold)
+
+    def decide(self, global_batch_size: int, shares: Sequence[int], rates: Sequence[float],
+               step_time_s: float, compute_s: float) -> RebalanceDecision | None:
+        """A re-split (see `rebalance`) at the current threshold, unless one is under trial;
+        `compute_s` is the measured median step compute time it will be judged against."""
+        if self._trial is not None:
+            return None
+        decision = rebalance(global_batch_size, shares, rates, self.threshold, step_time_s)
+        if decision is not None:
+            self._trial = _UnderTrial(decision, compute_s, self.window, [])
+        return decision

@@ -78,3 +78,13 @@ def test_the_option_surface_is_what_was_reviewed():
         "kill": ["name", "rank"],
         "stop": ["name"],
     }
+
+
+def test_a_rebalance_that_did_not_deliver_is_told_with_what_comes_next():
+    from cli.main import _describe
+
+    missed = {"event": "rebalance_judged", "delivered": False, "realised_saving_s": 0.0004,
+              "predicted_saving_s": 0.002, "threshold": 0.3, "window": 2}
+    assert _describe(missed) == ("the re-split saved 0.4 ms of a predicted 2.0 ms; the next one "
+                                 "needs 30% and is watched for 2 chunks")
+    assert _describe({**missed, "delivered": True}) is None
