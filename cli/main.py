@@ -5,6 +5,7 @@ Bad input exits with code 2 and one line naming what to fix.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import pathlib
@@ -12,7 +13,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any, get_type_hints
 
 import pydantic
 import typer
@@ -414,21 +415,21 @@ _OPTION_FIELDS = {
 }
 
 
-def _overrides(options: dict[str, object]) -> dict[str, object]:
+def _overrides(options: dict[str, Any]) -> dict[str, object]:
     return {dotted: options[option] for option, dotted in _OPTION_FIELDS.items()}
 
 
-def _prepare(target: str, config: pathlib.Path | None, debug: bool, kill_at: list[str] | None,
-             ledger: bool, overrides: dict[str, object]) -> tuple[elastic.FitConfig, elastic.TrainJob]:
+def _prepare(options: dict[str, Any]) -> tuple[elastic.FitConfig, elastic.TrainJob]:
     """Config file, then command-line overrides, then the target; one line on bad input."""
+    config: pathlib.Path | None = options["config"]
     try:
         tree = _load_config_file(config) if config else {}
-        for dotted, value in overrides.items():
+        for dotted, value in _overrides(options).items():
             _set(tree, dotted, value)
-        if ledger:
+        if options["ledger"]:
             tree["ledger"] = True
         chaos = list(tree.get("chaos", []))
-        for item in kill_at or []:
+        for item in options["kill_at"] or []:
             step, sep, rank = item.partition(":")
             if not sep or not step.isdigit() or not rank.isdigit():
                 raise ValueError(f"--kill-at {item!r} must be STEP:RANK, e.g. 20:1")
@@ -436,16 +437,17 @@ def _prepare(target: str, config: pathlib.Path | None, debug: bool, kill_at: lis
         if chaos:
             tree["chaos"] = chaos
         fit_config = elastic.FitConfig(**tree)
-        job = elastic.load_target(target)
+        job = elastic.load_target(options["target"])
     except Exception as e:
-        if debug:
+        if options["debug"]:
             raise
         raise _fail(_one_line(e)) from None
+    if options["address"]:
+        os.environ["RAY_ADDRESS"] = options["address"]
     return fit_config, job
 
 
-@app.command()
-def run(
+def _training_options(
     target: Annotated[str, typer.Argument(help="path/to/file.py:job or package.module:job")],
     workers: Annotated[int | None, typer.Option(help="Workers to start with.")] = None,
     min_workers: Annotated[int | None, typer.Option(help="Fewest workers to continue with.")] = None,
@@ -465,13 +467,32 @@ def run(
     kill_at: Annotated[list[str] | None, typer.Option(help="Chaos: kill RANK at STEP (STEP:RANK).")] = None,
     ledger: Annotated[bool, typer.Option(help="Record the indices of every step.")] = False,
     config: Annotated[pathlib.Path | None, typer.Option(help="TOML or YAML FitConfig file.")] = None,
-    address: Annotated[str | None, typer.Option(help="Ray cluster address (default: local).")] = None,
+    address: Annotated[str | None, typer.Option(
+        help="Ray cluster address (default: RAY_ADDRESS; `run` starts a local cluster if there "
+        "is none).")] = None,
     debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
 ) -> None:
+    """The options `run` and `start` share, declared once (see `_training_command`)."""
+
+
+def _training_command(body: Callable[[dict[str, Any]], None]) -> Callable[..., None]:
+    """A command with the options of `_training_options`, handed to `body` as one dict."""
+
+    def command(**options: Any) -> None:
+        body(options)
+
+    command.__name__, command.__doc__ = body.__name__, body.__doc__
+    command.__signature__ = inspect.signature(_training_options, eval_str=True)  # type: ignore[attr-defined]
+    command.__annotations__ = get_type_hints(_training_options, include_extras=True)
+    return command
+
+
+@app.command()
+@_training_command
+def run(options: dict[str, Any]) -> None:
     """Train TARGET in the foreground, printing recovery events as they happen."""
-    fit_config, job = _prepare(target, config, debug, kill_at, ledger, _overrides(locals()))
-    if address:
-        os.environ["RAY_ADDRESS"] = address
+    fit_config, job = _prepare(options)
+    debug = options["debug"]
     run_name = fit_config.name or f"run-{os.getpid()}"
     fit_config = fit_config.model_copy(update={"name": run_name})
     directory = pathlib.Path(fit_config.run_dir or os.path.join("runs", run_name))
@@ -508,37 +529,14 @@ def run(
 
 
 @app.command()
-def start(
-    target: Annotated[str, typer.Argument(help="path/to/file.py:job or package.module:job")],
-    workers: Annotated[int | None, typer.Option(help="Workers to start with.")] = None,
-    min_workers: Annotated[int | None, typer.Option(help="Fewest workers to continue with.")] = None,
-    max_workers: Annotated[int | None, typer.Option(help="Most workers to grow to.")] = None,
-    global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step.")] = None,
-    max_micro_batch: Annotated[int | None, typer.Option(help="Micro-batch cap per worker.")] = None,
-    batch_policy: Annotated[str | None, typer.Option(
-        help="'fixed' (default) or 'scale_with_workers' (batch and learning rate follow the "
-        "world size).")] = None,
-    epochs: Annotated[int | None, typer.Option(help="Epochs to train.")] = None,
-    max_steps: Annotated[int | None, typer.Option(help="Optimizer steps to train.")] = None,
-    seed: Annotated[int | None, typer.Option(help="Seed of the model and the sample order.")] = None,
-    name: Annotated[str | None, typer.Option(help="Run name, for status/scale/kill/stop.")] = None,
-    run_dir: Annotated[str | None, typer.Option(help="Where events and metrics go.")] = None,
-    backend: Annotated[str | None, typer.Option(help="gloo or nccl.")] = None,
-    algorithm: Annotated[str | None, typer.Option(help="ring, tree, halving_doubling, native.")] = None,
-    kill_at: Annotated[list[str] | None, typer.Option(help="Chaos: kill RANK at STEP (STEP:RANK).")] = None,
-    ledger: Annotated[bool, typer.Option(help="Record the indices of every step.")] = False,
-    config: Annotated[pathlib.Path | None, typer.Option(help="TOML or YAML FitConfig file.")] = None,
-    address: Annotated[str | None, typer.Option(help="Ray cluster address.")] = None,
-    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
-) -> None:
+@_training_command
+def start(options: dict[str, Any]) -> None:
     """Start TARGET as a detached run on a running Ray cluster and return at once."""
-    fit_config, job = _prepare(target, config, debug, kill_at, ledger, _overrides(locals()))
-    if address:
-        os.environ["RAY_ADDRESS"] = address
+    fit_config, job = _prepare(options)
     try:
         run_name = elastic.start(job, fit_config)
     except ElasticError as e:
-        if debug:
+        if options["debug"]:
             raise
         raise _fail(_one_line(e)) from None
     console.print(f"started run {run_name}; follow it with `elastic status {run_name}`")
