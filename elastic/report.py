@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import io
+import json
 import os
+from typing import Any
 
 from elastic.errors import ConfigError
+from elastic.private import write_private
 from elastic.runlog import read_jsonl
 
 STAGES = (("detect_s", "detect"), ("abort_s", "abort"), ("rebuild_s", "rebuild"),
@@ -55,7 +59,7 @@ def write_report(run_dir: str, out_dir: str | None = None) -> list[str]:
     fig.suptitle(f"run {os.path.basename(os.path.normpath(run_dir))}")
     fig.tight_layout()
     path = os.path.join(out, "training.png")
-    fig.savefig(path, dpi=110)
+    _save_figure(fig, path)
     plt.close(fig)
     written.append(path)
 
@@ -73,7 +77,7 @@ def write_report(run_dir: str, out_dir: str | None = None) -> list[str]:
         ax.legend()
         fig.tight_layout()
         path = os.path.join(out, "recoveries.png")
-        fig.savefig(path, dpi=110)
+        _save_figure(fig, path)
         plt.close(fig)
         written.append(path)
     return written
@@ -91,7 +95,6 @@ def write_trace(run_dir: str, path: str) -> int:
     Raises:
         ConfigError: `run_dir` has no metrics.jsonl, or its metrics carry no timeline.
     """
-    import json
 
     metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
@@ -129,6 +132,13 @@ def write_trace(run_dir: str, path: str) -> int:
                       "args": {"name": f"rank {rank}"}})
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+    write_private(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}).encode(),
+                  fsync=False)
     return len(trace)
+
+
+def _save_figure(fig: Any, path: str) -> None:
+    """A PNG as private as the run it shows (0600, never written through a link)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    write_private(path, buffer.getvalue(), fsync=False)

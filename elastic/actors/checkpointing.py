@@ -7,7 +7,9 @@ from typing import Any
 
 import ray
 
+from elastic.checkpoint.signing import is_signature_problem
 from elastic.config import FitConfig
+from elastic.errors import ConfigError
 from elastic.runlog import RunLog
 
 
@@ -39,6 +41,16 @@ class CheckpointCoordinator:
         for path, reason in info["skipped"]:
             self.log.event("checkpoint_skipped", path=path, reason=reason)
         if info["step"] is None:
+            unsigned = [(p, r) for p, r in info["skipped"] if is_signature_problem(r)]
+            if event == "resumed" and unsigned:
+                # Starting over would silently throw away the work those checkpoints hold.
+                raise ConfigError(
+                    f"checkpoint.path {self.config.checkpoint.path!r} holds {len(unsigned)} "
+                    f"checkpoint(s) but none signed with this run's key (newest: "
+                    f"{unsigned[0][0]}: {unsigned[0][1]}). Set checkpoint.key_file to the key "
+                    "that wrote them, checkpoint.sign=False to load unsigned ones from a trusted "
+                    "folder, or point checkpoint.path at a new folder"
+                )
             return None
         if info.get("fingerprint") not in (None, self.fingerprint()):
             self.log.event("checkpoint_config_changed", path=info["path"],

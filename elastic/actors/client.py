@@ -141,13 +141,20 @@ def _launch(job: TrainJob, config: FitConfig, name: str, run_dir: str, detached:
     ).remote(job, config, name, run_dir, detached, os.environ.get(HOME_ENV), key)
 
 
+def _check_run_dir(run_dir: str) -> None:
+    """The run folder is private and its event log can be written (no planted link or file):
+    refused here, in the caller's process, with a ConfigError naming it."""
+    ensure_private_dir(run_dir, "run_dir")
+    os.close(open_private_append(os.path.join(run_dir, "events.jsonl")))
+
+
 def run_controller(job: TrainJob, config: FitConfig, name: str, run_dir: str) -> Outcome:
     """Starts the controller actor of a run and waits for its outcome.
 
     Raises:
         ConfigError: the name is taken.
     """
-    ensure_private_dir(run_dir, "run_dir")  # before any actor: a refusal leaves nothing behind
+    _check_run_dir(run_dir)  # before any actor: a refusal leaves nothing behind
     ensure_ray(config)
     _ray_log["path"] = os.path.join(run_dir, "ray.log")
     controller = _launch(job, config, name, run_dir, detached=False)
@@ -164,7 +171,7 @@ def start_detached(job: TrainJob, config: FitConfig, name: str, run_dir: str) ->
         ConfigError: no Ray cluster is running (a detached run needs one that outlives this
             process), or the name is taken.
     """
-    ensure_private_dir(run_dir, "run_dir")
+    _check_run_dir(run_dir)
     try:
         ensure_ray(config, start=False)
     except ConnectionError as e:

@@ -308,6 +308,7 @@ class Controller:
             # channel closes: a caller that finds nobody answering reads the record again.
             self._publish()
             self.control.close()
+            self.log.close()  # a later event (a status call's) opens the file again
         return Outcome(
             model_state=model_state, steps=self.global_step,
             samples=self.cursor.samples,

@@ -18,8 +18,8 @@ import torch
 
 from elastic.adapt.lr import LrRamp
 from elastic.adapt.plan import BatchPlan
-from elastic.checkpoint import CheckpointWriter, load_checkpoint, write_checkpoint
-from elastic.checkpoint.store import serialize
+from elastic.checkpoint import CheckpointWriter, write_checkpoint
+from elastic.checkpoint.store import newest_checkpoint, serialize
 from elastic.collective import Communicator, Endpoint
 from elastic.config import ChaosEvent, FitConfig
 from elastic.errors import CollectiveError
@@ -169,9 +169,9 @@ class WorkerActor:
         """Loads the newest valid checkpoint into this replica, if there is one."""
         ckpt = self.config.checkpoint
         assert ckpt is not None, "no checkpoint configured"
-        loaded = load_checkpoint(ckpt.path, key=self._key)
+        loaded, skipped = newest_checkpoint(ckpt.path, self._key)
         if loaded is None:
-            return {"step": None, "path": None, "skipped": []}
+            return {"step": None, "path": None, "skipped": skipped}
         self.replica.load_state(loaded.parts)
         return {"step": loaded.step, "path": loaded.path, "skipped": loaded.skipped,
                 "fingerprint": loaded.manifest.get("fingerprint")}

@@ -10,6 +10,7 @@ signature does not match is not loaded (the loader skips it with an event, as a 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -75,16 +76,23 @@ def load_or_create_key(path: str | None = None) -> bytes:
         ConfigError: see `read_key`; or its folder is not private to this user.
     """
     path = os.path.abspath(path or default_key_file())
-    ensure_private_dir(os.path.dirname(path), "checkpoint.key_file's folder")
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-    except FileExistsError:
+    directory = os.path.dirname(path)
+    ensure_private_dir(directory, "checkpoint.key_file's folder")
+    if os.path.lexists(path):
         return read_key(path)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(KEY_BYTES) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    # Written in full under a fresh name, then linked into place: a run starting at the same
+    # moment either finds no key yet or a whole one (link fails if the name exists).
+    tmp = os.path.join(directory, f".checkpoint-key.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(KEY_BYTES) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+    finally:
+        os.unlink(tmp)
     return read_key(path)
 
 
@@ -95,21 +103,37 @@ def _mac(manifest: dict[str, Any], key: bytes) -> str:
 
 
 def sign(manifest: dict[str, Any], key: bytes) -> dict[str, Any]:
-    """`manifest` with its signature."""
-    return {**manifest, SIGNATURE: {"algorithm": _ALGORITHM, "key_id": key_id(key),
-                                    "mac": _mac(manifest, key)}}
+    """`manifest` with its signature, computed over the manifest as it will read back from
+    JSON (integer keys become strings and may sort differently)."""
+    stored = json.loads(json.dumps(manifest))
+    return {**stored, SIGNATURE: {"algorithm": _ALGORITHM, "key_id": key_id(key),
+                                  "mac": _mac(stored, key)}}
 
 
-def signature_problem(manifest: dict[str, Any], key: bytes) -> str | None:
+def is_signature_problem(reason: str) -> bool:
+    """Whether a reason of `signature_problem` (as it appears in a skip) is about the
+    signature, not about damage."""
+    return any(m in reason for m in _MARKERS)
+
+
+_UNSIGNED = "not signed (written without a key, or planted)"
+_OTHER_KEY = "signed with another key"
+_MARKERS = (_UNSIGNED, _OTHER_KEY, "signature does not match", "unknown algorithm")
+
+
+def signature_problem(manifest: Any, key: bytes) -> str | None:
     """Why `manifest` is not validly signed with `key`, or None if it is."""
+    if not isinstance(manifest, dict):
+        return "the manifest is not a JSON object"
     signature = manifest.get(SIGNATURE)
     if not isinstance(signature, dict):
-        return "not signed (written without a key, or planted)"
+        return _UNSIGNED
     if signature.get("algorithm") != _ALGORITHM:
-        return f"signed with an unknown algorithm {signature.get('algorithm')!r}"
+        return f"signed with an unknown algorithm {signature.get('algorithm')!r:.40}"
     if signature.get("key_id") != key_id(key):
-        return (f"signed with another key (id {signature.get('key_id')}, this run's is "
+        return (f"{_OTHER_KEY} (id {signature.get('key_id')!s:.32}, this run's is "
                 f"{key_id(key)}): point checkpoint.key_file at the key that wrote it")
-    if not hmac.compare_digest(str(signature.get("mac")), _mac(manifest, key)):
+    mac = signature.get("mac")
+    if not isinstance(mac, str) or not hmac.compare_digest(mac.encode(), _mac(manifest, key).encode()):
         return "its signature does not match its contents (altered or planted)"
     return None

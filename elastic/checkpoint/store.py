@@ -121,6 +121,7 @@ def write_checkpoint(root: str, step: int, parts: Mapping[str, bytes], meta: Map
     fs, base = _fs(root)
     directory = f"{base}/{step_dir_name(step)}"
     if _is_local(fs):
+        ensure_private_dir(base, "checkpoint.path")
         ensure_private_dir(directory, "checkpoint.path")
     else:
         fs.makedirs(directory, exist_ok=True)
@@ -191,9 +192,15 @@ def verify(root: str, step: int, key: bytes | None = None) -> LoadedCheckpoint:
     try:
         with fs.open(f"{directory}/{MANIFEST}", "rb") as f:
             manifest = json.loads(f.read().decode())
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+            raise ValueError("manifest is not an object with a 'files' object")
         files = manifest["files"]
         if manifest.get("format") != FORMAT_VERSION or manifest.get("step") != step:
             raise ValueError("manifest does not describe this step")
+        if not all(isinstance(e, dict) and isinstance(e.get("bytes"), int)
+                   and isinstance(e.get("sha256"), str) and isinstance(n, str) and "/" not in n
+                   for n, e in files.items()):
+            raise ValueError("manifest lists a file without a plain name, size and sha256")
     except FileNotFoundError as e:
         raise CheckpointCorruptError(f"{directory}: no manifest (an interrupted write)") from e
     except (ValueError, KeyError, UnicodeDecodeError) as e:
@@ -233,6 +240,13 @@ def load_checkpoint(root: str, step: int | None = None,
     """
     if step is not None:
         return verify(root, step, key)
+    return newest_checkpoint(root, key)[0]
+
+
+def newest_checkpoint(root: str, key: bytes | None = None
+                      ) -> tuple[LoadedCheckpoint | None, list[tuple[str, str]]]:
+    """Like `load_checkpoint`, and also the newer checkpoints skipped (directory, reason) when
+    none verifies (a caller must be able to tell "no checkpoint" from "none with this key")."""
     skipped: list[tuple[str, str]] = []
     for candidate in list_steps(root):
         try:
@@ -241,8 +255,8 @@ def load_checkpoint(root: str, step: int | None = None,
             skipped.append((step_dir_name(candidate), str(e)))
             continue
         loaded.skipped = skipped
-        return loaded
-    return None
+        return loaded, skipped
+    return None, skipped
 
 
 def _retention_state(root: str, step: int, key: bytes | None) -> str:
@@ -250,8 +264,8 @@ def _retention_state(root: str, step: int, key: bytes | None) -> str:
     `load_checkpoint` does that): "incomplete" without a committed manifest whose files exist
     with the recorded sizes; "foreign" when complete but not validly signed with `key`; else
     "valid". A foreign checkpoint (planted, or written with another key) never counts towards
-    `keep_last`, so it cannot push a real one out; it is never deleted either, so a mistaken
-    key costs no data."""
+    `keep_last`, so it cannot push a real one out; retention never deletes it either, so a
+    mistaken key costs no data (only a step of this run with the same number replaces it)."""
     fs, base = _fs(root)
     directory = f"{base}/{step_dir_name(step)}"
     try:

@@ -88,6 +88,7 @@ class Communicator:
         (a backend blocks inside its constructor until every rank has connected)."""
         box: dict[str, object] = {}
         done = threading.Event()
+        handover = threading.Lock()  # the caller gives up, or the builder hands over: not both
         timeout = self.config.rendezvous_timeout
 
         def build() -> None:
@@ -102,22 +103,30 @@ class Communicator:
                     except BaseException:
                         transport.close()
                         raise
-                    box["transport"] = transport
+                    with handover:
+                        if box.get("abandoned"):
+                            transport.close()  # nobody will ever use or close it
+                        else:
+                            box["transport"] = transport
             except BaseException as e:  # handed to the caller below
                 box["error"] = e
             finally:
                 done.set()
 
         threading.Thread(target=build, name=f"elastic-rdzv-g{self.generation}", daemon=True).start()
+        # One deadline for connecting and the formed barrier; a builder that finishes after
+        # it closes what it built (see `_abandon`).
         deadline = time.monotonic() + timeout.total_seconds() + 5.0
         while not done.wait(0.01):
             if self._aborted.is_set():
+                self._abandon(box, handover)
                 raise CollectiveAbortedError(
                     "communicator aborted during rendezvous", rank=self.rank,
                     generation=self.generation,
                 )
             if time.monotonic() > deadline:
                 break
+        self._abandon(box, handover)
         if "transport" in box:
             return box["transport"]  # type: ignore[return-value]
         error = box.get("error")
@@ -129,6 +138,13 @@ class Communicator:
             f"workers start slowly ({error})",
             rank=self.rank, generation=self.generation,
         ) from (error if isinstance(error, BaseException) else None)
+
+    @staticmethod
+    def _abandon(box: dict[str, object], handover: threading.Lock) -> None:
+        """Marks the builder's result as unwanted unless it has already been handed over."""
+        with handover:
+            if "transport" not in box:
+                box["abandoned"] = True
 
     # --- control ------------------------------------------------------------------------
 

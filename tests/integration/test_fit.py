@@ -372,3 +372,31 @@ def test_a_planted_checkpoint_is_skipped_and_the_run_resumes_from_its_own(ray_cl
     assert [e["step"] for e in _events(second, "resumed")] == [4]
     _assert_weights_equal_reference(second, 7)
     assert planted.exists()  # never deleted: a wrong key must not cost anyone their data
+
+
+def test_a_root_of_unsigned_checkpoints_is_not_silently_started_over(ray_cluster, tmp_path):
+    """Checkpoints written without signing (an older version, or sign=False): a signing run
+    refuses to start over on top of them and says what to set; sign=False resumes from them."""
+    root = str(tmp_path / "ckpt")
+    unsigned = elastic.CheckpointConfig(path=root, every_steps=2, sign=False)
+    elastic.fit(regression_job(), _config(tmp_path / "a", max_steps=4, checkpoint=unsigned))
+    with pytest.raises(ConfigError, match=r"none signed with this run's key.*checkpoint\.key_file.*"
+                                          r"checkpoint\.sign=False"):
+        elastic.fit(regression_job(), _config(tmp_path / "b", max_steps=7,
+                                              checkpoint=unsigned.model_copy(update={"sign": True})))
+    assert elastic.load_checkpoint(root) is None  # not with the key: unsigned ones are not loaded
+    assert elastic.load_checkpoint(root, signed=False).step == 4
+    resumed = elastic.fit(regression_job(), _config(tmp_path / "c", max_steps=7, checkpoint=unsigned))
+    assert [e["step"] for e in _events(resumed, "resumed")] == [4]
+    _assert_weights_equal_reference(resumed, 7)
+
+
+def test_a_planted_event_log_is_refused_before_anything_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("")
+    (run_dir / "events.jsonl").symlink_to(victim)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        elastic.fit(regression_job(), _config(tmp_path, max_steps=2))
+    assert victim.read_text() == ""

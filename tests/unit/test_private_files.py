@@ -186,7 +186,7 @@ def _read_as_another_user(top: pathlib.Path) -> None:
 
     assert read_as_nobody(control).returncode == 0  # the test can see a readable file
     for folder in (run_dir, root):
-        assert read_as_nobody(folder / "x").returncode != 0
+        assert b"Permission denied" in read_as_nobody(folder / "events.jsonl").stderr  # 0700
         os.chmod(folder, 0o711)  # now only the files' 0600 protects them
     os.chmod(root / step_dir_name(1), 0o711)
     for path in (run_dir / "events.jsonl", run_dir / "final_model.pt",
@@ -277,3 +277,48 @@ def test_ensure_private_dir_names_the_setting(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"my\.setting"):
         ensure_private_dir(str(tmp_path / "file"), "my.setting")
+
+
+@pytest.mark.parametrize("manifest", [
+    [],
+    {"format": 1, "step": 7, "files": []},
+    {"format": 1, "step": 7, "files": {"model.pt": "x"}},
+    {"format": 1, "step": 7, "files": {"../model.pt": {"bytes": 1, "sha256": "0"}}},
+    {"format": 1, "step": 7, "files": {}, "signature": {"algorithm": "hmac-sha256",
+                                                         "key_id": "KEYID", "mac": "\u00e9"}},
+    {"format": 1, "step": 7, "files": {}, "signature": {"algorithm": "hmac-sha256",
+                                                         "key_id": "KEYID", "mac": 5}},
+])
+def test_a_malformed_planted_manifest_is_skipped_not_a_crash(tmp_path, manifest):
+    key = os.urandom(32)
+    root = tmp_path / "ckpt"
+    write_checkpoint(str(root), 3, _parts(3), {}, key=key)
+    planted = root / step_dir_name(7)
+    planted.mkdir()
+    text = json.dumps(manifest).replace("KEYID", key_id(key))  # the public id, as an attacker would
+    (planted / MANIFEST).write_text(text)
+    loaded = load_checkpoint(str(root), key=key)
+    assert loaded.step == 3 and [d for d, _ in loaded.skipped] == [step_dir_name(7)]
+    assert prune(str(root), keep_last=1, key=key) in ([], [7])  # no exception
+
+
+def test_a_signed_manifest_with_integer_keyed_metadata_reads_back_valid(tmp_path):
+    key = os.urandom(32)
+    meta = {"per_rank": {r: r * 2 for r in range(12)}}  # JSON turns 10 before 2
+    write_checkpoint(str(tmp_path / "ckpt"), 5, _parts(5), meta, key=key)
+    assert load_checkpoint(str(tmp_path / "ckpt"), key=key).step == 5
+
+
+def test_runs_starting_together_create_one_key(tmp_path):
+    import threading
+
+    path = str(tmp_path / "keys" / "checkpoint.key")
+    keys: list[bytes] = []
+    threads = [threading.Thread(target=lambda: keys.append(load_or_create_key(path)))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(keys) == 8 and len(set(keys)) == 1
+    assert sorted(p.name for p in (tmp_path / "keys").iterdir()) == ["checkpoint.key"]
