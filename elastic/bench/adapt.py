@@ -90,6 +90,11 @@ def run_adapt_bench(workers: int = 4, slow_factor: float = 2.0, steps: int = 64,
     first = rebalances[0]["step"]
     even = [m["step_time_s"] for m in result.metrics if 0 < m["step"] < first]
     after = [m["step_time_s"] for m in result.metrics if m["step"] >= first]
+    if not after:
+        # Re-splits happen at chunk boundaries (every `even_steps` steps); on a loaded machine
+        # the first chunk's measurements may not clear the threshold.
+        raise RuntimeError(f"the first re-split came at step {first}, the last one; no step ran "
+                           f"on the new shares. Raise --steps (at least {3 * even_steps})")
     even_median, after_median = statistics.median(even), statistics.median(after)
     return AdaptBenchResult(
         workers=workers, slow_rank=slow_rank, slow_factor=slow_factor,

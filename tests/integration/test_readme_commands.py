@@ -43,7 +43,8 @@ TINY = {
 }
 # Sizes the README leaves at their defaults, made small.
 EXTRA = {
-    "bench adapt": ["--steps", "20", "--batch", "64"],
+    # Re-splits come at chunk boundaries (every 16 steps): room for one after a second chunk.
+    "bench adapt": ["--steps", "40", "--batch", "64"],
     "bench overhead": ["--rounds", "1"],
     "bench scaling": ["--steps", "9"],
     "demo": ["--workers", "2", "--epochs", "2"],
