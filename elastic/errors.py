@@ -181,6 +181,15 @@ class CheckpointCorruptError(ElasticError):
     """
 
 
+class CheckpointSignatureError(CheckpointCorruptError):
+    """A checkpoint is intact but not validly signed with the run's key: unsigned (written
+    without signing, or planted), signed with another key, or altered.
+
+    Recovery: skipped like a corrupt one; a run that finds nothing but these refuses to start
+    over on top of them (`ConfigError` naming `checkpoint.key_file` and `checkpoint.sign`).
+    """
+
+
 class RunNotFoundError(ElasticError):
     """No run with the given name exists on the connected cluster.
 

@@ -15,11 +15,10 @@ import json
 import os
 import re
 import socket
-import stat
-import tempfile
 from typing import Any
 
 from elastic.config import storage_root
+from elastic.private import refusal, write_private
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # FitConfig.name's pattern
 TERMINAL_STATES = ("finished", "stopped", "failed")
@@ -57,14 +56,7 @@ class RunRegistry:
         if not _private(self.directory):
             raise PermissionError(f"refusing the run index {self.directory}: it must be a folder of "
                                   "this user that no one else can write (set ELASTIC_HOME elsewhere)")
-        fd, tmp = tempfile.mkstemp(prefix=f".{record['name']}.", suffix=".tmp", dir=self.directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f)
-            os.replace(tmp, self._path(record["name"]))
-        except BaseException:
-            _unlink(tmp)
-            raise
+        write_private(self._path(record["name"]), json.dumps(record).encode(), fsync=False)
 
     def read(self, name: str) -> dict[str, Any] | None:
         """The record of run `name`, or None (also for a string that is no run name, and in an
@@ -99,11 +91,4 @@ def _private(path: str) -> bool:
         st = os.lstat(path)
     except FileNotFoundError:
         return True  # nothing there yet: nothing planted
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    return refusal(path, st) is None  # lstat: a link to a folder is refused too

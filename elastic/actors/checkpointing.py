@@ -7,7 +7,6 @@ from typing import Any
 
 import ray
 
-from elastic.checkpoint.signing import is_signature_problem
 from elastic.config import FitConfig
 from elastic.errors import ConfigError
 from elastic.runlog import RunLog
@@ -41,7 +40,7 @@ class CheckpointCoordinator:
         for path, reason in info["skipped"]:
             self.log.event("checkpoint_skipped", path=path, reason=reason)
         if info["step"] is None:
-            unsigned = [(p, r) for p, r in info["skipped"] if is_signature_problem(r)]
+            unsigned = info["unsigned"]
             if event == "resumed" and unsigned:
                 # Starting over would silently throw away the work those checkpoints hold.
                 raise ConfigError(

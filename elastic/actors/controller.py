@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -822,7 +823,7 @@ class Controller:
             return
         if not batch.rebalance or len(self.members) < 2 or self.plan is None or not step_times:
             return
-        compute = _median(compute_times.values())
+        compute = statistics.median_low(compute_times.values())
         judgement = self.rebalancer.observe(compute)
         if judgement is not None:
             self.log.event("rebalance_judged", step=self.global_step, delivered=judgement.delivered,
@@ -836,7 +837,7 @@ class Controller:
         if min(rates) <= 0:
             return
         decision = self.rebalancer.decide(self.batch_now, self.plan.shares, rates,
-                                          step_time_s=_median(step_times.values()),
+                                          step_time_s=statistics.median_low(step_times.values()),
                                           compute_s=compute)
         if decision is None:
             return
@@ -991,11 +992,6 @@ class Controller:
 
 
 RECORD_KEY_PREFIX = "run-record:"
-
-
-def _median(values: Any) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2] if ordered else 0.0
 
 
 def _death_reason(e: RayActorError) -> str:

@@ -22,7 +22,7 @@ from elastic.checkpoint import CheckpointWriter, write_checkpoint
 from elastic.checkpoint.store import newest_checkpoint, serialize
 from elastic.collective import Communicator, Endpoint
 from elastic.config import ChaosEvent, FitConfig
-from elastic.errors import CollectiveError
+from elastic.errors import CheckpointSignatureError, CollectiveError
 from elastic.job import TrainJob
 from elastic.trainer.replica import (
     NonFinite,
@@ -171,7 +171,9 @@ class WorkerActor:
         assert ckpt is not None, "no checkpoint configured"
         loaded, skipped = newest_checkpoint(ckpt.path, self._key)
         if loaded is None:
-            return {"step": None, "path": None, "skipped": skipped}
+            return {"step": None, "path": None, "skipped": [(d, str(e)) for d, e in skipped],
+                    "unsigned": [(d, str(e)) for d, e in skipped
+                                 if isinstance(e, CheckpointSignatureError)]}
         self.replica.load_state(loaded.parts)
         return {"step": loaded.step, "path": loaded.path, "skipped": loaded.skipped,
                 "fingerprint": loaded.manifest.get("fingerprint")}

@@ -110,28 +110,17 @@ def sign(manifest: dict[str, Any], key: bytes) -> dict[str, Any]:
                                   "mac": _mac(stored, key)}}
 
 
-def is_signature_problem(reason: str) -> bool:
-    """Whether a reason of `signature_problem` (as it appears in a skip) is about the
-    signature, not about damage."""
-    return any(m in reason for m in _MARKERS)
-
-
-_UNSIGNED = "not signed (written without a key, or planted)"
-_OTHER_KEY = "signed with another key"
-_MARKERS = (_UNSIGNED, _OTHER_KEY, "signature does not match", "unknown algorithm")
-
-
 def signature_problem(manifest: Any, key: bytes) -> str | None:
     """Why `manifest` is not validly signed with `key`, or None if it is."""
     if not isinstance(manifest, dict):
         return "the manifest is not a JSON object"
     signature = manifest.get(SIGNATURE)
     if not isinstance(signature, dict):
-        return _UNSIGNED
+        return "not signed (written without a key, or planted)"
     if signature.get("algorithm") != _ALGORITHM:
         return f"signed with an unknown algorithm {signature.get('algorithm')!r:.40}"
     if signature.get("key_id") != key_id(key):
-        return (f"{_OTHER_KEY} (id {signature.get('key_id')!s:.32}, this run's is "
+        return (f"signed with another key (id {signature.get('key_id')!s:.32}, this run's is "
                 f"{key_id(key)}): point checkpoint.key_file at the key that wrote it")
     mac = signature.get("mac")
     if not isinstance(mac, str) or not hmac.compare_digest(mac.encode(), _mac(manifest, key).encode()):

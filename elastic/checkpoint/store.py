@@ -28,7 +28,7 @@ import fsspec
 import torch
 
 from elastic.checkpoint.signing import sign, signature_problem
-from elastic.errors import CheckpointCorruptError, ConfigError
+from elastic.errors import CheckpointCorruptError, CheckpointSignatureError, ConfigError
 from elastic.private import ensure_private_dir, write_private
 
 MANIFEST = "MANIFEST.json"
@@ -57,13 +57,14 @@ def check_root(root: str) -> None:
         fs, path = _fs(root)
     except (ValueError, ImportError) as e:
         raise ConfigError(f"checkpoint.path {root!r} cannot be used: {e}") from e
-    if _is_local(fs) and not (os.path.exists(path) and not os.path.isdir(path)):
-        ensure_private_dir(path, "checkpoint.path")
     try:
         if fs.exists(path) and not fs.isdir(path):
             raise ConfigError(f"checkpoint.path {root!r} is a file, not a directory; point it at "
                               "a directory")
-        fs.makedirs(path, exist_ok=True)
+        if _is_local(fs):
+            ensure_private_dir(path, "checkpoint.path")
+        else:
+            fs.makedirs(path, exist_ok=True)
         probe = f"{path.rstrip('/')}/.elastic-write-probe"
         fs.pipe_file(probe, b"ok")
         fs.rm_file(probe)
@@ -208,7 +209,7 @@ def verify(root: str, step: int, key: bytes | None = None) -> LoadedCheckpoint:
     if key is not None:
         problem = signature_problem(manifest, key)
         if problem is not None:
-            raise CheckpointCorruptError(f"{directory}: refused, {problem}")
+            raise CheckpointSignatureError(f"{directory}: refused, {problem}")
     parts: dict[str, Any] = {}
     for filename, expected in files.items():
         try:
@@ -244,17 +245,18 @@ def load_checkpoint(root: str, step: int | None = None,
 
 
 def newest_checkpoint(root: str, key: bytes | None = None
-                      ) -> tuple[LoadedCheckpoint | None, list[tuple[str, str]]]:
-    """Like `load_checkpoint`, and also the newer checkpoints skipped (directory, reason) when
-    none verifies (a caller must be able to tell "no checkpoint" from "none with this key")."""
-    skipped: list[tuple[str, str]] = []
+                      ) -> tuple[LoadedCheckpoint | None, list[tuple[str, CheckpointCorruptError]]]:
+    """Like `load_checkpoint`, and also the newer checkpoints skipped (directory, error) when
+    none verifies: a caller must be able to tell "no checkpoint" from "none with this key"
+    (`CheckpointSignatureError`)."""
+    skipped: list[tuple[str, CheckpointCorruptError]] = []
     for candidate in list_steps(root):
         try:
             loaded = verify(root, candidate, key)
         except CheckpointCorruptError as e:
-            skipped.append((step_dir_name(candidate), str(e)))
+            skipped.append((step_dir_name(candidate), e))
             continue
-        loaded.skipped = skipped
+        loaded.skipped = [(d, str(e)) for d, e in skipped]
         return loaded, skipped
     return None, skipped
 

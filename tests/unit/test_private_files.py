@@ -25,8 +25,14 @@ from elastic.checkpoint.signing import (
     sign,
     signature_problem,
 )
-from elastic.checkpoint.store import MANIFEST, check_root, serialize, step_dir_name
-from elastic.errors import CheckpointCorruptError, ConfigError
+from elastic.checkpoint.store import (
+    MANIFEST,
+    check_root,
+    newest_checkpoint,
+    serialize,
+    step_dir_name,
+)
+from elastic.errors import CheckpointCorruptError, CheckpointSignatureError, ConfigError
 from elastic.private import ensure_private_dir, open_private_append, write_private
 from elastic.runlog import RunLog, read_jsonl
 
@@ -239,6 +245,14 @@ def test_a_planted_checkpoint_is_skipped_and_never_pruned_in_place_of_a_real_one
     # Retention counts only this key's checkpoints and leaves the others where they are.
     assert prune(str(root), keep_last=1, key=key) == [2]
     assert {p.name for p in root.iterdir()} == {step_dir_name(s) for s in (4, 90, 95, 99)}
+
+    # The three are told apart from damage by type (a resume refuses to start over on them).
+    (root / step_dir_name(4) / "model.pt").write_bytes(b"damaged")
+    loaded, skips = newest_checkpoint(str(root), key=key)
+    assert loaded is None
+    assert [(d, type(e)) for d, e in skips] == [
+        (step_dir_name(99), CheckpointSignatureError), (step_dir_name(95), CheckpointSignatureError),
+        (step_dir_name(90), CheckpointSignatureError), (step_dir_name(4), CheckpointCorruptError)]
 
 
 def test_an_altered_signed_manifest_is_refused():
