@@ -149,6 +149,7 @@ class Controller:
         self.detached = detached
         self.started_at = time.time()
         self.ended_at: float | None = None
+        self._ended = False  # run() has written everything the run leaves behind
         self.error: BaseException | None = None
         self.registry = RunRegistry(home)
         self.control = ControlServer(self._on_control)
@@ -182,13 +183,19 @@ class Controller:
     # --- control requests (other threads) ---------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        """A snapshot of the run for `elastic status`: the fields of its record in the index."""
+        """A snapshot of the run for `elastic status`: the fields of its record in the index.
+
+        The state reads "finishing" from the moment training ended until the end is complete
+        (workers shut down, the final model and the last events written): a caller that sees
+        "finished", "stopped" or "failed" may read everything the run leaves behind."""
         last_loss = self.log.metrics[-1].get("loss") if self.log.metrics else None
         error = self.error
         with self._lock:
             state = self.state.value
             if self.state == RunState.FINISHED and self._stopped_early:
                 state = "stopped"
+            if self.state.is_terminal and not self._ended:
+                state = "finishing"
             return {
                 "name": self.name, "state": state, "step": self.global_step,
                 "total_steps": self.total_steps, "generation": self.generation,
@@ -307,6 +314,8 @@ class Controller:
         finally:
             # The end is published once everything it points to is written, and before the
             # channel closes: a caller that finds nobody answering reads the record again.
+            with self._lock:
+                self._ended = True
             self._publish()
             self.control.close()
             self.log.close()  # a later event (a status call's) opens the file again
