@@ -13,6 +13,7 @@ from elastic.config import (
 from elastic.errors import ElasticError, UserCodeError
 from elastic.job import TrainJob
 from elastic.targets import load_target
+from elastic.trainer.loss import LossSum
 
 
 def __getattr__(name: str):
@@ -33,6 +34,7 @@ __all__ = [
     "FailureConfig",
     "FitConfig",
     "FitResult",
+    "LossSum",
     "ScalingConfig",
     "TrainJob",
     "UserCodeError",

@@ -17,7 +17,13 @@ class TrainJob:
     Args:
         model: `() -> nn.Module`; called under `torch.manual_seed(seed)`.
         optimizer: `(params) -> Optimizer`.
-        loss: `(model, batch) -> scalar tensor`, the mean loss of that batch.
+        loss: `(model, batch) -> scalar tensor | elastic.LossSum`. A scalar tensor is a mean
+            over the samples of the batch (the step weighs it by the batch's share of the
+            global batch, which is exact only for a per-sample mean). A `LossSum(total, count)`
+            is the sum of the loss over the batch's items (tokens that are not padding, say)
+            and their number; the step divides the summed gradients by the count over the
+            global batch, so a token or any masked mean does not depend on how the batch is
+            split. Every rank must return the same form within a step.
         dataset: `() -> map-style Dataset` (`len` and integer indexing).
         lr_scheduler: `(optimizer) -> LR scheduler`, stepped once per global step.
         collate_fn: turns a list of samples into a batch; default

@@ -8,6 +8,19 @@ import os
 from typing import Any
 
 from elastic.errors import ConfigError
+from elastic.events import (
+    CheckpointWritten,
+    Event,
+    Generation,
+    MicroBatchTuned,
+    OomBackoff,
+    Rebalanced,
+    Recovered,
+    Resized,
+    WorkerFailure,
+    read_events,
+    record_fields,
+)
 from elastic.private import write_private
 from elastic.runlog import read_jsonl
 
@@ -15,30 +28,51 @@ STAGES = (("detect_s", "detect"), ("abort_s", "abort"), ("rebuild_s", "rebuild")
           ("restore_s", "restore"), ("first_step_s", "first step"))
 
 
+def _read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    if not metrics:
+        raise ConfigError(f"{run_dir} has no metrics.jsonl; is it a run directory?")
+    return metrics
+
+
 def write_report(run_dir: str, out_dir: str | None = None) -> list[str]:
     """Writes `training.png` (loss, throughput and world size over steps, failures and
     resizes marked) and, if the run recovered from failures, `recoveries.png` (each
-    recovery's breakdown). Returns the paths written.
+    recovery's breakdown).
+
+    Args:
+        run_dir: the run directory (metrics.jsonl, events.jsonl).
+        out_dir: where the PNGs go (default: `run_dir`).
+
+    Returns:
+        The paths written.
 
     Raises:
         ConfigError: `run_dir` has no metrics.jsonl.
     """
-    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
-    if not metrics:
-        raise ConfigError(f"{run_dir} has no metrics.jsonl; is it a run directory?")
+    metrics = _read_metrics(run_dir)
+    events = read_events(run_dir)
     out = out_dir or run_dir
     os.makedirs(out, exist_ok=True)
     import matplotlib
 
     matplotlib.use("Agg")
+    written = [_plot_training(metrics, events, f"run {os.path.basename(os.path.normpath(run_dir))}",
+                              os.path.join(out, "training.png"))]
+    recoveries = [e for e in events if isinstance(e, Recovered)]
+    if recoveries:
+        written.append(_plot_recoveries(recoveries, os.path.join(out, "recoveries.png")))
+    return written
+
+
+def _plot_training(metrics: list[dict[str, Any]], events: list[Event], title: str, path: str) -> str:
+    """Loss, samples/s and workers over steps, with lost workers and resizes marked."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    written = []
     steps = [m["step"] for m in metrics]
-    failures = [e["step"] for e in events if e["event"] == "worker_failure"]
-    resizes = [e["step"] for e in events if e["event"] == "generation" and e.get("reason") == "resize"]
+    failures = [e.step for e in events if isinstance(e, WorkerFailure)]
+    resizes = [e.step for e in events if isinstance(e, Generation) and e.reason == "resize"]
     fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     series = (("loss", "loss"), ("samples_per_s", "samples/s"), ("world_size", "workers"))
     for ax, (key, label) in zip(axes, series, strict=True):
@@ -56,54 +90,82 @@ def write_report(run_dir: str, out_dir: str | None = None) -> list[str]:
     if failures or resizes:
         axes[0].legend(loc="upper right")
     axes[-1].set_xlabel("step")
-    fig.suptitle(f"run {os.path.basename(os.path.normpath(run_dir))}")
+    fig.suptitle(title)
     fig.tight_layout()
-    path = os.path.join(out, "training.png")
     _save_figure(fig, path)
     plt.close(fig)
-    written.append(path)
+    return path
 
-    recoveries = [e for e in events if e["event"] == "recovered"]
-    if recoveries:
-        fig, ax = plt.subplots(figsize=(max(5, 1 + 0.8 * len(recoveries)), 4.5))
-        labels = [f"step {r['step']}\n{r['world_before']}->{r['world_after']}" for r in recoveries]
-        bottom = [0.0] * len(recoveries)
-        for key, name in STAGES:
-            values = [1e3 * (r.get(key) or 0.0) for r in recoveries]
-            ax.bar(labels, values, bottom=bottom, label=name)
-            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-        ax.set_ylabel("ms")
-        ax.set_title("recovery breakdown (kill to first completed step)")
-        ax.legend()
-        fig.tight_layout()
-        path = os.path.join(out, "recoveries.png")
-        _save_figure(fig, path)
-        plt.close(fig)
-        written.append(path)
-    return written
+
+def _plot_recoveries(recoveries: list[Recovered], path: str) -> str:
+    """One stacked bar per recovery: its stages in ms."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(5, 1 + 0.8 * len(recoveries)), 4.5))
+    labels = [f"step {r.step}\n{r.world_before}->{r.world_after}" for r in recoveries]
+    bottom = [0.0] * len(recoveries)
+    for key, name in STAGES:
+        values = [1e3 * (getattr(r, key) or 0.0) for r in recoveries]
+        ax.bar(labels, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_ylabel("ms")
+    ax.set_title("recovery breakdown (kill to first completed step)")
+    ax.legend()
+    fig.tight_layout()
+    _save_figure(fig, path)
+    plt.close(fig)
+    return path
 
 
 PHASES = ("data", "forward/backward", "communication", "optimizer")
+# Events marked on the trace's timeline, by their name there.
+MARKS: dict[type[Event], str] = {
+    WorkerFailure: "worker lost", Recovered: "ring rebuilt", Resized: "resized",
+    Rebalanced: "shares rebalanced", MicroBatchTuned: "micro-batch tuned",
+    OomBackoff: "out of memory", CheckpointWritten: "checkpoint",
+}
 
 
 def write_trace(run_dir: str, path: str) -> int:
     """Writes a Chrome trace (chrome://tracing, Perfetto) of a run's steps: one row per rank,
     each step split into data loading, forward/backward, exposed communication and the
-    optimizer, with failures, recoveries and resizes as instant events. Returns the number
-    of trace events.
+    optimizer, with failures, recoveries and resizes as instant events.
+
+    Args:
+        run_dir: the run directory (metrics.jsonl, events.jsonl).
+        path: the trace's JSON file.
+
+    Returns:
+        The number of trace events.
 
     Raises:
         ConfigError: `run_dir` has no metrics.jsonl, or its metrics carry no timeline.
     """
-
-    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
-    if not metrics:
-        raise ConfigError(f"{run_dir} has no metrics.jsonl; is it a run directory?")
+    metrics = _read_metrics(run_dir)
     timed = [m for m in metrics if m.get("timeline")]
     if not timed:
         raise ConfigError(f"{run_dir} has no step timeline (written by elastic 0.1 and later)")
     origin = min(row[0] for m in timed for row in m["timeline"] if row)
+    trace, ranks = _step_spans(timed, origin)
+    for e in read_events(run_dir):
+        name = MARKS.get(type(e))
+        if name is not None and e.time is not None and e.time >= origin:
+            trace.append({"name": name, "cat": "event", "ph": "i", "s": "g",
+                          "pid": 0, "tid": 0, "ts": round((e.time - origin) * 1e6, 1),
+                          "args": record_fields(e)})
+    trace.append({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "elastic run"}})
+    for rank in sorted(ranks):
+        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
+                      "args": {"name": f"rank {rank}"}})
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    write_private(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}).encode(),
+                  fsync=False)
+    return len(trace)
+
+
+def _step_spans(timed: list[dict[str, Any]], origin: float) -> tuple[list[dict], set[int]]:
+    """The phases of every step on every rank as trace spans; and the ranks seen."""
     trace: list[dict] = []
     ranks = set()
     for m in timed:
@@ -118,23 +180,7 @@ def write_trace(run_dir: str, path: str) -> int:
                               "args": {"step": m["step"], "world_size": m["world_size"],
                                        "generation": m.get("generation")}})
                 start += duration * 1e6
-    marks = {"worker_failure": "worker lost", "recovered": "ring rebuilt", "resized": "resized",
-             "rebalanced": "shares rebalanced", "micro_batch_tuned": "micro-batch tuned",
-             "oom_backoff": "out of memory", "checkpoint_written": "checkpoint"}
-    for e in events:
-        if e["event"] in marks and e["time"] >= origin:
-            trace.append({"name": marks[e["event"]], "cat": "event", "ph": "i", "s": "g",
-                          "pid": 0, "tid": 0, "ts": round((e["time"] - origin) * 1e6, 1),
-                          "args": {k: v for k, v in e.items() if k not in ("time", "event")}})
-    trace.append({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "elastic run"}})
-    for rank in sorted(ranks):
-        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
-                      "args": {"name": f"rank {rank}"}})
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    write_private(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}).encode(),
-                  fsync=False)
-    return len(trace)
+    return trace, ranks
 
 
 def _save_figure(fig: Any, path: str) -> None:

@@ -1,4 +1,8 @@
-"""A run's records on disk: `events.jsonl`, `metrics.jsonl` and (opt-in) `ledger.jsonl`."""
+"""A run's records on disk: `events.jsonl`, `metrics.jsonl` and (opt-in) `ledger.jsonl`.
+
+`RunLog.emit` is the one writer of events; `elastic.events` defines their records and reads
+them back.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,10 @@ import threading
 import time
 from typing import Any
 
+from elastic.events import Event, build, read_jsonl, to_record
 from elastic.private import ensure_private_dir, open_private_append
+
+__all__ = ["RunLog", "read_jsonl"]  # read_jsonl lives with the events; kept here for its callers
 
 
 class RunLog:
@@ -49,13 +56,30 @@ class RunLog:
         for fd in files.values():
             os.close(fd)
 
-    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Records one event (`kind` plus fields) with a wall-clock timestamp."""
-        record = {"time": time.time(), "event": kind, **fields}
+    def emit(self, event: Event) -> dict[str, Any]:
+        """Records one event, stamped with the wall-clock time.
+
+        Args:
+            event: the typed record (its own `time`, if any, is replaced).
+
+        Returns:
+            The record as written: `{"time": ..., "event": kind, **fields}`, also appended to
+            `self.events`.
+        """
+        record = to_record(event, time.time())
         with self._lock:
             self.events.append(record)
             self._append("events.jsonl", record)
         return record
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Records one event by kind name: `emit(elastic.events.build(kind, **fields))`.
+
+        Raises:
+            ValueError: `kind` is not a known kind, or a required field is missing.
+            TypeError: a field is not one of `kind`'s.
+        """
+        return self.emit(build(kind, **fields))
 
     def metric(self, **fields: Any) -> None:
         """Records one step's metrics."""
@@ -68,11 +92,3 @@ class RunLog:
         with self._lock:
             self._append("ledger.jsonl", {"step": step, "epoch": epoch, "indices": indices})
 
-
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-    """Reads a JSON-lines file written by `RunLog`; a last line still being written (no
-    newline yet) is left for the next read."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip() and line.endswith("\n")]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import os
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -22,6 +21,7 @@ from elastic.checkpoint import CheckpointWriter, write_checkpoint
 from elastic.checkpoint.store import newest_checkpoint, serialize
 from elastic.collective import Communicator, Endpoint
 from elastic.config import ChaosEvent, FitConfig
+from elastic.control.port import ChunkDone, ChunkInterrupted, ChunkOutcome, ChunkVotedDown
 from elastic.errors import CheckpointSignatureError, CollectiveError
 from elastic.job import TrainJob
 from elastic.trainer.replica import (
@@ -32,23 +32,6 @@ from elastic.trainer.replica import (
     UserFailure,
     chaos_kill,
 )
-
-
-@dataclass(frozen=True)
-class ChunkResult:
-    """What a worker reports after a chunk of steps.
-
-    `status` is 'ok', 'collective_error' (a peer died or the controller aborted: the steps in
-    `records` were committed, the next one was not), 'user_error', 'oom' or 'nonfinite' (`failure` says
-    where; the step was voted down on every rank). `cursor` is the committed data cursor.
-    """
-
-    status: str
-    records: list[StepRecord]
-    committed_step: int
-    cursor: dict[str, int]
-    failure: UserFailure | OutOfMemory | NonFinite | None = None
-    error: str | None = None
 
 
 @ray.remote
@@ -94,16 +77,11 @@ class WorkerActor:
         return self.replica.cursor.to_dict()
 
     def run_chunk(self, plan: BatchPlan, num_steps: int, chaos: list[ChaosEvent],
-                  lr_ramp: LrRamp | None = None) -> ChunkResult:
-        """Runs up to `num_steps` steps from the committed step."""
+                  lr_ramp: LrRamp | None = None) -> ChunkOutcome:
+        """Runs up to `num_steps` steps from the committed step; says how the chunk ended."""
         records: list[StepRecord] = []
         replica = self.replica
         rank = replica.comm.rank if replica.comm else -1
-
-        def result(status: str, failure: Any = None, error: str | None = None) -> ChunkResult:
-            return ChunkResult(status, records, replica.global_step, replica.cursor.to_dict(),
-                               failure, error)
-
         self._checkpoint_chaos += [e for e in chaos if e.rank == rank and e.phase == "checkpoint"]
         try:
             for _ in range(num_steps):
@@ -111,16 +89,13 @@ class WorkerActor:
                 mine = [e for e in chaos if e.step == step and e.rank == rank]
                 factor = lr_ramp.factor(step) if lr_ramp is not None else 1.0
                 outcome = replica.run_step(plan, mine, factor)
-                if isinstance(outcome, UserFailure):
-                    return result("user_error", outcome)
-                if isinstance(outcome, OutOfMemory):
-                    return result("oom", outcome)
-                if isinstance(outcome, NonFinite):
-                    return result("nonfinite", outcome)
+                if isinstance(outcome, (UserFailure, OutOfMemory, NonFinite)):
+                    return ChunkVotedDown(records, replica.global_step, replica.cursor.to_dict(),
+                                          outcome)
                 records.append(outcome)
         except CollectiveError as e:
-            return result("collective_error", error=str(e))
-        return result("ok")
+            return ChunkInterrupted(records, replica.global_step, replica.cursor.to_dict(), str(e))
+        return ChunkDone(records, replica.global_step, replica.cursor.to_dict())
 
     def checkpoint(self, meta: dict[str, Any]) -> dict[str, Any]:
         """Snapshots the committed state and writes it (in the background if configured).

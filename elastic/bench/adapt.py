@@ -19,6 +19,7 @@ from torch.utils.data import TensorDataset
 from elastic.api import fit
 from elastic.bench import classification_loss, sgd
 from elastic.config import BatchConfig, ChaosEvent, FitConfig, ScalingConfig
+from elastic.events import Rebalanced, parse, to_record
 from elastic.job import TrainJob
 
 
@@ -52,11 +53,11 @@ class AdaptBenchResult:
     ratio: float
     shares_even: list[int]
     shares_rebalanced: list[int]
-    rebalances: list[dict]
+    rebalances: list[Rebalanced]
     run_dir: str
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "rebalances": [to_record(e) for e in self.rebalances]}
 
 
 def run_adapt_bench(workers: int = 4, slow_factor: float = 2.0, steps: int = 64,
@@ -84,10 +85,10 @@ def run_adapt_bench(workers: int = 4, slow_factor: float = 2.0, steps: int = 64,
     )
     job = TrainJob(model=_model, optimizer=_optimizer, loss=classification_loss, dataset=_dataset)
     result = fit(job, config)
-    rebalances = [e for e in result.events if e["event"] == "rebalanced"]
+    rebalances = [e for e in map(parse, result.events) if isinstance(e, Rebalanced)]
     if not rebalances:
         raise RuntimeError("the run never rebalanced; the slow-down was not measurable")
-    first = rebalances[0]["step"]
+    first = rebalances[0].step
     even = [m["step_time_s"] for m in result.metrics if 0 < m["step"] < first]
     after = [m["step_time_s"] for m in result.metrics if m["step"] >= first]
     if not after:

@@ -27,6 +27,7 @@ from elastic.api import events, fit, kill, scale, status, stop
 from elastic.bench import classification_loss, sgd
 from elastic.config import BatchConfig, FailureConfig, FitConfig, ScalingConfig
 from elastic.errors import RunNotFoundError
+from elastic.events import Recovered, WorkerJoined, parse, to_record
 from elastic.job import TrainJob
 
 STAGES = ("detect_s", "abort_s", "rebuild_s", "restore_s", "first_step_s", "total_s")
@@ -58,7 +59,7 @@ class RecoveryBenchResult:
     workers: int
     trials: int
     replace: bool
-    recoveries: list[dict]
+    recoveries: list[Recovered]
     stages: list[StageSummary]
     joins: int
     work_lost_steps: list[int]
@@ -66,7 +67,7 @@ class RecoveryBenchResult:
 
     def to_json(self) -> dict:
         return {"workers": self.workers, "trials": self.trials, "replace": self.replace,
-                "recoveries": self.recoveries,
+                "recoveries": [to_record(r) for r in self.recoveries],
                 "stages": [asdict(s) for s in self.stages], "joins": self.joins,
                 "work_lost_steps": self.work_lost_steps, "run_dir": self.run_dir}
 
@@ -101,23 +102,7 @@ def run_recovery_bench(workers: int, trials: int, seed: int = 0,
 
     def operator() -> None:
         try:
-            for trial in range(trials):
-                status = _wait_status(name, finished, timeout_s, lambda s, t=trial: (
-                    s["state"] == "running" and s["world_size"] == workers
-                    and s["failures"] == t and s["step"] > 0))
-                kill(name, rng.randrange(status["world_size"]))
-                if not replace:
-                    # No replacement starts while the survivors recover; once they have, the
-                    # operator scales back up for the next trial.
-                    _wait_status(name, finished, timeout_s, lambda s, t=trial: (
-                        s["failures"] == t + 1 and s["state"] == "running"
-                        and s["world_size"] == workers - 1 and s["starting_workers"] == 0))
-                    scale(name, workers)
-            _wait_status(name, finished, timeout_s, lambda s: s["failures"] == trials
-                         and s["state"] == "running" and s["generation"] > 0)
-            # The last recovery is recorded at its first completed step.
-            _wait_status(name, finished, timeout_s, lambda s: sum(
-                e["event"] == "recovered" for e in events(name)) == trials)
+            _kill_trials(name, workers, trials, rng, replace, finished, timeout_s)
         except BaseException as e:
             errors.append(e)
         finally:
@@ -133,17 +118,46 @@ def run_recovery_bench(workers: int, trials: int, seed: int = 0,
         thread.join()
     if errors:
         raise errors[0]
-    recoveries = [e for e in result.events if e["event"] == "recovered"]
+    typed = [parse(e) for e in result.events]
+    recoveries = [e for e in typed if isinstance(e, Recovered)]
+    return RecoveryBenchResult(
+        workers=workers, trials=trials, replace=replace, recoveries=recoveries,
+        stages=_stages(recoveries), joins=sum(isinstance(e, WorkerJoined) for e in typed),
+        work_lost_steps=[r.work_lost_steps for r in recoveries], run_dir=directory,
+    )
+
+
+def _kill_trials(name: str, workers: int, trials: int, rng: random.Random, replace: bool,
+                 finished: threading.Event, timeout_s: float) -> None:
+    """The operator of the bench: `trials` kills, each once the run is back to `workers`;
+    returns once the last recovery is recorded."""
+    for trial in range(trials):
+        current = _wait_status(name, finished, timeout_s, lambda s, t=trial: (
+            s["state"] == "running" and s["world_size"] == workers
+            and s["failures"] == t and s["step"] > 0))
+        kill(name, rng.randrange(current["world_size"]))
+        if not replace:
+            # No replacement starts while the survivors recover; once they have, the
+            # operator scales back up for the next trial.
+            _wait_status(name, finished, timeout_s, lambda s, t=trial: (
+                s["failures"] == t + 1 and s["state"] == "running"
+                and s["world_size"] == workers - 1 and s["starting_workers"] == 0))
+            scale(name, workers)
+    _wait_status(name, finished, timeout_s, lambda s: s["failures"] == trials
+                 and s["state"] == "running" and s["generation"] > 0)
+    # The last recovery is recorded at its first completed step.
+    _wait_status(name, finished, timeout_s, lambda s: sum(
+        isinstance(parse(e), Recovered) for e in events(name)) == trials)
+
+
+def _stages(recoveries: list[Recovered]) -> list[StageSummary]:
+    """Median and maximum of each stage over the recoveries that timed it."""
     stages = []
     for stage in STAGES:
-        values = [r[stage] for r in recoveries if r.get(stage) is not None]
+        values = [getattr(r, stage) for r in recoveries if getattr(r, stage) is not None]
         if values:
             stages.append(StageSummary(stage, statistics.median(values), max(values)))
-    return RecoveryBenchResult(
-        workers=workers, trials=trials, replace=replace, recoveries=recoveries, stages=stages,
-        joins=sum(1 for e in result.events if e["event"] == "worker_joined"),
-        work_lost_steps=[r["work_lost_steps"] for r in recoveries], run_dir=directory,
-    )
+    return stages
 
 
 def _wait_status(name: str, finished: threading.Event, timeout_s: float,

@@ -2,11 +2,14 @@
 
 The step contract (DESIGN.md): rank r of a generation takes its share of the global batch,
 runs forward/backward per micro-batch with each micro-batch's mean loss scaled by
-`len/B`, and the gradients are summed over ranks in one allreduce, so that every rank applies
+`len/B` (or a `LossSum` total as is, the summed gradients then divided by the global count),
+and the gradients are summed over ranks in one allreduce, so that every rank applies
 the same optimizer step as one process with batch B would. The same allreduce carries the
-summed loss, one error flag per rank (a rank whose user code raised votes the step down on
+summed loss (and count), one error flag per rank (a rank whose user code raised votes the step down on
 every rank, so nobody is left waiting in the collective), and with the ledger on the indices
-the step consumed, so that what is recorded is exactly what was committed.
+the step consumed, so that what is recorded is exactly what was committed. `run_step` drives
+the step's phases (compute, reduce, verdict, apply); `elastic.trainer.step` says what each
+one guarantees and holds what passes between them.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,61 +36,25 @@ from elastic.job import TrainJob
 from elastic.private import ensure_private_dir, write_private
 from elastic.trainer.buckets import GradientBuckets
 from elastic.trainer.data import Cursor, SampleOrder, steps_per_epoch
+from elastic.trainer.flat import all_finite, allreduce_flat, flatten_grads, unflatten_grads
+from elastic.trainer.loss import LossForm, loss_term
+from elastic.trainer.outcomes import NonFinite, OutOfMemory, StepRecord, UserFailure
+from elastic.trainer.step import (
+    Commit,
+    Computed,
+    Reduced,
+    StepContext,
+    Vote,
+    pack_meta,
+    verdict,
+)
+
+# The outcome types are part of this module's interface (the worker actor imports them here).
+__all__ = ["NonFinite", "OutOfMemory", "Replica", "StepRecord", "UserFailure", "chaos_kill",
+           "max_state_bytes"]
 
 # Largest data set whose indices travel exactly in a float32 buffer.
 _FLOAT32_EXACT = 1 << 24
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one committed global step did, as seen by one rank."""
-
-    step: int
-    epoch: int
-    loss: float
-    world_size: int
-    global_batch_size: int
-    shares: tuple[int, ...]
-    micro_batch: int
-    step_time_s: float
-    compute_time_s: float  # data, forward and backward on this rank (its throughput)
-    end_time: float
-    lr: float
-    indices: tuple[int, ...] | None = None
-    skipped_ranks: tuple[int, ...] = ()  # non-finite loss or gradients: no update was applied
-    # (wall-clock start, data, forward+backward, communication, optimizer) in seconds: the
-    # step timeline (communication is the exposed part: nothing overlaps it).
-    timeline: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
-
-
-@dataclass(frozen=True)
-class UserFailure:
-    """User code raised on some rank; the step was voted down on all ranks."""
-
-    step: int
-    ranks: tuple[int, ...]
-    traceback: str | None  # this rank's traceback, if it was one of them
-
-
-@dataclass(frozen=True)
-class NonFinite:
-    """The loss or gradients were NaN or infinite on some ranks and the policy is 'stop'."""
-
-    step: int
-    ranks: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class OutOfMemory:
-    """Some ranks ran out of memory (and no rank's user code raised otherwise); the step was
-    voted down on all ranks and can be redone with smaller micro-batches on those ranks."""
-
-    step: int
-    ranks: tuple[int, ...]
-
-
-# Error votes in the step's allreduce: each rank writes only its own slot.
-_USER_ERROR, _OUT_OF_MEMORY, _NONFINITE = 1.0, 2.0, 3.0
 
 
 @dataclass
@@ -228,7 +195,7 @@ class Replica:
         self.progress.phase = phase
         self.progress.since = time.monotonic()
 
-    def _chaos(self, events: list[ChaosEvent], phase: ChaosPhase, started: float) -> None:
+    def _chaos(self, events: Sequence[ChaosEvent], phase: ChaosPhase, started: float) -> None:
         for event in events:
             if event.phase != phase or event.action == "slow":
                 continue
@@ -259,44 +226,89 @@ class Replica:
 
     def run_step(self, plan: BatchPlan, chaos: list[ChaosEvent],
                  lr_factor: float = 1.0) -> StepRecord | UserFailure | OutOfMemory | NonFinite:
-        """Runs one global step on this rank. Collective failures raise `CollectiveError`
-        (the step is then not applied here); user errors and out-of-memory errors are voted on
-        and returned. `lr_factor` scales the learning rate of this step only (batch policy
-        'scale_with_workers')."""
+        """Runs one global step on this rank: compute, reduce, verdict, apply.
+
+        Args:
+            plan: this generation's shares and micro-batches.
+            chaos: this rank's faults to inject at this step.
+            lr_factor: scales the learning rate of this step only (batch policy
+                'scale_with_workers').
+
+        Returns:
+            The record of the committed step, or the outcome that voted it down on every rank
+            (user error, out of memory, non-finite under the policy 'stop'); then nothing was
+            applied and the step can be redone.
+
+        Raises:
+            CollectiveError: the reduce failed or was aborted; the step is not applied here.
+        """
+        context = self._begin(plan, chaos, lr_factor)
+        computed = self._compute(context)
+        reduced = self._reduce(context, computed)
+        outcome = verdict(context.step, reduced.votes, self.config.failure.nonfinite,
+                          computed.user_traceback, reduced.forms, reduced.count)
+        if isinstance(outcome, Commit):
+            return self._apply(context, computed, reduced, outcome)
+        self._drop_grads()
+        self._enter("idle")
+        return outcome
+
+    def _begin(self, plan: BatchPlan, chaos: list[ChaosEvent], lr_factor: float) -> StepContext:
+        """Fixes what the step reads, clears the gradients, and with gradient buckets starts
+        the communication thread that the last backward pass feeds."""
         comm = self._comm()
-        rank, world = comm.rank, comm.world_size
+        rank = comm.rank
         step = self.global_step
         started = time.perf_counter()
         wall_start = time.time()
-        data_s = 0.0
         self.progress.step = step
-        b = plan.global_batch_size
-        epoch, global_batch = self.order.batch(self.cursor, b)
-        mine = global_batch[plan.offset(rank) : plan.offset(rank) + plan.shares[rank]]
-        loss_sum = 0.0
-        error: str | None = None
-        vote = 0.0
+        epoch, global_batch = self.order.batch(self.cursor, plan.global_batch_size)
+        offset = plan.offset(rank)
+        context = StepContext(
+            step=step, epoch=epoch, plan=plan, comm=comm,
+            indices=global_batch[offset : offset + plan.shares[rank]], chaos=tuple(chaos),
+            lr_factor=lr_factor, ledger=self.config.ledger, started=started,
+            wall_start=wall_start)
         for event in chaos:
             if event.action == "slow":
                 self._slow = (event.factor, None if event.steps is None else step + event.steps - 1)
-        for p in self._params:
-            p.grad = None
+        self._drop_grads()
         self.model.train()
+        if self._buckets is not None:
+            self._buckets.begin(comm, context.meta_len, rank, float(Vote.NONFINITE))
+        return context
+
+    def _compute(self, context: StepContext) -> Computed:
+        """The compute phase: forward and backward over the micro-batches of this rank's
+        share, each micro-batch's mean loss scaled by `len/B` (a `LossSum` total is
+        backpropagated as is and its count summed).
+
+        Guarantees: an exception from user code (data, loss, backward) or an out-of-memory
+        error is latched into the vote with its traceback and never raised, so this rank
+        still joins the reduce. With the vote OK, every gradient is this rank's part of the
+        gradient of the global batch's mean loss. Chaos faults of the phases data, forward and
+        backward fire here.
+        """
+        plan, chaos, started = context.plan, context.chaos, context.started
+        pieces = plan.pieces(context.rank)
         buckets = self._buckets
-        meta_len = 1 + world + (b if self.config.ledger else 0)
-        if buckets is not None:
-            buckets.begin(comm, meta_len, rank, _NONFINITE)
-        pieces = plan.pieces(rank)
+        loss_sum = data_s = count = 0.0
+        form = LossForm.NONE
+        error: str | None = None
+        vote = Vote.OK
         try:
             self._enter("data")
             self._chaos(chaos, "data", started)
             for index, (start, length) in enumerate(pieces):
                 loading = time.perf_counter()
-                batch = self.collate([self.dataset[int(i)] for i in mine[start : start + length]])
+                samples = context.indices[start : start + length]
+                batch = self.collate([self.dataset[int(i)] for i in samples])
                 data_s += time.perf_counter() - loading
                 self._enter("forward")
                 self._chaos(chaos, "forward", started)
-                loss = self.job.loss(self.model, batch) * (length / b)
+                loss, items, form = loss_term(self.job.loss(self.model, batch),
+                                              length / plan.global_batch_size, form)
+                count += items
                 self._enter("backward")
                 self._chaos(chaos, "backward", started)
                 if buckets is not None:  # gradients are complete in the last backward pass
@@ -304,84 +316,94 @@ class Replica:
                 loss.backward()
                 loss_sum += float(loss.detach())
                 del loss
-            self._stretch(step, started)
+            self._stretch(context.step, started)
         except torch.OutOfMemoryError:
-            error, vote = traceback.format_exc(), _OUT_OF_MEMORY
+            error, vote = traceback.format_exc(), Vote.OUT_OF_MEMORY
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         except Exception:
-            error, vote = traceback.format_exc(), _USER_ERROR
-        compute_time = time.perf_counter() - started
+            error, vote = traceback.format_exc(), Vote.USER_ERROR
+        return Computed(loss_sum=loss_sum, count=count, form=form, vote=vote, error=error, data_s=data_s,
+                        compute_s=time.perf_counter() - started)
+
+    def _reduce(self, context: StepContext, computed: Computed) -> Reduced:
+        """The reduce phase: gradients and metadata summed over ranks, in the buckets the
+        backward pass has been filling or in flat buffers.
+
+        Guarantees: every rank issues the same collectives in the same order whatever its
+        vote (a rank that voted down sends zeros or ignored content). A rank that voted OK
+        but whose loss or gradients are not finite votes NONFINITE (with buckets, gradients
+        are checked as they are sent). The allreduce chaos faults fire here.
+
+        Raises:
+            CollectiveError: the communication failed or was aborted.
+        """
         comm_start = time.perf_counter()
         self._enter("allreduce")
-        self._chaos(chaos, "allreduce", started)
-        flags = torch.zeros(world, dtype=torch.float64)
-        flags[rank] = vote
-        ledger = torch.zeros(b if self.config.ledger else 0, dtype=torch.float64)
-        if self.config.ledger:
-            ledger[plan.offset(rank) : plan.offset(rank) + len(mine)] = mine.to(torch.float64)
-        meta = torch.cat([torch.tensor([loss_sum], dtype=torch.float64), flags, ledger])
+        self._chaos(context.chaos, "allreduce", context.started)
+        buckets = self._buckets
+        flat = None if buckets is not None else flatten_grads(
+            self._params, zero=computed.vote != Vote.OK)
+        vote = computed.vote
+        if vote == Vote.OK and not (math.isfinite(computed.loss_sum)
+                                    and (flat is None or all_finite(flat))):
+            vote = Vote.NONFINITE
+        meta = pack_meta(context, computed.loss_sum, vote, computed.count, computed.form)
         if buckets is not None:
-            if vote == 0.0 and not math.isfinite(loss_sum):
-                vote = _NONFINITE
-                meta[1 + rank] = vote
-            buckets.finish(meta)  # gradients are checked for NaN/inf as they are sent
+            buckets.finish(meta)
             meta = buckets.wait()
-            if meta[1 + rank] == _NONFINITE:
-                vote = _NONFINITE
         else:
-            buffers = self._flatten_grads(zero=error is not None)
-            if vote == 0.0 and not (math.isfinite(loss_sum)
-                                    and all(math.isfinite(float(t.sum())) for t in buffers.values())):
-                vote = _NONFINITE
-                meta[1 + rank] = vote
-            self._allreduce(comm, buffers, meta)
+            assert flat is not None
+            allreduce_flat(context.comm, flat, meta)
         comm_s = time.perf_counter() - comm_start
-        votes = meta[1 : 1 + world]
-        failed = tuple(int(r) for r in torch.nonzero(votes).flatten().tolist())
-        nonfinite = tuple(r for r in failed if votes[r] == _NONFINITE)
-        skip = bool(nonfinite) and len(nonfinite) == len(failed) \
-            and self.config.failure.nonfinite == "skip"
-        if nonfinite and len(nonfinite) == len(failed) and not skip:
-            for p in self._params:
-                p.grad = None
-            self._enter("idle")
-            return NonFinite(step=step, ranks=nonfinite)
-        if failed and not skip:
-            for p in self._params:
-                p.grad = None
-            self._enter("idle")
-            users = tuple(r for r in failed if votes[r] == _USER_ERROR)
-            if users:
-                return UserFailure(step=step, ranks=users,
-                                   traceback=error if vote == _USER_ERROR else None)
-            return OutOfMemory(step=step, ranks=failed)
+        return Reduced.unpack(meta, context, flat, comm_s)
+
+    def _apply(self, context: StepContext, computed: Computed, reduced: Reduced,
+               commit: Commit) -> StepRecord:
+        """The apply phase of a committed step.
+
+        Guarantees: every rank applies the same update, from the summed gradients (divided by
+        the global count with `LossSum` losses; none when `commit` skips it: every rank drops
+        it); the scheduler steps with the optimizer; the
+        cursor advances by the global batch either way and the gradients are cleared. The
+        optimizer chaos faults fire here.
+        """
         optimizer_start = time.perf_counter()
         self._enter("optimizer")
-        self._chaos(chaos, "optimizer", started)
-        if skip:  # every rank drops this update; the samples count as consumed
-            lr = float(self.optimizer.param_groups[0]["lr"]) * lr_factor
+        self._chaos(context.chaos, "optimizer", context.started)
+        if commit.skipped:  # the samples count as consumed
+            lr = float(self.optimizer.param_groups[0]["lr"]) * context.lr_factor
         else:
-            if buckets is not None:
-                buckets.assign_grads()
+            if self._buckets is not None:
+                self._buckets.assign_grads()
             else:
-                self._unflatten_grads(buffers)
-            lr = self._optimizer_step(lr_factor)
+                assert reduced.flat is not None
+                unflatten_grads(self._params, reduced.flat)
+            if commit.divisor is not None:  # before the optimizer (and any clipping) reads them
+                for p in self._params:
+                    if p.grad is not None:
+                        p.grad.div_(commit.divisor)
+            lr = self._optimizer_step(context.lr_factor)
             if self.scheduler is not None:
                 self.scheduler.step()
-        for p in self._params:
-            p.grad = None
-        self.cursor = self.cursor.advance(self.order.dataset_size, b)
+        self._drop_grads()
+        self.cursor = self.cursor.advance(self.order.dataset_size, context.global_batch_size)
         optimizer_s = time.perf_counter() - optimizer_start
         self._enter("idle")
-        indices = tuple(int(i) for i in meta[1 + world :].tolist()) if self.config.ledger else None
+        plan, compute_s = context.plan, computed.compute_s
         return StepRecord(
-            step=step, epoch=epoch, loss=float(meta[0]), world_size=world, global_batch_size=b,
-            shares=plan.shares, micro_batch=plan.micro_batches[rank],
-            step_time_s=time.perf_counter() - started, compute_time_s=compute_time,
-            end_time=time.time(), lr=lr, indices=indices, skipped_ranks=nonfinite if skip else (),
-            timeline=(wall_start, data_s, compute_time - data_s, comm_s, optimizer_s),
+            step=context.step, epoch=context.epoch, loss=reduced.loss,
+            world_size=context.world_size, global_batch_size=context.global_batch_size,
+            shares=plan.shares, micro_batch=plan.micro_batches[context.rank],
+            step_time_s=time.perf_counter() - context.started, compute_time_s=compute_s,
+            end_time=time.time(), lr=lr, indices=reduced.indices, skipped_ranks=commit.skipped,
+            timeline=(context.wall_start, computed.data_s, compute_s - computed.data_s,
+                      reduced.comm_s, optimizer_s),
         )
+
+    def _drop_grads(self) -> None:
+        for p in self._params:
+            p.grad = None
 
     def _optimizer_step(self, lr_factor: float) -> float:
         """One optimizer step with the learning rate scaled by `lr_factor` for this step only
@@ -401,47 +423,6 @@ class Replica:
             for group, lr in zip(groups, saved, strict=True):
                 group["lr"] = lr
         return applied
-
-    # --- gradient buffers ---------------------------------------------------------------
-
-    def _flatten_grads(self, zero: bool) -> dict[torch.dtype, torch.Tensor]:
-        groups: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in self._params:
-            g = p.grad if (p.grad is not None and not zero) else torch.zeros_like(p)
-            groups.setdefault(p.dtype, []).append(g.reshape(-1))
-        return {dtype: torch.cat(parts) for dtype, parts in groups.items()}
-
-    def _unflatten_grads(self, buffers: dict[torch.dtype, torch.Tensor]) -> None:
-        offsets = dict.fromkeys(buffers, 0)
-        for p in self._params:
-            n = p.numel()
-            start = offsets[p.dtype]
-            p.grad = buffers[p.dtype][start : start + n].view_as(p).clone()
-            offsets[p.dtype] = start + n
-
-    def _allreduce(self, comm: Communicator, buffers: dict[torch.dtype, torch.Tensor],
-                   meta: torch.Tensor) -> None:
-        # The step's metadata rides in the float64 gradient buffer when there is one, so a
-        # typical step costs one allreduce.
-        if torch.float64 in buffers:
-            joined = torch.cat([buffers[torch.float64], meta])
-            comm.allreduce(joined)
-            n = buffers[torch.float64].numel()
-            buffers[torch.float64] = joined[:n]
-            meta.copy_(joined[n:])
-        elif torch.float32 in buffers:  # ledger indices < 2**24 are exact (checked at start)
-            joined = torch.cat([buffers[torch.float32], meta.to(torch.float32)])
-            comm.allreduce(joined)
-            n = buffers[torch.float32].numel()
-            buffers[torch.float32] = joined[:n]
-            meta.copy_(joined[n:].to(torch.float64))
-        else:
-            comm.allreduce(meta)
-        for dtype, buffer in buffers.items():
-            if dtype not in (torch.float64, torch.float32) or (
-                dtype == torch.float32 and torch.float64 in buffers
-            ):
-                comm.allreduce(buffer)
 
 
 # Per-parameter tensors an optimizer may keep that a fresh one has not created yet (Adam with

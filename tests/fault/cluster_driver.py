@@ -18,7 +18,6 @@ on the other nodes, so adding and removing nodes adds and removes workers:
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from ray.cluster_utils import Cluster
 
 import elastic
 from elastic import BatchConfig, FitConfig, ScalingConfig
+from elastic.events import read_events, to_record
 from tests.jobs import regression_job
 
 HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 200,
@@ -89,8 +89,7 @@ def nodes(out_path: str) -> None:
         deadline = time.monotonic() + LIMIT_S
         while not _ended(name) and time.monotonic() < deadline:
             time.sleep(0.1)
-        with open(os.path.join(run_dir, "events.jsonl")) as f:
-            summary["events"] = [json.loads(line) for line in f]
+        summary["events"] = [to_record(e) for e in read_events(run_dir)]
         summary["ok"] = True
     finally:
         with open(out_path, "w") as f:
@@ -151,8 +150,7 @@ def chaos(out_path: str) -> None:
         deadline = time.monotonic() + LIMIT_S
         while not _ended(name) and time.monotonic() < deadline:
             time.sleep(0.1)
-        with open(os.path.join(run_dir, "events.jsonl")) as f:
-            summary["events"] = [json.loads(line) for line in f]
+        summary["events"] = [to_record(e) for e in read_events(run_dir)]
         summary["ok"] = True
     finally:
         with open(out_path, "w") as f:

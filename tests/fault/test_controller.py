@@ -10,7 +10,17 @@ import torch
 import elastic
 from elastic import BatchConfig, CheckpointConfig, FitConfig, ScalingConfig
 from elastic.actors.controller import NAMESPACE, controller_name
-from elastic.runlog import read_jsonl
+from elastic.events import (
+    CheckpointWritten,
+    ControllerRestarted,
+    DetachedExit,
+    Failed,
+    Finish,
+    Resumed,
+    Start,
+    read_events,
+)
+from tests.events import kinds, of_kind
 from tests.jobs import reference_weights, regression_job
 
 pytestmark = pytest.mark.fault
@@ -31,10 +41,8 @@ def _wait_until(predicate, limit=120.0):
 
 
 def _events(run_dir):
-    try:
-        return read_jsonl(str(run_dir / "events.jsonl"))
-    except FileNotFoundError:
-        return []
+    # The file, not the folder: polled before the run has made either (no file: no events).
+    return read_events(run_dir / "events.jsonl")
 
 
 def test_a_killed_controller_restarts_and_resumes_from_the_checkpoint(ray_cluster, tmp_path):
@@ -45,21 +53,21 @@ def test_a_killed_controller_restarts_and_resumes_from_the_checkpoint(ray_cluste
         checkpoint=CheckpointConfig(path=str(tmp_path / "ckpt"), every_steps=4),
     )
     elastic.start(regression_job(), config)
-    _wait_until(lambda: any(e["event"] == "checkpoint_written" for e in _events(run_dir)))
+    _wait_until(lambda: any(isinstance(e, CheckpointWritten) for e in _events(run_dir)))
     before = elastic.status(name)
     assert before["state"] == "running"
     ray.kill(ray.get_actor(controller_name(name), namespace=NAMESPACE), no_restart=False)
-    _wait_until(lambda: any(e["event"] == "detached_exit" for e in _events(run_dir)), limit=240)
+    _wait_until(lambda: any(isinstance(e, DetachedExit) for e in _events(run_dir)), limit=240)
 
     events = _events(run_dir)
-    kinds = [e["event"] for e in events]
-    assert kinds.count("controller_restarted") == 1
-    restart = kinds.index("controller_restarted")
-    resumed = [e for e in events[restart:] if e["event"] == "resumed"]
-    assert len(resumed) == 1 and 0 < resumed[0]["step"] <= 600
-    finish = next(e for e in events if e["event"] == "finish")
-    assert finish["step"] == 600 and not finish["stopped"]
-    assert kinds[-1] == "detached_exit"
+    order = kinds(events)
+    assert order.count(ControllerRestarted) == 1
+    restart = order.index(ControllerRestarted)
+    resumed = of_kind(events[restart:], Resumed)
+    assert len(resumed) == 1 and 0 < resumed[0].step <= 600
+    finish = next(e for e in events if isinstance(e, Finish))
+    assert finish.step == 600 and not finish.stopped
+    assert order[-1] is DetachedExit
     model = torch.load(run_dir / "final_model.pt", weights_only=True)
     torch.testing.assert_close(model, reference_weights(0, 16, 600), rtol=1e-9, atol=1e-10)
 
@@ -72,8 +80,8 @@ def test_a_restarted_controller_without_checkpoints_fails_instead_of_starting_ov
     elastic.start(regression_job(), config)
     _wait_until(lambda: elastic.status(name)["step"] > 4)
     ray.kill(ray.get_actor(controller_name(name), namespace=NAMESPACE), no_restart=False)
-    _wait_until(lambda: any(e["event"] == "detached_exit" for e in _events(run_dir)), limit=240)
+    _wait_until(lambda: any(isinstance(e, DetachedExit) for e in _events(run_dir)), limit=240)
     events = _events(run_dir)
-    failed = [e for e in events if e["event"] == "failed"]
-    assert len(failed) == 1 and "no checkpoints to resume from" in failed[0]["error"]
-    assert [e["event"] for e in events].count("start") == 1  # it did not start over
+    failed = of_kind(events, Failed)
+    assert len(failed) == 1 and "no checkpoints to resume from" in failed[0].error
+    assert kinds(events).count(Start) == 1  # it did not start over

@@ -10,6 +10,19 @@ import torch
 
 import elastic
 from elastic import BatchConfig, ChaosEvent, CheckpointConfig, FailureConfig, FitConfig, ScalingConfig
+from elastic.events import (
+    CheckpointWritten,
+    Failed,
+    Nonfinite,
+    Recovered,
+    Resumed,
+    WorkerFailure,
+    WorkerHung,
+    WorkerJoined,
+    WorkerStarting,
+    read_events,
+)
+from tests.events import kinds, of_kind
 from tests.jobs import reference_weights, regression_job
 
 pytestmark = pytest.mark.fault
@@ -25,8 +38,8 @@ def _config(tmp_path, chaos, **kwargs):
     )
 
 
-def _kinds(result, kind):
-    return [e for e in result.events if e["event"] == kind]
+def _kinds(result, cls):
+    return of_kind(result.events, cls)
 
 
 @pytest.mark.parametrize("phase", ["data", "forward", "backward", "allreduce", "optimizer"])
@@ -35,10 +48,10 @@ def test_sigkill_in_any_phase_recovers_to_the_reference_weights(ray_cluster, tmp
     result = elastic.fit(regression_job(), _config(tmp_path, chaos))
     assert result.steps == 9
     torch.testing.assert_close(result.model_state, reference_weights(0, B, 9), rtol=1e-9, atol=1e-10)
-    assert [(f["lost_ranks"], f["planned"]) for f in _kinds(result, "worker_failure")] == [([3], True)]
-    (recovered,) = _kinds(result, "recovered")
-    assert recovered["world_before"] == 4
-    assert recovered["world_after"] == 3
+    assert [(f.lost_ranks, f.planned) for f in _kinds(result, WorkerFailure)] == [([3], True)]
+    (recovered,) = _kinds(result, Recovered)
+    assert recovered.world_before == 4
+    assert recovered.world_after == 3
 
 
 def test_a_hung_worker_is_found_by_the_watchdog_killed_and_the_run_continues(ray_cluster, tmp_path):
@@ -47,9 +60,9 @@ def test_a_hung_worker_is_found_by_the_watchdog_killed_and_the_run_continues(ray
     result = elastic.fit(regression_job(), config)
     assert result.steps == 9
     torch.testing.assert_close(result.model_state, reference_weights(0, B, 9), rtol=1e-9, atol=1e-10)
-    hung = _kinds(result, "worker_hung")
-    assert [(h["rank"], h["phase"]) for h in hung] == [(1, "forward")]
-    assert [(f["lost_ranks"], f["planned"]) for f in _kinds(result, "worker_failure")] == [([1], False)]
+    hung = _kinds(result, WorkerHung)
+    assert [(h.rank, h.phase) for h in hung] == [(1, "forward")]
+    assert [(f.lost_ranks, f.planned) for f in _kinds(result, WorkerFailure)] == [([1], False)]
 
 
 def test_an_unplanned_death_is_reported_with_rays_reason(ray_cluster, tmp_path):
@@ -78,10 +91,10 @@ def test_an_unplanned_death_is_reported_with_rays_reason(ray_cluster, tmp_path):
         killed.set()
         killer.join()
     torch.testing.assert_close(result.model_state, reference_weights(0, B, 400), rtol=1e-9, atol=1e-9)
-    (failure,) = _kinds(result, "worker_failure")
-    assert failure["planned"] is False
-    assert failure["lost_ranks"] == [1]
-    assert "exit" in failure["reasons"][0].lower()
+    (failure,) = _kinds(result, WorkerFailure)
+    assert failure.planned is False
+    assert failure.lost_ranks == [1]
+    assert "exit" in failure.reasons[0].lower()
 
 
 def test_losing_every_worker_fails_with_a_typed_error_instead_of_restarting_from_scratch(
@@ -115,7 +128,6 @@ def test_below_min_workers_without_capacity_in_time_fails_with_a_clear_error(ray
 
 def test_below_min_workers_writes_a_final_checkpoint_that_a_new_run_resumes(ray_cluster, tmp_path):
     from elastic.errors import InsufficientWorkersError
-    from elastic.runlog import read_jsonl
 
     ckpt = CheckpointConfig(path=str(tmp_path / "ckpt"))
     chaos = (ChaosEvent(step=5, rank=1, action="kill", phase="forward"),)
@@ -126,15 +138,15 @@ def test_below_min_workers_writes_a_final_checkpoint_that_a_new_run_resumes(ray_
     )
     with pytest.raises(InsufficientWorkersError):
         elastic.fit(regression_job(), config)
-    kinds = [e["event"] for e in read_jsonl(str(tmp_path / "run" / "events.jsonl"))]
-    assert kinds.index("checkpoint_written") < kinds.index("failed")
+    written = kinds(read_events(tmp_path / "run"))
+    assert written.index(CheckpointWritten) < written.index(Failed)
     saved = elastic.load_checkpoint(ckpt.path)
     assert saved.step == 5
     torch.testing.assert_close(saved.parts["model"], reference_weights(0, B, 5), rtol=1e-9, atol=1e-10)
     # Capacity is back: a new run on the same path resumes at step 5 and ends on the reference.
     again = config.model_copy(update={"chaos": (), "run_dir": str(tmp_path / "again")})
     result = elastic.fit(regression_job(), again)
-    assert [e["step"] for e in _kinds(result, "resumed")] == [5]
+    assert [e.step for e in _kinds(result, Resumed)] == [5]
     torch.testing.assert_close(result.model_state, reference_weights(0, B, 9), rtol=1e-9, atol=1e-10)
 
 
@@ -161,7 +173,7 @@ def test_nan_steps_are_skipped_on_every_rank_when_asked(ray_cluster, tmp_path):
     assert result.steps == 18
     poisoned = poisoned_steps(0, B, 18)
     assert len(poisoned) == 3  # once per epoch
-    assert [(e["step"], e["ranks"]) for e in _kinds(result, "nonfinite")] == [
+    assert [(e.step, e.ranks) for e in _kinds(result, Nonfinite)] == [
         (s, [p // (B // 4)]) for s, p in poisoned]
     torch.testing.assert_close(result.model_state, reference_skipping_nonfinite(0, B, 18),
                                rtol=1e-9, atol=1e-10)
@@ -178,7 +190,7 @@ def test_sigkill_during_a_checkpoint_write_recovers_and_leaves_only_good_checkpo
     result = elastic.fit(regression_job(), _config(tmp_path, chaos, checkpoint=ckpt))
     assert result.steps == 9
     torch.testing.assert_close(result.model_state, reference_weights(0, B, 9), rtol=1e-9, atol=1e-10)
-    assert [f["lost_ranks"] for f in _kinds(result, "worker_failure")] == [[0]]
+    assert [f.lost_ranks for f in _kinds(result, WorkerFailure)] == [[0]]
     # The write that was cut short never counts; every checkpoint that loads is exact.
     steps = list_steps(ckpt.path)
     assert 9 in steps
@@ -203,13 +215,13 @@ def test_below_min_workers_the_run_waits_for_capacity_and_continues(ray_cluster,
     result = elastic.fit(regression_job(), config)
     assert result.steps == 9
     torch.testing.assert_close(result.model_state, reference_weights(0, B, 9), rtol=1e-9, atol=1e-10)
-    kinds = [e["event"] for e in result.events]
+    order = kinds(result.events)
     # No step ran on one worker: the replacement joined before the ring was rebuilt.
-    failure = kinds.index("worker_failure")
-    assert kinds.index("worker_joined", failure) < kinds.index("recovered", failure)
+    failure = order.index(WorkerFailure)
+    assert order.index(WorkerJoined, failure) < order.index(Recovered, failure)
     assert {m["world_size"] for m in result.metrics} == {2}
-    (recovered,) = _kinds(result, "recovered")
-    assert recovered["world_after"] == 2
+    (recovered,) = _kinds(result, Recovered)
+    assert recovered.world_after == 2
 
 
 def test_without_replacements_the_run_goes_on_with_the_survivors(ray_cluster, tmp_path):
@@ -218,6 +230,6 @@ def test_without_replacements_the_run_goes_on_with_the_survivors(ray_cluster, tm
     result = elastic.fit(regression_job(), config)
     assert result.steps == 9
     torch.testing.assert_close(result.model_state, reference_weights(0, B, 9), rtol=1e-9, atol=1e-10)
-    assert not [e for e in _kinds(result, "worker_starting") if e["reason"] == "replacement"]
-    assert not _kinds(result, "worker_joined")
+    assert not [e for e in _kinds(result, WorkerStarting) if e.reason == "replacement"]
+    assert not _kinds(result, WorkerJoined)
     assert [m["world_size"] for m in result.metrics] == [4] * 3 + [3] * 6

@@ -12,6 +12,16 @@ import sys
 import pytest
 import torch
 
+from elastic.events import (
+    DetachedExit,
+    FinalModelWritten,
+    Finish,
+    Recovered,
+    WorkerFailure,
+    WorkerJoined,
+    WorkerLost,
+)
+from tests.events import kinds, of_kind, typed
 from tests.jobs import N_SAMPLES, reference_weights
 
 pytestmark = pytest.mark.fault
@@ -45,17 +55,17 @@ def test_a_node_joins_and_a_node_is_lost_and_the_run_goes_on(tmp_path):
     assert len(summary["after_loss_pids"]) == 4 - lost
     assert set(summary["after_loss_pids"]) <= set(summary["rejoined_pids"])
 
-    events = summary["events"]
-    kinds = [e["event"] for e in events]
+    events = typed(summary["events"])
+    order = kinds(events)
     # One record per lost worker, whether the chunk saw it die or the new generation did.
-    assert kinds.count("worker_lost") == lost
-    recovered = [e for e in events if e["event"] == "recovered"]
-    assert recovered and recovered[0]["world_after"] == 4 - lost
-    assert kinds.count("worker_joined") >= 2 + lost  # two on node B, the replacements on node C
-    assert kinds[-2:] == ["final_model_written", "detached_exit"]
-    finish = next(e for e in events if e["event"] == "finish")
+    assert order.count(WorkerLost) == lost
+    recovered = of_kind(events, Recovered)
+    assert recovered and recovered[0].world_after == 4 - lost
+    assert order.count(WorkerJoined) >= 2 + lost  # two on node B, the replacements on node C
+    assert order[-2:] == [FinalModelWritten, DetachedExit]
+    finish = next(e for e in events if isinstance(e, Finish))
     model = torch.load(os.path.join(summary["run_dir"], "final_model.pt"), weights_only=True)
-    torch.testing.assert_close(model, reference_weights(0, 16, finish["step"]), rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(model, reference_weights(0, 16, finish.step), rtol=1e-9, atol=1e-10)
 
 
 @pytest.mark.timeout(600)
@@ -63,13 +73,13 @@ def test_chaos_ten_kills_and_a_node_lose_no_sample_and_end_on_the_reference(tmp_
     summary = _drive(tmp_path, "chaos")
     faults = summary["faults"]
     assert len(faults) == 11 and [f["kind"] for f in faults].count("node") == 1
-    events = summary["events"]
-    finish = next(e for e in events if e["event"] == "finish")
-    steps = finish["step"]
-    lost = sum(e["event"] == "worker_lost" for e in events)
+    events = typed(summary["events"])
+    finish = next(e for e in events if isinstance(e, Finish))
+    steps = finish.step
+    lost = sum(isinstance(e, WorkerLost) for e in events)
     assert lost >= 11  # every kill, and at least one worker with the node
-    recovered = [e for e in events if e["event"] == "recovered"]
-    assert len(recovered) == len([e for e in events if e["event"] == "worker_failure"])
+    recovered = of_kind(events, Recovered)
+    assert len(recovered) == len(of_kind(events, WorkerFailure))
     model = torch.load(os.path.join(summary["run_dir"], "final_model.pt"), weights_only=True)
     torch.testing.assert_close(model, reference_weights(0, 16, steps), rtol=1e-9, atol=1e-10)
     # The ledger: every committed step once, and every index once in each completed epoch.

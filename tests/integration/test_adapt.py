@@ -10,13 +10,15 @@ import torch
 import elastic
 from elastic import BatchConfig, ChaosEvent, FitConfig, ScalingConfig
 from elastic.errors import WorkerOutOfMemoryError
+from elastic.events import BatchPlanned, MicroBatchTuned, OomBackoff, Rebalanced, WorkerFailure
+from tests.events import of_kind
 from tests.jobs import reference_run, regression_job, wide_job
 
 pytestmark = pytest.mark.integration
 
 
-def _events(result, kind):
-    return [e for e in result.events if e["event"] == kind]
+def _events(result, cls):
+    return of_kind(result.events, cls)
 
 
 def _assert_matches_replay(result, job, lrs=False):
@@ -36,11 +38,11 @@ def test_an_out_of_memory_error_halves_that_ranks_micro_batch_and_redoes_the_ste
     )
     result = elastic.fit(regression_job(), config)
     assert result.steps == 10 and result.samples == 160
-    [backoff] = _events(result, "oom_backoff")
-    assert (backoff["step"], backoff["rank"]) == (3, 1)
-    assert (backoff["micro_batch_before"], backoff["micro_batch_after"]) == (4, 2)
+    [backoff] = _events(result, OomBackoff)
+    assert (backoff.step, backoff.rank) == (3, 1)
+    assert (backoff.micro_batch_before, backoff.micro_batch_after) == (4, 2)
     assert [m["micro_batches"] for m in result.metrics] == [[4, 4]] * 3 + [[4, 2]] * 7
-    assert not _events(result, "worker_failure")
+    assert not _events(result, WorkerFailure)
     _assert_matches_replay(result, regression_job())
 
 
@@ -68,12 +70,12 @@ def test_shares_follow_measured_throughput_when_a_rank_is_slow(ray_cluster, tmp_
         return elastic.fit(wide_job(), config)
 
     even, balanced = run(False), run(True)
-    assert not _events(even, "rebalanced")
-    first = _events(balanced, "rebalanced")[0]
-    assert first["shares_before"] == [512, 512]
-    assert first["shares_after"][1] < first["shares_after"][0]  # the slow rank gets fewer
-    after = first["step"]
-    assert balanced.metrics[after]["shares"] == first["shares_after"]
+    assert not _events(even, Rebalanced)
+    first = _events(balanced, Rebalanced)[0]
+    assert first.shares_before == [512, 512]
+    assert first.shares_after[1] < first.shares_after[0]  # the slow rank gets fewer
+    after = first.step
+    assert balanced.metrics[after]["shares"] == first.shares_after
     # Direction only (the benchmark reports the ratio): the slow rank no longer sets the pace.
     balanced_median = statistics.median(m["step_time_s"] for m in balanced.metrics[after:])
     even_median = statistics.median(m["step_time_s"] for m in even.metrics[after:])
@@ -89,11 +91,11 @@ def test_the_fastest_micro_batch_is_chosen_on_real_steps(ray_cluster, tmp_path):
         max_steps=10, run_dir=str(tmp_path / "run"),
     )
     result = elastic.fit(regression_job(), config)
-    [tuned] = _events(result, "micro_batch_tuned")
-    assert set(tuned["samples_per_s"]) == {"16", "8", "4"}
-    assert tuned["micro_batch"] == int(max(tuned["samples_per_s"], key=tuned["samples_per_s"].get))
+    [tuned] = _events(result, MicroBatchTuned)
+    assert set(tuned.samples_per_s) == {"16", "8", "4"}
+    assert tuned.micro_batch == int(max(tuned.samples_per_s, key=tuned.samples_per_s.get))
     assert [m["micro_batch"] for m in result.metrics[:6]] == [16, 16, 8, 8, 4, 4]
-    assert {m["micro_batch"] for m in result.metrics[6:]} == {tuned["micro_batch"]}
+    assert {m["micro_batch"] for m in result.metrics[6:]} == {tuned.micro_batch}
     _assert_matches_replay(result, regression_job())
 
 
@@ -106,19 +108,19 @@ def test_scale_with_workers_ramps_the_learning_rate_after_a_resize(ray_cluster, 
         chaos=(ChaosEvent(step=4, rank=1, action="kill", phase="forward"),),
     )
     result = elastic.fit(regression_job(), config)
-    plans = _events(result, "batch_planned")
-    shrink = next(e for e in plans if e["world_size"] == 1)
-    assert (shrink["global_batch_size"], shrink["lr_factor_from"], shrink["lr_factor_to"]) == (8, 1.0, 0.5)
+    plans = _events(result, BatchPlanned)
+    shrink = next(e for e in plans if e.world_size == 1)
+    assert (shrink.global_batch_size, shrink.lr_factor_from, shrink.lr_factor_to) == (8, 1.0, 0.5)
     by_step = {m["step"]: m for m in result.metrics}
     assert all(by_step[s]["global_batch_size"] == 16 and by_step[s]["lr"] == 0.05 for s in range(4))
     # Every planned change: the batch follows the world size, the rate ramps over 3 steps.
     for event, following in zip(plans, [*plans[1:], None], strict=True):
-        end = following["step"] if following else result.steps
-        for s in range(event["step"], end):
-            done = min(1.0, (s - event["step"] + 1) / 3)
-            factor = event["lr_factor_from"] + (event["lr_factor_to"] - event["lr_factor_from"]) * done
-            assert by_step[s]["global_batch_size"] == event["global_batch_size"]
+        end = following.step if following else result.steps
+        for s in range(event.step, end):
+            done = min(1.0, (s - event.step + 1) / 3)
+            factor = event.lr_factor_from + (event.lr_factor_to - event.lr_factor_from) * done
+            assert by_step[s]["global_batch_size"] == event.global_batch_size
             assert by_step[s]["lr"] == pytest.approx(0.05 * factor, rel=1e-12)
-    assert 0.025 < by_step[shrink["step"]]["lr"] < 0.05  # mid-ramp, visible in the metrics
+    assert 0.025 < by_step[shrink.step]["lr"] < 0.05  # mid-ramp, visible in the metrics
     assert result.samples == sum(m["global_batch_size"] for m in result.metrics)
     _assert_matches_replay(result, regression_job(), lrs=True)

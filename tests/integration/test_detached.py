@@ -1,6 +1,5 @@
 """A detached run outlives the process that started it."""
 
-import json
 import os
 import pathlib
 import subprocess
@@ -11,6 +10,17 @@ import pytest
 import torch
 
 import elastic
+from elastic.events import (
+    DetachedExit,
+    FinalModelWritten,
+    Finish,
+    Resized,
+    ScaleRequested,
+    StopRequested,
+    WorkerFailure,
+    read_events,
+)
+from tests.events import kinds
 from tests.jobs import reference_weights
 
 pytestmark = pytest.mark.integration
@@ -57,10 +67,9 @@ def test_a_detached_run_finishes_after_its_driver_exits(ray_cluster, tmp_path):
     assert driver.stdout.strip().splitlines()[-1] == name
     # The driver is gone; the run goes on and leaves its record when it ends.
     _wait_until(lambda: elastic.status(name)["state"] in ("finished", "stopped"))
-    events = [json.loads(line) for line in open(run_dir / "events.jsonl")]
-    kinds = [e["event"] for e in events]
-    assert "finish" in kinds
-    assert kinds[-1] == "detached_exit"
+    order = kinds(read_events(run_dir))
+    assert Finish in order
+    assert order[-1] is DetachedExit
     model = torch.load(run_dir / "final_model.pt", weights_only=True)
     torch.testing.assert_close(model, reference_weights(0, 16, 12), rtol=1e-9, atol=1e-10)
 
@@ -111,12 +120,12 @@ def test_the_detached_lifecycle_through_the_cli(ray_cluster, tmp_path):
     assert cli.invoke(app, ["stop", name]).exit_code == 0
     _wait_until(lambda: elastic.status(name)["state"] in ("finished", "stopped"))
 
-    events = [json.loads(line) for line in open(run_dir / "events.jsonl")]
-    kinds = [e["event"] for e in events]
-    for kind in ("scale_requested", "resized", "worker_failure", "stop_requested", "finish",
-                 "final_model_written", "detached_exit"):
-        assert kind in kinds, kind
-    finish = next(e for e in events if e["event"] == "finish")
-    assert finish["stopped"] is True
+    events = read_events(run_dir)
+    order = kinds(events)
+    for cls in (ScaleRequested, Resized, WorkerFailure, StopRequested, Finish, FinalModelWritten,
+                DetachedExit):
+        assert cls in order, cls.kind
+    finish = next(e for e in events if isinstance(e, Finish))
+    assert finish.stopped is True
     model = torch.load(run_dir / "final_model.pt", weights_only=True)
-    torch.testing.assert_close(model, reference_weights(0, 16, finish["step"]), rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(model, reference_weights(0, 16, finish.step), rtol=1e-9, atol=1e-10)

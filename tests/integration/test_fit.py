@@ -12,6 +12,23 @@ import torch
 import elastic
 from elastic import BatchConfig, ChaosEvent, FitConfig, ScalingConfig
 from elastic.errors import ConfigError, RunNotFoundError, UserCodeError
+from elastic.events import (
+    CheckpointSkipped,
+    CheckpointWritten,
+    Evaluate,
+    Generation,
+    Recovered,
+    Resized,
+    RestoredFromCheckpoint,
+    Resumed,
+    StateChanged,
+    UserError,
+    WorkerFailure,
+    WorkerJoined,
+    WorkerStarting,
+    read_events,
+)
+from tests.events import of_kind
 from tests.jobs import N_SAMPLES, failing_job, reference_weights, regression_job
 
 pytestmark = pytest.mark.integration
@@ -30,8 +47,8 @@ def _config(tmp_path, **kwargs) -> FitConfig:
     return FitConfig(**base)
 
 
-def _events(result, kind):
-    return [e for e in result.events if e["event"] == kind]
+def _events(result, cls):
+    return of_kind(result.events, cls)
 
 
 def _assert_weights_equal_reference(result, steps):
@@ -48,9 +65,9 @@ def test_uninterrupted_run_matches_plain_pytorch(ray_cluster, tmp_path):
     assert {m["world_size"] for m in result.metrics} == {4}
     assert result.metrics[0]["shares"] == [4, 4, 4, 4]
     assert result.metrics[0]["micro_batch"] == 3
-    assert [e["epoch"] for e in _events(result, "evaluate")] == [1, 2]
+    assert [e.epoch for e in _events(result, Evaluate)] == [1, 2]
     # Four workers on one host: gradients travel through shared memory.
-    assert [e["transport"] for e in _events(result, "generation")] == ["shared_memory"]
+    assert [e.transport for e in _events(result, Generation)] == ["shared_memory"]
     on_disk = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
     assert on_disk == result.metrics
 
@@ -61,13 +78,13 @@ def test_two_kills_in_different_phases_end_with_the_reference_weights(ray_cluste
     result = elastic.fit(regression_job(), _config(tmp_path, max_steps=14, chaos=chaos))
     assert result.steps == 14
     _assert_weights_equal_reference(result, 14)
-    failures = _events(result, "worker_failure")
-    assert [f["lost_ranks"] for f in failures] == [[1], [2]]
-    recovered = _events(result, "recovered")
+    failures = _events(result, WorkerFailure)
+    assert [f.lost_ranks for f in failures] == [[1], [2]]
+    recovered = _events(result, Recovered)
     assert len(recovered) == 2
     for r in recovered:
         for key in ("detect_s", "abort_s", "rebuild_s", "restore_s", "first_step_s", "total_s"):
-            assert r[key] is not None and r[key] >= 0
+            assert getattr(r, key) is not None and getattr(r, key) >= 0
     # Uneven shares after shrinking to 3 workers: 16 = 6 + 5 + 5.
     assert [6, 5, 5] in [m["shares"] for m in result.metrics]
     # The report of this run: valid PNG images with content.
@@ -181,9 +198,9 @@ def test_ledger_shows_every_index_once_per_epoch_across_failures_and_a_resize(ra
     for epoch in range(completed):
         seen = [i for entry in ledger if entry["epoch"] == epoch for i in entry["indices"]]
         assert sorted(seen) == list(range(PER_EPOCH * B))  # 96 samples, each exactly once
-    assert [f["lost_ranks"] for f in _events(result, "worker_failure")] == [[2], [0]]
+    assert [f.lost_ranks for f in _events(result, WorkerFailure)] == [[2], [0]]
     assert 4 in {m["world_size"] for m in result.metrics}
-    assert _events(result, "resized")
+    assert _events(result, Resized)
 
 
 def test_survivors_keep_their_processes_and_a_replacement_restores_the_world_size(
@@ -209,8 +226,8 @@ def test_survivors_keep_their_processes_and_a_replacement_restores_the_world_siz
     for worker_id in survivors:
         assert after[worker_id] == seen["before"][worker_id]  # same process, never restarted
     assert seen["killed"] not in after
-    assert len(_events(result, "worker_joined")) == 1
-    assert _events(result, "worker_failure")[0]["lost_workers"] == [seen["killed"]]
+    assert len(_events(result, WorkerJoined)) == 1
+    assert _events(result, WorkerFailure)[0].lost_workers == [seen["killed"]]
     _assert_weights_equal_reference(result, result.steps)
 
 
@@ -218,9 +235,9 @@ def test_an_injected_user_error_is_retried_and_the_result_is_unchanged(ray_clust
     chaos = (ChaosEvent(step=4, rank=2, action="raise", phase="forward"),)
     result = elastic.fit(regression_job(), _config(tmp_path, max_steps=8, chaos=chaos))
     _assert_weights_equal_reference(result, 8)
-    errors = _events(result, "user_error")
-    assert [(e["step"], e["ranks"], e["attempt"]) for e in errors] == [(4, [2], 1)]
-    assert not _events(result, "worker_failure")
+    errors = _events(result, UserError)
+    assert [(e.step, e.ranks, e.attempt) for e in errors] == [(4, [2], 1)]
+    assert not _events(result, WorkerFailure)
 
 
 def test_a_loss_that_always_raises_fails_with_rank_step_and_traceback(ray_cluster, tmp_path):
@@ -232,9 +249,9 @@ def test_a_loss_that_always_raises_fails_with_rank_step_and_traceback(ray_cluste
     assert error.step == 0
     assert error.rank == 0
     assert "user bug in the loss" in error.traceback
-    events = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl")]
-    assert [e["attempt"] for e in events if e["event"] == "user_error"] == [1, 2, 3]
-    assert events[-1]["event"] == "state" and events[-1]["state"] == "failed"
+    events = read_events(tmp_path / "run")
+    assert [e.attempt for e in of_kind(events, UserError)] == [1, 2, 3]
+    assert isinstance(events[-1], StateChanged) and events[-1].state == "failed"
 
 
 def test_scale_outside_the_bounds_is_refused(ray_cluster, tmp_path):
@@ -281,7 +298,7 @@ def test_free_capacity_is_used_up_to_max_workers(ray_cluster, tmp_path):
 
     with Operator(name, script):
         result = elastic.fit(regression_job(), config)
-    assert [e["reason"] for e in _events(result, "worker_starting")] == ["capacity"]
+    assert [e.reason for e in _events(result, WorkerStarting)] == ["capacity"]
     assert {m["world_size"] for m in result.metrics} == {2, 3}
     _assert_weights_equal_reference(result, result.steps)
 
@@ -298,13 +315,13 @@ def test_a_stopped_run_resumes_later_at_another_world_size_and_ends_exactly(ray_
             tmp_path / "a", max_steps=100_000, checkpoint=checkpoint, name=name))
     assert first.stopped
     stopped_at = first.steps
-    assert [e["step"] for e in _events(first, "checkpoint_written")][-1] == stopped_at
+    assert [e.step for e in _events(first, CheckpointWritten)][-1] == stopped_at
     assert elastic.load_checkpoint(str(tmp_path / "ckpt")).step == stopped_at
     total = stopped_at + 7
     second = elastic.fit(regression_job(), _config(
         tmp_path / "b", max_steps=total, checkpoint=checkpoint,
         scaling=ScalingConfig(num_workers=3, min_workers=1, max_workers=3)))
-    assert [e["step"] for e in _events(second, "resumed")] == [stopped_at]
+    assert [e.step for e in _events(second, Resumed)] == [stopped_at]
     assert [m["step"] for m in second.metrics] == list(range(stopped_at, total))
     _assert_weights_equal_reference(second, total)
 
@@ -320,9 +337,9 @@ def test_losing_every_worker_restores_from_the_checkpoint_and_finishes_exactly(r
     config = _config(tmp_path, max_steps=12, checkpoint=checkpoint, chaos=chaos,
                      scaling=ScalingConfig(num_workers=2, min_workers=1, max_workers=2))
     result = elastic.fit(regression_job(), config)
-    (restored,) = _events(result, "restored_from_checkpoint")
-    assert restored["step"] == 6
-    assert restored["work_lost_steps"] == 1
+    (restored,) = _events(result, RestoredFromCheckpoint)
+    assert restored.step == 6
+    assert restored.work_lost_steps == 1
     _assert_weights_equal_reference(result, 12)
 
 
@@ -351,7 +368,7 @@ def test_a_planted_checkpoint_is_skipped_and_the_run_resumes_from_its_own(ray_cl
     root = tmp_path / "ckpt"
     checkpoint = elastic.CheckpointConfig(path=str(root), every_steps=2)
     first = elastic.fit(regression_job(), _config(tmp_path / "a", max_steps=4, checkpoint=checkpoint))
-    assert [e["step"] for e in _events(first, "checkpoint_written")][-1] == 4
+    assert [e.step for e in _events(first, CheckpointWritten)][-1] == 4
     own = json.loads((root / step_dir_name(4) / MANIFEST).read_text())
     planted = root / step_dir_name(50)
     planted.mkdir()
@@ -366,10 +383,10 @@ def test_a_planted_checkpoint_is_skipped_and_the_run_resumes_from_its_own(ray_cl
     (planted / MANIFEST).write_text(json.dumps({**own, "step": 50, "files": files}))
 
     second = elastic.fit(regression_job(), _config(tmp_path / "b", max_steps=7, checkpoint=checkpoint))
-    skipped = _events(second, "checkpoint_skipped")
-    assert [e["path"] for e in skipped] == [step_dir_name(50)]
-    assert "does not match" in skipped[0]["reason"]  # its copied signature covers other bytes
-    assert [e["step"] for e in _events(second, "resumed")] == [4]
+    skipped = _events(second, CheckpointSkipped)
+    assert [e.path for e in skipped] == [step_dir_name(50)]
+    assert "does not match" in skipped[0].reason  # its copied signature covers other bytes
+    assert [e.step for e in _events(second, Resumed)] == [4]
     _assert_weights_equal_reference(second, 7)
     assert planted.exists()  # never deleted: a wrong key must not cost anyone their data
 
@@ -387,7 +404,7 @@ def test_a_root_of_unsigned_checkpoints_is_not_silently_started_over(ray_cluster
     assert elastic.load_checkpoint(root) is None  # not with the key: unsigned ones are not loaded
     assert elastic.load_checkpoint(root, signed=False).step == 4
     resumed = elastic.fit(regression_job(), _config(tmp_path / "c", max_steps=7, checkpoint=unsigned))
-    assert [e["step"] for e in _events(resumed, "resumed")] == [4]
+    assert [e.step for e in _events(resumed, Resumed)] == [4]
     _assert_weights_equal_reference(resumed, 7)
 
 

@@ -7,6 +7,8 @@ import torch
 import elastic
 from elastic import BatchConfig, ChaosEvent, FitConfig, ScalingConfig
 from elastic.config import CollectiveConfig, FailureConfig
+from elastic.events import Nonfinite, UserError
+from tests.events import of_kind
 from tests.jobs import (
     N_SAMPLES,
     poisoned_job,
@@ -58,14 +60,14 @@ def test_a_kill_with_overlap_recovers_to_the_reference(ray_cluster, tmp_path, ph
 def test_a_user_error_mid_backward_is_voted_down_and_retried(ray_cluster, tmp_path):
     chaos = (ChaosEvent(step=5, rank=1, action="raise", phase="backward"),)
     result = elastic.fit(regression_job(), _config(tmp_path, chaos=chaos))
-    assert [e["step"] for e in result.events if e["event"] == "user_error"] == [5]
+    assert [e.step for e in of_kind(result.events, UserError)] == [5]
     torch.testing.assert_close(result.model_state, reference_weights(0, B, 12), rtol=1e-9, atol=1e-10)
 
 
 def test_nan_steps_are_skipped_with_overlap(ray_cluster, tmp_path):
     config = _config(tmp_path, max_steps=18, failure=FailureConfig(nonfinite="skip"))
     result = elastic.fit(poisoned_job(), config)
-    assert len([e for e in result.events if e["event"] == "nonfinite"]) == 3
+    assert len(of_kind(result.events, Nonfinite)) == 3
     torch.testing.assert_close(result.model_state, reference_skipping_nonfinite(0, B, 18),
                                rtol=1e-9, atol=1e-10)
 

@@ -40,6 +40,7 @@ TINY = {
     ("bench overhead", "--steps"): "11",
     ("bench scaling", "--workers"): "1,2",
     ("bench scaling", "--batch-sizes"): "20,64",
+    ("bench decisions", "--members"): "4,16",
 }
 # Sizes the README leaves at their defaults, made small.
 EXTRA = {
@@ -47,6 +48,7 @@ EXTRA = {
     "bench adapt": ["--steps", "40", "--batch", "64"],
     "bench overhead": ["--rounds", "1"],
     "bench scaling": ["--steps", "9"],
+    "bench decisions": ["--steps", "16"],
     "demo": ["--workers", "2", "--epochs", "2"],
 }
 
@@ -100,7 +102,7 @@ def _flags(argv: list[str]) -> set[str]:
 def test_every_readme_command_has_a_smoke_entry_that_keeps_its_flags(tmp_path):
     kinds = {"run", "start", "list", "logs", "status", "scale", "kill", "stop", "demo", "report",
              "bench allreduce", "bench recovery", "bench checkpoint", "bench control", "bench adapt",
-             "bench overhead", "bench scaling"}
+             "bench overhead", "bench scaling", "bench decisions"}
     for line in readme_commands():
         argv = shlex.split(line)
         assert argv[0] == "elastic" and _kind(argv) in kinds, f"README command without a smoke entry: {line}"
@@ -167,6 +169,9 @@ def _check(kind: str, output: str, out: pathlib.Path) -> None:
             assert data["ratio"] > 0
         case "bench overhead":
             assert data["step_ratio"] > 0
+        case "bench decisions":
+            assert [p["members"] for p in data] == [4, 16]
+            assert all(p["steps"] == 16 and p["decision_ms_per_step"] > 0 for p in data)
         case "bench scaling":
             assert len(data["points"]) == 4
             assert _png(out / "bench-scaling.png")

@@ -15,6 +15,8 @@ import elastic
 from cli.main import app
 from elastic import BatchConfig, FitConfig, ScalingConfig
 from elastic.errors import RunNotFoundError, UserCodeError
+from elastic.events import StateChanged
+from tests.events import kinds
 from tests.jobs import failing_job, regression_job
 
 pytestmark = pytest.mark.integration
@@ -58,7 +60,7 @@ def test_a_finished_and_a_failed_run_answer_status_and_list_after_they_end(ray_c
     # Nothing to control in an ended run: a clear error, not a hang or a Ray lookup.
     with pytest.raises(RunNotFoundError, match="not running"):
         elastic.scale("rec-finished", 2)
-    assert [e["event"] for e in elastic.events("rec-finished")][-1] == "state"
+    assert kinds(elastic.events("rec-finished"))[-1] is StateChanged
 
 
 def test_the_record_is_read_without_ray(ray_cluster, tmp_path):

@@ -1,5 +1,7 @@
 """CLI wiring only; the behaviour behind each command is tested through the Python API."""
 
+import dataclasses
+
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -59,6 +61,7 @@ def test_the_option_surface_is_what_was_reviewed():
         "bench scaling": ["batch_sizes", "json_path", "model", "plot", "steps", "workers"],
         "bench adapt": ["batch", "json_path", "slow_factor", "steps", "workers"],
         "bench control": ["calls", "json_path"],
+        "bench decisions": ["json_path", "members", "steps"],
         "bench overhead": ["algorithm", "batch", "json_path", "model", "overlap", "rounds",
                            "steps", "workers"],
         "run": ["address", "algorithm", "backend", "batch_policy", "config", "debug", "epochs",
@@ -81,10 +84,23 @@ def test_the_option_surface_is_what_was_reviewed():
 
 
 def test_a_rebalance_that_did_not_deliver_is_told_with_what_comes_next():
-    from cli.main import _describe
+    from cli.render import describe
+    from elastic.events import RebalanceJudged
 
-    missed = {"event": "rebalance_judged", "delivered": False, "realised_saving_s": 0.0004,
-              "predicted_saving_s": 0.002, "threshold": 0.3, "window": 2}
-    assert _describe(missed) == ("the re-split saved 0.4 ms of a predicted 2.0 ms; the next one "
-                                 "needs 30% and is watched for 2 chunks")
-    assert _describe({**missed, "delivered": True}) is None
+    missed = RebalanceJudged(step=16, delivered=False, realised_saving_s=0.0004,
+                             predicted_saving_s=0.002, threshold=0.3, window=2)
+    assert describe(missed) == ("the re-split saved 0.4 ms of a predicted 2.0 ms; the next one "
+                                "needs 30% and is watched for 2 chunks")
+    assert describe(dataclasses.replace(missed, delivered=True)) is None
+
+
+def test_logs_prints_each_event_kind_and_its_line_and_unknown_kinds_by_name(monkeypatch):
+    import elastic
+
+    records = [{"time": 1.0, "event": "worker_joined", "worker_id": 6, "pid": 42},
+               {"time": 2.0, "event": "from_a_newer_version", "x": 1}]
+    monkeypatch.setattr(elastic, "events", lambda name: records)
+    result = runner.invoke(app, ["logs", "some-run"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == ["   worker_joined  worker 6 joined",
+                                          "from_a_newer_version  from_a_newer_version"]

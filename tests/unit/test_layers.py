@@ -17,6 +17,8 @@ FORBIDDEN = {
                       "elastic.checkpoint"),
     "elastic.trainer": ("ray", "elastic.actors", "cli"),
     "elastic.runlog": ("ray", "torch", "elastic.actors"),
+    "elastic.events": ("ray", "torch", "elastic.actors"),
+    "elastic.control": ("ray", "elastic.actors", "cli"),
     "elastic.job": ("ray", "elastic.actors"),
     "elastic.result": ("ray", "elastic.actors"),
     "elastic.bench": ("ray", "elastic.actors"),

@@ -33,8 +33,9 @@ from elastic.checkpoint.store import (
     step_dir_name,
 )
 from elastic.errors import CheckpointCorruptError, CheckpointSignatureError, ConfigError
+from elastic.events import StopRequested, read_events
 from elastic.private import ensure_private_dir, open_private_append, write_private
-from elastic.runlog import RunLog, read_jsonl
+from elastic.runlog import RunLog
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to hand a folder to uid 65534")
@@ -54,14 +55,14 @@ def _parts(step: int) -> dict[str, bytes]:
 def test_run_files_are_0600_in_a_0700_directory(tmp_path):
     run_dir = tmp_path / "runs" / "r"
     log = RunLog(str(run_dir))
-    log.event("started", x=1)
+    log.event("stop_requested")
     log.metric(step=0, loss=1.0)
     log.ledger(0, 0, [1, 2])
     log.close()
     assert _mode(run_dir) == 0o700
     for name in ("events.jsonl", "metrics.jsonl", "ledger.jsonl"):
         assert _mode(run_dir / name) == 0o600, name
-    assert [e["event"] for e in read_jsonl(str(run_dir / "events.jsonl"))] == ["started"]
+    assert [type(e) for e in read_events(run_dir)] == [StopRequested]
 
 
 def test_a_symlinked_events_file_is_refused_and_its_target_untouched(tmp_path):
@@ -172,7 +173,7 @@ def _read_as_another_user(top: pathlib.Path) -> None:
     base.mkdir()
     run_dir, root = base / "run", base / "ckpt"
     log = RunLog(str(run_dir))
-    log.event("started")
+    log.event("stop_requested")
     log.close()
     write_checkpoint(str(root), 1, _parts(1), {}, key=os.urandom(32))
     write_private(str(run_dir / "final_model.pt"), b"weights")

@@ -1,14 +1,25 @@
-"""The controller's side of checkpoints: when rank 0 writes, what a restore finds, events."""
+"""The controller's side of checkpoints: when rank 0 writes, what a restore finds, events.
+
+Writes and restores run on a worker, reached through the `Workers` port by worker id.
+
+No Ray here.
+"""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-import ray
-
 from elastic.config import FitConfig
+from elastic.control.port import Workers
 from elastic.errors import ConfigError
+from elastic.events import (
+    CheckpointBusy,
+    CheckpointConfigChanged,
+    CheckpointFailed,
+    CheckpointSkipped,
+    CheckpointWritten,
+)
 from elastic.runlog import RunLog
 
 
@@ -18,11 +29,13 @@ class CheckpointCoordinator:
     Args:
         config: the run's configuration (`config.checkpoint` may be None: then it is off).
         log: the run's event log.
+        workers: the port through which a worker writes or restores.
     """
 
-    def __init__(self, config: FitConfig, log: RunLog) -> None:
+    def __init__(self, config: FitConfig, log: RunLog, workers: Workers) -> None:
         self.config = config
         self.log = log
+        self.workers = workers
         self._last_step = 0
         self._last_time = time.monotonic()
 
@@ -34,11 +47,12 @@ class CheckpointCoordinator:
         """What must match for a checkpoint's data cursor to mean the same samples."""
         return f"B={self.config.batch.global_batch_size};seed={self.config.seed}"
 
-    def restore(self, actor: Any, event: str, current_step: int) -> int | None:
-        """Loads the newest valid checkpoint into `actor`'s replica; returns its step or None."""
-        info = ray.get(actor.restore_checkpoint.remote())
+    def restore(self, worker_id: int, event: str, current_step: int) -> int | None:
+        """Loads the newest valid checkpoint into worker `worker_id`'s replica; returns its
+        step or None."""
+        info = self.workers.call(worker_id, "restore_checkpoint")
         for path, reason in info["skipped"]:
-            self.log.event("checkpoint_skipped", path=path, reason=reason)
+            self.log.emit(CheckpointSkipped(path=path, reason=reason))
         if info["step"] is None:
             unsigned = info["unsigned"]
             if event == "resumed" and unsigned:
@@ -52,8 +66,8 @@ class CheckpointCoordinator:
                 )
             return None
         if info.get("fingerprint") not in (None, self.fingerprint()):
-            self.log.event("checkpoint_config_changed", path=info["path"],
-                           note="global batch or seed differ from the run that wrote it")
+            self.log.emit(CheckpointConfigChanged(path=info["path"],
+                           note="global batch or seed differ from the run that wrote it"))
         self.log.event(event, step=info["step"], path=info["path"],
                        work_lost_steps=max(0, current_step - info["step"]))
         self._last_step = int(info["step"])
@@ -67,30 +81,30 @@ class CheckpointCoordinator:
             return True
         return bool(ckpt.every_seconds and time.monotonic() - self._last_time >= ckpt.every_seconds)
 
-    def maybe_write(self, actor: Any, step: int, world_size: int, final: bool = False) -> None:
-        """Asks rank 0 (`actor`) to checkpoint `step` if one is due (always when `final`, which
+    def maybe_write(self, worker_id: int, step: int, world_size: int, final: bool = False) -> None:
+        """Asks worker `worker_id` (rank 0) to checkpoint `step` if one is due (always when `final`, which
         also waits for the write to finish)."""
         if not self.enabled:
             return
         if final:
             # The final checkpoint must not be skipped because an earlier write is in flight.
-            self._log_writes(ray.get(actor.flush_checkpoints.remote()))
+            self._log_writes(self.workers.call(worker_id, "flush_checkpoints"))
         if final or self._due(step):
             meta = {"world_size": world_size, "fingerprint": self.fingerprint()}
-            answer = ray.get(actor.checkpoint.remote(meta))
+            answer = self.workers.call(worker_id, "checkpoint", meta)
             if answer["submitted"]:
                 self._last_step, self._last_time = step, time.monotonic()
             else:
-                self.log.event("checkpoint_busy", step=step,
-                               note="previous write still in flight; this one was skipped")
+                self.log.emit(CheckpointBusy(step=step,
+                               note="previous write still in flight; this one was skipped"))
             self._log_writes(answer["reports"])
         if final:
-            self._log_writes(ray.get(actor.flush_checkpoints.remote()))
+            self._log_writes(self.workers.call(worker_id, "flush_checkpoints"))
 
     def _log_writes(self, reports: list[dict[str, Any]]) -> None:
         for r in reports:
             if r["error"]:
-                self.log.event("checkpoint_failed", step=r["step"], error=r["error"])
+                self.log.emit(CheckpointFailed(step=r["step"], error=r["error"]))
             else:
-                self.log.event("checkpoint_written", step=r["step"], path=r["path"],
-                               seconds=r["seconds"], pruned=list(r["pruned"]))
+                self.log.emit(CheckpointWritten(step=r["step"], path=r["path"],
+                               seconds=r["seconds"], pruned=list(r["pruned"])))

@@ -1,4 +1,7 @@
-"""The controller's states."""
+"""The labels of a run's lifecycle (`elastic.control.states` holds the state classes).
+
+No Ray here.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ class RunState(Enum):
     RUNNING = "running"
     RECOVERING = "recovering"
     RESIZING = "resizing"
+    FINISHING = "finishing"
     FINISHED = "finished"
     FAILED = "failed"
 

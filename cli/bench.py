@@ -1,0 +1,301 @@
+"""`elastic bench ...`: each benchmark runs through `elastic.bench`, prints a table and writes
+JSON (`--json`) or a plot (`--plot`) if asked."""
+
+from __future__ import annotations
+
+import pathlib
+import statistics
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.table import Table
+
+from cli.output import console, fail, one_line, save, save_json
+from elastic.config import ALGORITHMS, CollectiveConfig
+from elastic.errors import ElasticError
+
+if TYPE_CHECKING:
+    from elastic.bench.allreduce import AllreduceBenchResult
+
+app = typer.Typer(no_args_is_help=True, help="Benchmarks that print a table and write JSON.")
+
+
+def _human(size: int) -> str:
+    for unit, factor in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if size >= factor and size % factor == 0:
+            return f"{size // factor}{unit}"
+    return f"{size}B"
+
+
+@app.command("allreduce")
+def bench_allreduce(
+    world_size: Annotated[int, typer.Option(help="Number of ranks (processes).")] = 4,
+    sizes: Annotated[str, typer.Option(help="Comma-separated message sizes.")] = "4KB,64KB,1MB,16MB,64MB",
+    algorithms: Annotated[str, typer.Option(help="Comma-separated algorithms.")] = ",".join(ALGORITHMS),
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+    plot: Annotated[pathlib.Path | None, typer.Option(help="Write a busbw plot (PNG) here.")] = None,
+    shared_memory: Annotated[bool, typer.Option(
+        help="Point-to-point algorithms move bytes through shared memory (as in training on "
+             "one host); off: through gloo's TCP send/recv. 'native' is gloo's own allreduce "
+             "either way.")] = True,
+    segment_bytes: Annotated[str, typer.Option(help="Ring segment size.")] = "16MB",
+) -> None:
+    """Time every allreduce algorithm at every size, check results, fit alpha-beta."""
+    from elastic.bench.allreduce import parse_size, plot_allreduce, run_allreduce_bench
+
+    try:
+        size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
+    except ValueError as e:
+        raise fail(f"--sizes: {e}") from None
+    try:
+        segment = parse_size(segment_bytes)
+    except ValueError as e:
+        raise fail(f"--segment-bytes: {e}") from None
+    algorithm_list = [a.strip() for a in algorithms.split(",") if a.strip()]
+    unknown = [a for a in algorithm_list if a not in ALGORITHMS]
+    if unknown:
+        raise fail(f"--algorithms: unknown {', '.join(unknown)}; choose from {', '.join(ALGORITHMS)}")
+    try:
+        result = run_allreduce_bench(world_size, size_list, algorithm_list,  # type: ignore[arg-type]
+                                     segment_bytes=segment, shared_memory=shared_memory)
+    except ValueError as e:
+        raise fail(str(e)) from None
+    _print_allreduce(result, world_size)
+    save_json(json_path, result.to_json())
+    save(plot, lambda path: plot_allreduce(result, str(path)))
+    if not all(r.correct for r in result.records):
+        raise fail("some results were wrong (see the 'correct' column)")
+
+
+def _print_allreduce(result: AllreduceBenchResult, world_size: int) -> None:
+    """The measurements, the alpha-beta fits and where ring overtakes tree."""
+    table = Table(title=f"allreduce, {world_size} ranks (memcpy {result.memcpy_gbps:.2f} GB/s, "
+                        f"loopback TCP {result.loopback_tcp_gbps:.2f} GB/s)")
+    for column in ("algorithm", "transport", "size", "median ms", "algbw GB/s", "busbw GB/s",
+                   "busbw / TCP", "correct"):
+        table.add_column(column, justify="right")
+    for r in result.records:
+        table.add_row(r.algorithm, r.transport, _human(r.size_bytes), f"{r.median_s * 1e3:.3f}",
+                      f"{r.algbw_gbps:.3f}", f"{r.busbw_gbps:.3f}",
+                      f"{r.busbw_gbps / result.loopback_tcp_gbps:.0%}", "yes" if r.correct else "NO")
+    console.print(table)
+    fits = Table(title="alpha-beta fit: t = alpha + beta * bytes")
+    for column in ("algorithm", "alpha us", "1/beta GB/s", "R^2"):
+        fits.add_column(column, justify="right")
+    for name, fit in result.fits.items():
+        inv = 1 / fit.beta_s_per_byte / 1e9 if fit.beta_s_per_byte > 0 else float("inf")
+        fits.add_row(name, f"{fit.alpha_s * 1e6:.1f}", f"{inv:.3f}", f"{fit.r_squared:.4f}")
+    console.print(fits)
+    cross = result.ring_beats_tree_from_bytes
+    console.print(f"ring beats tree from: {_human(cross) if cross else 'no measured size'}")
+
+
+@app.command("recovery")
+def bench_recovery(
+    workers: Annotated[int, typer.Option(help="Workers in the run.")] = 4,
+    trials: Annotated[int, typer.Option(help="Kills (one recovery each).")] = 10,
+    seed: Annotated[int, typer.Option(help="Seed of the kill schedule.")] = 0,
+    replace: Annotated[bool, typer.Option(
+        "--replace/--no-replace", help="Replacements start at once (default), or not: the run "
+        "goes on with the survivors and is scaled back up after each recovery.")] = True,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """SIGKILL a random worker at a random phase TRIALS times in one run; time each recovery."""
+    from elastic.bench.recovery import run_recovery_bench
+
+    try:
+        result = run_recovery_bench(workers, trials, seed=seed, replace=replace)
+    except (ValueError, ElasticError) as e:
+        raise fail(one_line(e)) from None
+    table = Table(title=f"recovery from SIGKILL, {workers} workers, {len(result.recoveries)} recoveries")
+    for column in ("stage", "median ms", "max ms"):
+        table.add_column(column, justify="right")
+    for stage in result.stages:
+        table.add_row(stage.stage.removesuffix("_s"), f"{stage.median_s * 1e3:.1f}",
+                      f"{stage.max_s * 1e3:.1f}")
+    console.print(table)
+    console.print(f"replacements joined: {result.joins}; work lost per failure (steps): "
+                  f"{result.work_lost_steps}; run dir {result.run_dir}")
+    save_json(json_path, result.to_json())
+
+
+@app.command("adapt")
+def bench_adapt(
+    workers: Annotated[int, typer.Option(help="Workers in the run (the last one is slowed).")] = 4,
+    slow_factor: Annotated[float, typer.Option(help="How many times slower the slow worker is.")] = 2.0,
+    steps: Annotated[int, typer.Option(help="Steps in the run.")] = 64,
+    batch: Annotated[int, typer.Option(help="Global batch size.")] = 256,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Slow one worker down; compare step time on the even split with that after rebalancing."""
+    from elastic.bench.adapt import run_adapt_bench
+
+    try:
+        r = run_adapt_bench(workers, slow_factor, steps, batch)
+    except (ValueError, RuntimeError, ElasticError) as e:
+        raise fail(one_line(e)) from None
+    table = Table(title=f"one of {workers} workers {slow_factor:g}x slower, global batch {batch}")
+    for column in ("split", "shares", "steps", "median step ms"):
+        table.add_column(column, justify="right")
+    table.add_row("even", str(r.shares_even), str(r.even_steps), f"{r.even_median_s * 1e3:.1f}")
+    table.add_row("rebalanced", str(r.shares_rebalanced), str(r.rebalanced_steps),
+                  f"{r.rebalanced_median_s * 1e3:.1f}")
+    console.print(table)
+    console.print(f"rebalanced / even step time: {r.ratio:.2f}x ({len(r.rebalances)} rebalance(s)); "
+                  f"run dir {r.run_dir}")
+    save_json(json_path, r.to_json())
+
+
+@app.command("overhead")
+def bench_overhead(
+    workers: Annotated[int, typer.Option(help="World size of both runs.")] = 2,
+    model: Annotated[str, typer.Option(help="mlp or cnn.")] = "mlp",
+    steps: Annotated[int, typer.Option(help="Steps of each run.")] = 40,
+    batch: Annotated[int, typer.Option(help="Global batch size.")] = 256,
+    algorithm: Annotated[str, typer.Option(help="Our allreduce algorithm.")] = CollectiveConfig().algorithm,
+    overlap: Annotated[bool | None, typer.Option(
+        "--overlap/--no-overlap", help="Overlap gradient buckets with backward (default: the "
+        "backend's default, off for gloo).")] = None,
+    rounds: Annotated[int, typer.Option(
+        help="Runs of each, alternating; the ratio is the median of the per-round ratios.")] = 3,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """elastic.fit against a plain torch DDP loop: same model, data, batch and world size."""
+    from elastic.bench.overhead import run_overhead_bench
+
+    try:
+        r = run_overhead_bench(workers, model, steps, batch, algorithm=algorithm, overlap=overlap,
+                               rounds=rounds)
+    except (ValueError, ElasticError) as e:
+        raise fail(one_line(e)) from None
+    table = Table(title=f"{model} ({r.parameters:,} parameters), {workers} workers, global batch {batch}")
+    for column in ("", "median step ms", "wall ms / step"):
+        table.add_column(column, justify="right")
+    table.add_row("elastic.fit", f"{r.elastic_step_median_s * 1e3:.1f}",
+                  f"{r.elastic_wall_per_step_s * 1e3:.1f}")
+    table.add_row("torch DDP (gloo)", f"{r.ddp_step_median_s * 1e3:.1f}",
+                  f"{r.ddp_wall_per_step_s * 1e3:.1f}")
+    table.add_row("ratio", f"{r.step_ratio:.2f}x", f"{r.wall_ratio:.2f}x")
+    console.print(table)
+    if len(r.rounds) > 1:
+        console.print("per-round step ratios: " + ", ".join(
+            f"{x['step_ratio']:.2f}x" for x in r.rounds) + " (wall: " + ", ".join(
+            f"{x['wall_ratio']:.2f}x" for x in r.rounds) + ")")
+    console.print(f"elastic medians: forward/backward {r.elastic_forward_backward_median_s * 1e3:.1f} ms, "
+                  f"exposed communication {r.elastic_comm_median_s * 1e3:.1f} ms "
+                  f"(algorithm {r.algorithm}, overlap {'on' if r.overlap else 'off'})")
+    save_json(json_path, r.to_json())
+
+
+@app.command("scaling")
+def bench_scaling(
+    model: Annotated[str, typer.Option(help="mlp95, alexnet, googlenet or resnet50.")] = "mlp95",
+    workers: Annotated[str, typer.Option(help="Comma-separated worker counts.")] = "1,2,4",
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated global batch sizes.")] = "64,128,256,512",
+    steps: Annotated[int, typer.Option(help="Steps per run.")] = 24,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+    plot: Annotated[pathlib.Path | None, typer.Option(help="Write a PNG plot here.")] = None,
+) -> None:
+    """Samples/s and scaling efficiency against workers and batch; projection to 256 workers."""
+    from elastic.bench.scaling import plot_scaling, run_scaling_bench
+
+    try:
+        worker_list = [int(x) for x in workers.split(",") if x]
+        batch_list = [int(x) for x in batch_sizes.split(",") if x]
+        r = run_scaling_bench(model, worker_list, batch_list, steps)
+    except (ValueError, ElasticError) as e:
+        raise fail(one_line(e)) from None
+    table = Table(title=f"{model}: {r.parameters:,} parameters "
+                  f"({r.gradient_bytes / 1e6:.2f} MB of gradients)")
+    for column in ("workers", "global batch", "samples/s", "efficiency", "step ms", "compute ms", "comm ms"):
+        table.add_column(column, justify="right")
+    for p in r.points:
+        table.add_row(str(p.workers), str(p.global_batch_size), f"{p.samples_per_s:.0f}",
+                      f"{p.efficiency:.2f}", f"{p.step_s * 1e3:.1f}", f"{p.compute_s * 1e3:.1f}",
+                      f"{p.comm_s * 1e3:.1f}")
+    console.print(table)
+    projected = ", ".join(f"{p.workers}: {p.samples_per_s:.0f}/s ({p.efficiency:.2f})" for p in r.projection)
+    bandwidth = 1 / r.beta_s_per_byte / 1e9 if r.beta_s_per_byte else float("inf")
+    console.print(f"projection at B={r.projection_batch} (compute {r.compute_per_sample_s * 1e6:.1f} "
+                  f"us/sample, alpha {r.alpha_s * 1e3:.3f} ms, 1/beta {bandwidth:.2f} GB/s): {projected}")
+    save_json(json_path, r.to_json())
+    save(plot, lambda path: plot_scaling(r, str(path)))
+
+
+@app.command("control")
+def bench_control(
+    calls: Annotated[int, typer.Option(help="Calls of each command.")] = 20,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Time `elastic status/list/scale/kill/stop` as typed (a process each) on a live run."""
+    from elastic.bench.control import run_control_bench
+
+    try:
+        r = run_control_bench(calls)
+    except (ValueError, RuntimeError, TimeoutError, ElasticError) as e:
+        raise fail(one_line(e)) from None
+    table = Table(title=f"control commands on a live local run, {calls} calls each")
+    for column in ("command", "median ms", "max ms", "from Python, median ms"):
+        table.add_column(column, justify="right")
+    for c in r.commands:
+        table.add_row(f"elastic {c.command}", f"{c.cli_median_s * 1e3:.0f}", f"{c.cli_max_s * 1e3:.0f}",
+                      f"{c.python_median_s * 1e3:.1f}" if c.python_median_s is not None else "-")
+    console.print(table)
+    for label, values in (("down", r.scale_down_to_step_s), ("up", r.scale_up_to_step_s)):
+        if values:
+            console.print(f"elastic scale {label} -> first step at the new size: median "
+                          f"{statistics.median(values) * 1e3:.0f} ms, max {max(values) * 1e3:.0f} ms "
+                          f"({len(values)} resizes)")
+    save_json(json_path, r.to_json())
+
+
+@app.command("checkpoint")
+def bench_checkpoint(
+    size_mb: Annotated[int, typer.Option(help="State size in MiB (model + optimizer).")] = 256,
+    trials: Annotated[int, typer.Option(help="Repetitions (medians are reported).")] = 3,
+    directory: Annotated[str | None, typer.Option(help="Where to write (default: a temp dir).")] = None,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Async checkpoint stall vs a synchronous save; write throughput vs a plain fsynced write."""
+    from elastic.bench.checkpoint import run_checkpoint_bench
+
+    try:
+        r = run_checkpoint_bench(size_mb, trials, directory)
+    except ValueError as e:
+        raise fail(str(e)) from None
+    table = Table(title=f"checkpoint of {r.state_bytes / 1e6:.0f} MB, median of {r.trials}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("synchronous save (s)", f"{r.sync_save_s:.3f}")
+    table.add_row("asynchronous stall (s)", f"{r.async_stall_s:.3f}")
+    table.add_row("stall / synchronous save", f"{r.stall_fraction:.1%}")
+    table.add_row("checkpoint write (GB/s)", f"{r.checkpoint_write_gbps:.3f}")
+    table.add_row("plain fsynced write (GB/s)", f"{r.plain_write_gbps:.3f}")
+    table.add_row("checkpoint / plain", f"{r.write_fraction:.1%}")
+    console.print(table)
+    save_json(json_path, r.to_json())
+
+
+@app.command("decisions")
+def bench_decisions(
+    members: Annotated[str, typer.Option(help="World sizes to simulate, comma-separated.")] = "4,64,256,1024",
+    steps: Annotated[int, typer.Option(help="Steps of each simulated run (at least 16).")] = 64,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """The controller's own time per step at each world size (simulated members, no Ray)."""
+    from elastic.bench.decisions import run_decision_bench
+
+    try:
+        sizes = [int(m) for m in members.split(",") if m.strip()]
+        rows = run_decision_bench(sizes, steps)
+    except (ValueError, RuntimeError) as e:
+        raise fail(one_line(e)) from None
+    table = Table(title=f"controller decision time, {steps} simulated steps with 2 losses, "
+                        "their replacements and a resize")
+    for column in ("members", "chunks", "generations", "ms per step", "ms per chunk"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(str(r.members), str(r.chunks), str(r.generations),
+                      f"{r.decision_ms_per_step:.3f}", f"{r.decision_ms_per_chunk:.3f}")
+    console.print(table)
+    save_json(json_path, [r.to_json() for r in rows])

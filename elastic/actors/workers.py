@@ -1,0 +1,285 @@
+"""The `Workers` port (`elastic.control.port`) over Ray actors: the only code that starts or
+kills a worker process and reads the cluster's resources.
+
+Ray's failures become typed records here: a dead actor is a lost rank with Ray's reason, a
+worker's `CollectiveError` is a broken generation, a factory that raised at start is a
+`ConfigError`. Ray's error text is read only where Ray gives no type (an actor's constructor
+error and its exit detail).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from elastic.actors.worker import WorkerActor
+from elastic.adapt.lr import LrRamp
+from elastic.adapt.plan import BatchPlan
+from elastic.collective import RendezvousServer
+from elastic.config import ChaosEvent, FitConfig
+from elastic.control.port import ChunkOutcome, ChunkReport, Gathered, Member, Started
+from elastic.errors import CollectiveError, ConfigError, ElasticError, WorkerLostError
+from elastic.job import TrainJob
+
+_NODE_CHECK_S = 0.5  # while waiting on a generation, how often members' nodes are checked
+
+
+class RayWorkers:
+    """Worker actors of one run, by worker id.
+
+    Args:
+        job, config, run_dir, checkpoint_key: what every worker is built with.
+        server: the run's rendezvous server (its endpoint and secret reach the workers only
+            as arguments of `connect`).
+    """
+
+    def __init__(self, job: TrainJob, config: FitConfig, run_dir: str,
+                 checkpoint_key: bytes | None, server: RendezvousServer) -> None:
+        self.job, self.config, self.run_dir = job, config, run_dir
+        self._key = checkpoint_key
+        self.server = server
+        # Every worker started in this run, by worker id; a killed one keeps its handle, so a
+        # call to it fails as a call to a dead worker does.
+        self.actors: dict[int, Any] = {}
+        self._killed: set[int] = set()
+        self._node_of: dict[int, str] = {}  # worker id -> Ray node id
+        self._starting: dict[Any, int] = {}  # info() ref -> worker id
+        self._next_id = 0
+
+    # --- processes -----------------------------------------------------------------------------
+
+    def now(self) -> float:
+        return time.time()
+
+    def spawn(self) -> int:
+        worker_id, self._next_id = self._next_id, self._next_id + 1
+        scaling = self.config.scaling
+        actor = WorkerActor.options(
+            num_cpus=scaling.cpus_per_worker, num_gpus=1 if scaling.use_gpu else 0,
+            max_concurrency=4,
+        ).remote(self.job, self.config, self.run_dir, worker_id, self._key)
+        self.actors[worker_id] = actor
+        self._starting[actor.info.remote()] = worker_id
+        return worker_id
+
+    def starting(self) -> int:
+        return len(self._starting)
+
+    def admit(self, wanted: int | None, timeout: float) -> Started:
+        if not self._starting:
+            return Started([])
+        refs = list(self._starting)
+        num = len(refs) if wanted is None else min(wanted, len(refs))
+        ready, _ = ray.wait(refs, num_returns=num, timeout=timeout)
+        members, failed = [], []
+        for ref in ready:
+            worker_id = self._starting.pop(ref)
+            try:
+                info = ray.get(ref)
+            except RayTaskError as e:
+                failed.append(_user_start_error(e))
+                self.kill(worker_id)
+                continue
+            except RayActorError as e:
+                failed.append(_init_error(e) if getattr(e, "actor_init_failed", False)
+                              else WorkerLostError(f"worker {worker_id} died while starting: "
+                                                   f"{_death_reason(e)}"))
+                self.kill(worker_id)
+                continue
+            self._node_of[worker_id] = info["node_id"]
+            members.append(Member(info["worker_id"], info["pid"], info["node_id"]))
+        return Started(members, failed)
+
+    def placeable(self) -> int:
+        total = ray.cluster_resources()
+        scaling = self.config.scaling
+        count = int(total.get("CPU", 0.0) // scaling.cpus_per_worker)
+        if scaling.use_gpu:
+            count = min(count, int(total.get("GPU", 0.0)))
+        return count
+
+    def free_slot(self) -> bool:
+        free = ray.available_resources()
+        scaling = self.config.scaling
+        if free.get("CPU", 0.0) < scaling.cpus_per_worker:
+            return False
+        return not scaling.use_gpu or free.get("GPU", 0.0) >= 1
+
+    def kill(self, worker_id: int) -> None:
+        actor = self.actors.get(worker_id)
+        if actor is not None and worker_id not in self._killed:
+            self._killed.add(worker_id)
+            ray.kill(actor, no_restart=True)
+
+    def shutdown(self) -> None:
+        for worker_id in list(self.actors):
+            self.kill(worker_id)
+        self._starting = {}
+
+    # --- generations -----------------------------------------------------------------------
+
+    def connect(self, ids: Sequence[int], generation: int) -> Gathered[tuple[int, str]]:
+        endpoint = str(self.server.endpoint)
+        refs = [self.actors[w].connect.remote(r, len(ids), endpoint, generation, self.server.secret)
+                for r, w in enumerate(ids)]
+        try:
+            return self._gather(ids, refs)
+        finally:
+            self.server.forget(generation)
+
+    def sync(self, ids: Sequence[int], src: int) -> Gathered[dict[str, int]]:
+        return self._gather(ids, [self.actors[w].sync.remote(src) for w in ids])
+
+    def _gather(self, ids: Sequence[int], refs: list[Any]) -> Gathered[Any]:
+        """Waits for one ref per member, in completion order. At the first death or error
+        every other member is aborted, so that nobody waits out a rendezvous or broadcast
+        timeout for a peer that will never come (a lost node's workers, say)."""
+        values: list[Any] = [None] * len(refs)
+        dead: list[int] = []
+        broken: list[str] = []
+        index = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        aborted = False
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=_NODE_CHECK_S)
+            if not ready:
+                # A worker process can outlive its node's raylet for a while and keep answering;
+                # the node's death in Ray's membership is what counts.
+                gone = self._on_dead_nodes(ids, [index[ref] for ref in pending])
+                if not gone:
+                    continue
+                for rank in gone:
+                    dead.append(rank)
+                    self.kill(ids[rank])
+                pending = [ref for ref in pending if index[ref] not in gone]
+                rank = gone[0]
+            else:
+                rank = index[ready[0]]
+                try:
+                    values[rank] = ray.get(ready[0])
+                    continue
+                except RayActorError:
+                    dead.append(rank)
+                except RayTaskError as e:
+                    if not isinstance(e.cause, CollectiveError):
+                        raise
+                    broken.append(f"rank {rank}: {str(e.cause).splitlines()[0]}")
+            if not aborted:
+                aborted = True
+                self._abort_all_but(ids, rank)
+        return Gathered(values, dead, broken)
+
+    def _abort_all_but(self, ids: Sequence[int], rank: int) -> None:
+        for r, worker_id in enumerate(ids):
+            if r != rank and worker_id in self.actors:
+                self.actors[worker_id].abort.remote()
+
+    def _on_dead_nodes(self, ids: Sequence[int], ranks: list[int]) -> list[int]:
+        """The ranks among `ranks` whose node Ray's membership reports dead."""
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        return [r for r in ranks if self._node_of.get(ids[r]) not in alive]
+
+    # --- chunks --------------------------------------------------------------------------------
+
+    def run_chunk(self, ids: Sequence[int], plan: BatchPlan, num_steps: int,
+                  chaos: list[ChaosEvent], lr_ramp: LrRamp | None, hang_timeout: float,
+                  hung: Callable[[dict[int, str]], list[int]]) -> ChunkReport:
+        refs = {self.actors[w].run_chunk.remote(plan, num_steps, chaos, lr_ramp): r
+                for r, w in enumerate(ids)}
+        outcomes: dict[int, ChunkOutcome] = {}
+        lost: dict[int, str] = {}
+        killed: list[tuple[int, str]] = []
+        detected = 0.0
+        remaining = list(refs)
+        while remaining:
+            ready, remaining = ray.wait(remaining, num_returns=1, timeout=hang_timeout)
+            if not ready:
+                killed += self._kill_hung(ids, [refs[r] for r in remaining], hung)
+                continue
+            rank = refs[ready[0]]
+            try:
+                outcomes[rank] = ray.get(ready[0])
+            except RayActorError as e:
+                lost[rank] = _death_reason(e)
+                if len(lost) == 1:
+                    detected = time.time()
+                    # Release every survivor blocked in a collective with the dead worker.
+                    self._abort_all_but(ids, rank)
+        return ChunkReport(outcomes, lost, detected, killed)
+
+    def _kill_hung(self, ids: Sequence[int], ranks: list[int],
+                   hung: Callable[[dict[int, str]], list[int]]) -> list[tuple[int, str]]:
+        """Asks the silent ranks where they are; kills the ones `hung` names."""
+        refs = {r: self.actors[ids[r]].progress.remote() for r in ranks}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=5.0)
+        phases = {rank: _phase(ref) if ref in ready else "unresponsive"
+                  for rank, ref in refs.items()}
+        killed = hung(phases)
+        for rank in killed:
+            self.kill(ids[rank])
+        return [(rank, phases[rank]) for rank in killed]
+
+    # --- single calls --------------------------------------------------------------------------
+
+    def call(self, worker_id: int, method: str, *args: Any) -> Any:
+        try:
+            return ray.get(getattr(self.actors[worker_id], method).remote(*args))
+        except RayActorError as e:
+            raise WorkerLostError(f"worker {worker_id} died: {_death_reason(e)}") from e
+        except RayTaskError as e:
+            if isinstance(e.cause, ElasticError):  # ours, typed: the policy acts on it
+                raise e.cause from e
+            raise  # user code's error: Ray's error keeps the worker's traceback
+
+    def fired_kill(self, step: int, rank: int) -> float | None:
+        path = os.path.join(self.run_dir, "chaos", f"kill-{step}-{rank}")
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return float(f.read())
+
+
+def _phase(ref: Any) -> str:
+    """The phase a worker's `progress` answer names ("dead" if it died meanwhile)."""
+    try:
+        return ray.get(ref).get("phase")
+    except RayActorError:
+        return "dead"
+
+
+def _death_reason(e: RayActorError) -> str:
+    """Ray's reason for an actor's death, in one line (its exit detail when it gives one)."""
+    text = " ".join(str(getattr(e, "error_msg", None) or e).split())
+    marker = "Worker exit detail: "
+    if marker in text:
+        text = text[text.index(marker) + len(marker):]
+    return text[:300]
+
+
+def _user_start_error(e: RayTaskError) -> ElasticError:
+    cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else None
+    if isinstance(cause, ElasticError):
+        return cause
+    text = str(e).strip().splitlines()
+    return ConfigError(
+        "a worker could not build the job (model, optimizer, scheduler or dataset factory "
+        f"raised): {text[-1] if text else e}"
+    )
+
+
+def _init_error(e: RayActorError) -> ElasticError:
+    """The error a worker's constructor raised (Ray passes it on only as text)."""
+    lines = [line.strip() for line in str(getattr(e, "error_msg", e)).strip().splitlines()]
+    last = next((line for line in reversed(lines) if line), "")
+    own = "elastic.errors.ConfigError: "
+    if last.startswith(own):
+        return ConfigError(last[len(own):])
+    return ConfigError(
+        "a worker could not build the job (model, optimizer, scheduler or dataset factory "
+        f"raised): {last}"
+    )

@@ -1,0 +1,203 @@
+"""The batch side of the control loop: the global batch in force, each chunk's plan, the
+micro-batch tuner, the rebalancer, and the per-step metrics and ledger a chunk leaves.
+
+`Batching` holds the state the adapt policies (`elastic.adapt`) need between chunks and turns
+their decisions into events; it never talks to workers.
+
+No Ray here.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from elastic.adapt.balance import Rebalancer, ThroughputTracker
+from elastic.adapt.lr import LrRamp, global_batch_for, resize
+from elastic.adapt.plan import BatchPlan, plan_batch
+from elastic.adapt.tuning import MicroBatchTuner, OomBackoff, candidates
+from elastic.config import FitConfig
+from elastic.control import decisions
+from elastic.events import BatchPlanned, MicroBatchTuned, Nonfinite, Rebalanced, RebalanceJudged
+from elastic.events import OomBackoff as OomBackedOff
+from elastic.runlog import RunLog
+
+
+class Batching:
+    """The global batch, the learning-rate ramp, shares and micro-batches between chunks.
+
+    Args:
+        config: the run's configuration.
+        log: the run's event and metric log.
+        world_size: the initial world size (for policy 'scale_with_workers').
+    """
+
+    def __init__(self, config: FitConfig, log: RunLog, world_size: int) -> None:
+        self.config = config
+        self.log = log
+        batch = config.batch
+        self.batch_now = global_batch_for(batch.policy, batch.global_batch_size,
+                                          config.scaling.num_workers, world_size)
+        self.lr_ramp: LrRamp | None = None
+        self.tracker = ThroughputTracker()
+        self.rebalancer = Rebalancer(batch.rebalance_threshold)
+        self.rates: dict[int, float] = {}  # worker id -> rate at the last rebalance
+        self.micro_caps: dict[int, int] = {}  # worker id -> cap after out-of-memory errors
+        self.tuned_micro: int | None = None
+        self.tuner: MicroBatchTuner | None = None
+        self.plan: BatchPlan | None = None
+
+    def largest_batch(self) -> int:
+        """The global batch at `max_workers` (checked against the data set's size)."""
+        batch, scaling = self.config.batch, self.config.scaling
+        return global_batch_for(batch.policy, batch.global_batch_size, scaling.num_workers,
+                                scaling.upper)
+
+    def replan(self, reason: str, ids: Sequence[int], step: int) -> None:
+        """After a new generation of members `ids`: the global batch and learning-rate ramp for
+        its size (policy 'scale_with_workers') and a new micro-batch tuning."""
+        batch = self.config.batch
+        n = len(ids)
+        if batch.policy != "fixed":
+            decision = resize(batch.policy, batch.lr_scaling, batch.warmup_steps,
+                              batch.global_batch_size, self.config.scaling.num_workers, n, step,
+                              self.lr_ramp)
+            if decision.global_batch_size != self.batch_now or self.lr_ramp is None \
+                    or decision.ramp.to_factor != self.lr_ramp.to_factor:
+                self.log.emit(BatchPlanned(reason=reason, world_size=n, step=step,
+                               global_batch_size=decision.global_batch_size,
+                               lr_factor_from=decision.ramp.from_factor,
+                               lr_factor_to=decision.ramp.to_factor,
+                               warmup_steps=decision.ramp.warmup_steps))
+            self.batch_now = decision.global_batch_size
+            self.lr_ramp = decision.ramp
+        self.rebalancer.membership_changed()
+        self.tuner = None
+        if batch.autotune:
+            largest = max(plan_batch(self.batch_now, n, batch.max_micro_batch,
+                                     self.weights(ids)).shares)
+            options = candidates(largest, batch.max_micro_batch, batch.autotune_candidates)
+            if len(options) > 1:
+                self.tuner = MicroBatchTuner(options, batch.autotune_steps, reason)
+                self.tuned_micro = None
+
+    def weights(self, ids: Sequence[int]) -> list[float] | None:
+        """Relative throughput of members `ids`, or None for an even split."""
+        if not self.config.batch.rebalance or not self.rates:
+            return None
+        return decisions.weights(self.rates, ids)
+
+    def next_plan(self, ids: Sequence[int]) -> tuple[BatchPlan, int | None]:
+        """The plan of the next chunk and the micro-batch trial it runs (None if none)."""
+        trial = self.tuner.next_trial() if self.tuner is not None else None
+        common = trial if trial is not None else self.tuned_micro
+        self.plan = plan_batch(self.batch_now, len(ids), self.config.batch.max_micro_batch,
+                               self.weights(ids), decisions.micro_caps(ids, common, self.micro_caps))
+        return self.plan, trial
+
+    def trial_steps_left(self, trial: int | None) -> int | None:
+        return self.tuner.steps_left(trial) if trial is not None and self.tuner else None
+
+    def backed_off(self, decision: OomBackoff) -> None:
+        """Records an out-of-memory back-off (a cap for that worker from now on)."""
+        self.log.emit(OomBackedOff(step=decision.step, rank=decision.rank,
+                       worker_id=decision.worker_id, micro_batch_before=decision.before,
+                       micro_batch_after=decision.after))
+        if decision.after is not None:
+            self.micro_caps[decision.worker_id] = decision.after
+
+    # --- after a chunk ------------------------------------------------------------------------
+
+    def adapt(self, trial: int | None, records: Mapping[int, Sequence[Any]], ids: Sequence[int],
+              step: int) -> None:
+        """After a chunk that completed on every rank: the micro-batch trial's result, and a
+        rebalance of the shares if the measured throughputs call for one."""
+        step_times: dict[int, float] = {}  # a step lasts as long as its slowest rank
+        compute_times: dict[int, float] = {}
+        for rank_records in records.values():
+            for record in rank_records:
+                step_times[record.step] = max(step_times.get(record.step, 0.0), record.step_time_s)
+                compute_times[record.step] = max(compute_times.get(record.step, 0.0),
+                                                 record.compute_time_s)
+        if trial is not None and self.tuner is not None:
+            self._tuned(trial, list(step_times.values()), step)
+            return
+        if not self.config.batch.rebalance or len(ids) < 2 or self.plan is None or not step_times:
+            return
+        compute = statistics.median_low(compute_times.values())
+        self._judged(compute, step)
+        if any(self.tracker.count(w) < 2 for w in ids):
+            return
+        rates = [self.tracker.rate(w) or 0.0 for w in ids]
+        if min(rates) <= 0:
+            return
+        decision = self.rebalancer.decide(self.batch_now, self.plan.shares, rates,
+                                          step_time_s=statistics.median_low(step_times.values()),
+                                          compute_s=compute)
+        if decision is None:
+            return
+        self.rates = dict(zip(ids, decision.samples_per_s, strict=True))
+        self.log.emit(Rebalanced(step=step, shares_before=list(decision.shares_before),
+                       shares_after=list(decision.shares_after),
+                       samples_per_s=[round(r, 2) for r in decision.samples_per_s],
+                       predicted_before_s=decision.predicted_before_s,
+                       predicted_after_s=decision.predicted_after_s))
+
+    def _tuned(self, trial: int, step_times: list[float], step: int) -> None:
+        assert self.tuner is not None
+        self.tuner.observe(trial, self.batch_now, step_times)
+        decision = self.tuner.decision()
+        if decision is not None:
+            self.tuner, self.tuned_micro = None, decision.micro_batch
+            self.log.emit(MicroBatchTuned(step=step, reason=decision.reason,
+                           micro_batch=decision.micro_batch,
+                           samples_per_s={str(k): round(v, 2)
+                                          for k, v in decision.samples_per_s.items()}))
+
+    def _judged(self, compute: float, step: int) -> None:
+        judgement = self.rebalancer.observe(compute)
+        if judgement is not None:
+            self.log.emit(RebalanceJudged(step=step, delivered=judgement.delivered,
+                           predicted_saving_s=judgement.predicted_saving_s,
+                           realised_saving_s=judgement.realised_saving_s,
+                           window=judgement.window, threshold=judgement.threshold))
+
+    def record(self, records: Mapping[int, Sequence[Any]], ids: Sequence[int],
+               generation: int) -> dict[int, dict[int, Any]]:
+        """Writes one metrics line per committed step (and the ledger, if on) from every
+        rank's records; feeds the throughput tracker. Returns step -> rank -> record."""
+        by_step: dict[int, dict[int, Any]] = {}
+        for rank, rank_records in records.items():
+            for record in rank_records:
+                by_step.setdefault(record.step, {})[rank] = record
+                self.tracker.observe(ids[rank], record.shares[rank], record.compute_time_s)
+        for step in sorted(by_step):
+            self._metric(step, by_step[step], generation)
+        return by_step
+
+    def _metric(self, step: int, ranks: dict[int, Any], generation: int) -> None:
+        records = list(ranks.values())
+        first = records[0]
+        b = first.global_batch_size
+        step_time = max(r.step_time_s for r in records)
+        slowest = max(records, key=lambda r: r.step_time_s)
+        _, data_s, compute_s, comm_s, optimizer_s = slowest.timeline
+        world = range(first.world_size)
+        self.log.metric(step=step, epoch=first.epoch, loss=first.loss,
+                        world_size=first.world_size, global_batch_size=b,
+                        shares=list(first.shares), micro_batch=max(r.micro_batch for r in records),
+                        micro_batches=[ranks[r].micro_batch if r in ranks else None for r in world],
+                        step_time_s=step_time,
+                        compute_time_s=max(r.compute_time_s for r in records),
+                        samples_per_s=b / step_time if step_time > 0 else None, lr=first.lr,
+                        generation=generation, time=max(r.end_time for r in records),
+                        data_s=data_s, forward_backward_s=compute_s, comm_s=comm_s,
+                        optimizer_s=optimizer_s,
+                        timeline=[[round(x, 6) for x in ranks[r].timeline] if r in ranks else None
+                                  for r in world])
+        skipped = sorted({r for rec in records for r in rec.skipped_ranks})
+        if skipped:
+            self.log.emit(Nonfinite(step=step, ranks=skipped, policy="skip"))
+        if self.config.ledger and first.indices is not None:
+            self.log.ledger(step, first.epoch, list(first.indices))

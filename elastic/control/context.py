@@ -1,0 +1,116 @@
+"""What the controller's states share: the run's members, cursor, batch state and counters.
+
+No Ray here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastic.config import ChaosEvent, FitConfig
+from elastic.control.batching import Batching
+from elastic.control.checkpoints import CheckpointCoordinator
+from elastic.control.policy import FailurePolicy
+from elastic.control.port import Member, Workers
+from elastic.recovery import PendingRecovery
+from elastic.runlog import RunLog
+from elastic.trainer.data import Cursor
+
+
+@dataclass
+class Requests:
+    """Control requests from other threads (`scale`, `kill`, `stop`), read at the next step
+    boundary. Every field is read and written under `lock`.
+
+    Attributes:
+        target: the world size to reach.
+        scaled_by_user: the size was set by `scale` (or fixed by the survivors when lost
+            workers are not replaced): no growth into free capacity beyond it.
+        stop: end at the next boundary.
+        killed_at: time of the last `kill` request, for the next recovery's timing.
+        killed_on_purpose: worker ids killed by `kill` (their loss is planned).
+    """
+
+    target: int
+    scaled_by_user: bool = False
+    stop: bool = False
+    killed_at: float | None = None
+    killed_on_purpose: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def take_killed_at(self) -> float | None:
+        with self.lock:
+            killed_at, self.killed_at = self.killed_at, None
+        return killed_at
+
+
+@dataclass
+class Context:
+    """The state every controller state reads and changes.
+
+    Attributes:
+        config: the run's configuration.
+        name: the run's name.
+        log: the run's events and metrics.
+        workers: the port to the worker processes.
+        has_evaluate: the job has an `evaluate` function.
+        restarted: this controller is a restarted one (it must resume from a checkpoint).
+        publish: writes the run's record to the index (after every state change and chunk).
+        members: the current members in rank order.
+        generation: the current generation (-1 before the first).
+        cursor: the committed data cursor.
+        total_steps: the step at which the run ends, at the global batch in force.
+        dataset_size: samples in the data set.
+        batching: the batch state (None until the run has started).
+        policy: the failure policy and its counters.
+        checkpoints: when and where checkpoints are written.
+        requests: control requests from other threads.
+        chaos: scheduled faults not yet fired, by step.
+        recovery: the timing of a recovery whose first step has not completed.
+        evaluation: the last result of the job's `evaluate`.
+        stopped_early: the run ended on a stop request.
+    """
+
+    config: FitConfig
+    name: str
+    log: RunLog
+    workers: Workers
+    has_evaluate: bool = False
+    restarted: bool = False
+    publish: Callable[[], None] = lambda: None
+    members: list[Member] = field(default_factory=list)
+    generation: int = -1
+    cursor: Cursor = field(default_factory=Cursor)
+    total_steps: int = 0
+    dataset_size: int = 0
+    batching: Batching | None = None
+    policy: FailurePolicy = field(init=False)
+    checkpoints: CheckpointCoordinator = field(init=False)
+    requests: Requests = field(init=False)
+    chaos: list[ChaosEvent] = field(init=False)
+    recovery: PendingRecovery | None = None
+    evaluation: dict[str, Any] = field(default_factory=dict)
+    stopped_early: bool = False
+
+    def __post_init__(self) -> None:
+        self.policy = FailurePolicy(self.config.failure)
+        self.checkpoints = CheckpointCoordinator(self.config, self.log, self.workers)
+        self.requests = Requests(target=self.config.scaling.num_workers)
+        self.chaos = sorted(self.config.chaos, key=lambda e: e.step)
+
+    @property
+    def step(self) -> int:
+        """The committed global step."""
+        return self.cursor.step
+
+    def ids(self) -> list[int]:
+        """The members' worker ids in rank order."""
+        return [m.worker_id for m in self.members]
+
+    @property
+    def batch(self) -> Batching:
+        assert self.batching is not None, "the run has not started"
+        return self.batching

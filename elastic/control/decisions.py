@@ -1,0 +1,154 @@
+"""The control loop's decisions as pure functions over plain data.
+
+Each function here takes numbers and records and returns a decision; none does I/O, waits or
+keeps state, so each is tested directly and costs O(world) at most.
+
+No Ray here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from elastic.control.port import ChunkDone, ChunkInterrupted, ChunkOutcome, ChunkVotedDown
+from elastic.errors import (
+    CollectiveError,
+    ElasticError,
+    NonFiniteLossError,
+    UserCodeError,
+    WorkerHangError,
+    WorkerLostError,
+    WorkerOutOfMemoryError,
+)
+from elastic.trainer.data import Cursor
+
+
+def chunk_length(*, step: int, steps_per_chunk: int, total_steps: int, steps_left_in_epoch: int,
+                 trial_steps_left: int | None, checkpoint_every: int | None,
+                 chaos_steps: Sequence[int]) -> int:
+    """Steps in the next chunk: up to `steps_per_chunk`, ending at the run's end, the epoch's
+    end, the micro-batch trial's end, the next periodic checkpoint, and the next scheduled
+    chaos event (a chunk starts at a chaos event's step, so that dispatching it fires it)."""
+    num = min(steps_per_chunk, total_steps - step, steps_left_in_epoch)
+    if trial_steps_left is not None:
+        num = min(num, trial_steps_left)
+    if checkpoint_every:
+        num = min(num, checkpoint_every - step % checkpoint_every)
+    later = [s for s in chaos_steps if s > step]
+    if later:
+        num = min(num, min(later) - step)
+    return num
+
+
+def total_steps(*, max_steps: int | None, epochs: int | None, dataset_size: int, batch: int,
+                cursor: Cursor) -> int:
+    """The step at which the run ends, at global batch `batch` from `cursor` on."""
+    limits = [max_steps] if max_steps else []
+    if epochs:
+        done = cursor.epochs_done(dataset_size, batch)
+        if done >= epochs:
+            limits.append(cursor.step)
+        else:
+            limits.append(cursor.step + cursor.steps_left_in_epoch(dataset_size, batch)
+                          + (epochs - done - 1) * (dataset_size // batch))
+    return min(limits)
+
+
+@dataclass(frozen=True)
+class RestoreSource:
+    """Where a new generation takes its state from: rank `rank` (the newest committed step),
+    or the newest checkpoint when `from_checkpoint` (no member holds the run's step)."""
+
+    rank: int
+    from_checkpoint: bool
+
+
+def restore_source(steps: Sequence[int], global_step: int) -> RestoreSource:
+    """The newest committed step wins (ranks may differ by one step after a failure), the
+    lowest rank among equals; when every member is behind the run's step, the survivors that
+    held it were lost and only a checkpoint can bring it back (continuing from fresh replicas
+    would silently restart training)."""
+    src = max(range(len(steps)), key=lambda r: (steps[r], -r))
+    return RestoreSource(src, steps[src] < global_step)
+
+
+def hung_ranks(phases: Mapping[int, str]) -> list[int]:
+    """Of the ranks that made no progress for the hang timeout, the ones to kill: those not
+    waiting in a collective (they are the ones the others wait for)."""
+    return [rank for rank, phase in phases.items() if phase != "allreduce"]
+
+
+def weights(rates: Mapping[int, float], ids: Sequence[int]) -> list[float] | None:
+    """Relative throughput of members `ids` (from the last rebalance's rates), or None for an
+    even split. A newcomer counts as a typical (median) worker."""
+    known = [rates[w] for w in ids if w in rates]
+    if not known:
+        return None
+    fill = sorted(known)[len(known) // 2]
+    return [rates.get(w, fill) for w in ids]
+
+
+def micro_caps(ids: Sequence[int], common: int | None, caps: Mapping[int, int]) -> list[int | None]:
+    """Each member's micro-batch cap: the tuner's trial or decision and the member's own
+    out-of-memory cap, whichever is smaller."""
+    out: list[int | None] = []
+    for w in ids:
+        limits = [c for c in (common, caps.get(w)) if c is not None]
+        out.append(min(limits) if limits else None)
+    return out
+
+
+def chunk_error(report_lost: Sequence[int], outcomes: Mapping[int, ChunkOutcome],
+                hung: Sequence[int] = ()) -> ElasticError | None:
+    """What went wrong in a chunk, as the typed error the failure policy acts on; None when
+    every rank committed every step.
+
+    A lost worker wins over everything (the ranks that saw it only report collective errors):
+    a `WorkerHangError` when the hang watchdog killed it (`hung`); then a vote (user code, out
+    of memory, non-finite); a collective error with no loss (a timeout) last.
+    """
+    if report_lost:
+        kind = WorkerHangError if set(report_lost) & set(hung) else WorkerLostError
+        return kind(f"ranks {sorted(report_lost)} lost", rank=min(report_lost))
+    voted = [o for o in outcomes.values() if isinstance(o, ChunkVotedDown)]
+    if voted:
+        return vote_error(voted)
+    broken = [o for o in outcomes.values() if isinstance(o, ChunkInterrupted)]
+    if broken:
+        return CollectiveError(broken[0].error)
+    assert all(isinstance(o, ChunkDone) for o in outcomes.values())
+    return None
+
+
+def vote_error(voted: Sequence[ChunkVotedDown]) -> ElasticError:
+    """The typed error of a voted-down step. Every rank saw the same vote; a user error wins
+    over out of memory (as in the step's own verdict), and the traceback is the first rank's
+    that had one."""
+    kinds = {type(o.failure).__name__ for o in voted}
+    failure = voted[0].failure
+    rank = failure.ranks[0]
+    if "UserFailure" in kinds:
+        failure = next(o.failure for o in voted if type(o.failure).__name__ == "UserFailure")
+        trace = next((o.failure.traceback for o in voted
+                      if type(o.failure).__name__ == "UserFailure" and o.failure.traceback), None)
+        return UserCodeError(f"user code raised at step {failure.step}", rank=failure.ranks[0],
+                             step=failure.step, traceback=trace or "")
+    if "OutOfMemory" in kinds:
+        return WorkerOutOfMemoryError(f"out of memory at step {failure.step}", rank=rank,
+                                      step=failure.step)
+    return NonFiniteLossError(f"non-finite loss or gradients at step {failure.step}", rank=rank,
+                              step=failure.step)
+
+
+def voted_ranks(outcomes: Mapping[int, ChunkOutcome]) -> tuple[int, ...]:
+    """The ranks a voted-down step names (every rank reports the same vote)."""
+    for outcome in outcomes.values():
+        if isinstance(outcome, ChunkVotedDown):
+            return tuple(outcome.failure.ranks)
+    return ()
+
+
+def newest_committed(outcomes: Mapping[int, ChunkOutcome], default: int) -> int:
+    """The newest step any answering rank committed."""
+    return max((o.committed_step for o in outcomes.values()), default=default)

@@ -1,0 +1,218 @@
+"""The worker group: how many workers to start, who is admitted, who is dropped, forming a
+generation from the members, and waiting for capacity.
+
+These functions decide; the `Workers` port in the context starts and kills processes.
+
+No Ray here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from elastic.control import decisions
+from elastic.control.context import Context
+from elastic.control.policy import Fail
+from elastic.errors import RendezvousError, WorkerLostError
+from elastic.events import (
+    CheckpointFailed,
+    Generation,
+    GenerationFailed,
+    MemberUnreachable,
+    WorkerJoined,
+    WorkerLost,
+    WorkerStartFailed,
+    WorkerStarting,
+)
+from elastic.trainer.data import Cursor
+
+T = TypeVar("T")
+
+
+def top_up(ctx: Context) -> None:
+    """Starts workers in the background until members plus starting ones reach the target;
+    then, unless the user set the size with `scale`, uses free cluster capacity up to
+    max_workers (a node that joins is used at the next boundary)."""
+    requests = ctx.requests
+    with requests.lock:
+        target, grow = requests.target, not requests.scaled_by_user
+    while len(ctx.members) + ctx.workers.starting() < target:
+        ctx.workers.spawn()
+        ctx.log.emit(WorkerStarting(reason="replacement", target=target))
+    upper = ctx.config.scaling.upper
+    while grow and len(ctx.members) + ctx.workers.starting() < upper and ctx.workers.free_slot():
+        ctx.workers.spawn()
+        with requests.lock:
+            grow = not requests.scaled_by_user  # a scale() since: its target stands
+            if grow:
+                requests.target = max(requests.target, len(ctx.members) + ctx.workers.starting())
+            target = requests.target
+        ctx.log.emit(WorkerStarting(reason="capacity", target=target))
+
+
+def admit(ctx: Context, timeout: float) -> bool:
+    """Moves started workers into the members (not yet into a generation)."""
+    if not ctx.workers.starting():
+        return False
+    started = ctx.workers.admit(None, timeout)
+    for error in started.failed:
+        ctx.log.emit(WorkerStartFailed(error=first_line(error)))
+    for member in started.members:
+        ctx.members.append(member)
+        ctx.log.emit(WorkerJoined(worker_id=member.worker_id, pid=member.pid))
+    return bool(started.members)
+
+
+def drop(ctx: Context, ranks: list[int], why: str) -> None:
+    """Removes dead members, counts them against `max_failures`, and waits for replacements
+    while below `min_workers`.
+
+    Raises:
+        WorkerLostError: more than `failure.max_failures` workers lost.
+        InsufficientWorkersError: below `min_workers` for `capacity_timeout`.
+    """
+    for rank in sorted(ranks, reverse=True):
+        member = ctx.members.pop(rank)
+        ctx.log.emit(WorkerLost(rank=rank, worker_id=member.worker_id, why=why))
+        ctx.workers.kill(member.worker_id)
+    if not ctx.config.failure.replace_lost_workers:
+        with ctx.requests.lock:
+            # The survivors are the new target; growth waits for a scale request.
+            ctx.requests.target = max(ctx.config.scaling.lower,
+                                      len(ctx.members) + ctx.workers.starting())
+            ctx.requests.scaled_by_user = True
+    action = ctx.policy.decide(WorkerLostError(f"{len(ranks)} workers {why}", step=ctx.step),
+                               lost=len(ranks))
+    if isinstance(action, Fail):
+        raise action.error
+    wait_for_capacity(ctx)
+
+
+def wait_for_capacity(ctx: Context) -> None:
+    """Tops up, then waits for replacements while below `min_workers`.
+
+    Raises:
+        InsufficientWorkersError: still below after `failure.capacity_timeout`.
+    """
+    top_up(ctx)
+    minimum = ctx.config.scaling.lower
+    deadline = ctx.workers.now() + ctx.config.failure.capacity_timeout.total_seconds()
+    while len(ctx.members) < minimum:
+        remaining = deadline - ctx.workers.now()
+        verdict = ctx.policy.capacity(len(ctx.members), minimum, ctx.workers.starting(),
+                                      remaining)
+        if verdict is not None:
+            save_before_failing(ctx)
+            raise verdict.error
+        admit(ctx, timeout=min(remaining, 1.0))
+
+
+def save_before_failing(ctx: Context) -> None:
+    """A final checkpoint from a surviving worker (its committed state), so that a new run on
+    the same checkpoint path resumes where this one stopped."""
+    if not ctx.checkpoints.enabled:
+        return
+    for member in ctx.members:
+        try:
+            ctx.checkpoints.maybe_write(member.worker_id, ctx.step, len(ctx.members), final=True)
+            return
+        except Exception as e:  # best effort on the way to failing: try the next member
+            ctx.log.emit(CheckpointFailed(step=ctx.step, error=first_line(e)))
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line (its type's name when its message is empty)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def on_any_member(ctx: Context, call: Callable[[int], T]) -> T:
+    """`call(worker_id)` on the first live member. After a completed chunk or a new
+    generation every member holds the committed state, so any will do; a dead one is skipped
+    here and found by the next chunk, which recovers as usual.
+
+    Raises:
+        WorkerLostError: every member is dead.
+    """
+    for member in list(ctx.members):
+        try:
+            return call(member.worker_id)
+        except WorkerLostError:
+            ctx.log.emit(MemberUnreachable(worker_id=member.worker_id))
+    raise WorkerLostError("every worker was lost", step=ctx.step)
+
+
+def form(ctx: Context, reason: str) -> tuple[float, float]:
+    """Forms a new generation of the members and brings every rank to the newest committed
+    state. Returns the times at which the ring was rebuilt and the state restored.
+
+    Raises:
+        WorkerLostError: no member and no checkpoint holds the run's step, too many workers
+            lost, or the generation failed to form too often.
+        InsufficientWorkersError: below `min_workers` for `capacity_timeout`.
+    """
+    while True:
+        ctx.generation += 1
+        ids = ctx.ids()
+        joined = ctx.workers.connect(ids, ctx.generation)
+        if not _formed(ctx, joined.dead, joined.broken, "connecting"):
+            continue
+        rebuilt = ctx.workers.now()
+        steps = [value[0] for value in joined.values if value is not None]
+        transport = joined.values[0][1] if joined.values[0] else ""
+        src = _source(ctx, steps, ids)
+        synced = ctx.workers.sync(ids, src)
+        if not _formed(ctx, synced.dead, synced.broken, "restoring"):
+            continue
+        cursor = synced.values[src]
+        assert cursor is not None
+        ctx.cursor = Cursor(**cursor)
+        restored = ctx.workers.now()
+        ctx.policy.formed()
+        ctx.log.emit(Generation(generation=ctx.generation, world_size=len(ids), reason=reason,
+                      source_rank=src, step=ctx.step, transport=transport, workers=ids))
+        replan(ctx, reason)
+        return rebuilt, restored
+
+
+def _formed(ctx: Context, dead: list[int], broken: list[str], doing: str) -> bool:
+    """False (try again) if members died or the generation broke while `doing`."""
+    if dead:
+        drop(ctx, dead, f"lost while {doing}")
+        return False
+    if broken:
+        action = ctx.policy.decide(RendezvousError(broken[0], generation=ctx.generation),
+                                   step=ctx.step)
+        ctx.log.emit(GenerationFailed(generation=ctx.generation, errors=broken,
+                      attempt=ctx.policy.generation_attempts))
+        if isinstance(action, Fail):
+            raise action.error
+        return False
+    return True
+
+
+def _source(ctx: Context, steps: list[int], ids: list[int]) -> int:
+    """The rank whose state everyone takes; loads the newest checkpoint into rank 0 when no
+    member holds the run's step.
+
+    Raises:
+        WorkerLostError: no member and no checkpoint holds it.
+    """
+    source = decisions.restore_source(steps, ctx.step)
+    if not source.from_checkpoint:
+        return source.rank
+    restored = (ctx.checkpoints.restore(ids[0], "restored_from_checkpoint", ctx.step)
+                if ctx.checkpoints.enabled else None)
+    if restored is None:
+        raise WorkerLostError(
+            f"every worker holding the state of step {ctx.step} was lost and no checkpoint is "
+            "available to restore from; the run cannot continue", step=ctx.step)
+    return 0
+
+
+def replan(ctx: Context, reason: str) -> None:
+    """After a new generation: the batch for its size and the step count that follows."""
+    ctx.batch.replan(reason, ctx.ids(), ctx.step)
+    ctx.total_steps = decisions.total_steps(
+        max_steps=ctx.config.max_steps, epochs=ctx.config.epochs,
+        dataset_size=ctx.dataset_size, batch=ctx.batch.batch_now, cursor=ctx.cursor)

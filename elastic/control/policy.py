@@ -1,0 +1,178 @@
+"""The failure policy: one place that maps an error class to an action and owns the counters.
+
+Every failure the control loop sees becomes a typed error from `elastic.errors` first (a lost
+worker, a collective error, a voted-down step, a generation that did not form, too few
+workers), and `FailurePolicy.decide` turns it into one of the actions below, following the
+recovery each error class documents:
+
+| error                                 | action                                            |
+| ------------------------------------- | ------------------------------------------------- |
+| `WorkerLostError`, `WorkerHangError`  | `Recover` (drop, re-form, restore); `Fail` past `max_failures` |
+| `CollectiveError` (no loss)           | `Recover`                                         |
+| `RendezvousError` (forming)           | `Recover` (a new generation); `Fail` after 3 retries |
+| `MembershipChanged`                   | `Reconfigure` (re-form, no restore needed)        |
+| `UserCodeError`                       | `Retry` the step; `Fail` past `max_user_retries`  |
+| `WorkerOutOfMemoryError`              | `BackOff` (halve the rank's micro-batch); `Fail` at 1 |
+| `NonFiniteLossError`                  | `Fail` (policy 'stop'; 'skip' never reaches here) |
+| anything else                         | `Fail`                                            |
+
+No Ray here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from elastic.adapt.tuning import OomBackoff, back_off
+from elastic.config import FailureConfig
+from elastic.errors import (
+    CollectiveError,
+    ElasticError,
+    InsufficientWorkersError,
+    MembershipChanged,
+    NonFiniteLossError,
+    RendezvousError,
+    UserCodeError,
+    WorkerLostError,
+    WorkerOutOfMemoryError,
+)
+
+GENERATION_RETRIES = 3  # a generation that fails to form with no member dead is retried
+
+
+@dataclass(frozen=True)
+class Recover:
+    """Drop the lost members, form a new generation from the survivors, restore the newest
+    committed state (from a peer, else a checkpoint)."""
+
+
+@dataclass(frozen=True)
+class Reconfigure:
+    """Form a new generation of the current members; every rank holds the committed state."""
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Redo the voted-down step as it was (attempt `attempt` of the step)."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
+class BackOff:
+    """Redo the step with these ranks' micro-batches halved."""
+
+    decisions: tuple[OomBackoff, ...]
+
+
+@dataclass(frozen=True)
+class Fail:
+    """End the run with `error` (`backoffs`: the out-of-memory decisions that led to it)."""
+
+    error: ElasticError
+    backoffs: tuple[OomBackoff, ...] = ()
+
+
+Action = Recover | Reconfigure | Retry | BackOff | Fail
+
+
+@dataclass
+class FailurePolicy:
+    """Decides what each failure means, counting workers lost, retries of each step and
+    attempts to form a generation.
+
+    Args:
+        config: the run's `FailureConfig`.
+    """
+
+    config: FailureConfig
+    workers_lost: int = 0
+    user_retries: dict[int, int] = field(default_factory=dict)
+    generation_attempts: int = 0
+
+    def decide(self, error: ElasticError, *, lost: int = 0,
+               micro_batches: dict[int, tuple[int, int]] | None = None,
+               step: int | None = None) -> Action:
+        """The action for `error`.
+
+        Args:
+            error: what went wrong.
+            lost: workers that died with it (counted against `max_failures`).
+            micro_batches: for out-of-memory errors, rank -> (worker id, micro-batch it ran).
+            step: the run's step, for errors that do not carry one (a generation that fails).
+
+        Returns:
+            The action; `Fail` carries the error the run ends with, with a message that says
+            what to change.
+        """
+        match error:
+            case WorkerLostError():  # WorkerHangError included
+                return self._lost(lost, error)
+            case RendezvousError():
+                return self._generation_failed(error, step)
+            case CollectiveError():
+                return Recover()
+            case MembershipChanged():
+                return Reconfigure()
+            case UserCodeError():
+                return self._user_error(error)
+            case WorkerOutOfMemoryError():
+                return self._out_of_memory(error, micro_batches or {})
+            case NonFiniteLossError():
+                return Fail(error)
+            case _:
+                return Fail(error)
+
+    def formed(self) -> None:
+        """A generation formed: its retries start over."""
+        self.generation_attempts = 0
+
+    def _lost(self, lost: int, error: WorkerLostError) -> Action:
+        self.workers_lost += lost
+        limit = self.config.max_failures
+        if limit is not None and self.workers_lost > limit:
+            return Fail(WorkerLostError(
+                f"{self.workers_lost} workers lost, more than failure.max_failures = {limit}",
+                rank=error.rank, step=error.step))
+        return Recover()
+
+    def _generation_failed(self, error: RendezvousError, step: int | None) -> Action:
+        self.generation_attempts += 1
+        if self.generation_attempts > GENERATION_RETRIES:
+            return Fail(WorkerLostError(
+                f"generation {error.generation} could not form after {self.generation_attempts} "
+                f"attempts: {error}", step=step))
+        return Recover()
+
+    def _user_error(self, error: UserCodeError) -> Action:
+        attempt = self.user_retries[error.step] = self.user_retries.get(error.step, 0) + 1
+        if attempt > self.config.max_user_retries:
+            return Fail(UserCodeError(
+                f"user code raised at step {error.step} on {attempt} attempts "
+                f"(failure.max_user_retries = {self.config.max_user_retries})",
+                rank=error.rank, step=error.step, traceback=error.traceback))
+        return Retry(attempt)
+
+    def _out_of_memory(self, error: WorkerOutOfMemoryError,
+                       micro_batches: dict[int, tuple[int, int]]) -> Action:
+        decisions = []
+        for rank, (worker_id, micro) in sorted(micro_batches.items()):
+            decision = back_off(error.step, rank, worker_id, micro)
+            decisions.append(decision)
+            if decision.after is None:
+                return Fail(WorkerOutOfMemoryError(
+                    f"rank {rank} ran out of memory at step {error.step} with micro-batch 1; "
+                    "use a smaller model, more memory per worker or more workers",
+                    rank=rank, step=error.step), tuple(decisions))
+        return BackOff(tuple(decisions))
+
+    def capacity(self, alive: int, minimum: int, starting: int, time_left: float) -> Fail | None:
+        """Below `minimum` workers: wait while replacements are starting and time is left,
+        else fail."""
+        if alive >= minimum:
+            return None
+        if time_left <= 0 or not starting:
+            return Fail(InsufficientWorkersError(
+                f"{alive} workers alive, fewer than scaling.min_workers = {minimum}, for "
+                f"{self.config.capacity_timeout}; add capacity or lower scaling.min_workers"))
+        return None

@@ -1,0 +1,197 @@
+"""The seam between the control loop and the workers: plain records and the `Workers` port.
+
+The states and the failure policy (`elastic.control.states`, `elastic.control.policy`) never
+touch Ray. Everything they ask of the worker processes goes through `Workers`, which the
+controller actor implements with Ray actors (`elastic.actors.workers.RayWorkers`) and tests
+and benchmarks implement with simulated members (`elastic.control.simulation`). Members are
+named by worker id, never by actor handle, so the port is the only holder of handles and the
+only code that starts or kills a process.
+
+No Ray here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, Union
+
+from elastic.errors import ElasticError
+
+if TYPE_CHECKING:
+    from elastic.adapt.lr import LrRamp
+    from elastic.adapt.plan import BatchPlan
+    from elastic.config import ChaosEvent
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Member:
+    """A started worker: its id (never reused in a run), process id and Ray node."""
+
+    worker_id: int
+    pid: int
+    node_id: str
+
+
+@dataclass(frozen=True)
+class Gathered(Generic[T]):
+    """One call on every member of a generation, in rank order.
+
+    Attributes:
+        values: each rank's answer (None for ranks in `dead` or `broken`).
+        dead: ranks whose process died (or whose node did) before answering.
+        broken: one line per live rank whose call raised a `CollectiveError`.
+    """
+
+    values: list[T | None]
+    dead: list[int] = field(default_factory=list)
+    broken: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.dead and not self.broken
+
+
+# --- what one worker reports after a chunk of steps (one union, no status strings) ----------
+
+
+@dataclass(frozen=True)
+class ChunkDone:
+    """Every step of the chunk committed on this rank.
+
+    Attributes:
+        records: one per committed step (`elastic.trainer.replica.StepRecord`).
+        committed_step: the replica's step after the chunk.
+        cursor: the committed data cursor (`Cursor.to_dict()`).
+    """
+
+    records: list[Any]
+    committed_step: int
+    cursor: dict[str, int]
+
+
+@dataclass(frozen=True)
+class ChunkInterrupted:
+    """A collective raised (a peer died, a timeout, or the controller aborted): the steps in
+    `records` committed, the next one did not. `error` is the collective error's text."""
+
+    records: list[Any]
+    committed_step: int
+    cursor: dict[str, int]
+    error: str
+
+
+@dataclass(frozen=True)
+class ChunkVotedDown:
+    """The ranks voted a step down (`failure` says why: `UserFailure`, `OutOfMemory` or
+    `NonFinite` from `elastic.trainer.replica`); no rank applied it."""
+
+    records: list[Any]
+    committed_step: int
+    cursor: dict[str, int]
+    failure: Any
+
+
+ChunkOutcome = Union[ChunkDone, ChunkInterrupted, ChunkVotedDown]  # noqa: UP007 (runtime alias)
+
+
+@dataclass(frozen=True)
+class ChunkReport:
+    """Every rank's answer to one chunk.
+
+    Attributes:
+        outcomes: rank -> outcome, for ranks that answered.
+        lost: rank -> Ray's reason, for ranks whose process died during the chunk.
+        detected: when the first loss was seen (`Workers.now()`), 0.0 if none.
+        hung: (rank, phase) of workers killed by the hang watchdog.
+    """
+
+    outcomes: dict[int, ChunkOutcome]
+    lost: dict[int, str] = field(default_factory=dict)
+    detected: float = 0.0
+    hung: list[tuple[int, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Started:
+    """Workers whose start finished since the last look: admitted members, and the errors of
+    those that failed to start (a `ConfigError` when the job's factories raised, else a
+    `WorkerLostError` with Ray's reason)."""
+
+    members: list[Member]
+    failed: list[ElasticError] = field(default_factory=list)
+
+
+class Workers(Protocol):
+    """What the control loop may ask of the worker processes.
+
+    Each call that addresses a generation takes the members' worker ids in rank order. A call
+    that waits on several members aborts every other member's communicator at the first death
+    or collective error, so that nobody waits out a timeout for a peer that will never come.
+    """
+
+    def now(self) -> float:
+        """Wall-clock time (`time.time()` for real workers; simulated time in a simulation)."""
+        ...
+
+    def spawn(self) -> int:
+        """Starts one worker in the background; returns its worker id."""
+        ...
+
+    def starting(self) -> int:
+        """Workers started and not yet admitted or failed."""
+        ...
+
+    def admit(self, wanted: int | None, timeout: float) -> Started:
+        """Waits up to `timeout` for started workers (for `wanted` of them, or every one if
+        None) and hands over those that are up."""
+        ...
+
+    def placeable(self) -> int:
+        """How many workers the whole cluster could host, by its total resources."""
+        ...
+
+    def free_slot(self) -> bool:
+        """True if the cluster has the resources for one more worker now."""
+        ...
+
+    def kill(self, worker_id: int) -> None:
+        """Kills a worker (member or starting); idempotent."""
+        ...
+
+    def shutdown(self) -> None:
+        """Kills every worker, members and starting ones."""
+        ...
+
+    def connect(self, ids: Sequence[int], generation: int) -> Gathered[tuple[int, str]]:
+        """Forms `generation` (through the run's authenticated rendezvous, whose bookkeeping
+        for the generation is deleted afterwards): each member's (committed step, transport)."""
+        ...
+
+    def sync(self, ids: Sequence[int], src: int) -> Gathered[dict[str, int]]:
+        """Every member takes rank `src`'s state; each member's data cursor."""
+        ...
+
+    def run_chunk(self, ids: Sequence[int], plan: BatchPlan, num_steps: int,
+                  chaos: list[ChaosEvent], lr_ramp: LrRamp | None, hang_timeout: float,
+                  hung: Callable[[dict[int, str]], list[int]]) -> ChunkReport:
+        """Runs `num_steps` steps on every member. When no member answers for `hang_timeout`
+        seconds, asks the waiting ones where they are and kills the ranks that `hung(phases)`
+        names (the normal loss path follows)."""
+        ...
+
+    def call(self, worker_id: int, method: str, *args: Any) -> Any:
+        """Calls a worker method that needs no collective (`dataset_size`, `evaluate`,
+        `model_state`, `checkpoint`, `flush_checkpoints`, `restore_checkpoint`).
+
+        Raises:
+            WorkerLostError: the worker is dead.
+        """
+        ...
+
+    def fired_kill(self, step: int, rank: int) -> float | None:
+        """When a scheduled chaos kill of (step, rank) fired (the worker left a marker with
+        the time), else None."""
+        ...

@@ -1,0 +1,225 @@
+"""Simulated workers: the `Workers` port without processes, for tests and the decision bench.
+
+Members are records with a committed step and data cursor; time is a number that advances by
+a fixed step time per step and a start delay per worker. Scheduled kills (`ChaosEvent` with
+action 'kill', from the run's configuration) make a rank die inside its step, as a real
+worker would: the others report the step as interrupted, and the control loop recovers.
+Any control request (scale, stop, kill) can be made between chunks through `before_chunk`.
+
+No Ray, no torch workers: the whole control loop runs at hundreds of members in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastic.adapt.lr import LrRamp
+from elastic.adapt.plan import BatchPlan
+from elastic.config import ChaosEvent
+from elastic.control.port import (
+    ChunkDone,
+    ChunkInterrupted,
+    ChunkOutcome,
+    ChunkReport,
+    ChunkVotedDown,
+    Gathered,
+    Member,
+    Started,
+)
+from elastic.errors import WorkerLostError
+from elastic.trainer.data import Cursor
+
+
+@dataclass(frozen=True)
+class SimRecord:
+    """The fields of `elastic.trainer.replica.StepRecord` that the control loop reads."""
+
+    step: int
+    epoch: int
+    loss: float
+    world_size: int
+    global_batch_size: int
+    shares: tuple[int, ...]
+    micro_batch: int
+    step_time_s: float
+    compute_time_s: float
+    end_time: float
+    lr: float
+    indices: tuple[int, ...] | None = None
+    timeline: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+    skipped_ranks: tuple[int, ...] = ()
+
+
+@dataclass
+class _Worker:
+    worker_id: int
+    ready_at: float
+    step: int = 0
+    cursor: Cursor = field(default_factory=Cursor)
+    alive: bool = True
+
+
+class SimulatedWorkers:
+    """The `Workers` port over simulated members.
+
+    Args:
+        dataset_size: samples in the simulated data set.
+        capacity: workers the simulated cluster can host at once.
+        step_time_s: simulated duration of one step.
+        start_delay_s: simulated time from spawning a worker to its being up.
+        before_chunk: called with the committed step before each chunk (to make requests).
+        votes: step -> failures: the first time each step runs, every rank votes it down
+            with the first failure of its list (`UserFailure`, `OutOfMemory` or `NonFinite`
+            of `elastic.trainer.replica`), the next time with the next one, and so on.
+    """
+
+    def __init__(self, dataset_size: int, capacity: int, step_time_s: float = 0.01,
+                 start_delay_s: float = 1.0,
+                 before_chunk: Callable[[int], None] | None = None,
+                 votes: dict[int, list[Any]] | None = None) -> None:
+        self.dataset_size = dataset_size
+        self.capacity = capacity
+        self.step_time_s = step_time_s
+        self.start_delay_s = start_delay_s
+        self.before_chunk = before_chunk
+        self.votes = {step: list(failures) for step, failures in (votes or {}).items()}
+        self.clock = 1_000_000.0
+        self.workers: dict[int, _Worker] = {}
+        self._starting: list[int] = []
+        self.chunks = 0
+
+    def now(self) -> float:
+        return self.clock
+
+    # --- processes -----------------------------------------------------------------------------
+
+    def spawn(self) -> int:
+        worker_id = len(self.workers)
+        # A worker the cluster has no room for never comes up.
+        room = sum(w.alive for w in self.workers.values()) < self.capacity
+        ready_at = self.clock + self.start_delay_s if room else float("inf")
+        self.workers[worker_id] = _Worker(worker_id, ready_at=ready_at)
+        self._starting.append(worker_id)
+        return worker_id
+
+    def starting(self) -> int:
+        return len(self._starting)
+
+    def admit(self, wanted: int | None, timeout: float) -> Started:
+        by_time = sorted(self._starting, key=lambda w: self.workers[w].ready_at)
+        count = len(by_time) if wanted is None else min(wanted, len(by_time))
+        ready = [w for w in by_time[:count] if self.workers[w].ready_at <= self.clock + timeout]
+        if ready and len(ready) == count:
+            self.clock = max(self.clock, self.workers[ready[-1]].ready_at)
+        else:
+            self.clock += timeout
+        for w in ready:
+            self._starting.remove(w)
+        return Started([Member(w, pid=10_000 + w, node_id="sim") for w in ready])
+
+    def placeable(self) -> int:
+        return self.capacity
+
+    def free_slot(self) -> bool:
+        return sum(w.alive for w in self.workers.values()) < self.capacity
+
+    def kill(self, worker_id: int) -> None:
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.alive = False
+            if worker_id in self._starting:
+                self._starting.remove(worker_id)
+
+    def shutdown(self) -> None:
+        for worker_id in list(self.workers):
+            self.kill(worker_id)
+
+    # --- generations -------------------------------------------------------------------------
+
+    def connect(self, ids: Sequence[int], generation: int) -> Gathered[tuple[int, str]]:
+        dead = [r for r, w in enumerate(ids) if not self.workers[w].alive]
+        self.clock += 0.05
+        values: list[tuple[int, str] | None] = [
+            None if r in dead else (self.workers[w].step, "sim") for r, w in enumerate(ids)]
+        return Gathered(values, dead)
+
+    def sync(self, ids: Sequence[int], src: int) -> Gathered[dict[str, int]]:
+        source = self.workers[ids[src]]
+        for w in ids:
+            self.workers[w].step, self.workers[w].cursor = source.step, source.cursor
+        self.clock += 0.05
+        return Gathered([source.cursor.to_dict() for _ in ids])
+
+    # --- chunks ------------------------------------------------------------------------------
+
+    def run_chunk(self, ids: Sequence[int], plan: BatchPlan, num_steps: int,
+                  chaos: list[ChaosEvent], lr_ramp: LrRamp | None, hang_timeout: float,
+                  hung: Callable[[dict[int, str]], list[int]]) -> ChunkReport:
+        if self.before_chunk is not None:
+            self.before_chunk(self.workers[ids[0]].step)
+        self.chunks += 1
+        world = len(ids)
+        batch = plan.global_batch_size
+        shares = tuple(plan.shares)
+        first = self.workers[ids[0]]
+        kills = {e.rank for e in chaos if e.action == "kill" and e.rank < world}
+        cursor, step = first.cursor, first.step
+        records: list[list[SimRecord]] = [[] for _ in range(world)]
+        for i in range(num_steps):
+            if i == 0 and kills:
+                return self._killed(ids, kills, cursor, step)
+            if self.votes.get(step):
+                return self._voted(ids, self.votes[step].pop(0), records, cursor, step)
+            self.clock += self.step_time_s
+            epoch = cursor.start(self.dataset_size, batch)[0]
+            for rank in range(world):
+                records[rank].append(SimRecord(
+                    step=step, epoch=epoch, loss=1.0 / (step + 1), world_size=world,
+                    global_batch_size=batch, shares=shares, micro_batch=plan.micro_batches[rank],
+                    step_time_s=self.step_time_s, compute_time_s=self.step_time_s / 2,
+                    end_time=self.clock, lr=0.1))
+            cursor, step = cursor.advance(self.dataset_size, batch), step + 1
+        self._commit(ids, cursor)
+        return ChunkReport({rank: ChunkDone(records[rank], step, cursor.to_dict())
+                            for rank in range(world)})
+
+    def _commit(self, ids: Sequence[int], cursor: Cursor) -> None:
+        for w in ids:
+            self.workers[w].step, self.workers[w].cursor = cursor.step, cursor
+
+    def _voted(self, ids: Sequence[int], failure: Any, records: list[list[SimRecord]],
+               cursor: Cursor, step: int) -> ChunkReport:
+        """Every rank votes step `step` down with `failure`; the steps before it committed."""
+        self._commit(ids, cursor)
+        return ChunkReport({rank: ChunkVotedDown(records[rank], step, cursor.to_dict(), failure)
+                            for rank in range(len(ids))})
+
+    def _killed(self, ids: Sequence[int], kills: set[int], cursor: Cursor,
+                step: int) -> ChunkReport:
+        """Ranks in `kills` die in the chunk's first step; the others report it interrupted."""
+        for rank in kills:
+            self.workers[ids[rank]].alive = False
+        self.clock += self.step_time_s / 2
+        interrupted = ChunkInterrupted([], step, cursor.to_dict(), "simulated peer loss")
+        outcomes: dict[int, ChunkOutcome] = {
+            r: interrupted for r in range(len(ids)) if r not in kills}
+        return ChunkReport(outcomes, {r: "simulated kill" for r in sorted(kills)}, self.clock)
+
+    # --- single calls ------------------------------------------------------------------------
+
+    def call(self, worker_id: int, method: str, *args: Any) -> Any:
+        worker = self.workers[worker_id]
+        if not worker.alive:
+            raise WorkerLostError(f"worker {worker_id} is dead")
+        if method == "dataset_size":
+            return self.dataset_size
+        if method == "model_state":
+            return {"step": worker.step}
+        if method == "evaluate":
+            return {}
+        raise NotImplementedError(f"the simulation has no {method!r}")
+
+    def fired_kill(self, step: int, rank: int) -> float | None:
+        return self.clock

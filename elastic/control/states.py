@@ -1,0 +1,444 @@
+"""The controller as a state machine: one small class per state, whose `step` does one
+transition and returns the next state.
+
+    Starting --> Running <--> Recovering
+                    ^ |
+                    | +--> Resizing --> Running
+                    |
+                 Running --> Finishing --> Finished
+    (any) --(an ElasticError)--> Failed
+
+`run` loops until a terminal state, writes a `state` event at every change of label and
+turns any error into `Failed` (a bug of ours becomes a `ControllerError` with its cause).
+The states act only through the `Workers` port in the context, so the whole machine runs
+without Ray (`elastic.control.simulation`).
+
+No Ray here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from elastic.config import ChaosEvent
+from elastic.control import decisions
+from elastic.control.batching import Batching
+from elastic.control.context import Context
+from elastic.control.group import admit, drop, form, on_any_member, top_up
+from elastic.control.policy import BackOff, Fail, Reconfigure, Recover, Retry
+from elastic.control.port import ChunkInterrupted, ChunkReport
+from elastic.control.run_state import RunState
+from elastic.errors import (
+    CollectiveError,
+    ConfigError,
+    ControllerError,
+    ElasticError,
+    MembershipChanged,
+    NonFiniteLossError,
+    StartupTimeoutError,
+    UserCodeError,
+    WorkerLostError,
+    WorkerOutOfMemoryError,
+)
+from elastic.events import (
+    Chaos,
+    ControllerRestarted,
+    Evaluate,
+    Finish,
+    Nonfinite,
+    Planned,
+    Recovered,
+    Resized,
+    Start,
+    StateChanged,
+    Stopping,
+    UserError,
+    WorkerFailure,
+    WorkerHung,
+    WorkerRemoved,
+)
+from elastic.events import (
+    Failed as RunFailed,
+)
+from elastic.recovery import PendingRecovery
+from elastic.trainer.data import Cursor
+
+logger = logging.getLogger(__name__)
+
+
+class State:
+    """One state of the run. `step` does one transition and returns the next state."""
+
+    label: ClassVar[RunState]
+
+    def fields(self) -> dict[str, Any]:
+        """Extra fields of the `state` event that enters this state."""
+        return {}
+
+    def step(self, ctx: Context) -> State:
+        raise NotImplementedError
+
+
+# --- starting ------------------------------------------------------------------------------
+
+
+class Starting(State):
+    """Starts the workers, reads the data set's size, plans the batch, resumes from the newest
+    checkpoint if any, and forms the first generation."""
+
+    label = RunState.STARTING
+
+    def step(self, ctx: Context) -> State:
+        config = ctx.config
+        if ctx.restarted:
+            ctx.log.emit(ControllerRestarted(name=ctx.name))
+            if not ctx.checkpoints.enabled:
+                raise ControllerError(
+                    f"the controller of run {ctx.name!r} died and was restarted, but the "
+                    "run has no checkpoints to resume from; set checkpoint.path so that a "
+                    "restarted controller can resume")
+        ctx.log.emit(Start(name=ctx.name, config=config.model_dump(mode="json")))
+        if config.checkpoint is not None:
+            from elastic.checkpoint.store import check_root
+            check_root(config.checkpoint.path)
+        self._start_workers(ctx)
+        ctx.dataset_size = on_any_member(ctx, lambda w: ctx.workers.call(w, "dataset_size"))
+        ctx.batching = Batching(config, ctx.log, len(ctx.members))
+        largest = ctx.batch.largest_batch()
+        if largest > ctx.dataset_size:
+            raise ConfigError(
+                f"at scaling.max_workers = {config.scaling.upper} the global batch would be "
+                f"{largest}, more than the {ctx.dataset_size} samples of the data set; lower "
+                "batch.global_batch_size or scaling.max_workers")
+        b = ctx.batch.batch_now
+        ctx.total_steps = decisions.total_steps(
+            max_steps=config.max_steps, epochs=config.epochs, dataset_size=ctx.dataset_size,
+            batch=b, cursor=ctx.cursor)
+        ctx.log.emit(Planned(dataset_size=ctx.dataset_size,
+                      steps_per_epoch=ctx.dataset_size // b, total_steps=ctx.total_steps))
+        if ctx.checkpoints.enabled:
+            ctx.checkpoints.restore(ctx.members[0].worker_id, "resumed", ctx.step)
+        form(ctx, "start")
+        return Running()
+
+    @staticmethod
+    def _start_workers(ctx: Context) -> None:
+        scaling, failure = ctx.config.scaling, ctx.config.failure
+        for _ in range(scaling.num_workers):
+            ctx.workers.spawn()
+        # Do not wait for workers the cluster cannot place at all; they stay starting and join
+        # when capacity appears.
+        wanted = max(min(scaling.num_workers, ctx.workers.placeable()), scaling.lower)
+        started = ctx.workers.admit(min(wanted, scaling.num_workers),
+                                    failure.startup_timeout.total_seconds())
+        if started.failed:
+            raise started.failed[0]
+        ctx.members = sorted(started.members, key=lambda m: m.worker_id)
+        if len(ctx.members) < scaling.lower:
+            raise StartupTimeoutError(
+                f"only {len(ctx.members)} of {scaling.num_workers} workers started within "
+                f"{failure.startup_timeout}; need at least {scaling.lower}. Raise "
+                "failure.startup_timeout or add capacity")
+
+
+# --- running -------------------------------------------------------------------------------
+
+
+@dataclass
+class Running(State):
+    """Applies control requests at the boundary, then runs one chunk of steps and acts on
+    what every rank reports. Right after a resize (`resized`), the boundary was just applied:
+    the next chunk runs at the new size before any further request is looked at."""
+
+    resized: bool = False
+    label: ClassVar[RunState] = RunState.RUNNING
+
+    def step(self, ctx: Context) -> State:
+        if ctx.step >= ctx.total_steps:
+            return Finishing()
+        if self.resized:
+            self.resized = False
+            return self._chunk(ctx)
+        with ctx.requests.lock:
+            stop, target = ctx.requests.stop, ctx.requests.target
+        if stop:
+            ctx.stopped_early = True
+            ctx.log.emit(Stopping(step=ctx.step))
+            return Finishing()
+        shrink = len(ctx.members) > target
+        if not shrink:
+            top_up(ctx)
+        if shrink or admit(ctx, timeout=0):
+            action = ctx.policy.decide(MembershipChanged(
+                f"{len(ctx.members)} members, target {target}"))
+            assert isinstance(action, Reconfigure)
+            return Resizing(world_size=len(ctx.members), target=target)
+        return self._chunk(ctx)
+
+    def _chunk(self, ctx: Context) -> State:
+        ids = ctx.ids()
+        plan, trial = ctx.batch.next_plan(ids)
+        step = ctx.step
+        every = ctx.config.checkpoint.every_steps if ctx.config.checkpoint else None
+        num = decisions.chunk_length(
+            step=step, steps_per_chunk=ctx.config.steps_per_chunk, total_steps=ctx.total_steps,
+            steps_left_in_epoch=ctx.cursor.steps_left_in_epoch(ctx.dataset_size,
+                                                               ctx.batch.batch_now),
+            trial_steps_left=ctx.batch.trial_steps_left(trial), checkpoint_every=every,
+            chaos_steps=[e.step for e in ctx.chaos])
+        chaos = [e for e in ctx.chaos if e.step == step]
+        ctx.chaos = [e for e in ctx.chaos if e.step != step]
+        for event in chaos:
+            ctx.log.emit(Chaos(**event.model_dump()))
+        report = ctx.workers.run_chunk(ids, plan, num, chaos, ctx.batch.lr_ramp,
+                                       ctx.config.failure.hang_timeout.total_seconds(),
+                                       decisions.hung_ranks)
+        for rank, phase in report.hung:
+            ctx.log.emit(WorkerHung(rank=rank, phase=phase, worker_id=ids[rank]))
+        records = {rank: o.records for rank, o in report.outcomes.items()}
+        self._record(ctx, records, ids)
+        error = decisions.chunk_error(list(report.lost), report.outcomes,
+                                      [rank for rank, _ in report.hung])
+        if error is None:
+            self._completed(ctx, report, trial, records, ids)
+            return self
+        return self._failed(ctx, error, report, chaos, plan.micro_batches, ids)
+
+    @staticmethod
+    def _record(ctx: Context, records: dict[int, list[Any]], ids: list[int]) -> None:
+        by_step = ctx.batch.record(records, ids, ctx.generation)
+        if ctx.recovery is not None and by_step:
+            first_end = min(r.end_time for r in by_step[min(by_step)].values())
+            ctx.log.emit(Recovered(**ctx.recovery.breakdown(first_end)))
+            ctx.recovery = None
+        ctx.publish()
+
+    @staticmethod
+    def _completed(ctx: Context, report: ChunkReport, trial: int | None,
+                   records: dict[int, list[Any]], ids: list[int]) -> None:
+        cursors = [o.cursor for o in report.outcomes.values()]
+        ctx.cursor = Cursor(**max(cursors, key=lambda c: c["step"]))
+        ctx.batch.adapt(trial, records, ids, ctx.step)
+        b = ctx.batch.batch_now
+        epoch_over = ctx.cursor.start(ctx.dataset_size, b)[0] > ctx.cursor.epoch
+        if epoch_over or ctx.step == ctx.total_steps:
+            evaluate(ctx)
+        on_any_member(ctx, lambda w: ctx.checkpoints.maybe_write(w, ctx.step, len(ctx.members)))
+
+    def _failed(self, ctx: Context, error: ElasticError, report: ChunkReport,
+                chaos: list[ChaosEvent], micro_batches: tuple[int, ...], ids: list[int]) -> State:
+        """Acts on the failure policy's decision about a chunk that did not complete."""
+        if isinstance(error, (WorkerLostError, CollectiveError)):
+            action = ctx.policy.decide(error)  # losses are counted when the ranks are dropped
+            if isinstance(action, Fail):
+                raise action.error
+            assert isinstance(action, Recover)
+            return Recovering(lost=list(report.lost), report=report, chaos=chaos,
+                              detected=report.detected or ctx.workers.now())
+        # A voted-down step: every rank is at the same committed step and cursor.
+        ctx.cursor = Cursor(**next(iter(report.outcomes.values())).cursor)
+        ranks = decisions.voted_ranks(report.outcomes)
+        if isinstance(error, UserCodeError):
+            action = ctx.policy.decide(error)
+            trace = error.traceback.strip().splitlines()
+            ctx.log.emit(UserError(step=error.step, ranks=list(ranks),
+                          attempt=ctx.policy.user_retries[error.step],
+                          error=trace[-1] if trace else ""))
+        elif isinstance(error, WorkerOutOfMemoryError):
+            action = ctx.policy.decide(error, micro_batches={
+                rank: (ids[rank], micro_batches[rank]) for rank in ranks})
+            for decision in (action.decisions if isinstance(action, BackOff) else action.backoffs):
+                ctx.batch.backed_off(decision)
+        else:
+            assert isinstance(error, NonFiniteLossError)
+            ctx.log.emit(Nonfinite(step=error.step, ranks=list(ranks), policy="stop"))
+            action = ctx.policy.decide(NonFiniteLossError(
+                f"the loss or gradients of step {error.step} are NaN or infinite on ranks "
+                f"{list(ranks)}; the update was not applied (failure.nonfinite='skip' drops "
+                "such steps instead)", rank=ranks[0], step=error.step))
+        if isinstance(action, Fail):
+            raise action.error
+        assert isinstance(action, (Retry, BackOff))
+        return self
+
+
+def evaluate(ctx: Context) -> None:
+    """Runs the job's `evaluate` on a member and records it."""
+    if not ctx.has_evaluate:
+        return
+    result = on_any_member(ctx, lambda w: ctx.workers.call(w, "evaluate"))
+    ctx.evaluation = result
+    ctx.log.emit(Evaluate(step=ctx.step, metrics=dict(result),
+                          epoch=ctx.cursor.epochs_done(ctx.dataset_size, ctx.batch.batch_now)))
+
+
+# --- recovering and resizing -----------------------------------------------------------------
+
+
+@dataclass
+class Recovering(State):
+    """Drops the lost ranks, forms a new generation from the survivors and restores the newest
+    committed state; records the timing that the first step after it completes."""
+
+    lost: list[int]
+    report: ChunkReport
+    chaos: list[ChaosEvent]
+    detected: float
+    label: ClassVar[RunState] = RunState.RECOVERING
+
+    def fields(self) -> dict[str, Any]:
+        return {"lost_ranks": self.lost}
+
+    def step(self, ctx: Context) -> State:
+        aborted = ctx.workers.now()
+        world_before = len(ctx.members)
+        killed_at = ctx.requests.take_killed_at()
+        # A scheduled kill counts only if it fired (the worker left its marker with the time):
+        # a rank that died of something else first is an unplanned death.
+        chaos_kills: set[int] = set()
+        for event in self.chaos:
+            fired = ctx.workers.fired_kill(event.step, event.rank) if event.action == "kill" else None
+            if fired is not None:
+                chaos_kills.add(event.rank)
+                killed_at = fired
+        ids = ctx.ids()
+        with ctx.requests.lock:
+            killed = set(ctx.requests.killed_on_purpose)
+        on_purpose = chaos_kills | {r for r in self.lost if ids[r] in killed}
+        ctx.log.emit(WorkerFailure(lost_ranks=self.lost,
+                      step=decisions.newest_committed(self.report.outcomes, ctx.step),
+                      lost_workers=[ids[r] for r in self.lost],
+                      survivors=len(ids) - len(self.lost),
+                      planned=bool(self.lost) and set(self.lost) <= on_purpose,
+                      reasons=[self.report.lost.get(r, "") for r in self.lost]))
+        if self.lost:
+            drop(ctx, self.lost, "actor died")
+        rebuilt, restored = form(ctx, "recovery")
+        ctx.recovery = PendingRecovery(
+            detected=self.detected, killed_at=killed_at, aborted=aborted, rebuilt=rebuilt,
+            restored=restored, lost_ranks=self.lost, world_before=world_before,
+            # The step in flight when the worker died is redone; steps already committed by
+            # the newest survivor are kept.
+            work_lost_steps=int(any(isinstance(o, ChunkInterrupted)
+                                    for o in self.report.outcomes.values())),
+            world_after=len(ctx.members), step=ctx.step)
+        return Running()
+
+
+@dataclass
+class Resizing(State):
+    """Removes members above the target, admits started ones, and forms a new generation."""
+
+    world_size: int
+    target: int
+    label: ClassVar[RunState] = RunState.RESIZING
+
+    def fields(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "target": self.target}
+
+    def step(self, ctx: Context) -> State:
+        with ctx.requests.lock:  # free capacity may have raised it since the boundary
+            target = ctx.requests.target
+        while len(ctx.members) > target:
+            member = ctx.members.pop()
+            ctx.log.emit(WorkerRemoved(worker_id=member.worker_id))
+            ctx.workers.kill(member.worker_id)
+        top_up(ctx)
+        admit(ctx, timeout=0)
+        before = ctx.generation
+        form(ctx, "resize")
+        ctx.log.emit(Resized(world_size=len(ctx.members), generation=ctx.generation,
+                      previous_generation=before))
+        return Running(resized=True)
+
+
+# --- the end -------------------------------------------------------------------------------
+
+
+class Finishing(State):
+    """Evaluates a stopped run, writes the final checkpoint and takes the final model."""
+
+    label = RunState.FINISHING
+
+    def step(self, ctx: Context) -> State:
+        if ctx.stopped_early and ctx.has_evaluate and not ctx.evaluation:
+            evaluate(ctx)
+        on_any_member(ctx, lambda w: ctx.checkpoints.maybe_write(w, ctx.step, len(ctx.members),
+                                                                 final=True))
+        model_state = on_any_member(ctx, lambda w: ctx.workers.call(w, "model_state"))
+        ctx.log.emit(Finish(step=ctx.step, stopped=ctx.stopped_early,
+                      samples=ctx.cursor.samples))
+        return Finished(model_state)
+
+
+@dataclass
+class Finished(State):
+    """Terminal: the run ended (finished or stopped) with `model_state`."""
+
+    model_state: Any
+    label: ClassVar[RunState] = RunState.FINISHED
+
+
+@dataclass
+class Failed(State):
+    """Terminal: the run failed with `error`."""
+
+    error: BaseException
+    label: ClassVar[RunState] = RunState.FAILED
+
+
+# --- the loop ------------------------------------------------------------------------------
+
+
+def _bug(e: Exception) -> ControllerError:
+    logger.exception("controller failed")
+    error = ControllerError(f"controller failed: {type(e).__name__}: {e}")
+    error.__cause__ = e
+    return error
+
+
+@dataclass
+class Machine:
+    """Runs the states to a terminal one.
+
+    Args:
+        ctx: the shared context.
+        on_change: called with (previous label, new state) after each change of label, before
+            the `state` event is written; the actor publishes the run's state there.
+    """
+
+    ctx: Context
+    on_change: Callable[[RunState, State], None] = lambda previous, state: None
+    state: State = field(default_factory=Starting)
+
+    def run(self) -> State:
+        """Steps until a terminal state; returns it."""
+        while self.state.label not in (RunState.FINISHED, RunState.FAILED):
+            try:
+                following = self.state.step(self.ctx)
+            except ElasticError as e:
+                following = Failed(e)
+            except Exception as e:  # a bug of ours: keep the cause
+                following = Failed(_bug(e))
+            try:
+                self.enter(following)
+            except Exception as e:  # writing the change failed: end without more writes
+                previous, self.state = self.state.label, Failed(_bug(e))
+                self.on_change(previous, self.state)
+        return self.state
+
+    def enter(self, state: State) -> None:
+        """Makes `state` current; writes the `failed` and `state` events on a change of label."""
+        previous, self.state = self.state.label, state
+        if isinstance(state, Failed):
+            self.ctx.log.emit(RunFailed(error=f"{type(state.error).__name__}: {state.error}",
+                               step=self.ctx.step))
+        if state.label != previous:
+            self.on_change(previous, state)
+            self.ctx.log.emit(StateChanged(previous=previous.value, state=state.label.value,
+                               **state.fields()))
+            if state.label not in (RunState.FINISHED, RunState.FAILED):
+                self.ctx.publish()  # the end is published last, by the actor

@@ -1,0 +1,234 @@
+"""The phases of one global step on one rank, and what passes between them.
+
+`Replica.run_step` drives four phases, in this order, on every rank of a generation:
+
+1. compute: forward and backward over the micro-batches of this rank's share; an error in
+   user code or an out-of-memory error is latched into this rank's vote, never raised
+   (`Computed`).
+2. reduce: the gradients and the step's metadata (summed loss, one vote per rank, the item
+   count and every rank's loss form, the ledger) summed over ranks, in buckets that overlap
+   the backward pass or flat after it (`Reduced`).
+3. verdict: what the summed votes decide; a pure function of them, so every rank decides the
+   same (`verdict`: `Commit` or a voted-down outcome).
+4. apply: on a commit, the gradients divided by the global item count (`LossSum` losses only),
+   the optimizer and scheduler step, the cursor advance and the record.
+
+Every rank runs the reduce whatever its vote, so that no rank is left waiting in a collective.
+The metadata is one float64 vector: `[loss_sum, vote of rank 0, ..., vote of rank w-1, count,
+form of rank 0, ..., form of rank w-1, ledger...]`; each rank writes only its own vote and form
+slots and its own part of the ledger, so the sum over ranks holds every rank's vote, form and
+index exactly (and the count: integers, exact below 2**24 even when the metadata rides in a
+float32 buffer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Literal
+
+import torch
+
+from elastic.adapt.plan import BatchPlan
+from elastic.collective import Communicator
+from elastic.config import ChaosEvent
+from elastic.trainer.loss import LossForm, form_error
+from elastic.trainer.outcomes import NonFinite, OutOfMemory, UserFailure
+
+
+class Vote(IntEnum):
+    """One rank's vote on the step, written into its own slot of the metadata."""
+
+    OK = 0
+    USER_ERROR = 1  # user code raised (data, loss, backward)
+    OUT_OF_MEMORY = 2
+    NONFINITE = 3  # the loss or a gradient is NaN or infinite
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every phase of one step on this rank reads; fixed when the step begins.
+
+    Attributes:
+        step: the global step being run (the committed step count).
+        epoch: the epoch the global batch comes from.
+        plan: shares and micro-batches of this generation.
+        comm: the generation's communicator.
+        indices: this rank's share of the global batch, as data set indices.
+        chaos: this rank's faults to inject at this step.
+        lr_factor: scales this step's learning rate only.
+        ledger: whether the metadata carries the batch's indices.
+        started: `time.perf_counter()` when the step began.
+        wall_start: `time.time()` when the step began.
+    """
+
+    step: int
+    epoch: int
+    plan: BatchPlan
+    comm: Communicator
+    indices: torch.Tensor
+    chaos: tuple[ChaosEvent, ...]
+    lr_factor: float
+    ledger: bool
+    started: float
+    wall_start: float
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.plan.global_batch_size
+
+    @property
+    def meta_len(self) -> int:
+        """Length of the step's metadata vector."""
+        return 2 + 2 * self.world_size + (self.global_batch_size if self.ledger else 0)
+
+
+@dataclass(frozen=True)
+class Computed:
+    """What the compute phase leaves for the reduce. With `vote` OK, each parameter's `grad`
+    holds this rank's gradient of its part of the global mean loss (with `LossSum` losses: of
+    its part of the global summed loss, which the apply phase divides by the global count).
+
+    Attributes:
+        loss_sum: the sum of this rank's scaled micro-batch losses, or of its `LossSum` totals
+            (so far, if one raised).
+        count: the sum of this rank's `LossSum` counts (0 with scalar losses).
+        form: the form of this rank's losses in this step.
+        vote: OK, USER_ERROR or OUT_OF_MEMORY.
+        error: the traceback behind a vote other than OK.
+        data_s: seconds spent loading and collating samples.
+        compute_s: seconds from the step's start to the end of the last backward pass.
+    """
+
+    loss_sum: float
+    count: float
+    form: LossForm
+    vote: Vote
+    error: str | None
+    data_s: float
+    compute_s: float
+
+    @property
+    def user_traceback(self) -> str | None:
+        """The traceback of an error in user code on this rank, if there was one."""
+        return self.error if self.vote == Vote.USER_ERROR else None
+
+
+def pack_meta(context: StepContext, loss_sum: float, vote: Vote, count: float = 0.0,
+              form: LossForm = LossForm.NONE) -> torch.Tensor:
+    """This rank's contribution to the step's metadata (float64, `context.meta_len` long)."""
+    flags = torch.zeros(2 * context.world_size + 1, dtype=torch.float64)
+    flags[context.rank] = float(vote)
+    flags[context.world_size] = count
+    flags[context.world_size + 1 + context.rank] = float(form)
+    ledger = torch.zeros(context.global_batch_size if context.ledger else 0, dtype=torch.float64)
+    if context.ledger:
+        offset = context.plan.offset(context.rank)
+        ledger[offset : offset + len(context.indices)] = context.indices.to(torch.float64)
+    return torch.cat([torch.tensor([loss_sum], dtype=torch.float64), flags, ledger])
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """What the reduce phase leaves: the metadata summed over ranks, and the summed gradients.
+
+    Attributes:
+        loss: the loss of the global batch: the sum of every rank's `loss_sum`, divided by
+            the global count with `LossSum` losses.
+        votes: every rank's vote, in rank order.
+        count: the global `LossSum` item count (0 with scalar losses).
+        forms: every rank's `LossForm`, in rank order.
+        indices: the global batch's indices, when the ledger is on.
+        flat: the summed gradients of the flat reduce, one buffer per dtype; None when they
+            are in the gradient buckets.
+        comm_s: seconds spent in the reduce (the communication nothing overlapped).
+    """
+
+    loss: float
+    votes: tuple[float, ...]
+    count: float
+    forms: tuple[float, ...]
+    indices: tuple[int, ...] | None
+    flat: dict[torch.dtype, torch.Tensor] | None
+    comm_s: float
+
+    @classmethod
+    def unpack(cls, meta: torch.Tensor, context: StepContext,
+               flat: dict[torch.dtype, torch.Tensor] | None, comm_s: float) -> Reduced:
+        """Reads the summed metadata `meta` (see `pack_meta`)."""
+        world = context.world_size
+        ledger = 2 + 2 * world
+        indices = tuple(int(i) for i in meta[ledger:].tolist()) if context.ledger else None
+        count = float(meta[1 + world])
+        forms = tuple(meta[2 + world : ledger].tolist())
+        loss = float(meta[0])
+        if LossForm.SUM in forms and count > 0:
+            loss /= count
+        return cls(loss=loss, votes=tuple(meta[1 : 1 + world].tolist()), count=count,
+                   forms=forms, indices=indices, flat=flat, comm_s=comm_s)
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The vote lets the step through on every rank.
+
+    Attributes:
+        skipped: ranks whose loss or gradients were not finite under the policy 'skip'; when
+            there are any, no rank applies the update (its samples count as consumed).
+        divisor: the global item count the summed gradients are divided by before the
+            optimizer step (`LossSum` losses); None for scalar losses.
+    """
+
+    skipped: tuple[int, ...] = ()
+    divisor: float | None = None
+
+
+def verdict(step: int, votes: Sequence[float], nonfinite: Literal["stop", "skip"],
+            traceback: str | None, forms: Sequence[float] = (),
+            count: float = 0.0) -> Commit | UserFailure | OutOfMemory | NonFinite:
+    """What the summed votes decide for step `step`.
+
+    Pure, so every rank, reading the same summed votes, reaches the same verdict. A user error
+    on any rank outranks everything else, and so do loss forms that cannot make a step (ranks
+    that disagree, or a global `LossSum` count of 0: a user error on every rank that computed a
+    loss); then out of memory (its ranks are every rank that voted down, so a redo lowers their
+    micro-batches); a step only non-finite ranks voted down is skipped or stops the run, as
+    `nonfinite` says.
+
+    Args:
+        step: the step voted on.
+        votes: every rank's vote (a `Vote` value), in rank order.
+        nonfinite: the run's policy for non-finite losses and gradients.
+        traceback: this rank's traceback, when it voted `Vote.USER_ERROR`.
+        forms: every rank's `LossForm` value, in rank order.
+        count: the global `LossSum` item count.
+
+    Returns:
+        `Commit` (possibly skipping the update; dividing the gradients by `count` with
+        `LossSum` losses), or the outcome that voted the step down.
+    """
+    failed = tuple(rank for rank, vote in enumerate(votes) if vote != Vote.OK)
+    bad = tuple(rank for rank in failed if votes[rank] == Vote.NONFINITE)
+    users = tuple(rank for rank in failed if votes[rank] == Vote.USER_ERROR)
+    if users:
+        return UserFailure(step=step, ranks=users, traceback=traceback)
+    message = form_error(step, tuple(forms), count, complete=len(bad) == len(failed))
+    if message is not None:
+        ranks = tuple(rank for rank, form in enumerate(forms) if form != LossForm.NONE)
+        return UserFailure(step=step, ranks=ranks, traceback=message)
+    divisor = count if LossForm.SUM in forms else None
+    if not failed:
+        return Commit(divisor=divisor)
+    if len(bad) == len(failed):
+        return (Commit(skipped=bad, divisor=divisor) if nonfinite == "skip"
+                else NonFinite(step=step, ranks=bad))
+    return OutOfMemory(step=step, ranks=failed)

@@ -1,0 +1,471 @@
+"""The controller's state machine, failure policy and decisions, without Ray.
+
+The machine runs against `SimulatedWorkers` (members are records, time is simulated), so every
+transition and every failure path is driven here in milliseconds, at up to 256 members.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+
+import pytest
+
+from elastic.config import BatchConfig, ChaosEvent, FailureConfig, FitConfig, ScalingConfig
+from elastic.control import decisions
+from elastic.control.context import Context
+from elastic.control.policy import BackOff, Fail, FailurePolicy, Reconfigure, Recover, Retry
+from elastic.control.port import ChunkDone, ChunkInterrupted, ChunkVotedDown
+from elastic.control.simulation import SimulatedWorkers
+from elastic.control.states import Failed, Finished, Machine
+from elastic.errors import (
+    CollectiveError,
+    ConfigError,
+    ControllerError,
+    InsufficientWorkersError,
+    MembershipChanged,
+    NonFiniteLossError,
+    RendezvousError,
+    StartupTimeoutError,
+    UserCodeError,
+    WorkerHangError,
+    WorkerLostError,
+    WorkerOutOfMemoryError,
+)
+from elastic.runlog import RunLog
+from elastic.trainer.data import Cursor
+from elastic.trainer.replica import NonFinite, OutOfMemory, UserFailure
+
+PER_RANK = 4  # samples per rank and step
+
+
+def _run(tmp_path, world=4, *, steps=24, chunk=4, sim=None, **config):
+    """Runs the machine to its end; returns (final state, context, simulation)."""
+    config.setdefault("scaling", ScalingConfig(num_workers=world, min_workers=1, max_workers=world))
+    config.setdefault("batch", BatchConfig(global_batch_size=world * PER_RANK))
+    cfg = FitConfig(run_dir=str(tmp_path), max_steps=steps, steps_per_chunk=chunk, **config)
+    sim = sim or SimulatedWorkers(dataset_size=world * PER_RANK * 1000, capacity=world,
+                                  start_delay_s=0.02)
+    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
+    end = Machine(ctx).run()
+    return end, ctx, sim
+
+
+def _states(ctx):
+    return [(e["previous"], e["state"]) for e in ctx.log.events if e["event"] == "state"]
+
+
+def _events(ctx, kind):
+    return [e for e in ctx.log.events if e["event"] == kind]
+
+
+def _steps(ctx):
+    return [m["step"] for m in ctx.log.metrics]
+
+
+# --- transitions ---------------------------------------------------------------------------
+
+
+def test_an_uninterrupted_run_starts_runs_finishes(tmp_path):
+    end, ctx, _ = _run(tmp_path, steps=10)
+    assert isinstance(end, Finished) and end.model_state == {"step": 10}
+    assert _states(ctx) == [("starting", "running"), ("running", "finishing"),
+                            ("finishing", "finished")]
+    assert _steps(ctx) == list(range(10))
+    assert ctx.cursor.samples == 10 * 4 * PER_RANK
+    assert [e["reason"] for e in _events(ctx, "generation")] == ["start"]
+
+
+def test_a_lost_worker_recovers_in_place_and_its_replacement_joins(tmp_path):
+    end, ctx, _ = _run(tmp_path, chaos=(ChaosEvent(step=6, rank=1, action="kill"),))
+    assert isinstance(end, Finished)
+    assert _states(ctx) == [
+        ("starting", "running"), ("running", "recovering"), ("recovering", "running"),
+        ("running", "resizing"), ("resizing", "running"), ("running", "finishing"),
+        ("finishing", "finished")]
+    [failure] = _events(ctx, "worker_failure")
+    assert (failure["lost_ranks"], failure["step"], failure["planned"]) == ([1], 6, True)
+    assert [e["reason"] for e in _events(ctx, "generation")] == ["start", "recovery", "resize"]
+    assert [e["why"] for e in _events(ctx, "worker_lost")] == ["actor died"]
+    assert _steps(ctx) == list(range(24))  # every step once: the interrupted one redone
+    assert len(ctx.members) == 4 and ctx.policy.workers_lost == 1
+    [recovered] = _events(ctx, "recovered")
+    assert (recovered["world_before"], recovered["world_after"]) == (4, 3)
+
+
+def test_scale_down_then_up_resizes_at_boundaries(tmp_path):
+    def requests(step):
+        with ctx.requests.lock:
+            if step == 8:
+                ctx.requests.target, ctx.requests.scaled_by_user = 2, True
+            if step == 16:
+                ctx.requests.target = 4
+
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0,
+                           before_chunk=lambda step: requests(step))
+    cfg = FitConfig(run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
+                    scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
+                    batch=BatchConfig(global_batch_size=16, autotune=False))
+    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
+    end = Machine(ctx).run()
+    assert isinstance(end, Finished)
+    sizes = [m["world_size"] for m in ctx.log.metrics]
+    assert sizes == [4] * 12 + [2] * 8 + [4] * 4  # a request made during a chunk applies after it
+    assert [e["world_size"] for e in _events(ctx, "resized")] == [2, 4]
+    assert _states(ctx).count(("running", "resizing")) == 2
+    assert _steps(ctx) == list(range(24))
+
+
+def test_a_stop_request_finishes_at_the_next_boundary(tmp_path):
+    def stop(step):
+        if step >= 8:
+            with ctx.requests.lock:
+                ctx.requests.stop = True
+
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, before_chunk=stop)
+    cfg = FitConfig(run_dir=str(tmp_path), max_steps=100, steps_per_chunk=4,
+                    scaling=ScalingConfig(num_workers=4),
+                    batch=BatchConfig(global_batch_size=16, autotune=False))
+    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
+    end = Machine(ctx).run()
+    assert isinstance(end, Finished) and ctx.stopped_early
+    assert ctx.step == 12  # the chunk that saw the request finished; no further one ran
+    assert [e["step"] for e in _events(ctx, "stopping")] == [12]
+    assert _states(ctx)[-2:] == [("running", "finishing"), ("finishing", "finished")]
+
+
+# --- failures ------------------------------------------------------------------------------
+
+
+def test_too_few_workers_at_start_fail_with_startup_timeout(tmp_path):
+    sim = SimulatedWorkers(dataset_size=16000, capacity=2)
+    end, ctx, _ = _run(tmp_path, sim=sim,
+                       scaling=ScalingConfig(num_workers=4, min_workers=3, max_workers=4),
+                       failure=FailureConfig(startup_timeout=timedelta(seconds=5)))
+    assert isinstance(end, Failed) and isinstance(end.error, StartupTimeoutError)
+    assert "failure.startup_timeout" in str(end.error)
+    assert _states(ctx) == [("starting", "failed")]
+
+
+def test_more_losses_than_max_failures_fail_the_run(tmp_path):
+    end, ctx, _ = _run(tmp_path, chaos=(ChaosEvent(step=4, rank=0, action="kill"),
+                                        ChaosEvent(step=8, rank=0, action="kill")),
+                       failure=FailureConfig(max_failures=1))
+    assert isinstance(end, Failed) and isinstance(end.error, WorkerLostError)
+    assert "failure.max_failures = 1" in str(end.error)
+    assert _states(ctx)[-1] == ("recovering", "failed")
+    assert [e["event"] for e in ctx.log.events][-2:] == ["failed", "state"]
+
+
+def test_below_min_workers_past_capacity_timeout_fails(tmp_path):
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=100.0)
+    end, _, _ = _run(tmp_path, sim=sim, chaos=(ChaosEvent(step=4, rank=2, action="kill"),),
+                       scaling=ScalingConfig(num_workers=4, min_workers=4, max_workers=4),
+                       failure=FailureConfig(capacity_timeout=timedelta(seconds=3)))
+    assert isinstance(end, Failed) and isinstance(end.error, InsufficientWorkersError)
+    assert "scaling.min_workers = 4" in str(end.error)
+
+
+def test_losing_every_holder_of_the_state_without_a_checkpoint_fails(tmp_path):
+    kills = tuple(ChaosEvent(step=5, rank=r, action="kill") for r in range(4))
+    end, _, _ = _run(tmp_path, chaos=kills, chunk=5)
+    assert isinstance(end, Failed) and isinstance(end.error, WorkerLostError)
+    assert "no checkpoint is available" in str(end.error)
+
+
+def test_a_user_error_is_retried_then_the_run_goes_on(tmp_path):
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4,
+                           votes={5: [UserFailure(5, (2,), "Traceback\nValueError: bad")]})
+    end, ctx, _ = _run(tmp_path, sim=sim)
+    assert isinstance(end, Finished)
+    [error] = _events(ctx, "user_error")
+    assert (error["step"], error["ranks"], error["attempt"], error["error"]) == (
+        5, [2], 1, "ValueError: bad")
+    assert _steps(ctx) == list(range(24))
+    assert ("running", "recovering") not in _states(ctx)
+
+
+def test_a_user_error_past_max_user_retries_fails_with_the_traceback(tmp_path):
+    failure = UserFailure(5, (1,), "Traceback\nKeyError: 'x'")
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, votes={5: [failure] * 3})
+    end, ctx, _ = _run(tmp_path, sim=sim, failure=FailureConfig(max_user_retries=2))
+    assert isinstance(end, Failed) and isinstance(end.error, UserCodeError)
+    assert (end.error.rank, end.error.step) == (1, 5)
+    assert "KeyError" in end.error.traceback
+    assert [e["attempt"] for e in _events(ctx, "user_error")] == [1, 2, 3]
+
+
+def test_out_of_memory_halves_the_micro_batch_and_redoes_the_step(tmp_path):
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, votes={3: [OutOfMemory(3, (2,))]})
+    end, ctx, _ = _run(tmp_path, sim=sim, batch=BatchConfig(global_batch_size=16,
+                                                            autotune=False))
+    assert isinstance(end, Finished)
+    [backoff] = _events(ctx, "oom_backoff")
+    assert (backoff["rank"], backoff["micro_batch_before"], backoff["micro_batch_after"]) == (2, 4, 2)
+    assert ctx.log.metrics[3]["micro_batches"] == [4, 4, 2, 4]
+    assert _steps(ctx) == list(range(24))
+
+
+def test_out_of_memory_at_micro_batch_one_fails(tmp_path):
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, votes={3: [OutOfMemory(3, (0,))]})
+    end, ctx, _ = _run(tmp_path, sim=sim, batch=BatchConfig(global_batch_size=4, autotune=False))
+    assert isinstance(end, Failed) and isinstance(end.error, WorkerOutOfMemoryError)
+    assert [e["micro_batch_after"] for e in _events(ctx, "oom_backoff")] == [None]
+
+
+def test_a_non_finite_step_under_policy_stop_fails(tmp_path):
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, votes={7: [NonFinite(7, (0, 3))]})
+    end, ctx, _ = _run(tmp_path, sim=sim)
+    assert isinstance(end, Failed) and isinstance(end.error, NonFiniteLossError)
+    assert "failure.nonfinite='skip'" in str(end.error)
+    assert _events(ctx, "nonfinite")[-1]["ranks"] == [0, 3]
+
+
+def test_a_bug_in_the_control_loop_becomes_a_controller_error_with_its_cause(tmp_path):
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4)
+    sim.call = lambda *args: 1 / 0
+    end, _, _ = _run(tmp_path, sim=sim)
+    assert isinstance(end, Failed) and isinstance(end.error, ControllerError)
+    assert isinstance(end.error.__cause__, ZeroDivisionError)
+
+
+def test_a_batch_larger_than_the_data_set_is_a_config_error(tmp_path):
+    sim = SimulatedWorkers(dataset_size=8, capacity=4)
+    end, _, _ = _run(tmp_path, sim=sim)
+    assert isinstance(end, Failed) and isinstance(end.error, ConfigError)
+    assert "batch.global_batch_size" in str(end.error)
+
+
+# --- scale of the control plane ------------------------------------------------------------
+
+
+def test_256_members_through_failures_joins_and_resizes(tmp_path):
+    world = 256
+
+    def requests(step):
+        with ctx.requests.lock:
+            if 20 <= step < 32:
+                ctx.requests.target, ctx.requests.scaled_by_user = 200, True
+            if step >= 32:
+                ctx.requests.target = 256
+
+    kills = (ChaosEvent(step=8, rank=17, action="kill"), ChaosEvent(step=8, rank=200, action="kill"),
+             ChaosEvent(step=14, rank=0, action="kill"), ChaosEvent(step=40, rank=150, action="kill"))
+    sim = SimulatedWorkers(dataset_size=world * PER_RANK * 100, capacity=world,
+                           start_delay_s=0.01, before_chunk=lambda step: requests(step))
+    cfg = FitConfig(run_dir=str(tmp_path), max_steps=48, steps_per_chunk=4, chaos=kills,
+                    scaling=ScalingConfig(num_workers=world, min_workers=128, max_workers=world),
+                    batch=BatchConfig(global_batch_size=world * PER_RANK))
+    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
+    end = Machine(ctx).run()
+    assert isinstance(end, Finished)
+    assert [f["lost_ranks"] for f in _events(ctx, "worker_failure")] == [[17, 200], [0], [150]]
+    assert ctx.policy.workers_lost == 4
+    assert _steps(ctx) == list(range(48))  # every step exactly once
+    assert ctx.cursor.samples == 48 * world * PER_RANK  # a constant global batch throughout
+    assert {m["global_batch_size"] for m in ctx.log.metrics} == {world * PER_RANK}
+    sizes = [m["world_size"] for m in ctx.log.metrics]
+    assert 200 in sizes and sizes[-1] == world and min(sizes) >= 128
+    assert [e["world_size"] for e in _events(ctx, "resized")][-1] == world
+    worker_ids = [e["workers"] for e in _events(ctx, "generation")]
+    assert all(len(set(ids)) == len(ids) for ids in worker_ids)  # nobody twice in a ring
+    assert len(ctx.members) == world
+    # Generations form only at start, after each failure and at each resize.
+    reasons = [e["reason"] for e in _events(ctx, "generation")]
+    assert reasons.count("recovery") == 3 and reasons[0] == "start"
+
+
+def _control_calls(tmp_path, world: int) -> int:
+    """Python calls made by the control loop (not the simulation) in a 40-step run."""
+    sim = SimulatedWorkers(dataset_size=world * PER_RANK * 100, capacity=world)
+    cfg = FitConfig(run_dir=str(tmp_path / str(world)), max_steps=40, steps_per_chunk=4,
+                    scaling=ScalingConfig(num_workers=world),
+                    batch=BatchConfig(global_batch_size=world * PER_RANK))
+    ctx = Context(cfg, "sim", RunLog(cfg.run_dir), sim)
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        if event == "call":
+            name = frame.f_code.co_filename
+            if "/elastic/" in name and not name.endswith("simulation.py"):
+                calls += 1
+
+    sys.setprofile(profile)
+    try:
+        Machine(ctx).run()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_control_work_per_step_grows_linearly_with_the_world(tmp_path):
+    # Counting calls, not seconds: a quadratic decision would multiply them by 16 from 64 to
+    # 256 members; linear work multiplies them by at most 4.
+    small, large = _control_calls(tmp_path, 64), _control_calls(tmp_path, 256)
+    assert large / small < 4.5, (small, large)
+
+
+# --- the failure policy ----------------------------------------------------------------------
+
+
+def test_the_policy_maps_each_error_class_to_its_action():
+    policy = FailurePolicy(FailureConfig(max_failures=2, max_user_retries=1))
+    assert policy.decide(WorkerLostError("x"), lost=1) == Recover()
+    assert policy.decide(WorkerHangError("x"), lost=1) == Recover()
+    assert policy.decide(CollectiveError("x")) == Recover()
+    assert policy.decide(MembershipChanged("x")) == Reconfigure()
+    assert policy.decide(UserCodeError("x", rank=0, step=3, traceback="")) == Retry(1)
+    assert isinstance(policy.decide(UserCodeError("x", rank=0, step=3, traceback="")), Fail)
+    assert policy.decide(UserCodeError("x", rank=0, step=4, traceback="")) == Retry(1)
+    error = NonFiniteLossError("x", rank=0, step=1)
+    assert policy.decide(error) == Fail(error)
+    config_error = ConfigError("x")
+    assert policy.decide(config_error) == Fail(config_error)
+    lost = policy.decide(WorkerLostError("x"), lost=1)
+    assert isinstance(lost, Fail) and "3 workers lost" in str(lost.error)
+
+
+def test_the_policy_retries_a_generation_three_times_then_fails():
+    policy = FailurePolicy(FailureConfig())
+    for _ in range(3):
+        assert policy.decide(RendezvousError("boom", generation=5)) == Recover()
+    failed = policy.decide(RendezvousError("boom", generation=5))
+    assert isinstance(failed, Fail) and "could not form after 4 attempts: boom" in str(failed.error)
+    policy.formed()
+    assert policy.decide(RendezvousError("boom", generation=6)) == Recover()
+
+
+def test_the_policy_halves_micro_batches_until_one():
+    policy = FailurePolicy(FailureConfig())
+    error = WorkerOutOfMemoryError("x", rank=1, step=3)
+    action = policy.decide(error, micro_batches={1: (7, 8), 2: (9, 3)})
+    assert isinstance(action, BackOff)
+    assert [(d.rank, d.worker_id, d.before, d.after) for d in action.decisions] == [
+        (1, 7, 8, 4), (2, 9, 3, 1)]
+    failed = policy.decide(error, micro_batches={0: (1, 2), 1: (7, 1)})
+    assert isinstance(failed, Fail) and isinstance(failed.error, WorkerOutOfMemoryError)
+    assert [d.after for d in failed.backoffs] == [1, None]
+
+
+def test_the_policy_waits_for_capacity_while_replacements_start():
+    policy = FailurePolicy(FailureConfig())
+    assert policy.capacity(alive=4, minimum=4, starting=0, time_left=0) is None
+    assert policy.capacity(alive=3, minimum=4, starting=1, time_left=2.0) is None
+    assert isinstance(policy.capacity(alive=3, minimum=4, starting=0, time_left=2.0), Fail)
+    assert isinstance(policy.capacity(alive=3, minimum=4, starting=1, time_left=0.0), Fail)
+
+
+# --- decisions -----------------------------------------------------------------------------
+
+
+def test_chunk_length_stops_at_every_boundary():
+    base = dict(step=10, steps_per_chunk=8, total_steps=100, steps_left_in_epoch=50,
+                trial_steps_left=None, checkpoint_every=None, chaos_steps=[])
+    assert decisions.chunk_length(**base) == 8
+    assert decisions.chunk_length(**{**base, "total_steps": 13}) == 3
+    assert decisions.chunk_length(**{**base, "steps_left_in_epoch": 2}) == 2
+    assert decisions.chunk_length(**{**base, "trial_steps_left": 5}) == 5
+    assert decisions.chunk_length(**{**base, "checkpoint_every": 4}) == 2
+    assert decisions.chunk_length(**{**base, "chaos_steps": [10, 13, 11]}) == 1
+
+
+def test_restore_source_is_the_newest_lowest_rank_else_a_checkpoint():
+    assert decisions.restore_source([5, 6, 6, 4], 5) == decisions.RestoreSource(1, False)
+    assert decisions.restore_source([0, 0], 7) == decisions.RestoreSource(0, True)
+
+
+def test_hung_ranks_spare_the_ones_waiting_in_a_collective():
+    assert decisions.hung_ranks({0: "allreduce", 2: "forward", 3: "unresponsive"}) == [2, 3]
+
+
+def test_a_chunk_error_prefers_a_loss_then_a_vote_then_a_collective_error():
+    done = ChunkDone([], 3, Cursor(step=3).to_dict())
+    cut = ChunkInterrupted([], 3, Cursor(step=3).to_dict(), "reset by peer")
+    voted = ChunkVotedDown([], 3, Cursor(step=3).to_dict(), OutOfMemory(3, (1,)))
+    assert decisions.chunk_error([], {0: done, 1: done}) is None
+    assert isinstance(decisions.chunk_error([], {0: done, 1: cut}), CollectiveError)
+    assert isinstance(decisions.chunk_error([], {0: cut, 1: voted}), WorkerOutOfMemoryError)
+    lost = decisions.chunk_error([2], {0: cut, 1: voted})
+    assert isinstance(lost, WorkerLostError) and lost.rank == 2
+    user = ChunkVotedDown([], 3, {}, UserFailure(3, (0,), None))
+    user_tb = ChunkVotedDown([], 3, {}, UserFailure(3, (0,), "Traceback\nValueError"))
+    error = decisions.chunk_error([], {0: user, 1: user_tb})
+    assert isinstance(error, UserCodeError) and error.traceback.endswith("ValueError")
+
+
+@pytest.mark.parametrize("known", [{}, {1: 2.0, 2: 4.0}])
+def test_weights_count_a_newcomer_as_a_typical_worker(known):
+    result = decisions.weights(known, [1, 2, 3])
+    assert result is None if not known else result == [2.0, 4.0, 4.0]
+
+
+def test_a_loss_the_hang_watchdog_caused_is_a_hang():
+    cut = ChunkInterrupted([], 3, Cursor(step=3).to_dict(), "aborted")
+    assert isinstance(decisions.chunk_error([1], {0: cut}, hung=[1]), WorkerHangError)
+    assert type(decisions.chunk_error([1], {0: cut}, hung=[])) is WorkerLostError
+
+
+def test_growing_into_free_capacity_does_not_undo_itself(tmp_path):
+    # Workers started for free capacity and admitted at the same boundary are not removed
+    # again by the resize that admits them (the target rose with them).
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0)
+    end, ctx, _ = _run(tmp_path, sim=sim,
+                       scaling=ScalingConfig(num_workers=2, min_workers=1, max_workers=4),
+                       batch=BatchConfig(global_batch_size=16))
+    assert isinstance(end, Finished)
+    assert _events(ctx, "worker_removed") == []
+    assert [e["reason"] for e in _events(ctx, "worker_starting")] == ["capacity", "capacity"]
+    assert ctx.log.metrics[-1]["world_size"] == 4
+
+
+def test_a_failure_to_write_a_state_change_still_ends_the_run(tmp_path):
+    calls = []
+
+    def publish():
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("disk full")
+
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4)
+    cfg = FitConfig(run_dir=str(tmp_path), max_steps=8, scaling=ScalingConfig(num_workers=4),
+                    batch=BatchConfig(global_batch_size=16))
+    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim, publish=publish)
+    end = Machine(ctx).run()
+    assert isinstance(end, Failed) and isinstance(end.error, ControllerError)
+    assert isinstance(end.error.__cause__, OSError)
+
+
+def test_a_loss_while_resizing_fails_the_run_past_max_failures(tmp_path):
+    def requests(step):
+        if step >= 8:
+            with ctx.requests.lock:
+                ctx.requests.target, ctx.requests.scaled_by_user = 3, True
+            sim.workers[ctx.members[0].worker_id].alive = False  # dies right after this chunk
+
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, before_chunk=requests)
+    cfg = FitConfig(run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
+                    scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
+                    batch=BatchConfig(global_batch_size=16, autotune=False),
+                    failure=FailureConfig(max_failures=0))
+    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
+    end = Machine(ctx).run()
+    assert isinstance(end, Failed) and isinstance(end.error, WorkerLostError)
+    assert _states(ctx)[-2:] == [("running", "resizing"), ("resizing", "failed")]
+    assert [e["why"] for e in _events(ctx, "worker_lost")] == ["lost while connecting"]
+
+
+def test_losing_every_member_while_finishing_fails_the_run(tmp_path):
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4)
+    real_call = sim.call
+
+    def call(worker_id, method, *args):
+        if method == "model_state":
+            raise WorkerLostError(f"worker {worker_id} is dead")
+        return real_call(worker_id, method, *args)
+
+    sim.call = call
+    end, ctx, _ = _run(tmp_path, sim=sim, steps=8)
+    assert isinstance(end, Failed) and "every worker was lost" in str(end.error)
+    assert _states(ctx)[-2:] == [("running", "finishing"), ("finishing", "failed")]
+    assert len(_events(ctx, "member_unreachable")) == 4

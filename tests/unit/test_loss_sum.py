@@ -1,0 +1,189 @@
+"""Split-independent loss normalisation (`elastic.LossSum`), checked without Ray: a padded-token
+language model trained with a sum-and-count loss ends with the same weights as a plain-PyTorch
+loop over the global batches, whatever the shares, micro-batches and world size; the same model
+with a token-mean loss does not (why `LossSum` exists); ranks that disagree on the form, or a
+global count of 0, are a user error of the step."""
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+from elastic import BatchConfig, FitConfig, LossSum, ScalingConfig, TrainJob
+from elastic.adapt.plan import BatchPlan
+from elastic.collective import RendezvousServer
+from elastic.config import CollectiveConfig
+from elastic.trainer.loss import LossForm, form_error
+from elastic.trainer.replica import Replica, StepRecord, UserFailure
+from elastic.trainer.step import Commit, Vote, verdict
+from tests.threads import run_ranks
+
+PAD, VOCAB, LENGTH, N, B, STEPS, SEED = 0, 11, 9, 32, 8, 6, 0
+
+
+def make_dataset() -> TensorDataset:
+    """Token sequences padded to LENGTH, each with its own number of real tokens (1 to 8
+    targets), so a token mean depends on which samples share a micro-batch."""
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(1, VOCAB, (N, LENGTH), generator=g)
+    real = torch.randint(2, LENGTH + 1, (N,), generator=g)
+    tokens[torch.arange(LENGTH) >= real[:, None]] = PAD
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB)).double()
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def token_sum(model: nn.Module, batch) -> LossSum:
+    x, y = batch
+    total = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1), ignore_index=PAD,
+                            reduction="sum")
+    return LossSum(total, (y != PAD).sum())
+
+
+def token_mean(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1), ignore_index=PAD)
+
+
+def job(loss) -> TrainJob:
+    return TrainJob(model=make_model, optimizer=make_optimizer, loss=loss, dataset=make_dataset)
+
+
+def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, one optimizer step per global batch of the public sample order, the loss
+    the sum of token losses over the global batch divided by its token count. No project code."""
+    torch.manual_seed(SEED)
+    model = make_model()
+    opt = make_optimizer(model.parameters())
+    x, y = make_dataset().tensors
+    losses = []
+    for step in range(STEPS):
+        epoch, s = divmod(step, N // B)
+        perm = torch.randperm(N, generator=torch.Generator().manual_seed(SEED + epoch))
+        idx = perm[s * B : (s + 1) * B]
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x[idx]).reshape(-1, VOCAB), y[idx].reshape(-1),
+                               ignore_index=PAD, reduction="sum") / (y[idx] != PAD).sum()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def run(tmp_path, jobs: list[TrainJob], plan: BatchPlan, overlap: bool = False, steps: int = STEPS):
+    """`steps` steps of `plan` on ranks as threads (rank r runs `jobs[r]`); each rank's
+    outcomes and replica."""
+    config = FitConfig(
+        scaling=ScalingConfig(num_workers=plan.world_size, min_workers=1),
+        collective=CollectiveConfig(overlap=overlap, bucket_bytes=1024, first_bucket_bytes=1024),
+        batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+        run_dir=str(tmp_path), max_steps=steps, seed=SEED)
+    building = threading.Lock()  # the model is built under the process-wide torch seed
+
+    def body(comm):
+        with building:
+            replica = Replica(jobs[comm.rank], config, str(tmp_path))
+        replica.comm = comm
+        replica.sync_from(0)
+        return [replica.run_step(plan, []) for _ in range(steps)], replica
+
+    server = RendezvousServer()
+    try:
+        return run_ranks(server, plan.world_size, body)
+    finally:
+        server.close()
+
+
+PLANS = {
+    "shares-5-3": BatchPlan(B, (5, 3), (2, 3)),
+    "shares-2-6": BatchPlan(B, (2, 6), (2, 4)),
+    "one-rank": BatchPlan(B, (B,), (3,)),
+    "three-ranks-one-idle": BatchPlan(B, (3, 0, 5), (1, 1, 2)),
+}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["flat", "buckets"])
+@pytest.mark.parametrize("plan", PLANS.values(), ids=PLANS.keys())
+def test_a_token_sum_and_count_trains_the_same_weights_for_any_split(tmp_path, plan, overlap):
+    weights, losses = reference()
+    results = run(tmp_path, [job(token_sum)] * plan.world_size, plan, overlap)
+    for outcomes, replica in results:
+        assert all(isinstance(o, StepRecord) for o in outcomes)
+        assert [o.loss for o in outcomes] == pytest.approx(losses, rel=1e-9)
+        torch.testing.assert_close(replica.model.state_dict(), weights, rtol=0, atol=1e-6)
+
+
+def test_a_token_mean_as_a_scalar_loss_depends_on_the_split(tmp_path):
+    weights, _ = reference()
+    runs = [run(tmp_path / name, [job(token_mean)] * PLANS[name].world_size, PLANS[name])
+            for name in ("shares-5-3", "shares-2-6")]
+    finals = [results[0][1].model.state_dict() for results in runs]
+    for final in finals:
+        assert max(float((final[k] - weights[k]).abs().max()) for k in weights) > 1e-3
+    assert max(float((finals[0][k] - finals[1][k]).abs().max()) for k in weights) > 1e-3
+
+
+def test_ranks_that_return_different_forms_vote_the_step_down_as_a_user_error(tmp_path):
+    results = run(tmp_path, [job(token_sum), job(token_mean)], PLANS["shares-5-3"], steps=1)
+    for outcomes, replica in results:
+        (failure,) = outcomes
+        assert isinstance(failure, UserFailure)
+        assert failure.ranks == (0, 1)
+        assert "LossSum on ranks [0] and a scalar on ranks [1]" in failure.traceback
+        assert replica.global_step == 0
+        assert all(p.grad is None for p in replica.model.parameters())
+
+
+def test_a_rank_that_changes_form_between_micro_batches_raises_a_user_error(tmp_path):
+    calls = []
+
+    def alternating(model, batch):
+        calls.append(None)
+        return token_sum(model, batch) if len(calls) % 2 else token_mean(model, batch)
+
+    (outcomes, replica), = run(tmp_path, [job(alternating)], PLANS["one-rank"], steps=1)
+    assert isinstance(outcomes[0], UserFailure)
+    assert "ValueError: TrainJob.loss returned a scalar after a LossSum" in outcomes[0].traceback
+    assert replica.global_step == 0
+
+
+def test_a_global_count_of_zero_is_a_user_error(tmp_path):
+    def nothing_counts(model, batch):
+        return LossSum(token_sum(model, batch).total * 0, 0)
+
+    results = run(tmp_path, [job(nothing_counts)] * 2, PLANS["shares-2-6"], steps=1)
+    for outcomes, replica in results:
+        assert isinstance(outcomes[0], UserFailure)
+        assert "counts that sum to 0" in outcomes[0].traceback
+        assert replica.global_step == 0
+
+
+def test_forms_may_change_between_steps(tmp_path):
+    calls = []
+
+    def by_step(model, batch):  # one micro-batch per rank and step: two calls a step
+        calls.append(None)
+        return token_sum(model, batch) if len(calls) <= 2 else token_mean(model, batch)
+
+    results = run(tmp_path, [job(by_step)] * 2, BatchPlan(B, (4, 4), (4, 4)), steps=2)
+    assert all(isinstance(o, StepRecord) for outcomes, _ in results for o in outcomes)
+
+
+def test_the_verdict_divides_by_the_count_only_for_sums_and_names_disagreeing_ranks():
+    ok, none, mean, total = float(Vote.OK), float(LossForm.NONE), float(LossForm.MEAN), \
+        float(LossForm.SUM)
+    assert verdict(3, (ok, ok), "stop", None, (mean, mean), 0.0) == Commit()
+    assert verdict(3, (ok, ok, ok), "stop", None, (total, none, total), 12.0) == Commit(divisor=12.0)
+    failure = verdict(3, (ok, ok, ok), "stop", None, (total, none, mean), 12.0)
+    assert isinstance(failure, UserFailure) and failure.ranks == (0, 2)
+    # An out-of-memory rank's count is missing: no zero-count error, the step is redone.
+    assert form_error(3, (total, total), 0.0, complete=False) is None
