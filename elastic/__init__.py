@@ -1,5 +1,6 @@
 """elastic: elastic, fault-tolerant data-parallel training for PyTorch on Ray."""
 
+from elastic.adapt.groups import forward_seed
 from elastic.api import events, fit, kill, load_checkpoint, runs, scale, start, status, stop
 from elastic.config import (
     BatchConfig,
@@ -40,6 +41,7 @@ __all__ = [
     "UserCodeError",
     "events",
     "fit",
+    "forward_seed",
     "kill",
     "load_checkpoint",
     "load_target",

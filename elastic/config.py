@@ -145,6 +145,7 @@ class ScalingConfig(_Frozen):
 
 
 BatchPolicy = Literal["fixed", "scale_with_workers"]
+Groups = Literal["auto", "on", "off"]
 LrScaling = Literal["linear", "sqrt", "none"]
 
 
@@ -198,6 +199,21 @@ class BatchConfig(_Frozen):
         default=0.15, gt=0, lt=1,
         description="Re-split only when the predicted saving is at least this fraction of the "
         "step time (hysteresis against noise; steps dominated by communication are left alone).",
+    )
+    groups: Groups = Field(
+        default="auto",
+        description="Cut the global batch into fixed groups of batch.group_size samples, run "
+        "every forward on exactly one group and seed its random numbers by (seed, step, group), "
+        "so that BatchNorm and dropout give the same math for any shares, micro-batches and "
+        "world size. 'auto': on for models with BatchNorm or dropout layers. 'off': the math of "
+        "such a model follows the split (shares and micro-batches are then not rebalanced or "
+        "autotuned).",
+    )
+    group_size: int | None = Field(
+        default=None, ge=1,
+        description="Samples per group (G) with batch.groups on; BatchNorm normalises over G "
+        "samples, so it is part of the math. Default: global_batch_size / "
+        "scaling.num_workers, what DDP at the starting world size normalises over.",
     )
 
 
@@ -377,6 +393,21 @@ class FitConfig(_Frozen):
                 "batch.lr_scaling and batch.warmup_steps apply only with batch.policy "
                 "'scale_with_workers'; the 'fixed' policy never changes the learning rate"
             )
+        if batch.group_size is not None:
+            per = (batch.global_batch_size // self.scaling.num_workers
+                   if batch.policy == "scale_with_workers" else batch.global_batch_size)
+            if per % batch.group_size:
+                what = ("the per-worker batch" if batch.policy == "scale_with_workers"
+                        else "batch.global_batch_size")
+                raise ValueError(
+                    f"batch.group_size ({batch.group_size}) must divide {what} ({per}): the "
+                    "global batch is a whole number of groups")
+            if batch.groups != "off" and batch.max_micro_batch is not None \
+                    and batch.max_micro_batch < batch.group_size:
+                raise ValueError(
+                    f"batch.max_micro_batch ({batch.max_micro_batch}) is below batch.group_size "
+                    f"({batch.group_size}): a forward runs one whole group; lower "
+                    "batch.group_size (it changes the math) or raise batch.max_micro_batch")
         if self.scaling.use_gpu and self.collective.backend != "nccl":
             raise ValueError("scaling.use_gpu needs collective.backend='nccl'")
         return self

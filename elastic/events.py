@@ -31,6 +31,7 @@ Kinds and their classes:
 | `nonfinite` | `Nonfinite` |
 | `oom_backoff` | `OomBackoff` |
 | `planned` | `Planned` |
+| `grouped` | `Grouped` |
 | `rebalance_judged` | `RebalanceJudged` |
 | `rebalanced` | `Rebalanced` |
 | `recovered` | `Recovered` |
@@ -167,6 +168,21 @@ class Planned(Event, kind="planned"):
     dataset_size: int
     steps_per_epoch: int
     total_steps: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grouped(Event, kind="grouped"):
+    """How the global batch is cut for the math (`batch.groups`): with `groups` on, every
+    forward runs one group of `group_size` samples seeded by (seed, step, group); `pinned`:
+    the math follows the split (BatchNorm or dropout with groups off), so shares and
+    micro-batches are not rebalanced or autotuned. `reason` says which."""
+
+    groups: bool
+    group_size: int
+    pinned: bool
+    batchnorm: int
+    dropout: int
+    reason: str
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -170,6 +170,10 @@ class WorkerActor:
         """Samples in the data set."""
         return self.replica.order.dataset_size
 
+    def traits(self) -> dict[str, int]:
+        """The model's BatchNorm and dropout layers (`Replica.traits`)."""
+        return self.replica.traits()
+
     def model_state(self) -> dict[str, torch.Tensor]:
         """The model's state dict as CPU tensors."""
         return {k: v.detach().cpu().clone() for k, v in self.replica.model.state_dict().items()}

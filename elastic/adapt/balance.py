@@ -63,15 +63,16 @@ class RebalanceDecision:
 
 
 def rebalance(global_batch_size: int, shares: Sequence[int], rates: Sequence[float],
-              threshold: float, step_time_s: float = 0.0) -> RebalanceDecision | None:
-    """Shares proportional to `rates` if that cuts the predicted compute time by at least
-    `threshold` of the step time (`step_time_s`, at least the predicted compute time: a step
-    dominated by communication gains little from new shares); otherwise None."""
+              threshold: float, step_time_s: float = 0.0, unit: int = 1) -> RebalanceDecision | None:
+    """Shares proportional to `rates` (multiples of `unit`, the group size) if that cuts the
+    predicted compute time by at least `threshold` of the step time (`step_time_s`, at least the
+    predicted compute time: a step dominated by communication gains little from new shares);
+    otherwise None."""
     if len(shares) != len(rates):
         raise ValueError(f"{len(shares)} shares but {len(rates)} rates")
     if any(r <= 0 for r in rates):
         raise ValueError(f"rates must be positive, got {list(rates)}")
-    proposed = apportion(global_batch_size, rates)
+    proposed = apportion(global_batch_size, rates, unit)
     before = predicted_compute_s(shares, rates)
     after = predicted_compute_s(proposed, rates)
     if tuple(proposed) == tuple(shares) or before - after < threshold * max(before, step_time_s):
@@ -169,12 +170,13 @@ class Rebalancer:
                          realised_saving_s=realised, window=self.window, threshold=self.threshold)
 
     def decide(self, global_batch_size: int, shares: Sequence[int], rates: Sequence[float],
-               step_time_s: float, compute_s: float) -> RebalanceDecision | None:
-        """A re-split (see `rebalance`) at the current threshold, unless one is under trial;
-        `compute_s` is the measured median step compute time it will be judged against."""
+               step_time_s: float, compute_s: float, unit: int = 1) -> RebalanceDecision | None:
+        """A re-split (see `rebalance`; shares in multiples of `unit`) at the current
+        threshold, unless one is under trial; `compute_s` is the measured median step compute
+        time it will be judged against."""
         if self._trial is not None:
             return None
-        decision = rebalance(global_batch_size, shares, rates, self.threshold, step_time_s)
+        decision = rebalance(global_batch_size, shares, rates, self.threshold, step_time_s, unit)
         if decision is not None:
             self._trial = _UnderTrial(decision, compute_s, self.window, [])
         return decision

@@ -49,13 +49,21 @@ class BatchPlan:
         return [(s, min(micro, share - s)) for s in range(0, share, micro)]
 
 
-def apportion(total: int, weights: Sequence[float]) -> tuple[int, ...]:
-    """Splits `total` into non-negative integers proportional to `weights` (largest remainder).
+def apportion(total: int, weights: Sequence[float], unit: int = 1) -> tuple[int, ...]:
+    """Splits `total` into non-negative multiples of `unit` proportional to `weights` (largest
+    remainder).
 
-    When `total >= len(weights)` every part is at least 1, so that every rank keeps being
-    measured. Deterministic: ties go to the lower index. Equal weights give the even split with
-    the first `total % n` parts one larger.
+    When `total >= len(weights) * unit` every part is at least `unit`, so that every rank keeps
+    being measured. Deterministic: ties go to the lower index. Equal weights give the even
+    split with the first parts one unit larger.
+
+    Raises:
+        ValueError: `unit` does not divide `total`, or the weights are not positive.
     """
+    if unit < 1 or total % unit:
+        raise ValueError(f"a unit of {unit} does not divide {total}")
+    if unit > 1:
+        return tuple(unit * p for p in apportion(total // unit, weights))
     n = len(weights)
     if n == 0:
         raise ValueError("cannot apportion over zero ranks")
@@ -79,6 +87,7 @@ def plan_batch(
     max_micro_batch: int | None,
     weights: Sequence[float] | None = None,
     micro_caps: Sequence[int | None] | None = None,
+    unit: int = 1,
 ) -> BatchPlan:
     """Shares `global_batch_size` over `world_size` ranks.
 
@@ -89,6 +98,8 @@ def plan_batch(
         weights: relative throughput per rank; shares follow it (default: equal).
         micro_caps: a further per-rank cap (out-of-memory backoff, autotuning); None entries
             mean no extra cap.
+        unit: shares and micro-batches are multiples of it (the group size G); a cap below it
+            is raised to it.
 
     Raises:
         ValueError: a size is not positive, or a per-rank sequence has the wrong length.
@@ -103,14 +114,15 @@ def plan_batch(
         raise ValueError(f"{len(weights)} weights for {world_size} ranks")
     if micro_caps is not None and len(micro_caps) != world_size:
         raise ValueError(f"{len(micro_caps)} micro-batch caps for {world_size} ranks")
-    shares = apportion(global_batch_size, weights if weights is not None else [1.0] * world_size)
+    shares = apportion(global_batch_size, weights if weights is not None else [1.0] * world_size,
+                       unit)
     micros = []
     for rank, share in enumerate(shares):
-        micro = max(1, share)
+        micro = max(unit, share)
         for cap in (max_micro_batch, micro_caps[rank] if micro_caps is not None else None):
             if cap is not None:
                 if cap < 1:
                     raise ValueError(f"micro-batch cap of rank {rank} must be positive, got {cap}")
-                micro = min(micro, cap)
+                micro = min(micro, max(unit, cap // unit * unit))
         micros.append(micro)
     return BatchPlan(global_batch_size=global_batch_size, shares=shares, micro_batches=tuple(micros))

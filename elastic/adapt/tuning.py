@@ -79,7 +79,8 @@ class MicroBatchTuner:
 @dataclass(frozen=True)
 class OomBackoff:
     """A rank ran out of memory at `step`: its micro-batch goes from `before` to `after` and
-    every rank redoes the step. `after` is None when `before` was already 1."""
+    every rank redoes the step. `after` is None when `before` was already the smallest
+    (1, or the group size with groups on)."""
 
     step: int
     rank: int
@@ -88,7 +89,8 @@ class OomBackoff:
     after: int | None
 
 
-def back_off(step: int, rank: int, worker_id: int, micro_batch: int) -> OomBackoff:
-    """Halves `micro_batch` (None when it is 1 already)."""
-    return OomBackoff(step=step, rank=rank, worker_id=worker_id, before=micro_batch,
-                      after=micro_batch // 2 if micro_batch > 1 else None)
+def back_off(step: int, rank: int, worker_id: int, micro_batch: int, unit: int = 1) -> OomBackoff:
+    """Halves `micro_batch`, rounded down to a multiple of `unit` (the group size) but not
+    below it; None when it is `unit` already."""
+    after = max(unit, micro_batch // 2 // unit * unit) if micro_batch > unit else None
+    return OomBackoff(step=step, rank=rank, worker_id=worker_id, before=micro_batch, after=after)

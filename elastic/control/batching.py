@@ -14,12 +14,20 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from elastic.adapt.balance import Rebalancer, ThroughputTracker
+from elastic.adapt.groups import Grouping, decide_grouping
 from elastic.adapt.lr import LrRamp, global_batch_for, resize
 from elastic.adapt.plan import BatchPlan, plan_batch
 from elastic.adapt.tuning import MicroBatchTuner, OomBackoff, candidates
 from elastic.config import FitConfig
 from elastic.control import decisions
-from elastic.events import BatchPlanned, MicroBatchTuned, Nonfinite, Rebalanced, RebalanceJudged
+from elastic.events import (
+    BatchPlanned,
+    Grouped,
+    MicroBatchTuned,
+    Nonfinite,
+    Rebalanced,
+    RebalanceJudged,
+)
 from elastic.events import OomBackoff as OomBackedOff
 from elastic.runlog import RunLog
 
@@ -31,12 +39,22 @@ class Batching:
         config: the run's configuration.
         log: the run's event and metric log.
         world_size: the initial world size (for policy 'scale_with_workers').
+        traits: the model's BatchNorm and dropout layers (`Replica.traits`; None: neither).
     """
 
-    def __init__(self, config: FitConfig, log: RunLog, world_size: int) -> None:
+    def __init__(self, config: FitConfig, log: RunLog, world_size: int,
+                 traits: Mapping[str, int] | None = None) -> None:
         self.config = config
         self.log = log
         batch = config.batch
+        traits = traits or {}
+        self.grouping: Grouping = decide_grouping(
+            batch.groups, batch.group_size, batch.global_batch_size, config.scaling.num_workers,
+            batch.policy, traits.get("batchnorm", 0), traits.get("dropout", 0),
+            batch.max_micro_batch)
+        self.log.emit(Grouped(groups=self.grouping.on, group_size=self.grouping.size,
+                              pinned=self.grouping.pinned, batchnorm=traits.get("batchnorm", 0),
+                              dropout=traits.get("dropout", 0), reason=self.grouping.reason))
         self.batch_now = global_batch_for(batch.policy, batch.global_batch_size,
                                           config.scaling.num_workers, world_size)
         self.lr_ramp: LrRamp | None = None
@@ -74,7 +92,7 @@ class Batching:
             self.lr_ramp = decision.ramp
         self.rebalancer.membership_changed()
         self.tuner = None
-        if batch.autotune:
+        if batch.autotune and not self.grouping.on and not self.grouping.pinned:
             largest = max(plan_batch(self.batch_now, n, batch.max_micro_batch,
                                      self.weights(ids)).shares)
             options = candidates(largest, batch.max_micro_batch, batch.autotune_candidates)
@@ -84,7 +102,7 @@ class Batching:
 
     def weights(self, ids: Sequence[int]) -> list[float] | None:
         """Relative throughput of members `ids`, or None for an even split."""
-        if not self.config.batch.rebalance or not self.rates:
+        if not self.config.batch.rebalance or self.grouping.pinned or not self.rates:
             return None
         return decisions.weights(self.rates, ids)
 
@@ -92,8 +110,11 @@ class Batching:
         """The plan of the next chunk and the micro-batch trial it runs (None if none)."""
         trial = self.tuner.next_trial() if self.tuner is not None else None
         common = trial if trial is not None else self.tuned_micro
-        self.plan = plan_batch(self.batch_now, len(ids), self.config.batch.max_micro_batch,
-                               self.weights(ids), decisions.micro_caps(ids, common, self.micro_caps))
+        grouping = self.grouping
+        self.plan = plan_batch(self.batch_now, len(ids),
+                               grouping.size if grouping.on else self.config.batch.max_micro_batch,
+                               self.weights(ids), decisions.micro_caps(ids, common, self.micro_caps),
+                               unit=grouping.size)
         return self.plan, trial
 
     def trial_steps_left(self, trial: int | None) -> int | None:
@@ -123,7 +144,8 @@ class Batching:
         if trial is not None and self.tuner is not None:
             self._tuned(trial, list(step_times.values()), step)
             return
-        if not self.config.batch.rebalance or len(ids) < 2 or self.plan is None or not step_times:
+        if not self.config.batch.rebalance or self.grouping.pinned or len(ids) < 2 \
+                or self.plan is None or not step_times:
             return
         compute = statistics.median_low(compute_times.values())
         self._judged(compute, step)
@@ -134,7 +156,7 @@ class Batching:
             return
         decision = self.rebalancer.decide(self.batch_now, self.plan.shares, rates,
                                           step_time_s=statistics.median_low(step_times.values()),
-                                          compute_s=compute)
+                                          compute_s=compute, unit=self.grouping.size)
         if decision is None:
             return
         self.rates = dict(zip(ids, decision.samples_per_s, strict=True))

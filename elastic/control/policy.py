@@ -89,6 +89,7 @@ class FailurePolicy:
     workers_lost: int = 0
     user_retries: dict[int, int] = field(default_factory=dict)
     generation_attempts: int = 0
+    unit: int = 1  # the group size with groups on: the smallest micro-batch
 
     def decide(self, error: ElasticError, *, lost: int = 0,
                micro_batches: dict[int, tuple[int, int]] | None = None,
@@ -157,11 +158,14 @@ class FailurePolicy:
                        micro_batches: dict[int, tuple[int, int]]) -> Action:
         decisions = []
         for rank, (worker_id, micro) in sorted(micro_batches.items()):
-            decision = back_off(error.step, rank, worker_id, micro)
+            decision = back_off(error.step, rank, worker_id, micro, self.unit)
             decisions.append(decision)
             if decision.after is None:
+                smallest = ("micro-batch 1" if self.unit == 1 else
+                            f"micro-batch {micro}, one group (batch.group_size; a smaller group "
+                            "changes the math)")
                 return Fail(WorkerOutOfMemoryError(
-                    f"rank {rank} ran out of memory at step {error.step} with micro-batch 1; "
+                    f"rank {rank} ran out of memory at step {error.step} with {smallest}; "
                     "use a smaller model, more memory per worker or more workers",
                     rank=rank, step=error.step), tuple(decisions))
         return BackOff(tuple(decisions))

@@ -183,7 +183,7 @@ class Workers(Protocol):
         ...
 
     def call(self, worker_id: int, method: str, *args: Any) -> Any:
-        """Calls a worker method that needs no collective (`dataset_size`, `evaluate`,
+        """Calls a worker method that needs no collective (`dataset_size`, `traits`, `evaluate`,
         `model_state`, `checkpoint`, `flush_checkpoints`, `restore_checkpoint`).
 
         Raises:

@@ -215,6 +215,8 @@ class SimulatedWorkers:
             raise WorkerLostError(f"worker {worker_id} is dead")
         if method == "dataset_size":
             return self.dataset_size
+        if method == "traits":
+            return {"batchnorm": 0, "dropout": 0}
         if method == "model_state":
             return {"step": worker.step}
         if method == "evaluate":

@@ -106,7 +106,9 @@ class Starting(State):
             check_root(config.checkpoint.path)
         self._start_workers(ctx)
         ctx.dataset_size = on_any_member(ctx, lambda w: ctx.workers.call(w, "dataset_size"))
-        ctx.batching = Batching(config, ctx.log, len(ctx.members))
+        traits = on_any_member(ctx, lambda w: ctx.workers.call(w, "traits"))
+        ctx.batching = Batching(config, ctx.log, len(ctx.members), traits)
+        ctx.policy.unit = ctx.batching.grouping.size
         largest = ctx.batch.largest_batch()
         if largest > ctx.dataset_size:
             raise ConfigError(

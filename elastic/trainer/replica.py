@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from elastic.adapt.groups import forward_seed
 from elastic.adapt.plan import BatchPlan
 from elastic.collective import Communicator
 from elastic.config import ChaosEvent, ChaosPhase, FitConfig
@@ -35,6 +36,7 @@ from elastic.errors import CollectiveError, ConfigError, InjectedFault
 from elastic.job import TrainJob
 from elastic.private import ensure_private_dir, write_private
 from elastic.trainer.buckets import GradientBuckets
+from elastic.trainer.buffers import BufferSync
 from elastic.trainer.data import Cursor, SampleOrder, steps_per_epoch
 from elastic.trainer.flat import all_finite, allreduce_flat, flatten_grads, unflatten_grads
 from elastic.trainer.loss import LossForm, loss_term
@@ -121,6 +123,7 @@ class Replica:
         self.progress = Progress()
         self.comm: Communicator | None = None
         self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self.buffers = BufferSync(self.model)
         collective = config.collective
         self._buckets = (GradientBuckets(self._params, collective.bucket_bytes,
                                          collective.first_bucket_bytes)
@@ -138,6 +141,15 @@ class Replica:
             "cursor": {"global_step": self.cursor.step, "epoch": self.cursor.epoch,
                        "offset": self.cursor.offset, "samples": self.cursor.samples},
         }
+
+    def traits(self) -> dict[str, int]:
+        """What the controller needs to know about the model to cut the batch: its BatchNorm
+        and dropout layers (`batch.groups` 'auto')."""
+        modules = list(self.model.modules())
+        return {"batchnorm": sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                                 for m in modules),
+                "dropout": sum(isinstance(m, torch.nn.modules.dropout._DropoutNd)
+                               for m in modules)}
 
     @property
     def global_step(self) -> int:
@@ -249,6 +261,7 @@ class Replica:
                           computed.user_traceback, reduced.forms, reduced.count)
         if isinstance(outcome, Commit):
             return self._apply(context, computed, reduced, outcome)
+        self.buffers.rollback()
         self._drop_grads()
         self._enter("idle")
         return outcome
@@ -268,7 +281,9 @@ class Replica:
             step=step, epoch=epoch, plan=plan, comm=comm,
             indices=global_batch[offset : offset + plan.shares[rank]], chaos=tuple(chaos),
             lr_factor=lr_factor, ledger=self.config.ledger, started=started,
-            wall_start=wall_start)
+            wall_start=wall_start, buffers=self.buffers.length,
+            first_piece=sum(plan.accumulation(r) for r in range(rank)))
+        self.buffers.begin(context.pieces)
         for event in chaos:
             if event.action == "slow":
                 self._slow = (event.factor, None if event.steps is None else step + event.steps - 1)
@@ -280,8 +295,10 @@ class Replica:
 
     def _compute(self, context: StepContext) -> Computed:
         """The compute phase: forward and backward over the micro-batches of this rank's
-        share, each micro-batch's mean loss scaled by `len/B` (a `LossSum` total is
-        backpropagated as is and its count summed).
+        share (one group each with `batch.groups` on), each micro-batch's mean loss scaled by
+        `len/B` (a `LossSum` total is backpropagated as is and its count summed). Before each
+        one's data is loaded, the random-number generators are seeded from (seed, step,
+        position of its first sample in the global batch), never from the rank.
 
         Guarantees: an exception from user code (data, loss, backward) or an out-of-memory
         error is latched into the vote with its traceback and never raised, so this rank
@@ -299,13 +316,17 @@ class Replica:
         try:
             self._enter("data")
             self._chaos(chaos, "data", started)
+            base = context.plan.offset(context.rank)
             for index, (start, length) in enumerate(pieces):
+                piece = context.first_piece + index
+                torch.manual_seed(forward_seed(self.config.seed, context.step, base + start))
                 loading = time.perf_counter()
                 samples = context.indices[start : start + length]
                 batch = self.collate([self.dataset[int(i)] for i in samples])
                 data_s += time.perf_counter() - loading
                 self._enter("forward")
                 self._chaos(chaos, "forward", started)
+                self.buffers.before_piece(piece)
                 loss, items, form = loss_term(self.job.loss(self.model, batch),
                                               length / plan.global_batch_size, form)
                 count += items
@@ -314,6 +335,7 @@ class Replica:
                 if buckets is not None:  # gradients are complete in the last backward pass
                     buckets.arm(index == len(pieces) - 1)
                 loss.backward()
+                self.buffers.after_piece(piece)
                 loss_sum += float(loss.detach())
                 del loss
             self._stretch(context.step, started)
@@ -348,7 +370,8 @@ class Replica:
         if vote == Vote.OK and not (math.isfinite(computed.loss_sum)
                                     and (flat is None or all_finite(flat))):
             vote = Vote.NONFINITE
-        meta = pack_meta(context, computed.loss_sum, vote, computed.count, computed.form)
+        meta = pack_meta(context, computed.loss_sum, vote, computed.count, computed.form,
+                         self.buffers.section())
         if buckets is not None:
             buckets.finish(meta)
             meta = buckets.wait()
@@ -372,8 +395,14 @@ class Replica:
         self._enter("optimizer")
         self._chaos(context.chaos, "optimizer", context.started)
         if commit.skipped:  # the samples count as consumed
+            self.buffers.rollback()
             lr = float(self.optimizer.param_groups[0]["lr"]) * context.lr_factor
         else:
+            try:  # before the optimizer: a failed broadcast leaves nothing half-applied
+                self.buffers.commit(reduced.buffers, context.comm, _first_with_share(context.plan))
+            except BaseException:
+                self._drop_grads()
+                raise
             if self._buckets is not None:
                 self._buckets.assign_grads()
             else:
@@ -423,6 +452,11 @@ class Replica:
             for group, lr in zip(groups, saved, strict=True):
                 group["lr"] = lr
         return applied
+
+
+def _first_with_share(plan: BatchPlan) -> int:
+    """The lowest rank that ran a forward pass in a step of `plan`."""
+    return next((r for r, share in enumerate(plan.shares) if share > 0), 0)
 
 
 # Per-parameter tensors an optimizer may keep that a fresh one has not created yet (Adam with

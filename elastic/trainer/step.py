@@ -15,10 +15,11 @@
 
 Every rank runs the reduce whatever its vote, so that no rank is left waiting in a collective.
 The metadata is one float64 vector: `[loss_sum, vote of rank 0, ..., vote of rank w-1, count,
-form of rank 0, ..., form of rank w-1, ledger...]`; each rank writes only its own vote and form
-slots and its own part of the ledger, so the sum over ranks holds every rank's vote, form and
-index exactly (and the count: integers, exact below 2**24 even when the metadata rides in a
-float32 buffer).
+form of rank 0, ..., form of rank w-1, ledger..., buffers...]`; each rank writes only its own
+vote and form slots and its own part of the ledger, so the sum over ranks holds every rank's
+vote, form and index exactly (and the count: integers, exact below 2**24 even when the metadata
+rides in a float32 buffer). The buffers section is `BufferSync.section`: the BatchNorm
+running-statistic terms every rank adds, so that all ranks write the same buffers.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class StepContext:
         chaos: this rank's faults to inject at this step.
         lr_factor: scales this step's learning rate only.
         ledger: whether the metadata carries the batch's indices.
+        buffers: length of the metadata's buffers section (`BufferSync.length`).
+        first_piece: the global position of this rank's first forward pass among the step's
+            (rank 0's pieces come first, then rank 1's, ...).
         started: `time.perf_counter()` when the step began.
         wall_start: `time.time()` when the step began.
     """
@@ -73,6 +77,8 @@ class StepContext:
     ledger: bool
     started: float
     wall_start: float
+    buffers: int = 0
+    first_piece: int = 0
 
     @property
     def rank(self) -> int:
@@ -89,7 +95,13 @@ class StepContext:
     @property
     def meta_len(self) -> int:
         """Length of the step's metadata vector."""
-        return 2 + 2 * self.world_size + (self.global_batch_size if self.ledger else 0)
+        return (2 + 2 * self.world_size + (self.global_batch_size if self.ledger else 0)
+                + self.buffers)
+
+    @property
+    def pieces(self) -> int:
+        """Forward passes of the step over all ranks."""
+        return sum(self.plan.accumulation(r) for r in range(self.world_size))
 
 
 @dataclass(frozen=True)
@@ -124,8 +136,9 @@ class Computed:
 
 
 def pack_meta(context: StepContext, loss_sum: float, vote: Vote, count: float = 0.0,
-              form: LossForm = LossForm.NONE) -> torch.Tensor:
-    """This rank's contribution to the step's metadata (float64, `context.meta_len` long)."""
+              form: LossForm = LossForm.NONE, buffers: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's contribution to the step's metadata (float64, `context.meta_len` long);
+    `buffers` is this rank's buffers section (`context.buffers` long)."""
     flags = torch.zeros(2 * context.world_size + 1, dtype=torch.float64)
     flags[context.rank] = float(vote)
     flags[context.world_size] = count
@@ -134,7 +147,12 @@ def pack_meta(context: StepContext, loss_sum: float, vote: Vote, count: float = 
     if context.ledger:
         offset = context.plan.offset(context.rank)
         ledger[offset : offset + len(context.indices)] = context.indices.to(torch.float64)
-    return torch.cat([torch.tensor([loss_sum], dtype=torch.float64), flags, ledger])
+    section = (buffers.to(torch.float64) if buffers is not None
+               else torch.zeros(context.buffers, dtype=torch.float64))
+    if len(section) != context.buffers:
+        raise ValueError(f"a buffers section of {len(section)} values; the step expects "
+                         f"{context.buffers}")
+    return torch.cat([torch.tensor([loss_sum], dtype=torch.float64), flags, ledger, section])
 
 
 @dataclass(frozen=True)
@@ -148,6 +166,7 @@ class Reduced:
         count: the global `LossSum` item count (0 with scalar losses).
         forms: every rank's `LossForm`, in rank order.
         indices: the global batch's indices, when the ledger is on.
+        buffers: the summed buffers section.
         flat: the summed gradients of the flat reduce, one buffer per dtype; None when they
             are in the gradient buckets.
         comm_s: seconds spent in the reduce (the communication nothing overlapped).
@@ -158,6 +177,7 @@ class Reduced:
     count: float
     forms: tuple[float, ...]
     indices: tuple[int, ...] | None
+    buffers: torch.Tensor
     flat: dict[torch.dtype, torch.Tensor] | None
     comm_s: float
 
@@ -167,14 +187,17 @@ class Reduced:
         """Reads the summed metadata `meta` (see `pack_meta`)."""
         world = context.world_size
         ledger = 2 + 2 * world
-        indices = tuple(int(i) for i in meta[ledger:].tolist()) if context.ledger else None
+        section = ledger + (context.global_batch_size if context.ledger else 0)
+        indices = (tuple(int(i) for i in meta[ledger:section].tolist()) if context.ledger
+                   else None)
+        buffers = meta[section : section + context.buffers].to(torch.float64)
         count = float(meta[1 + world])
         forms = tuple(meta[2 + world : ledger].tolist())
         loss = float(meta[0])
         if LossForm.SUM in forms and count > 0:
             loss /= count
         return cls(loss=loss, votes=tuple(meta[1 : 1 + world].tolist()), count=count,
-                   forms=forms, indices=indices, flat=flat, comm_s=comm_s)
+                   forms=forms, indices=indices, buffers=buffers, flat=flat, comm_s=comm_s)
 
 
 @dataclass(frozen=True)

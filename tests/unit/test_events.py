@@ -27,6 +27,8 @@ SAMPLES = {
     "start": {"name": "r", "config": {"seed": 0, "scaling": {"num_workers": 2}}},
     "controller_restarted": {"name": "r"},
     "planned": {"dataset_size": 1024, "steps_per_epoch": 16, "total_steps": 32},
+    "grouped": {"groups": True, "group_size": 6, "pinned": False, "batchnorm": 2, "dropout": 0,
+                "reason": "the model has 2 BatchNorm layers"},
     "state": {"previous": "running", "state": "resizing", "world_size": 3, "target": 2},
     "stopping": {"step": 7},
     "finish": {"step": 32, "stopped": False, "samples": 2048},

@@ -1,0 +1,199 @@
+"""Buffers equal on every rank after every step, and BatchNorm running statistics that do not
+depend on the split.
+
+A step's forward passes (its pieces: one group of G samples each with groups on, else the
+micro-batches) are numbered in the order of the global batch: rank 0's pieces first, then rank
+1's, and so on. One process running them in that order would update a BatchNorm layer's
+running statistic as
+
+    b_n = P * b_0 + sum_k f_k * s_k * prod_{i > k} (1 - f_i),   P = prod_k (1 - f_k)
+
+where s_k is piece k's batch statistic and f_k the layer's update factor (its momentum, or
+1 / (batches tracked) when the momentum is None). The sum is linear in what each piece
+contributes, so each rank adds up its own pieces' terms, the terms ride in the step's metadata
+allreduce, and every rank writes the same b_n: exactly the sequential result (up to
+floating-point summation order), for any shares, micro-batches and world size. Each piece's
+term is read off the layer itself: its running statistics are zeroed before the forward, so
+afterwards they hold `f_k * s_k`.
+
+Every other buffer (a user's own running average, a counter) cannot be reasoned about: when any
+rank's forward changed one, the first rank with a share broadcasts them all (as DDP does), so
+the members stay equal; their values then follow that rank's samples. A step voted down leaves
+every buffer as it was before the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from elastic.collective import Communicator
+
+
+def norm_layers(model: torch.nn.Module) -> list[tuple[str, _BatchNorm]]:
+    """The BatchNorm layers of `model` whose running statistics the step reduces."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, _BatchNorm) and m.track_running_stats
+            and m.running_mean is not None and m.running_var is not None
+            and m.num_batches_tracked is not None]
+
+
+@dataclass
+class _Before:
+    mean: torch.Tensor
+    var: torch.Tensor
+    tracked: int
+
+
+class BufferSync:
+    """The buffers of one replica's model across one step.
+
+    Per step: `begin` (a snapshot), then around each forward `before_piece`/`after_piece`,
+    `section` (this rank's part of the metadata), and `commit` with the summed section, or
+    `rollback`.
+
+    Args:
+        model: the replica's model.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.norms = norm_layers(model)
+        covered = {id(t) for _, m in self.norms
+                   for t in (m.running_mean, m.running_var, m.num_batches_tracked)}
+        self.others = [(name, b) for name, b in model.named_buffers() if id(b) not in covered]
+        self._stats = sum(m.running_mean.numel() + m.running_var.numel() for _, m in self.norms)
+        self._before: list[_Before] = []
+        self._others_before: list[torch.Tensor] = []
+        self._sums: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._ran: list[bool] = []
+        self._pieces = 0
+
+    @property
+    def length(self) -> int:
+        """Length of the metadata section: one changed flag, one ran flag per BatchNorm layer,
+        then the running-statistic terms."""
+        return 1 + len(self.norms) + self._stats
+
+    def begin(self, pieces: int) -> None:
+        """Snapshot before a step of `pieces` forward passes over all ranks."""
+        self._pieces = pieces
+        self._before = [_Before(m.running_mean.detach().clone(), m.running_var.detach().clone(),
+                                int(m.num_batches_tracked)) for _, m in self.norms]
+        self._others_before = [b.detach().clone() for _, b in self.others]
+        self._sums = [(torch.zeros_like(m.running_mean, dtype=torch.float64),
+                       torch.zeros_like(m.running_var, dtype=torch.float64)) for _, m in self.norms]
+        self._ran = [False] * len(self.norms)
+
+    def before_piece(self, k: int) -> None:
+        """Before forward pass `k` (its place in the step's global order)."""
+        with torch.no_grad():
+            for (_, m), before in zip(self.norms, self._before, strict=True):
+                m.running_mean.zero_()
+                m.running_var.zero_()
+                m.num_batches_tracked.fill_(before.tracked + k)
+
+    def after_piece(self, k: int) -> None:
+        """After forward pass `k` (and its backward): adds its terms to this rank's sums.
+
+        Raises:
+            ValueError: a BatchNorm layer ran more than once in one forward pass.
+        """
+        for i, ((name, m), before, (mean, var)) in enumerate(
+                zip(self.norms, self._before, self._sums, strict=True)):
+            calls = int(m.num_batches_tracked) - (before.tracked + k)
+            if calls == 0:  # the layer did not run in training mode
+                continue
+            if calls != 1:
+                raise ValueError(
+                    f"BatchNorm layer {name!r} ran {calls} times in one forward pass; elastic "
+                    "keeps running statistics exact for layers that run once per forward. Give "
+                    "each use its own layer, or set track_running_stats=False on it")
+            self._ran[i] = True
+            weight = self._later_decay(m, before.tracked, k)
+            mean.add_(m.running_mean.detach().to(torch.float64), alpha=weight)
+            var.add_(m.running_var.detach().to(torch.float64), alpha=weight)
+
+    @staticmethod
+    def _factor(m: _BatchNorm, tracked: int, i: int) -> float:
+        return float(m.momentum) if m.momentum is not None else 1.0 / (tracked + i + 1)
+
+    def _later_decay(self, m: _BatchNorm, tracked: int, k: int) -> float:
+        """prod over the pieces after `k` of (1 - f_i)."""
+        decay = 1.0
+        for i in range(k + 1, self._pieces):
+            decay *= 1.0 - self._factor(m, tracked, i)
+        return decay
+
+    def section(self) -> torch.Tensor:
+        """This rank's metadata section (float64): whether a forward changed another buffer,
+        which BatchNorm layers ran, and this rank's terms of their running statistics. Leaves
+        every buffer as it was at `begin`'s snapshot except the other buffers' new values."""
+        changed = any(not torch.equal(b, b0) for (_, b), b0 in
+                      zip(self.others, self._others_before, strict=True))
+        parts = [torch.tensor([float(changed)], dtype=torch.float64),
+                 torch.tensor([float(r) for r in self._ran], dtype=torch.float64)]
+        parts += [t.reshape(-1).cpu() for pair in self._sums for t in pair]
+        self._restore_norms()
+        return torch.cat(parts)
+
+    def commit(self, summed: torch.Tensor, comm: Communicator, src: int) -> None:
+        """Writes the step's buffers from the summed sections: the BatchNorm statistics as one
+        process running the step's pieces in order would have them, and, if any rank's forward
+        changed another buffer, those of rank `src` (a collective every rank issues).
+
+        Raises:
+            CollectiveError: the broadcast failed; the buffers are left as before the step.
+        """
+        changed = float(summed[0]) > 0
+        ran = summed[1 : 1 + len(self.norms)]
+        offset = 1 + len(self.norms)
+        with torch.no_grad():
+            for i, ((_, m), before) in enumerate(zip(self.norms, self._before, strict=True)):
+                n = m.running_mean.numel()
+                mean, var = summed[offset : offset + n], summed[offset + n : offset + 2 * n]
+                offset += 2 * n
+                if float(ran[i]) <= 0:
+                    continue
+                keep = self._later_decay(m, before.tracked, -1)
+                m.running_mean.copy_((before.mean.to(torch.float64) * keep + mean.to(
+                    before.mean.device)).to(m.running_mean.dtype))
+                m.running_var.copy_((before.var.to(torch.float64) * keep + var.to(
+                    before.var.device)).to(m.running_var.dtype))
+                m.num_batches_tracked.fill_(before.tracked + self._pieces)
+        if changed and self.others:
+            try:
+                self._broadcast_others(comm, src)
+            except Exception:
+                self.rollback()
+                raise
+
+    def _broadcast_others(self, comm: Communicator, src: int) -> None:
+        tensors = [b for _, b in self.others]
+        flat = torch.cat([t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+                          for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
+        comm.broadcast(flat, src)
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                size = t.numel() * t.element_size()
+                t.copy_(flat[offset : offset + size].clone().view(t.dtype).reshape(t.shape))
+                offset += size
+
+    def _restore_norms(self) -> None:
+        with torch.no_grad():
+            for (_, m), before in zip(self.norms, self._before, strict=True):
+                m.running_mean.copy_(before.mean)
+                m.running_var.copy_(before.var)
+                m.num_batches_tracked.fill_(before.tracked)
+
+    def rollback(self) -> None:
+        """Every buffer as it was before the step (a step voted down or not applied)."""
+        if not self._before and not self._others_before:
+            return
+        self._restore_norms()
+        with torch.no_grad():
+            for (_, b), b0 in zip(self.others, self._others_before, strict=True):
+                b.copy_(b0)
