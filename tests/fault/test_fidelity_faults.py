@@ -1,0 +1,80 @@
+"""The models people train keep the weights of one plain process through real kills and a
+resize: elastic.fit on local Ray, a CNN with BatchNorm, a padded-token LM with a sum-and-count
+loss and an MLP with dropout, against the plain-PyTorch reference in `tests/fidelity.py`
+(parameters and buffers, float32 tolerance)."""
+
+import pytest
+import torch
+
+import elastic
+from elastic import BatchConfig, ChaosEvent, FitConfig, ScalingConfig
+from elastic.events import Grouped, Rebalanced, WorkerFailure
+from tests import fidelity
+from tests.events import of_kind
+from tests.integration.test_fit import Operator
+
+pytestmark = pytest.mark.fault
+
+B = 24
+STEPS = 6
+
+
+def _config(tmp_path, chaos=(), workers=3, **batch) -> FitConfig:
+    return FitConfig(scaling=ScalingConfig(num_workers=workers, min_workers=1, max_workers=4),
+                     batch=BatchConfig(global_batch_size=B, **batch), max_steps=STEPS,
+                     steps_per_chunk=2, run_dir=str(tmp_path / "run"), chaos=chaos)
+
+
+def _assert_reference(result, job, group):
+    expected = fidelity.reference(job, 0, B, group, STEPS)
+    assert result.model_state.keys() == expected.keys()
+    for key, value in expected.items():
+        if value.dtype == torch.int64:
+            assert torch.equal(result.model_state[key], value), key
+        else:
+            torch.testing.assert_close(result.model_state[key], value, rtol=1e-5, atol=1e-5,
+                                       msg=key)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", fidelity.JOBS)
+def test_a_kill_leaves_the_weights_and_buffers_of_one_plain_process(ray_cluster, tmp_path, kind):
+    job = fidelity.JOBS[kind]()
+    chaos = (ChaosEvent(step=2, rank=1, action="kill", phase="backward"),)
+    result = elastic.fit(job, _config(tmp_path, chaos))
+    assert result.steps == STEPS
+    assert [f.lost_ranks for f in of_kind(result.events, WorkerFailure)] == [[1]]
+    grouped = of_kind(result.events, Grouped)
+    groups = kind != "lm_losssum"  # the LM has neither BatchNorm nor dropout: any split works
+    assert len(grouped) == 1 and (grouped[0].groups, grouped[0].group_size) == (
+        groups, 8 if groups else 1)
+    if groups:  # every committed step ran whole groups on every rank
+        assert all(share % 8 == 0 for m in result.metrics for share in m["shares"])
+    _assert_reference(result, job, 8)  # a LossSum's math does not depend on the groups
+
+
+@pytest.mark.timeout(300)
+def test_a_resize_and_a_slow_rank_leave_the_weights_of_one_plain_process(ray_cluster, tmp_path):
+    """BatchNorm at 2 workers (G = 12), grown to 4 (shares of whole groups: two ranks idle),
+    a slow rank for the rebalancer to act on: the math does not move."""
+    job = fidelity.cnn_job()
+    name = "fidelity-resize"
+    chaos = (ChaosEvent(step=0, rank=0, action="slow", factor=3.0),)
+    config = _config(tmp_path, chaos, workers=2).model_copy(
+        update={"name": name, "max_steps": 100_000})
+
+    def script(op):
+        op.wait_for(lambda s: s["step"] >= 2)
+        elastic.scale(name, 4)
+        op.wait_for(lambda s: s["world_size"] == 4 and s["step"] >= 9, limit=120)
+
+    with Operator(name, script):
+        result = elastic.fit(job, config)
+    assert of_kind(result.events, Grouped)[0].group_size == 12
+    assert {2, 4} <= {m["world_size"] for m in result.metrics}  # workers join one by one
+    assert all(share % 12 == 0 for m in result.metrics for share in m["shares"])
+    for event in of_kind(result.events, Rebalanced):
+        assert all(share % 12 == 0 for share in event.shares_after)
+    expected = fidelity.reference(job, 0, B, 12, result.steps)
+    for key, value in expected.items():
+        torch.testing.assert_close(result.model_state[key], value, rtol=1e-5, atol=1e-5, msg=key)
