@@ -15,6 +15,7 @@ from elastic import BatchConfig, FitConfig, ScalingConfig
 from elastic.adapt.groups import decide_grouping, default_group_size, forward_seed
 from elastic.adapt.plan import plan_batch
 from elastic.collective import RendezvousServer
+from elastic.config import CollectiveConfig
 from elastic.trainer.buffers import BufferSync
 from elastic.trainer.replica import Replica, StepRecord
 from tests import fidelity
@@ -41,11 +42,14 @@ class _SerialReplica(Replica):
             super().load_state(state)
 
 
-def _elastic(tmp_path, job, schedule, group: int = G, micro: int | None = None):
+def _elastic(tmp_path, job, schedule, group: int = G, micro: int | None = None,
+             overlap: bool = False):
     """Runs `schedule`, a list of (world size, steps, weights), each segment a new generation
     whose replicas start from the previous segment's rank-0 state (as after a kill or a
     resize). Returns every rank's state dict after every step, per segment."""
     config = FitConfig(scaling=ScalingConfig(num_workers=4, min_workers=1),
+                       collective=CollectiveConfig(overlap=overlap, bucket_bytes=1024,
+                                                   first_bucket_bytes=1024),
                        batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
                        run_dir=str(tmp_path), max_steps=100, seed=SEED)
     building = _SerialReplica.compute_lock  # models are built under the process-wide seed too
@@ -102,6 +106,26 @@ def test_elastic_runs_end_with_the_weights_and_buffers_of_one_plain_process(tmp_
             assert torch.equal(final[key], value), key
         else:
             torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", fidelity.JOBS)
+def test_buckets_that_overlap_the_backward_pass_carry_the_buffers_too(tmp_path, kind):
+    job = fidelity.JOBS[kind]()
+    final = _elastic(tmp_path, job, SCHEDULES["kill"], overlap=True)
+    expected = fidelity.reference(job, SEED, B, G, 6)
+    for key, value in expected.items():
+        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("micro", [24, 5])
+def test_a_losssum_model_with_groups_off_matches_for_any_share_and_micro_batch(tmp_path, micro):
+    job = fidelity.lm_job()
+    final = _elastic(tmp_path, job, [(2, 2, [2.0, 1.0]), (3, 4, [1.0, 3.0, 2.0])], group=1,
+                     micro=micro)
+    expected = fidelity.reference(job, SEED, B, G, 6)
+    torch.testing.assert_close(final, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_reference_tells_the_models_apart_from_a_split_dependent_run(tmp_path):
