@@ -73,18 +73,22 @@ class SimulatedWorkers:
         votes: step -> failures: the first time each step runs, every rank votes it down
             with the first failure of its list (`UserFailure`, `OutOfMemory` or `NonFinite`
             of `elastic.trainer.replica`), the next time with the next one, and so on.
+        traits: what the workers report of the model (`Replica.traits`; default: no
+            BatchNorm or dropout layers).
     """
 
     def __init__(self, dataset_size: int, capacity: int, step_time_s: float = 0.01,
                  start_delay_s: float = 1.0,
                  before_chunk: Callable[[int], None] | None = None,
-                 votes: dict[int, list[Any]] | None = None) -> None:
+                 votes: dict[int, list[Any]] | None = None,
+                 traits: dict[str, int] | None = None) -> None:
         self.dataset_size = dataset_size
         self.capacity = capacity
         self.step_time_s = step_time_s
         self.start_delay_s = start_delay_s
         self.before_chunk = before_chunk
         self.votes = {step: list(failures) for step, failures in (votes or {}).items()}
+        self.traits = traits or {"batchnorm": 0, "dropout": 0}
         self.clock = 1_000_000.0
         self.workers: dict[int, _Worker] = {}
         self._starting: list[int] = []
@@ -216,7 +220,7 @@ class SimulatedWorkers:
         if method == "dataset_size":
             return self.dataset_size
         if method == "traits":
-            return {"batchnorm": 0, "dropout": 0}
+            return dict(self.traits)
         if method == "model_state":
             return {"step": worker.step}
         if method == "evaluate":

@@ -213,6 +213,38 @@ def test_out_of_memory_at_micro_batch_one_fails(tmp_path):
     assert [e["micro_batch_after"] for e in _events(ctx, "oom_backoff")] == [None]
 
 
+def test_a_model_with_batchnorm_runs_whole_groups_through_a_kill_and_a_rebalance(tmp_path):
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, traits={"batchnorm": 3, "dropout": 0})
+    end, ctx, _ = _run(tmp_path, sim=sim, chaos=(ChaosEvent(step=6, rank=1, action="kill"),))
+    assert isinstance(end, Finished)
+    [grouped] = _events(ctx, "grouped")
+    assert (grouped["groups"], grouped["group_size"], grouped["pinned"]) == (True, 4, False)
+    assert not _events(ctx, "micro_batch_tuned")  # a forward is one group: nothing to tune
+    shares = [m["shares"] for m in ctx.log.metrics]
+    assert [4, 4, 4, 4] in shares and [8, 4, 4] in shares
+    assert all(s % 4 == 0 for row in shares for s in row)
+    assert all(mb == 4 for m in ctx.log.metrics for mb in m["micro_batches"] if mb is not None)
+
+
+def test_out_of_memory_at_one_group_fails_naming_the_group_size(tmp_path):
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, votes={3: [OutOfMemory(3, (1,))]},
+                           traits={"batchnorm": 0, "dropout": 2})
+    end, ctx, _ = _run(tmp_path, sim=sim)
+    assert isinstance(end, Failed) and isinstance(end.error, WorkerOutOfMemoryError)
+    assert "one group (batch.group_size" in str(end.error)
+    assert [e["micro_batch_after"] for e in _events(ctx, "oom_backoff")] == [None]
+
+
+def test_groups_off_for_a_model_with_dropout_pins_the_split(tmp_path):
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, traits={"batchnorm": 0, "dropout": 1})
+    end, ctx, _ = _run(tmp_path, sim=sim, batch=BatchConfig(global_batch_size=16, groups="off"))
+    assert isinstance(end, Finished)
+    [grouped] = _events(ctx, "grouped")
+    assert grouped["pinned"] and "follows the split" in grouped["reason"]
+    assert not _events(ctx, "micro_batch_tuned") and not _events(ctx, "rebalanced")
+    assert ctx.batch.tuner is None and ctx.batch.weights(ctx.ids()) is None
+
+
 def test_a_non_finite_step_under_policy_stop_fails(tmp_path):
     sim = SimulatedWorkers(dataset_size=16000, capacity=4, votes={7: [NonFinite(7, (0, 3))]})
     end, ctx, _ = _run(tmp_path, sim=sim)
