@@ -105,6 +105,29 @@ def dropout_job() -> TrainJob:
     return TrainJob(model=dropout_mlp, optimizer=sgd, loss=mse, dataset=regression)
 
 
+# --- BatchNorm under activation checkpointing (the layers run again in backward) -----------
+
+
+class CheckpointedCNN(nn.Module):
+    def __init__(self, checkpointed: bool = True) -> None:
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.block = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            from torch.utils.checkpoint import checkpoint
+
+            return self.head(checkpoint(self.block, x, use_reentrant=False))
+        return self.head(self.block(x))
+
+
+def checkpointed_job(checkpointed: bool = True) -> TrainJob:
+    return TrainJob(model=lambda: CheckpointedCNN(checkpointed), optimizer=sgd, loss=classify,
+                    dataset=images)
+
+
 JOBS = {"cnn_batchnorm": cnn_job, "lm_losssum": lm_job, "dropout": dropout_job}
 
 

@@ -149,11 +149,15 @@ class Batching:
             return
         compute = statistics.median_low(compute_times.values())
         self._judged(compute, step)
-        if any(self.tracker.count(w) < 2 for w in ids):
+        # Members with no share (more workers than groups) have no rate: a typical one.
+        working = [w for w, share in zip(ids, self.plan.shares, strict=True) if share > 0]
+        if len(working) < 2 or any(self.tracker.count(w) < 2 for w in working):
             return
-        rates = [self.tracker.rate(w) or 0.0 for w in ids]
-        if min(rates) <= 0:
+        measured = {w: self.tracker.rate(w) or 0.0 for w in working}
+        if min(measured.values()) <= 0:
             return
+        rates = decisions.weights(measured, ids)
+        assert rates is not None
         decision = self.rebalancer.decide(self.batch_now, self.plan.shares, rates,
                                           step_time_s=statistics.median_low(step_times.values()),
                                           compute_s=compute, unit=self.grouping.size)

@@ -96,7 +96,8 @@ class BufferSync:
                 m.num_batches_tracked.fill_(before.tracked + k)
 
     def after_piece(self, k: int) -> None:
-        """After forward pass `k` (and its backward): adds its terms to this rank's sums.
+        """After forward pass `k` (before its backward, which activation checkpointing may use
+        to run the layers again): adds its terms to this rank's sums.
 
         Raises:
             ValueError: a BatchNorm layer ran more than once in one forward pass.
@@ -116,19 +117,18 @@ class BufferSync:
             mean.add_(m.running_mean.detach().to(torch.float64), alpha=weight)
             var.add_(m.running_var.detach().to(torch.float64), alpha=weight)
 
-    @staticmethod
-    def _factor(m: _BatchNorm, tracked: int, i: int) -> float:
-        return float(m.momentum) if m.momentum is not None else 1.0 / (tracked + i + 1)
-
     def _later_decay(self, m: _BatchNorm, tracked: int, k: int) -> float:
-        """prod over the pieces after `k` of (1 - f_i)."""
-        decay = 1.0
-        for i in range(k + 1, self._pieces):
-            decay *= 1.0 - self._factor(m, tracked, i)
-        return decay
+        """prod over the pieces i after `k` of (1 - f_i), in closed form: (1 - m)^(n - k - 1)
+        for momentum m; for the cumulative average (f_i = 1 / (tracked + i + 1)) the product
+        telescopes to (tracked + k + 1) / (tracked + n)."""
+        n = self._pieces
+        if m.momentum is not None:
+            return (1.0 - float(m.momentum)) ** (n - k - 1)
+        return (tracked + k + 1) / (tracked + n) if tracked + n > 0 else 1.0
 
     def section(self) -> torch.Tensor:
-        """This rank's metadata section (float64): whether a forward changed another buffer,
+        """This rank's metadata section (float64 here; it is summed in the gradients' widest
+        floating dtype, float32 for a float32 model): whether a forward changed another buffer,
         which BatchNorm layers ran, and this rank's terms of their running statistics. Leaves
         every buffer as it was at `begin`'s snapshot except the other buffers' new values."""
         changed = any(not torch.equal(b, b0) for (_, b), b0 in

@@ -148,7 +148,7 @@ class Replica:
         modules = list(self.model.modules())
         return {"batchnorm": sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                                  for m in modules),
-                "dropout": sum(isinstance(m, torch.nn.modules.dropout._DropoutNd)
+                "dropout": sum(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
                                for m in modules)}
 
     @property
@@ -256,7 +256,11 @@ class Replica:
         """
         context = self._begin(plan, chaos, lr_factor)
         computed = self._compute(context)
-        reduced = self._reduce(context, computed)
+        try:
+            reduced = self._reduce(context, computed)
+        except BaseException:  # nothing of the step may stay in the buffers
+            self.buffers.rollback()
+            raise
         outcome = verdict(context.step, reduced.votes, self.config.failure.nonfinite,
                           computed.user_traceback, reduced.forms, reduced.count)
         if isinstance(outcome, Commit):
@@ -329,13 +333,14 @@ class Replica:
                 self.buffers.before_piece(piece)
                 loss, items, form = loss_term(self.job.loss(self.model, batch),
                                               length / plan.global_batch_size, form)
+                # Read before backward: activation checkpointing runs the layers again there.
+                self.buffers.after_piece(piece)
                 count += items
                 self._enter("backward")
                 self._chaos(chaos, "backward", started)
                 if buckets is not None:  # gradients are complete in the last backward pass
                     buckets.arm(index == len(pieces) - 1)
                 loss.backward()
-                self.buffers.after_piece(piece)
                 loss_sum += float(loss.detach())
                 del loss
             self._stretch(context.step, started)

@@ -16,6 +16,7 @@ from elastic.adapt.groups import decide_grouping, default_group_size, forward_se
 from elastic.adapt.plan import plan_batch
 from elastic.collective import RendezvousServer
 from elastic.config import CollectiveConfig
+from elastic.errors import CollectiveError
 from elastic.trainer.buffers import BufferSync
 from elastic.trainer.replica import Replica, StepRecord
 from tests import fidelity
@@ -90,6 +91,7 @@ SCHEDULES = {
     "rebalanced": [(3, 6, [3.0, 1.0, 2.0])],
     "kill": [(4, 2, None), (3, 4, None)],
     "resize": [(2, 3, None), (3, 1, [1.0, 2.0, 1.0]), (4, 2, None)],
+    "idle_rank": [(5, 6, None)],  # 4 groups over 5 ranks: one rank has no share
 }
 
 
@@ -126,6 +128,43 @@ def test_a_losssum_model_with_groups_off_matches_for_any_share_and_micro_batch(t
                      micro=micro)
     expected = fidelity.reference(job, SEED, B, G, 6)
     torch.testing.assert_close(final, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_batchnorm_under_activation_checkpointing_counts_each_forward_once(tmp_path):
+    """Checkpointing runs the layers again in backward; the statistics are read before it, so
+    the run holds what one process without checkpointing would (same parameters too)."""
+    final = _elastic(tmp_path, fidelity.checkpointed_job(), SCHEDULES["kill"])
+    expected = fidelity.reference(fidelity.checkpointed_job(checkpointed=False), SEED, B, G, 6)
+    for key, value in expected.items():
+        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+class _BrokenComm:
+    """One rank whose allreduce fails, as when a peer dies mid-reduce."""
+
+    rank, world_size = 0, 1
+
+    def allreduce(self, tensor):
+        raise CollectiveError("peer lost in the reduce", rank=0)
+
+
+def test_a_step_that_fails_in_its_reduce_leaves_every_buffer_as_it_was(tmp_path):
+    """The reduce raises out of the step; the BatchNorm statistics and other buffers must not
+    keep any of it (a peer restore would spread them)."""
+    config = FitConfig(scaling=ScalingConfig(num_workers=1), max_steps=2, seed=SEED,
+                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+                       run_dir=str(tmp_path))
+    replica = Replica(fidelity.cnn_job(), config, str(tmp_path))
+    replica.model.register_buffer("seen", torch.zeros(1))
+    replica.model.register_forward_hook(lambda m, i, o: m.seen.add_(1))
+    replica.buffers = BufferSync(replica.model)
+    replica.comm = _BrokenComm()
+    before = {k: v.clone() for k, v in replica.model.state_dict().items()}
+    with pytest.raises(CollectiveError):
+        replica.run_step(plan_batch(B, 1, G, None, unit=G), [])
+    assert replica.global_step == 0
+    for key, value in replica.model.state_dict().items():
+        assert torch.equal(value, before[key]), key
 
 
 def test_the_reference_tells_the_models_apart_from_a_split_dependent_run(tmp_path):
