@@ -38,14 +38,17 @@ class CheckpointCoordinator:
         self.workers = workers
         self._last_step = 0
         self._last_time = time.monotonic()
+        self.group_size = 1  # G with groups on (set once the grouping is decided)
 
     @property
     def enabled(self) -> bool:
         return self.config.checkpoint is not None
 
     def fingerprint(self) -> str:
-        """What must match for a checkpoint's data cursor to mean the same samples."""
-        return f"B={self.config.batch.global_batch_size};seed={self.config.seed}"
+        """What must match for a checkpoint's data cursor to mean the same samples, and, with
+        groups on, for its BatchNorm statistics and dropout streams to mean the same math."""
+        base = f"B={self.config.batch.global_batch_size};seed={self.config.seed}"
+        return base if self.group_size == 1 else f"{base};G={self.group_size}"
 
     def restore(self, worker_id: int, event: str, current_step: int) -> int | None:
         """Loads the newest valid checkpoint into worker `worker_id`'s replica; returns its
@@ -67,7 +70,9 @@ class CheckpointCoordinator:
             return None
         if info.get("fingerprint") not in (None, self.fingerprint()):
             self.log.emit(CheckpointConfigChanged(path=info["path"],
-                           note="global batch or seed differ from the run that wrote it"))
+                           note=f"global batch, seed or group size differ from the run that "
+                                f"wrote it ({info['fingerprint']}; this run: "
+                                f"{self.fingerprint()})"))
         self.log.event(event, step=info["step"], path=info["path"],
                        work_lost_steps=max(0, current_step - info["step"]))
         self._last_step = int(info["step"])

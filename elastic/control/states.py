@@ -108,7 +108,7 @@ class Starting(State):
         ctx.dataset_size = on_any_member(ctx, lambda w: ctx.workers.call(w, "dataset_size"))
         traits = on_any_member(ctx, lambda w: ctx.workers.call(w, "traits"))
         ctx.batching = Batching(config, ctx.log, len(ctx.members), traits)
-        ctx.policy.unit = ctx.batching.grouping.size
+        ctx.policy.unit = ctx.checkpoints.group_size = ctx.batching.grouping.size
         largest = ctx.batch.largest_batch()
         if largest > ctx.dataset_size:
             raise ConfigError(
