@@ -501,3 +501,11 @@ def test_losing_every_member_while_finishing_fails_the_run(tmp_path):
     assert isinstance(end, Failed) and "every worker was lost" in str(end.error)
     assert _states(ctx)[-2:] == [("running", "finishing"), ("finishing", "failed")]
     assert len(_events(ctx, "member_unreachable")) == 4
+
+
+def test_a_checkpoint_fingerprint_holds_the_group_size_once_groups_are_on(tmp_path):
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, traits={"batchnorm": 1, "dropout": 0})
+    _, ctx, _ = _run(tmp_path, sim=sim, steps=2)
+    assert ctx.checkpoints.fingerprint() == "B=16;seed=0;G=4"
+    _, plain, _ = _run(tmp_path / "plain", steps=2)
+    assert plain.checkpoints.fingerprint() == "B=16;seed=0"
