@@ -30,26 +30,7 @@ from elastic.control.port import (
 )
 from elastic.errors import WorkerLostError
 from elastic.trainer.data import Cursor
-
-
-@dataclass(frozen=True)
-class SimRecord:
-    """The fields of `elastic.trainer.replica.StepRecord` that the control loop reads."""
-
-    step: int
-    epoch: int
-    loss: float
-    world_size: int
-    global_batch_size: int
-    shares: tuple[int, ...]
-    micro_batch: int
-    step_time_s: float
-    compute_time_s: float
-    end_time: float
-    lr: float
-    indices: tuple[int, ...] | None = None
-    timeline: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
-    skipped_ranks: tuple[int, ...] = ()
+from elastic.trainer.outcomes import StepRecord
 
 
 @dataclass
@@ -170,7 +151,7 @@ class SimulatedWorkers:
         first = self.workers[ids[0]]
         kills = {e.rank for e in chaos if e.action == "kill" and e.rank < world}
         cursor, step = first.cursor, first.step
-        records: list[list[SimRecord]] = [[] for _ in range(world)]
+        records: list[list[StepRecord]] = [[] for _ in range(world)]
         for i in range(num_steps):
             if i == 0 and kills:
                 return self._killed(ids, kills, cursor, step)
@@ -179,7 +160,7 @@ class SimulatedWorkers:
             self.clock += self.step_time_s
             epoch = cursor.start(self.dataset_size, batch)[0]
             for rank in range(world):
-                records[rank].append(SimRecord(
+                records[rank].append(StepRecord(
                     step=step, epoch=epoch, loss=1.0 / (step + 1), world_size=world,
                     global_batch_size=batch, shares=shares, micro_batch=plan.micro_batches[rank],
                     step_time_s=self.step_time_s, compute_time_s=self.step_time_s / 2,
@@ -193,7 +174,7 @@ class SimulatedWorkers:
         for w in ids:
             self.workers[w].step, self.workers[w].cursor = cursor.step, cursor
 
-    def _voted(self, ids: Sequence[int], failure: Any, records: list[list[SimRecord]],
+    def _voted(self, ids: Sequence[int], failure: Any, records: list[list[StepRecord]],
                cursor: Cursor, step: int) -> ChunkReport:
         """Every rank votes step `step` down with `failure`; the steps before it committed."""
         self._commit(ids, cursor)
