@@ -270,3 +270,11 @@ def test_a_step_voted_down_leaves_every_buffer_as_it_was():
     sync.rollback()
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_the_group_cost_benchmark_times_every_group_size():
+    """`python -m elastic.bench.groups` (docs/benchmarks.md), at a tiny size."""
+    from elastic.bench.groups import measure
+
+    result = measure("mlp95", 8, [8, 4], steps=1)
+    assert list(result) == [8, 4] and all(seconds > 0 for seconds in result.values())
