@@ -117,6 +117,12 @@ class ScalingConfig(_Frozen):
     )
     use_gpu: bool = Field(default=False, description="Give each worker one GPU (backend nccl).")
     cpus_per_worker: float = Field(default=1.0, gt=0, description="CPUs reserved per worker actor.")
+    threads_per_worker: int | None = Field(
+        default=None, ge=1,
+        description="torch intra-op threads in each worker (torch.set_num_threads). Default: "
+        "what torch picks under Ray's CPU reservation; with batch.exact, int(cpus_per_worker) "
+        "(the thread count is part of what exact mode reproduces).",
+    )
 
     @model_validator(mode="after")
     def _check_bounds(self) -> ScalingConfig:
@@ -214,6 +220,16 @@ class BatchConfig(_Frozen):
         description="Samples per group (G) with batch.groups on; BatchNorm normalises over G "
         "samples, so it is part of the math. Default: global_batch_size / "
         "scaling.num_workers, what DDP at the starting world size normalises over.",
+    )
+    exact: bool = Field(
+        default=False,
+        description="Exact mode: the final weights are bit-identical (torch.equal) for any "
+        "failure schedule, resize, rebalance and world size, and to one process running the "
+        "same groups, given the same torch build, thread count and hardware type. Turns groups "
+        "on; each group's gradient, loss, count and BatchNorm terms are summed in fixed point "
+        "(int64), so the sum does not depend on the order; kernels are deterministic and the "
+        "threads fixed (scaling.threads_per_worker). Costs int64 gradients on the wire and no "
+        "overlap of communication with the backward pass.",
     )
 
 
@@ -333,6 +349,12 @@ class CheckpointConfig(_Frozen):
         "$ELASTIC_HOME/keys/checkpoint.key on the machine that starts the run; copy it "
         "privately to resume from these checkpoints elsewhere.",
     )
+    allow_environment_change: bool = Field(
+        default=False,
+        description="With batch.exact: resume a checkpoint written under another torch build, "
+        "thread count or hardware type, or without exact mode (the run is exact from there on "
+        "but no longer reproduces the run that wrote it). Off: such a resume is refused.",
+    )
 
 
 class FitConfig(_Frozen):
@@ -408,6 +430,12 @@ class FitConfig(_Frozen):
                     f"batch.max_micro_batch ({batch.max_micro_batch}) is below batch.group_size "
                     f"({batch.group_size}): a forward runs one whole group; lower "
                     "batch.group_size (it changes the math) or raise batch.max_micro_batch")
+        if batch.exact and batch.groups == "off":
+            raise ValueError("batch.exact sums whole groups; it cannot run with batch.groups "
+                             "'off': set batch.groups to 'auto' or 'on'")
+        if batch.exact and batch.policy != "fixed":
+            raise ValueError("batch.exact reproduces one global batch; it needs batch.policy "
+                             "'fixed' (with 'scale_with_workers' the batch follows the world size)")
         if self.scaling.use_gpu and self.collective.backend != "nccl":
             raise ValueError("scaling.use_gpu needs collective.backend='nccl'")
         return self

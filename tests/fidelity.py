@@ -162,3 +162,108 @@ def reference(job: TrainJob, seed: int, global_batch: int, group: int,
                 p.grad /= count
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# --- exact mode: the same loop, summed in fixed point ------------------------------------------
+
+HEADROOM = 8
+
+
+def _fixed_point_sum(values: list[torch.Tensor], exponent: int, groups: int) -> tuple[torch.Tensor, int, int]:
+    """Exact mode's sum of one slot over a step's groups, from the README's rules: each group's
+    values rounded to integers at 2**exponent (widened while a group's do not fit in
+    bits = 62 - ceil(log2 groups)), summed exactly. Returns the float64 sum, the exponent used
+    and the sum over groups of each one's largest integer."""
+    bits = 62 - max(1, (groups - 1).bit_length())
+    while True:
+        ints, largest, overflow = [], 0, 0
+        for v in values:
+            q = torch.round(v.detach().reshape(-1).to(torch.float64) * 2.0 ** -exponent)
+            top = int(q.abs().max()) if q.numel() else 0
+            if top >= 1 << bits:
+                overflow += 1 << min(int(q.abs().max()).bit_length() - bits, bits)
+            ints.append(q.to(torch.int64))
+            largest += top
+        if not overflow:
+            break
+        exponent += overflow.bit_length() - 1
+    total = torch.stack(ints).sum(0) if ints else torch.zeros(0, dtype=torch.int64)
+    return total.to(torch.float64) * 2.0 ** exponent, exponent, largest
+
+
+def exact_reference(job: TrainJob, seed: int, global_batch: int, group: int,
+                    steps: int) -> dict[str, torch.Tensor]:
+    """One plain-PyTorch process in exact mode: the groups of `reference`, each group's
+    gradient, loss, count and BatchNorm terms computed on their own and summed in fixed point
+    (`_fixed_point_sum`), every slot's exponent following the previous step's largest values."""
+    torch.manual_seed(seed)
+    model = job.model()
+    opt = job.optimizer(model.parameters())
+    data = job.dataset()
+    n = len(data)
+    per_epoch = n // global_batch
+    groups = global_batch // group
+    bits = 62 - max(1, (groups - 1).bit_length())
+    params = [p for p in model.parameters() if p.requires_grad]
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    slots = len(params) + 2 + 2 * len(norms)
+    exponents = [HEADROOM - bits] * slots
+    model.train()
+    for step in range(steps):
+        epoch, s = divmod(step, per_epoch)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+        idx = perm[s * global_batch : (s + 1) * global_batch]
+        before = [(m.running_mean.clone(), m.running_var.clone(), int(m.num_batches_tracked))
+                  for m in norms]
+        values: list[list[torch.Tensor]] = [[] for _ in range(slots)]
+        summing = False
+        for j in range(groups):
+            torch.manual_seed(forward_seed(seed, step, j * group))
+            batch = default_collate([data[int(i)] for i in idx[j * group : (j + 1) * group]])
+            with torch.no_grad():
+                for m, (_, _, tracked) in zip(norms, before):
+                    m.running_mean.zero_()
+                    m.running_var.zero_()
+                    m.num_batches_tracked.fill_(tracked + j)
+            out = job.loss(model, batch)
+            for i, (m, (_, _, tracked)) in enumerate(zip(norms, before)):
+                weight = ((1.0 - m.momentum) ** (groups - j - 1) if m.momentum is not None
+                          else (tracked + j + 1) / (tracked + groups))
+                values[len(params) + 2 + 2 * i].append(m.running_mean.to(torch.float64) * weight)
+                values[len(params) + 3 + 2 * i].append(m.running_var.to(torch.float64) * weight)
+            if isinstance(out, LossSum):
+                summing = True
+                loss = out.total
+                values[len(params) + 1].append(torch.tensor([float(out.count)], dtype=torch.float64))
+            else:
+                loss = out * (group / global_batch)
+            values[len(params)].append(loss.detach().reshape(1))
+            loss.backward()
+            for k, p in enumerate(params):
+                if p.grad is not None:
+                    values[k].append(p.grad)
+                    p.grad = None
+        sums, largest = [], []
+        for k in range(slots):
+            total, exponents[k], top = _fixed_point_sum(values[k], exponents[k], groups)
+            sums.append(total)
+            largest.append(top)
+        count = float(sums[len(params) + 1][0]) if summing else None
+        for k, p in enumerate(params):
+            p.grad = sums[k].to(p.dtype).view_as(p)
+            if count is not None:
+                p.grad.div_(count)
+        with torch.no_grad():
+            for i, (m, (mean, var, tracked)) in enumerate(zip(norms, before)):
+                keep = ((1.0 - m.momentum) ** groups if m.momentum is not None
+                        else tracked / (tracked + groups))
+                m.running_mean.copy_((mean.to(torch.float64) * keep
+                                      + sums[len(params) + 2 + 2 * i]).to(m.running_mean.dtype))
+                m.running_var.copy_((var.to(torch.float64) * keep
+                                     + sums[len(params) + 3 + 2 * i]).to(m.running_var.dtype))
+                m.num_batches_tracked.fill_(tracked + groups)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        exponents = [e + top.bit_length() + HEADROOM - bits if top else e
+                     for e, top in zip(exponents, largest)]
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

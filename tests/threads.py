@@ -43,7 +43,9 @@ def run_ranks(
     for t in threads:
         t.join(timeout)
         if t.is_alive():
-            raise TimeoutError(f"a rank did not finish within {timeout}s")
+            raised = next((e for e in errors if e is not None), None)
+            raise TimeoutError(f"a rank did not finish within {timeout}s"
+                               + (f"; another raised {raised!r}" if raised else "")) from raised
     for e in errors:
         if e is not None:
             raise e

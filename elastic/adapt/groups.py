@@ -74,7 +74,8 @@ class Grouping:
 
 def decide_grouping(setting: Literal["auto", "on", "off"], group_size: int | None,
                     global_batch_size: int, num_workers: int, policy: str,
-                    batchnorm: int, dropout: int, max_micro_batch: int | None = None) -> Grouping:
+                    batchnorm: int, dropout: int, max_micro_batch: int | None = None,
+                    exact: bool = False) -> Grouping:
     """Whether groups are on and their size G.
 
     Args:
@@ -87,13 +88,17 @@ def decide_grouping(setting: Literal["auto", "on", "off"], group_size: int | Non
         batchnorm: BatchNorm layers in the model (that track running statistics or not).
         dropout: dropout layers in the model.
         max_micro_batch: `batch.max_micro_batch`; a default G stays within it.
+        exact: `batch.exact`, which sums whole groups: groups on, whatever the model.
     """
     found = ", ".join(f"{n} {what} layer{'s' if n != 1 else ''}"
                       for n, what in ((batchnorm, "BatchNorm"), (dropout, "dropout")) if n)
     size = group_size or default_group_size(global_batch_size, num_workers, policy,
                                              max_micro_batch)
-    if setting == "on" or (setting == "auto" and found):
-        why = f"the model has {found}" if found else "batch.groups = 'on'"
+    if exact and setting == "off":
+        raise ValueError("batch.exact needs batch.groups 'auto' or 'on'")
+    if setting == "on" or exact or (setting == "auto" and found):
+        why = ("batch.exact = True" if exact else
+               f"the model has {found}" if found else "batch.groups = 'on'")
         return Grouping(size=size, on=True, pinned=False,
                         reason=f"{why}: every forward runs one group of {size} samples, seeded by "
                                "(seed, step, group), so the math does not depend on the split")

@@ -51,7 +51,7 @@ class Batching:
         self.grouping: Grouping = decide_grouping(
             batch.groups, batch.group_size, batch.global_batch_size, config.scaling.num_workers,
             batch.policy, traits.get("batchnorm", 0), traits.get("dropout", 0),
-            batch.max_micro_batch)
+            batch.max_micro_batch, batch.exact)
         self.log.emit(Grouped(groups=self.grouping.on, group_size=self.grouping.size,
                               pinned=self.grouping.pinned, batchnorm=traits.get("batchnorm", 0),
                               dropout=traits.get("dropout", 0), reason=self.grouping.reason))

@@ -20,6 +20,11 @@ Every other buffer (a user's own running average, a counter) cannot be reasoned 
 rank's forward changed one, the first rank with a share broadcasts them all (as DDP does), so
 the members stay equal; their values then follow that rank's samples. A step voted down leaves
 every buffer as it was before the step.
+
+In exact mode (`attach`) each piece's terms go to the step's exact sums (`ExactSum`, one slot
+per running statistic) instead of float64 sums, so the statistics are the same bits for any
+split; a forward that changes any other buffer is a user error there (its value would follow
+the split).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from elastic.collective import Communicator
+from elastic.trainer.exact import ExactSum
 
 
 def norm_layers(model: torch.nn.Module) -> list[tuple[str, _BatchNorm]]:
@@ -70,12 +76,23 @@ class BufferSync:
         self._sums: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._ran: list[bool] = []
         self._pieces = 0
+        self._exact: ExactSum | None = None
+        self._slot = 0
+
+    def attach(self, exact: ExactSum, first_slot: int) -> None:
+        """Exact mode: layer i's running mean and variance terms go to slots `first_slot + 2i`
+        and `first_slot + 2i + 1` of `exact`."""
+        self._exact, self._slot = exact, first_slot
+
+    def slot_sizes(self) -> list[int]:
+        """The sizes of the exact slots `attach` expects, in order."""
+        return [n for _, m in self.norms for n in (m.running_mean.numel(), m.running_var.numel())]
 
     @property
     def length(self) -> int:
         """Length of the metadata section: one changed flag, one ran flag per BatchNorm layer,
-        then the running-statistic terms."""
-        return 1 + len(self.norms) + self._stats
+        then the running-statistic terms (in exact mode, in the exact sums instead)."""
+        return 1 + len(self.norms) + (0 if self._exact is not None else self._stats)
 
     def begin(self, pieces: int) -> None:
         """Snapshot before a step of `pieces` forward passes over all ranks."""
@@ -100,8 +117,18 @@ class BufferSync:
         to run the layers again): adds its terms to this rank's sums.
 
         Raises:
-            ValueError: a BatchNorm layer ran more than once in one forward pass.
+            ValueError: a BatchNorm layer ran more than once in one forward pass, or in exact
+                mode the forward changed another buffer.
         """
+        exact = self._exact
+        if exact is not None:
+            for (name, b), b0 in zip(self.others, self._others_before, strict=True):
+                if not torch.equal(b, b0):
+                    raise ValueError(
+                        f"the forward pass changed buffer {name!r}; with batch.exact every buffer "
+                        "must be the same bits for any split, and elastic can make that so for "
+                        "BatchNorm running statistics only. Make it a parameter or a "
+                        "non-persistent value, or set batch.exact=False")
         for i, ((name, m), before, (mean, var)) in enumerate(
                 zip(self.norms, self._before, self._sums, strict=True)):
             calls = int(m.num_batches_tracked) - (before.tracked + k)
@@ -114,6 +141,10 @@ class BufferSync:
                     "each use its own layer, or set track_running_stats=False on it")
             self._ran[i] = True
             weight = self._later_decay(m, before.tracked, k)
+            if exact is not None:
+                exact.add(self._slot + 2 * i, m.running_mean.detach().to(torch.float64) * weight)
+                exact.add(self._slot + 2 * i + 1, m.running_var.detach().to(torch.float64) * weight)
+                continue
             mean.add_(m.running_mean.detach().to(torch.float64), alpha=weight)
             var.add_(m.running_var.detach().to(torch.float64), alpha=weight)
 
@@ -135,7 +166,8 @@ class BufferSync:
                       zip(self.others, self._others_before, strict=True))
         parts = [torch.tensor([float(changed)], dtype=torch.float64),
                  torch.tensor([float(r) for r in self._ran], dtype=torch.float64)]
-        parts += [t.reshape(-1).cpu() for pair in self._sums for t in pair]
+        if self._exact is None:
+            parts += [t.reshape(-1).cpu() for pair in self._sums for t in pair]
         self._restore_norms()
         return torch.cat(parts)
 
@@ -150,11 +182,15 @@ class BufferSync:
         changed = float(summed[0]) > 0
         ran = summed[1 : 1 + len(self.norms)]
         offset = 1 + len(self.norms)
+        exact = self._exact
         with torch.no_grad():
             for i, ((_, m), before) in enumerate(zip(self.norms, self._before, strict=True)):
                 n = m.running_mean.numel()
-                mean, var = summed[offset : offset + n], summed[offset + n : offset + 2 * n]
-                offset += 2 * n
+                if exact is not None:
+                    mean, var = exact.value(self._slot + 2 * i), exact.value(self._slot + 2 * i + 1)
+                else:
+                    mean, var = summed[offset : offset + n], summed[offset + n : offset + 2 * n]
+                    offset += 2 * n
                 if float(ran[i]) <= 0:
                     continue
                 keep = self._later_decay(m, before.tracked, -1)

@@ -22,13 +22,13 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch.utils.data import default_collate
 
-from elastic.adapt.groups import forward_seed
+from elastic.adapt.groups import decide_grouping, forward_seed
 from elastic.adapt.plan import BatchPlan
 from elastic.collective import Communicator
 from elastic.config import ChaosEvent, ChaosPhase, FitConfig
@@ -38,6 +38,7 @@ from elastic.private import ensure_private_dir, write_private
 from elastic.trainer.buckets import GradientBuckets
 from elastic.trainer.buffers import BufferSync
 from elastic.trainer.data import Cursor, SampleOrder, steps_per_epoch
+from elastic.trainer.exact import ExactSum, environment, make_deterministic
 from elastic.trainer.flat import all_finite, allreduce_flat, flatten_grads, unflatten_grads
 from elastic.trainer.loss import LossForm, loss_term
 from elastic.trainer.outcomes import NonFinite, OutOfMemory, StepRecord, UserFailure
@@ -45,6 +46,7 @@ from elastic.trainer.step import (
     Commit,
     Computed,
     Reduced,
+    Rescale,
     StepContext,
     Vote,
     pack_meta,
@@ -57,6 +59,9 @@ __all__ = ["NonFinite", "OutOfMemory", "Replica", "StepRecord", "UserFailure", "
 
 # Largest data set whose indices travel exactly in a float32 buffer.
 _FLOAT32_EXACT = 1 << 24
+# Exact mode: redos of one step at a wider scale before giving up (each widens by up to 50+
+# bits, so a float64 gradient from 2**8 to 2**1024 takes about 20).
+_MAX_RESCALES = 40
 
 
 @dataclass
@@ -91,6 +96,11 @@ class Replica:
         self.job = job
         self.config = config
         self.run_dir = run_dir
+        scaling = config.scaling
+        if config.batch.exact:
+            make_deterministic(scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker)))
+        elif scaling.threads_per_worker is not None:
+            torch.set_num_threads(scaling.threads_per_worker)
         torch.manual_seed(config.seed)
         self.model = job.model()
         if not isinstance(self.model, torch.nn.Module):
@@ -125,9 +135,24 @@ class Replica:
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.buffers = BufferSync(self.model)
         collective = config.collective
+        self.exact = self._exact_sums() if config.batch.exact else None
         self._buckets = (GradientBuckets(self._params, collective.bucket_bytes,
                                          collective.first_bucket_bytes)
-                         if collective.overlap_enabled else None)
+                         if collective.overlap_enabled and self.exact is None else None)
+
+    def _exact_sums(self) -> ExactSum:
+        """Exact mode's slots: every parameter's gradient, the loss, the `LossSum` count, then
+        the BatchNorm running statistics; the groups per step as the controller cuts them."""
+        batch, traits = self.config.batch, self.traits()
+        grouping = decide_grouping(batch.groups, batch.group_size, batch.global_batch_size,
+                                   self.config.scaling.num_workers, batch.policy,
+                                   traits["batchnorm"], traits["dropout"], batch.max_micro_batch,
+                                   exact=True)
+        self._loss_slot = len(self._params)
+        sizes = [p.numel() for p in self._params] + [1, 1] + self.buffers.slot_sizes()
+        exact = ExactSum(sizes, batch.global_batch_size // grouping.size)
+        self.buffers.attach(exact, self._loss_slot + 2)
+        return exact
 
     # --- state --------------------------------------------------------------------------
 
@@ -140,6 +165,7 @@ class Replica:
             "rng": torch.get_rng_state(),
             "cursor": {"global_step": self.cursor.step, "epoch": self.cursor.epoch,
                        "offset": self.cursor.offset, "samples": self.cursor.samples},
+            **({"exact": self.exact.state_dict()} if self.exact is not None else {}),
         }
 
     def traits(self) -> dict[str, int]:
@@ -156,7 +182,17 @@ class Replica:
         """Steps committed."""
         return self.cursor.step
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any], origin: str = "checkpoint") -> None:
+        """Takes a committed state (`origin`: 'checkpoint' or 'peer').
+
+        Raises:
+            ConfigError: exact mode, and the state was written without it or under another
+                torch build, thread count or hardware type (from a checkpoint, unless
+                `checkpoint.allow_environment_change`; from a peer, always: the members of an
+                exact run must compute alike).
+        """
+        if self.exact is not None:
+            self._check_exact(state.get("exact"), origin)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
@@ -165,6 +201,28 @@ class Replica:
             torch.set_rng_state(state["rng"])
         self.cursor = Cursor.from_dict(state["cursor"], self.order.dataset_size,
                                        self.config.batch.global_batch_size)
+        if self.exact is not None and state.get("exact") is not None:
+            self.exact.load_state_dict(state["exact"])
+
+    def _check_exact(self, saved: dict[str, Any] | None, origin: str) -> None:
+        here = environment()
+        there = saved.get("environment") if saved else None
+        if there == here:
+            return
+        ckpt = self.config.checkpoint
+        if origin == "checkpoint" and ckpt is not None and ckpt.allow_environment_change:
+            return
+        what = ("was written without batch.exact" if saved is None else
+                "was written under " + ", ".join(f"{k}={there.get(k)!r}" for k in here
+                                                  if there.get(k) != here[k])
+                + "; this worker has " + ", ".join(f"{k}={here[k]!r}" for k in here
+                                                  if there.get(k) != here[k]))
+        if origin == "peer":
+            raise ConfigError(f"batch.exact: the state of a peer {what}; every worker of an "
+                              "exact run needs the same torch build, threads and hardware type")
+        raise ConfigError(f"batch.exact: the checkpoint {what}, so this run could not "
+                          "reproduce it; set checkpoint.allow_environment_change=True to resume "
+                          "anyway (exact from here on)")
 
     def state_bytes(self) -> bytes:
         """The committed state, serialised for a peer."""
@@ -174,7 +232,7 @@ class Replica:
 
     def load_state_bytes(self, data: bytes) -> None:
         # weights_only: a peer's bytes are data, never code.
-        self.load_state(torch.load(io.BytesIO(data), weights_only=True))
+        self.load_state(torch.load(io.BytesIO(data), weights_only=True), origin="peer")
 
     def sync_from(self, src: int) -> None:
         """Every rank of the generation calls this; afterwards all hold `src`'s state."""
@@ -255,14 +313,26 @@ class Replica:
             CollectiveError: the reduce failed or was aborted; the step is not applied here.
         """
         context = self._begin(plan, chaos, lr_factor)
-        computed = self._compute(context)
-        try:
-            reduced = self._reduce(context, computed)
-        except BaseException:  # nothing of the step may stay in the buffers
+        for _ in range(_MAX_RESCALES + 1):
+            computed = self._compute(context)
+            try:
+                reduced = self._reduce(context, computed)
+            except BaseException:  # nothing of the step may stay in the buffers
+                self.buffers.rollback()
+                raise
+            outcome = verdict(context.step, reduced.votes, self.config.failure.nonfinite,
+                              computed.user_traceback, reduced.forms, reduced.count)
+            if not isinstance(outcome, Rescale):
+                break
+            assert self.exact is not None
+            self.exact.rescale()  # every rank alike: the overflow is summed over ranks
             self.buffers.rollback()
-            raise
-        outcome = verdict(context.step, reduced.votes, self.config.failure.nonfinite,
-                          computed.user_traceback, reduced.forms, reduced.count)
+            self.buffers.begin(context.pieces)
+            self._drop_grads()
+            context = replace(context, chaos=())  # injected faults fire once
+        else:
+            raise ConfigError(f"batch.exact: step {context.step}'s values still did not fit the "
+                              f"fixed-point scale after {_MAX_RESCALES} rescales")
         if isinstance(outcome, Commit):
             return self._apply(context, computed, reduced, outcome)
         self.buffers.rollback()
@@ -317,6 +387,9 @@ class Replica:
         form = LossForm.NONE
         error: str | None = None
         vote = Vote.OK
+        exact = self.exact
+        if exact is not None:
+            exact.begin()
         try:
             self._enter("data")
             self._chaos(chaos, "data", started)
@@ -336,6 +409,10 @@ class Replica:
                 # Read before backward: activation checkpointing runs the layers again there.
                 self.buffers.after_piece(piece)
                 count += items
+                if exact is not None:
+                    exact.add(self._loss_slot, loss.detach().reshape(1))
+                    if form == LossForm.SUM:
+                        exact.add(self._loss_slot + 1, torch.tensor([items], dtype=torch.float64))
                 self._enter("backward")
                 self._chaos(chaos, "backward", started)
                 if buckets is not None:  # gradients are complete in the last backward pass
@@ -343,6 +420,11 @@ class Replica:
                 loss.backward()
                 loss_sum += float(loss.detach())
                 del loss
+                if exact is not None:  # each group's gradient summed on its own
+                    for slot, p in enumerate(self._params):
+                        if p.grad is not None:
+                            exact.add(slot, p.grad)
+                            p.grad = None
             self._stretch(context.step, started)
         except torch.OutOfMemoryError:
             error, vote = traceback.format_exc(), Vote.OUT_OF_MEMORY
@@ -368,6 +450,8 @@ class Replica:
         comm_start = time.perf_counter()
         self._enter("allreduce")
         self._chaos(context.chaos, "allreduce", context.started)
+        if self.exact is not None:
+            return self._reduce_exact(context, computed, comm_start)
         buckets = self._buckets
         flat = None if buckets is not None else flatten_grads(
             self._params, zero=computed.vote != Vote.OK)
@@ -385,6 +469,30 @@ class Replica:
             allreduce_flat(context.comm, flat, meta)
         comm_s = time.perf_counter() - comm_start
         return Reduced.unpack(meta, context, flat, comm_s)
+
+    def _reduce_exact(self, context: StepContext, computed: Computed,
+                      comm_start: float) -> Reduced:
+        """Exact mode's reduce: this rank's integers and the metadata (integers there: votes,
+        forms, flags, the ledger) in one int64 allreduce; the loss and count from the exact
+        sums."""
+        exact = self.exact
+        assert exact is not None
+        vote = computed.vote
+        if vote == Vote.OK and exact.overflowed:
+            vote = Vote.RESCALE
+        elif vote == Vote.OK and exact.nonfinite:
+            vote = Vote.NONFINITE
+        meta = pack_meta(context, 0.0, vote, 0.0, computed.form, self.buffers.section())
+        payload = exact.payload(zero=vote not in (Vote.OK, Vote.RESCALE))
+        joined = torch.cat([payload, meta.to(torch.int64)])
+        context.comm.allreduce(joined)
+        n = payload.numel()
+        exact.finish(joined[:n])
+        reduced = Reduced.unpack(joined[n:].to(torch.float64), context, None,
+                                 time.perf_counter() - comm_start)
+        total, count = exact.scalar(self._loss_slot), exact.scalar(self._loss_slot + 1)
+        loss = total / count if LossForm.SUM in reduced.forms and count > 0 else total
+        return replace(reduced, loss=loss, count=count)
 
     def _apply(self, context: StepContext, computed: Computed, reduced: Reduced,
                commit: Commit) -> StepRecord:
@@ -408,7 +516,10 @@ class Replica:
             except BaseException:
                 self._drop_grads()
                 raise
-            if self._buckets is not None:
+            if self.exact is not None:
+                for slot, p in enumerate(self._params):
+                    p.grad = self.exact.value(slot).to(p.dtype).view_as(p).to(p.device)
+            elif self._buckets is not None:
                 self._buckets.assign_grads()
             else:
                 assert reduced.flat is not None
@@ -420,6 +531,8 @@ class Replica:
             lr = self._optimizer_step(context.lr_factor)
             if self.scheduler is not None:
                 self.scheduler.step()
+            if self.exact is not None:
+                self.exact.advance()
         self._drop_grads()
         self.cursor = self.cursor.advance(self.order.dataset_size, context.global_batch_size)
         optimizer_s = time.perf_counter() - optimizer_start

@@ -45,6 +45,7 @@ class Vote(IntEnum):
     USER_ERROR = 1  # user code raised (data, loss, backward)
     OUT_OF_MEMORY = 2
     NONFINITE = 3  # the loss or a gradient is NaN or infinite
+    RESCALE = 4  # exact mode: a group's values do not fit the fixed-point scale; redo the step
 
 
 @dataclass(frozen=True)
@@ -215,17 +216,27 @@ class Commit:
     divisor: float | None = None
 
 
+@dataclass(frozen=True)
+class Rescale:
+    """Exact mode: some group's values did not fit the fixed-point scale; every rank widens
+    the scale (`ExactSum.rescale`) and runs the step again. Never leaves `Replica.run_step`."""
+
+    step: int
+    ranks: tuple[int, ...]
+
+
 def verdict(step: int, votes: Sequence[float], nonfinite: Literal["stop", "skip"],
             traceback: str | None, forms: Sequence[float] = (),
-            count: float = 0.0) -> Commit | UserFailure | OutOfMemory | NonFinite:
+            count: float = 0.0) -> Commit | UserFailure | OutOfMemory | NonFinite | Rescale:
     """What the summed votes decide for step `step`.
 
     Pure, so every rank, reading the same summed votes, reaches the same verdict. A user error
     on any rank outranks everything else, and so do loss forms that cannot make a step (ranks
     that disagree, or a global `LossSum` count of 0: a user error on every rank that computed a
     loss); then out of memory (its ranks are every rank that voted down, so a redo lowers their
-    micro-batches); a step only non-finite ranks voted down is skipped or stops the run, as
-    `nonfinite` says.
+    micro-batches); then, in exact mode, values too large for the fixed-point scale (the step
+    is run again at a wider scale; any non-finite values show in the redo); a step only
+    non-finite ranks voted down is skipped or stops the run, as `nonfinite` says.
 
     Args:
         step: the step voted on.
@@ -241,6 +252,7 @@ def verdict(step: int, votes: Sequence[float], nonfinite: Literal["stop", "skip"
     """
     failed = tuple(rank for rank, vote in enumerate(votes) if vote != Vote.OK)
     bad = tuple(rank for rank in failed if votes[rank] == Vote.NONFINITE)
+    rescale = tuple(rank for rank in failed if votes[rank] == Vote.RESCALE)
     users = tuple(rank for rank in failed if votes[rank] == Vote.USER_ERROR)
     if users:
         return UserFailure(step=step, ranks=users, traceback=traceback)
@@ -251,7 +263,9 @@ def verdict(step: int, votes: Sequence[float], nonfinite: Literal["stop", "skip"
     divisor = count if LossForm.SUM in forms else None
     if not failed:
         return Commit(divisor=divisor)
-    if len(bad) == len(failed):
-        return (Commit(skipped=bad, divisor=divisor) if nonfinite == "skip"
-                else NonFinite(step=step, ranks=bad))
-    return OutOfMemory(step=step, ranks=failed)
+    if len(bad) + len(rescale) < len(failed):
+        return OutOfMemory(step=step, ranks=tuple(r for r in failed if r not in rescale))
+    if rescale:
+        return Rescale(step=step, ranks=rescale)
+    return (Commit(skipped=bad, divisor=divisor) if nonfinite == "skip"
+            else NonFinite(step=step, ranks=bad))

@@ -38,20 +38,21 @@ class _SerialReplica(Replica):
         with self.compute_lock:
             return super()._compute(context)
 
-    def load_state(self, state):  # sets the generator's state
+    def load_state(self, state, origin="checkpoint"):  # sets the generator's state
         with self.compute_lock:
-            super().load_state(state)
+            super().load_state(state, origin)
 
 
 def _elastic(tmp_path, job, schedule, group: int = G, micro: int | None = None,
-             overlap: bool = False):
+             overlap: bool = False, exact: bool = False):
     """Runs `schedule`, a list of (world size, steps, weights), each segment a new generation
     whose replicas start from the previous segment's rank-0 state (as after a kill or a
     resize). Returns every rank's state dict after every step, per segment."""
     config = FitConfig(scaling=ScalingConfig(num_workers=4, min_workers=1),
                        collective=CollectiveConfig(overlap=overlap, bucket_bytes=1024,
                                                    first_bucket_bytes=1024),
-                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False,
+                                         exact=exact),
                        run_dir=str(tmp_path), max_steps=100, seed=SEED)
     building = _SerialReplica.compute_lock  # models are built under the process-wide seed too
     state: bytes | None = None
@@ -152,7 +153,8 @@ def test_a_step_that_fails_in_its_reduce_leaves_every_buffer_as_it_was(tmp_path)
     """The reduce raises out of the step; the BatchNorm statistics and other buffers must not
     keep any of it (a peer restore would spread them)."""
     config = FitConfig(scaling=ScalingConfig(num_workers=1), max_steps=2, seed=SEED,
-                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False,
+                                         exact=exact),
                        run_dir=str(tmp_path))
     replica = Replica(fidelity.cnn_job(), config, str(tmp_path))
     replica.model.register_buffer("seen", torch.zeros(1))

@@ -1,0 +1,218 @@
+"""Exact mode (`batch.exact`): sums over a step's groups whose bits do not depend on where each
+group ran, so a run ends with the very same weights for any shares, world size and failure
+schedule, and as a single process running the groups in order.
+
+What a step sums over its groups is a list of *slots*: the gradient of each parameter, the loss,
+the `LossSum` count, and each BatchNorm layer's running-statistic terms. Every slot t has an
+exponent e_t, part of the committed state. One group's value x of slot t (a float tensor) is
+rounded to integers
+
+    q = round(float64(x) * 2**-e_t)            (ties to even)
+
+which are summed exactly: in int64 on the rank over its groups, then by the allreduce. Integer
+addition does not depend on the order, so the step's sum, `float64(sum q) * 2**e_t` cast to
+the slot's dtype, is the same bits wherever the groups ran. With n groups in a step, a group's
+integers must stay below 2**bits, `bits = 62 - ceil(log2 n)`, so that n of them sum below
+2**62.
+
+Exponents (public, so that a plain loop can replay a run; `tests/fidelity.py` does):
+
+- at the start, e_t = HEADROOM - bits: values below 2**HEADROOM fit;
+- after every applied step, with S_t the sum over the step's groups of max |q| (exact, also
+  summed in int64): if S_t > 0, e_t += bitlen(S_t) + HEADROOM - bits, so the next step fits
+  values up to 2**HEADROOM times this step's largest, at a resolution of about 2**-(bits -
+  HEADROOM - log2 n) of it (about 2**-42 for 64 groups: finer than a float32);
+- a group whose max |q| reaches 2**bits cannot be summed: it adds 2**c_t to slot t's overflow
+  (c_t = min(frexp exponent of its max |q| - bits, bits)); a rank with such a group votes to
+  redo the step, every rank sets e_t += bitlen(summed overflow) - 1 and runs the step again
+  (the overflow is a sum over groups too, so the redo does not depend on the split either).
+
+A skipped step (non-finite values under the policy 'skip') leaves the exponents alone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+HEADROOM = 8
+# Exponents stay where 2.0 ** -e is a finite float64.
+_LOWEST, _HIGHEST = -1000, 1000
+
+
+def value_bits(groups: int) -> int:
+    """How many bits one group's integers may use in a step of `groups` groups."""
+    return 62 - max(1, (groups - 1).bit_length())
+
+
+def initial_exponent(groups: int) -> int:
+    """Every slot's exponent at the start of a run."""
+    return HEADROOM - value_bits(groups)
+
+
+def next_exponent(exponent: int, max_sum: int, groups: int) -> int:
+    """A slot's exponent after an applied step whose groups' max |q| sum to `max_sum`."""
+    if max_sum <= 0:
+        return exponent
+    return _clamp(exponent + max_sum.bit_length() + HEADROOM - value_bits(groups))
+
+
+def overflow_bits(max_q: float, groups: int) -> int:
+    """c for a group whose largest |q| is `max_q` (at least 2**bits)."""
+    bits = value_bits(groups)
+    return min(math.frexp(max_q)[1] - bits, bits)
+
+
+def rescaled_exponent(exponent: int, overflow: int) -> int:
+    """A slot's exponent for the redo of a step whose groups' 2**c sum to `overflow`."""
+    return _clamp(exponent + overflow.bit_length() - 1) if overflow > 0 else exponent
+
+
+def _clamp(exponent: int) -> int:
+    return max(_LOWEST, min(_HIGHEST, exponent))
+
+
+def environment() -> dict[str, Any]:
+    """What exactness assumes of this process: the same group on the same inputs gives the same
+    bits only with the same torch build, intra-op threads, CPU features and device."""
+    device = (torch.cuda.get_device_name(torch.cuda.current_device())
+              if torch.cuda.is_available() else "cpu")
+    return {"torch": str(torch.__version__), "threads": torch.get_num_threads(),
+            "cpu": str(torch.backends.cpu.get_cpu_capability()), "machine": platform.machine(),
+            "device": device}
+
+
+def make_deterministic(threads: int) -> None:
+    """Fixes this process's torch for exact mode: `threads` intra-op threads and deterministic
+    kernels wherever the backend has a choice (an operation without one raises, naming it)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA's first GEMM
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+
+
+class ExactSum:
+    """The exact sums of one replica's steps.
+
+    Per attempt of a step: `begin`, `add` for every group's value of every slot, `payload` (this
+    rank's integers, summed over ranks by one allreduce), `finish` with the summed payload,
+    `value` per slot; then `advance` (applied), `rescale` (a redo) or nothing (voted down or
+    skipped).
+
+    Args:
+        sizes: the number of elements of each slot.
+        groups: groups per step (the global batch over the group size).
+    """
+
+    def __init__(self, sizes: Sequence[int], groups: int) -> None:
+        self.sizes = list(sizes)
+        self.offsets = [0]
+        for n in self.sizes:
+            self.offsets.append(self.offsets[-1] + n)
+        self.groups = groups
+        self.bits = value_bits(groups)
+        self._limit = float(1 << self.bits)
+        self.exponents = [initial_exponent(groups)] * len(self.sizes)
+        self.nonfinite = False
+        self.overflowed = False
+        self._values = torch.zeros(0, dtype=torch.int64)
+        self._max_sums = [0] * len(self.sizes)
+        self._overflow = [0] * len(self.sizes)
+        self._summed: torch.Tensor | None = None
+
+    @property
+    def slots(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def payload_length(self) -> int:
+        """Integers this rank sends per step: the values, then per slot the sum of max |q| and
+        the overflow."""
+        return self.offsets[-1] + 2 * self.slots
+
+    def begin(self) -> None:
+        """Before the compute of one attempt of a step."""
+        self._values = torch.zeros(self.offsets[-1], dtype=torch.int64)
+        self._max_sums = [0] * self.slots
+        self._overflow = [0] * self.slots
+        self.nonfinite = self.overflowed = False
+        self._summed = None
+
+    def add(self, slot: int, value: torch.Tensor) -> None:
+        """Adds one group's `value` of `slot` (any float tensor of the slot's size; on any
+        device). A non-finite value sets `nonfinite`; one too large for the slot's exponent
+        sets `overflowed` and is left out."""
+        x = value.detach().reshape(-1)
+        if x.numel() != self.sizes[slot]:
+            raise ValueError(f"slot {slot} holds {self.sizes[slot]} values, got {x.numel()}")
+        if x.numel() == 0:
+            return
+        largest = float(x.abs().max())
+        if not math.isfinite(largest):
+            self.nonfinite = True
+            return
+        exponent = self.exponents[slot]
+        max_q = round(math.ldexp(largest, -exponent))  # round() ties to even, like torch.round
+        if max_q >= self._limit:
+            self.overflowed = True
+            self._overflow[slot] += 1 << overflow_bits(float(max_q), self.groups)
+            return
+        if max_q == 0:
+            return
+        q = torch.round(x.to(torch.float64) * (2.0 ** -exponent)).to(torch.int64)
+        self._values[self.offsets[slot] : self.offsets[slot + 1]].add_(q.cpu())
+        self._max_sums[slot] += int(max_q)
+
+    def payload(self, zero: bool) -> torch.Tensor:
+        """This rank's integers for the allreduce; values and sums zeroed when `zero` (the rank
+        voted the step down), the overflow always kept."""
+        values = torch.zeros_like(self._values) if zero else self._values
+        sums = torch.tensor([0] * self.slots if zero else self._max_sums, dtype=torch.int64)
+        return torch.cat([values, sums, torch.tensor(self._overflow, dtype=torch.int64)])
+
+    def finish(self, summed: torch.Tensor) -> None:
+        """Takes the payload summed over ranks."""
+        if summed.numel() != self.payload_length:
+            raise ValueError(f"a summed payload of {summed.numel()} integers; expected "
+                             f"{self.payload_length}")
+        self._summed = summed
+
+    def value(self, slot: int) -> torch.Tensor:
+        """The step's exact sum of `slot` over every group, float64 (flat)."""
+        assert self._summed is not None, "finish() first"
+        ints = self._summed[self.offsets[slot] : self.offsets[slot + 1]]
+        return ints.to(torch.float64) * (2.0 ** self.exponents[slot])
+
+    def scalar(self, slot: int) -> float:
+        return float(self.value(slot)[0])
+
+    def _tail(self, k: int) -> list[int]:
+        assert self._summed is not None, "finish() first"
+        start = self.offsets[-1] + k * self.slots
+        return [int(v) for v in self._summed[start : start + self.slots].tolist()]
+
+    def advance(self) -> None:
+        """After an applied step: every exponent follows the step's largest values."""
+        self.exponents = [next_exponent(e, s, self.groups)
+                          for e, s in zip(self.exponents, self._tail(0), strict=True)]
+
+    def rescale(self) -> None:
+        """Before the redo of a step some group's values did not fit."""
+        self.exponents = [rescaled_exponent(e, o)
+                          for e, o in zip(self.exponents, self._tail(1), strict=True)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"exponents": list(self.exponents), "groups": self.groups,
+                "environment": environment()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        exponents = [int(e) for e in state["exponents"]]
+        if len(exponents) != self.slots or int(state["groups"]) != self.groups:
+            raise ValueError(
+                f"the exact-mode state has {len(exponents)} slots for {state['groups']} groups "
+                f"per step; this model and batch have {self.slots} for {self.groups}")
+        self.exponents = exponents
