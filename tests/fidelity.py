@@ -105,6 +105,25 @@ def dropout_job() -> TrainJob:
     return TrainJob(model=dropout_mlp, optimizer=sgd, loss=mse, dataset=regression)
 
 
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def mlp_job(loss_scale: float = 1.0) -> TrainJob:
+    """A plain MLP (no BatchNorm, no dropout); `loss_scale` multiplies the loss (a large one
+    makes exact mode widen its scale)."""
+    if loss_scale == 1.0:
+        return TrainJob(model=mlp, optimizer=sgd, loss=mse, dataset=regression)
+
+    def loss(model: nn.Module, batch) -> torch.Tensor:
+        return mse(model, batch) * loss_scale
+
+    def optimizer(params) -> torch.optim.Optimizer:  # the same steps as `sgd` on the mse
+        return torch.optim.SGD(params, lr=0.1 / loss_scale, momentum=0.9)
+
+    return TrainJob(model=mlp, optimizer=optimizer, loss=loss, dataset=regression)
+
+
 # --- BatchNorm under activation checkpointing (the layers run again in backward) -----------
 
 
@@ -221,12 +240,12 @@ def exact_reference(job: TrainJob, seed: int, global_batch: int, group: int,
             torch.manual_seed(forward_seed(seed, step, j * group))
             batch = default_collate([data[int(i)] for i in idx[j * group : (j + 1) * group]])
             with torch.no_grad():
-                for m, (_, _, tracked) in zip(norms, before):
+                for m, (_, _, tracked) in zip(norms, before, strict=True):
                     m.running_mean.zero_()
                     m.running_var.zero_()
                     m.num_batches_tracked.fill_(tracked + j)
             out = job.loss(model, batch)
-            for i, (m, (_, _, tracked)) in enumerate(zip(norms, before)):
+            for i, (m, (_, _, tracked)) in enumerate(zip(norms, before, strict=True)):
                 weight = ((1.0 - m.momentum) ** (groups - j - 1) if m.momentum is not None
                           else (tracked + j + 1) / (tracked + groups))
                 values[len(params) + 2 + 2 * i].append(m.running_mean.to(torch.float64) * weight)
@@ -254,7 +273,7 @@ def exact_reference(job: TrainJob, seed: int, global_batch: int, group: int,
             if count is not None:
                 p.grad.div_(count)
         with torch.no_grad():
-            for i, (m, (mean, var, tracked)) in enumerate(zip(norms, before)):
+            for i, (m, (mean, var, tracked)) in enumerate(zip(norms, before, strict=True)):
                 keep = ((1.0 - m.momentum) ** groups if m.momentum is not None
                         else tracked / (tracked + groups))
                 m.running_mean.copy_((mean.to(torch.float64) * keep
@@ -265,5 +284,5 @@ def exact_reference(job: TrainJob, seed: int, global_batch: int, group: int,
         opt.step()
         opt.zero_grad(set_to_none=True)
         exponents = [e + top.bit_length() + HEADROOM - bits if top else e
-                     for e, top in zip(exponents, largest)]
+                     for e, top in zip(exponents, largest, strict=True)]
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

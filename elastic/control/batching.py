@@ -221,7 +221,8 @@ class Batching:
                         data_s=data_s, forward_backward_s=compute_s, comm_s=comm_s,
                         optimizer_s=optimizer_s,
                         timeline=[[round(x, 6) for x in ranks[r].timeline] if r in ranks else None
-                                  for r in world])
+                                  for r in world],
+                        **({"rescaled": first.rescaled} if first.rescaled else {}))
         skipped = sorted({r for rec in records for r in rec.skipped_ranks})
         if skipped:
             self.log.emit(Nonfinite(step=step, ranks=skipped, policy="skip"))

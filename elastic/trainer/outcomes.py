@@ -27,6 +27,7 @@ class StepRecord:
     # (wall-clock start, data, forward+backward, communication, optimizer) in seconds: the
     # step timeline (communication is the exposed part: nothing overlaps it).
     timeline: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+    rescaled: int = 0  # exact mode: redos of the step at a wider fixed-point scale
 
 
 @dataclass(frozen=True)

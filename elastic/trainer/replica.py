@@ -313,7 +313,7 @@ class Replica:
             CollectiveError: the reduce failed or was aborted; the step is not applied here.
         """
         context = self._begin(plan, chaos, lr_factor)
-        for _ in range(_MAX_RESCALES + 1):
+        for rescaled in range(_MAX_RESCALES + 1):  # noqa: B007 (read after the loop)
             computed = self._compute(context)
             try:
                 reduced = self._reduce(context, computed)
@@ -334,7 +334,8 @@ class Replica:
             raise ConfigError(f"batch.exact: step {context.step}'s values still did not fit the "
                               f"fixed-point scale after {_MAX_RESCALES} rescales")
         if isinstance(outcome, Commit):
-            return self._apply(context, computed, reduced, outcome)
+            record = self._apply(context, computed, reduced, outcome)
+            return replace(record, rescaled=rescaled) if rescaled else record
         self.buffers.rollback()
         self._drop_grads()
         self._enter("idle")
@@ -368,28 +369,25 @@ class Replica:
         return context
 
     def _compute(self, context: StepContext) -> Computed:
-        """The compute phase: forward and backward over the micro-batches of this rank's
-        share (one group each with `batch.groups` on), each micro-batch's mean loss scaled by
-        `len/B` (a `LossSum` total is backpropagated as is and its count summed). Before each
-        one's data is loaded, the random-number generators are seeded from (seed, step,
-        position of its first sample in the global batch), never from the rank.
+        """The compute phase: forward/backward over the micro-batches of this rank's share
+        (one group each with groups on), a mean loss scaled by `len/B`, a `LossSum` total as
+        is (its count summed); the generators seeded from (seed, step, position of the first
+        sample in the global batch) before each one's data is loaded, never from the rank.
 
         Guarantees: an exception from user code (data, loss, backward) or an out-of-memory
-        error is latched into the vote with its traceback and never raised, so this rank
-        still joins the reduce. With the vote OK, every gradient is this rank's part of the
-        gradient of the global batch's mean loss. Chaos faults of the phases data, forward and
-        backward fire here.
+        error is latched into the vote with its traceback, never raised, so this rank still
+        joins the reduce. With the vote OK, the gradients are this rank's part of the global
+        batch's (in exact mode, each group's went into the exact sums instead). Chaos faults
+        of the phases data, forward and backward fire here.
         """
         plan, chaos, started = context.plan, context.chaos, context.started
         pieces = plan.pieces(context.rank)
         buckets = self._buckets
         loss_sum = data_s = count = 0.0
         form = LossForm.NONE
-        error: str | None = None
-        vote = Vote.OK
-        exact = self.exact
+        error, vote, exact = None, Vote.OK, self.exact
         if exact is not None:
-            exact.begin()
+            exact.begin()  # each attempt of the step sums afresh
         try:
             self._enter("data")
             self._chaos(chaos, "data", started)
@@ -410,9 +408,7 @@ class Replica:
                 self.buffers.after_piece(piece)
                 count += items
                 if exact is not None:
-                    exact.add(self._loss_slot, loss.detach().reshape(1))
-                    if form == LossForm.SUM:
-                        exact.add(self._loss_slot + 1, torch.tensor([items], dtype=torch.float64))
+                    self._sum_loss(exact, loss, items, form)
                 self._enter("backward")
                 self._chaos(chaos, "backward", started)
                 if buckets is not None:  # gradients are complete in the last backward pass
@@ -420,11 +416,8 @@ class Replica:
                 loss.backward()
                 loss_sum += float(loss.detach())
                 del loss
-                if exact is not None:  # each group's gradient summed on its own
-                    for slot, p in enumerate(self._params):
-                        if p.grad is not None:
-                            exact.add(slot, p.grad)
-                            p.grad = None
+                if exact is not None:
+                    self._sum_grads(exact)
             self._stretch(context.step, started)
         except torch.OutOfMemoryError:
             error, vote = traceback.format_exc(), Vote.OUT_OF_MEMORY
@@ -434,6 +427,21 @@ class Replica:
             error, vote = traceback.format_exc(), Vote.USER_ERROR
         return Computed(loss_sum=loss_sum, count=count, form=form, vote=vote, error=error, data_s=data_s,
                         compute_s=time.perf_counter() - started)
+
+    def _sum_loss(self, exact: ExactSum, loss: torch.Tensor, items: float,
+                  form: LossForm) -> None:
+        """Exact mode: one group's loss (and `LossSum` count) into the exact sums."""
+        exact.add(self._loss_slot, loss.detach().reshape(1))
+        if form == LossForm.SUM:
+            exact.add(self._loss_slot + 1, torch.tensor([items], dtype=torch.float64))
+
+    def _sum_grads(self, exact: ExactSum) -> None:
+        """Exact mode: one group's gradient into the exact sums, each group's on its own (the
+        next backward starts from no gradient)."""
+        for slot, p in enumerate(self._params):
+            if p.grad is not None:
+                exact.add(slot, p.grad)
+                p.grad = None
 
     def _reduce(self, context: StepContext, computed: Computed) -> Reduced:
         """The reduce phase: gradients and metadata summed over ranks, in the buckets the

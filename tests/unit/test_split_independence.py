@@ -153,8 +153,7 @@ def test_a_step_that_fails_in_its_reduce_leaves_every_buffer_as_it_was(tmp_path)
     """The reduce raises out of the step; the BatchNorm statistics and other buffers must not
     keep any of it (a peer restore would spread them)."""
     config = FitConfig(scaling=ScalingConfig(num_workers=1), max_steps=2, seed=SEED,
-                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False,
-                                         exact=exact),
+                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
                        run_dir=str(tmp_path))
     replica = Replica(fidelity.cnn_job(), config, str(tmp_path))
     replica.model.register_buffer("seen", torch.zeros(1))
