@@ -299,3 +299,41 @@ def bench_decisions(
                       f"{r.decision_ms_per_step:.3f}", f"{r.decision_ms_per_chunk:.3f}")
     console.print(table)
     save_json(json_path, [r.to_json() for r in rows])
+
+
+@app.command("exact")
+def bench_exact(
+    models: Annotated[str, typer.Option(help="mlp, cnn or both, comma-separated.")] = "mlp,cnn",
+    workers: Annotated[str, typer.Option(help="World sizes, comma-separated.")] = "2,4",
+    steps: Annotated[int, typer.Option(help="Steps of each run.")] = 30,
+    batch: Annotated[int, typer.Option(help="Global batch size.")] = 256,
+    rounds: Annotated[int, typer.Option(
+        help="Runs of each mode, alternating; the ratio is the median of the per-round ratios.")] = 1,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Exact mode (batch.exact) against the default: step time and bytes per step."""
+    from elastic.bench.exact import run_exact_bench
+
+    try:
+        r = run_exact_bench([m.strip() for m in models.split(",") if m.strip()],
+                            [int(w) for w in workers.split(",") if w.strip()], steps, batch,
+                            rounds=rounds)
+    except (ValueError, ElasticError) as e:
+        raise fail(one_line(e)) from None
+    table = Table(title=f"exact mode against the default, global batch {batch} in groups of "
+                        f"{r.group_size}")
+    for column in ("model", "workers", "default step ms", "exact step ms", "ratio",
+                   "default comm ms", "exact comm ms", "default KB/step", "exact KB/step"):
+        table.add_column(column, justify="right")
+    for row in r.rows:
+        table.add_row(row.model, str(row.workers), f"{row.default_step_median_s * 1e3:.1f}",
+                      f"{row.exact_step_median_s * 1e3:.1f}", f"{row.ratio:.2f}x",
+                      f"{row.default_comm_median_s * 1e3:.1f}",
+                      f"{row.exact_comm_median_s * 1e3:.1f}",
+                      f"{row.default_bytes_per_step / 1024:,.0f}",
+                      f"{row.exact_bytes_per_step / 1024:,.0f}")
+    console.print(table)
+    for model, same in r.bit_identical.items():
+        console.print(f"{model}: exact runs at workers {workers} ended with "
+                      f"{'the same weight bits' if same else 'DIFFERENT weights (a bug)'}")
+    save_json(json_path, r.to_json())

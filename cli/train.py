@@ -44,6 +44,8 @@ def _prepare(options: dict[str, Any]) -> tuple[elastic.FitConfig, elastic.TrainJ
             _set(tree, dotted, value)
         if options["ledger"]:
             tree["ledger"] = True
+        if options["exact"]:
+            tree.setdefault("batch", {})["exact"] = True
         chaos = list(tree.get("chaos", []))
         for item in options["kill_at"] or []:
             step, sep, rank = item.partition(":")
@@ -82,6 +84,8 @@ def _training_options(
     algorithm: Annotated[str | None, typer.Option(help="ring, tree, halving_doubling, native.")] = None,
     kill_at: Annotated[list[str] | None, typer.Option(help="Chaos: kill RANK at STEP (STEP:RANK).")] = None,
     ledger: Annotated[bool, typer.Option(help="Record the indices of every step.")] = False,
+    exact: Annotated[bool, typer.Option(
+        help="Exact mode: the same weight bits for any failures, resizes and world size.")] = False,
     config: Annotated[pathlib.Path | None, typer.Option(help="TOML or YAML FitConfig file.")] = None,
     address: Annotated[str | None, typer.Option(
         help="Ray cluster address (default: RAY_ADDRESS; `run` starts a local cluster if there "

@@ -191,9 +191,9 @@ HEADROOM = 8
 def _fixed_point_sum(values: list[torch.Tensor], exponent: int, groups: int) -> tuple[torch.Tensor, int, int]:
     """Exact mode's sum of one slot over a step's groups, from the README's rules: each group's
     values rounded to integers at 2**exponent (widened while a group's do not fit in
-    bits = 62 - ceil(log2 groups)), summed exactly. Returns the float64 sum, the exponent used
-    and the sum over groups of each one's largest integer."""
-    bits = 62 - max(1, (groups - 1).bit_length())
+    bits = 52 - ceil(log2 groups)), summed exactly (here in int64). Returns the float64 sum,
+    the exponent used and the sum over groups of each one's largest integer."""
+    bits = 52 - max(1, (groups - 1).bit_length())
     while True:
         ints, largest, overflow = [], 0, 0
         for v in values:
@@ -222,7 +222,7 @@ def exact_reference(job: TrainJob, seed: int, global_batch: int, group: int,
     n = len(data)
     per_epoch = n // global_batch
     groups = global_batch // group
-    bits = 62 - max(1, (groups - 1).bit_length())
+    bits = 52 - max(1, (groups - 1).bit_length())
     params = [p for p in model.parameters() if p.requires_grad]
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     slots = len(params) + 2 + 2 * len(norms)

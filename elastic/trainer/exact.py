@@ -9,19 +9,20 @@ rounded to integers
 
     q = round(float64(x) * 2**-e_t)            (ties to even)
 
-which are summed exactly: in int64 on the rank over its groups, then by the allreduce. Integer
-addition does not depend on the order, so the step's sum, `float64(sum q) * 2**e_t` cast to
-the slot's dtype, is the same bits wherever the groups ran. With n groups in a step, a group's
-integers must stay below 2**bits, `bits = 62 - ceil(log2 n)`, so that n of them sum below
-2**62.
+which are summed exactly: on the rank over its groups, then by the allreduce. The integers
+travel as float64, whose sums of integers are exact while every partial sum stays below 2**53:
+with n groups in a step a group's integers stay below 2**bits, `bits = 52 - ceil(log2 n)`, so
+that n of them sum below 2**52. Exact integer addition does not depend on the order, so the
+step's sum, `(sum q) * 2**e_t` (float64) cast to the slot's dtype, is the same bits wherever
+the groups ran.
 
 Exponents (public, so that a plain loop can replay a run; `tests/fidelity.py` does):
 
 - at the start, e_t = HEADROOM - bits: values below 2**HEADROOM fit;
 - after every applied step, with S_t the sum over the step's groups of max |q| (exact, also
-  summed in int64): if S_t > 0, e_t += bitlen(S_t) + HEADROOM - bits, so the next step fits
+  summed exactly): if S_t > 0, e_t += bitlen(S_t) + HEADROOM - bits, so the next step fits
   values up to 2**HEADROOM times this step's largest, at a resolution of about 2**-(bits -
-  HEADROOM - log2 n) of it (about 2**-42 for 64 groups: finer than a float32);
+  HEADROOM - log2 n) of it (about 2**-32 for 64 groups: finer than a float32);
 - a group whose max |q| reaches 2**bits cannot be summed: it adds 2**c_t to slot t's overflow
   (c_t = min(frexp exponent of its max |q| - bits, bits)); a rank with such a group votes to
   redo the step, every rank sets e_t += bitlen(summed overflow) - 1 and runs the step again
@@ -47,7 +48,7 @@ _LOWEST, _HIGHEST = -1000, 1000
 
 def value_bits(groups: int) -> int:
     """How many bits one group's integers may use in a step of `groups` groups."""
-    return 62 - max(1, (groups - 1).bit_length())
+    return 52 - max(1, (groups - 1).bit_length())
 
 
 def initial_exponent(groups: int) -> int:
@@ -99,9 +100,9 @@ class ExactSum:
     """The exact sums of one replica's steps.
 
     Per attempt of a step: `begin`, `add` for every group's value of every slot, `payload` (this
-    rank's integers, summed over ranks by one allreduce), `finish` with the summed payload,
-    `value` per slot; then `advance` (applied), `rescale` (a redo) or nothing (voted down or
-    skipped).
+    rank's integers and the step's metadata in one float64 buffer, summed over ranks by one
+    allreduce), `finish` with the summed buffer, `value` per slot; then `advance` (applied),
+    `rescale` (a redo) or nothing (voted down or skipped).
 
     Args:
         sizes: the number of elements of each slot.
@@ -119,7 +120,8 @@ class ExactSum:
         self.exponents = [initial_exponent(groups)] * len(self.sizes)
         self.nonfinite = False
         self.overflowed = False
-        self._values = torch.zeros(0, dtype=torch.int64)
+        self._buffer = torch.zeros(0, dtype=torch.float64)
+        self._scratch = torch.empty(max(self.sizes, default=0), dtype=torch.float32)
         self._max_sums = [0] * len(self.sizes)
         self._overflow = [0] * len(self.sizes)
         self._summed: torch.Tensor | None = None
@@ -130,13 +132,17 @@ class ExactSum:
 
     @property
     def payload_length(self) -> int:
-        """Integers this rank sends per step: the values, then per slot the sum of max |q| and
-        the overflow."""
+        """Integers this rank sends per step before the metadata: the values, then per slot the
+        sum of max |q| and the overflow."""
         return self.offsets[-1] + 2 * self.slots
 
-    def begin(self) -> None:
-        """Before the compute of one attempt of a step."""
-        self._values = torch.zeros(self.offsets[-1], dtype=torch.int64)
+    def begin(self, extra: int = 0) -> None:
+        """Before the compute of one attempt of a step whose metadata has `extra` values."""
+        length = self.payload_length + extra
+        if self._buffer.numel() != length:
+            self._buffer = torch.zeros(length, dtype=torch.float64)
+        else:
+            self._buffer[: self.offsets[-1]].zero_()
         self._max_sums = [0] * self.slots
         self._overflow = [0] * self.slots
         self.nonfinite = self.overflowed = False
@@ -151,7 +157,10 @@ class ExactSum:
             raise ValueError(f"slot {slot} holds {self.sizes[slot]} values, got {x.numel()}")
         if x.numel() == 0:
             return
-        largest = float(x.abs().max())
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.float()  # 16-bit floats: scaled values could overflow their range
+        low, high = (float(v) for v in torch.aminmax(x))
+        largest = math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
         if not math.isfinite(largest):
             self.nonfinite = True
             return
@@ -163,21 +172,39 @@ class ExactSum:
             return
         if max_q == 0:
             return
-        q = torch.round(x.to(torch.float64) * (2.0 ** -exponent)).to(torch.int64)
-        self._values[self.offsets[slot] : self.offsets[slot + 1]].add_(q.cpu())
+        x = x.cpu()
+        if x.dtype == torch.float32 and not -127 <= exponent <= 126:
+            x = x.to(torch.float64)  # 2**-exponent is not a float32
+        # A power-of-two scaling is exact in x's own dtype (a value it pushes below the normal
+        # range rounds to 0 either way), so this equals the float64 rule.
+        q = (torch.mul(x, 2.0 ** -exponent, out=self._scratch[: x.numel()])
+             if x.dtype == torch.float32 else x * (2.0 ** -exponent))
+        q.round_()
+        self._buffer[self.offsets[slot] : self.offsets[slot + 1]].add_(q)
         self._max_sums[slot] += int(max_q)
 
-    def payload(self, zero: bool) -> torch.Tensor:
-        """This rank's integers for the allreduce; values and sums zeroed when `zero` (the rank
-        voted the step down), the overflow always kept."""
-        values = torch.zeros_like(self._values) if zero else self._values
-        sums = torch.tensor([0] * self.slots if zero else self._max_sums, dtype=torch.int64)
-        return torch.cat([values, sums, torch.tensor(self._overflow, dtype=torch.int64)])
+    def payload(self, zero: bool, meta: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's buffer for the allreduce, with `meta` (float64, of the `extra` length
+        `begin` was given) at its end; values and sums zeroed when `zero` (the rank voted the
+        step down), the overflow always kept."""
+        end = self.offsets[-1]
+        if zero:
+            self._buffer[:end].zero_()
+        tail = self._buffer[end : end + 2 * self.slots]
+        tail.copy_(torch.tensor(([0] * self.slots if zero else self._max_sums) + self._overflow,
+                                dtype=torch.float64))
+        rest = self._buffer[self.payload_length :]
+        if (0 if meta is None else meta.numel()) != rest.numel():
+            raise ValueError(f"metadata of {0 if meta is None else meta.numel()} values; begin() "
+                             f"was told {rest.numel()}")
+        if meta is not None:
+            rest.copy_(meta)
+        return self._buffer
 
     def finish(self, summed: torch.Tensor) -> None:
-        """Takes the payload summed over ranks."""
-        if summed.numel() != self.payload_length:
-            raise ValueError(f"a summed payload of {summed.numel()} integers; expected "
+        """Takes the buffer summed over ranks (the payload part of it, or all of it)."""
+        if summed.numel() < self.payload_length:
+            raise ValueError(f"a summed payload of {summed.numel()} values; expected at least "
                              f"{self.payload_length}")
         self._summed = summed
 
@@ -185,7 +212,7 @@ class ExactSum:
         """The step's exact sum of `slot` over every group, float64 (flat)."""
         assert self._summed is not None, "finish() first"
         ints = self._summed[self.offsets[slot] : self.offsets[slot + 1]]
-        return ints.to(torch.float64) * (2.0 ** self.exponents[slot])
+        return ints * (2.0 ** self.exponents[slot])
 
     def scalar(self, slot: int) -> float:
         return float(self.value(slot)[0])

@@ -387,7 +387,7 @@ class Replica:
         form = LossForm.NONE
         error, vote, exact = None, Vote.OK, self.exact
         if exact is not None:
-            exact.begin()  # each attempt of the step sums afresh
+            exact.begin(context.meta_len)  # each attempt of the step sums afresh
         try:
             self._enter("data")
             self._chaos(chaos, "data", started)
@@ -480,9 +480,9 @@ class Replica:
 
     def _reduce_exact(self, context: StepContext, computed: Computed,
                       comm_start: float) -> Reduced:
-        """Exact mode's reduce: this rank's integers and the metadata (integers there: votes,
-        forms, flags, the ledger) in one int64 allreduce; the loss and count from the exact
-        sums."""
+        """Exact mode's reduce: this rank's integers and the metadata (integers there too:
+        votes, forms, flags, the ledger) in one float64 allreduce, exact for integers; the
+        loss and count from the exact sums."""
         exact = self.exact
         assert exact is not None
         vote = computed.vote
@@ -491,12 +491,10 @@ class Replica:
         elif vote == Vote.OK and exact.nonfinite:
             vote = Vote.NONFINITE
         meta = pack_meta(context, 0.0, vote, 0.0, computed.form, self.buffers.section())
-        payload = exact.payload(zero=vote not in (Vote.OK, Vote.RESCALE))
-        joined = torch.cat([payload, meta.to(torch.int64)])
+        joined = exact.payload(zero=vote not in (Vote.OK, Vote.RESCALE), meta=meta)
         context.comm.allreduce(joined)
-        n = payload.numel()
-        exact.finish(joined[:n])
-        reduced = Reduced.unpack(joined[n:].to(torch.float64), context, None,
+        exact.finish(joined)
+        reduced = Reduced.unpack(joined[exact.payload_length :], context, None,
                                  time.perf_counter() - comm_start)
         total, count = exact.scalar(self._loss_slot), exact.scalar(self._loss_slot + 1)
         loss = total / count if LossForm.SUM in reduced.forms and count > 0 else total
