@@ -41,6 +41,8 @@ TINY = {
     ("bench scaling", "--workers"): "1,2",
     ("bench scaling", "--batch-sizes"): "20,64",
     ("bench decisions", "--members"): "4,16",
+    ("bench exact", "--models"): "mlp",
+    ("bench exact", "--workers"): "1,2",
 }
 # Sizes the README leaves at their defaults, made small.
 EXTRA = {
@@ -49,6 +51,7 @@ EXTRA = {
     "bench overhead": ["--rounds", "1"],
     "bench scaling": ["--steps", "9"],
     "bench decisions": ["--steps", "16"],
+    "bench exact": ["--steps", "8", "--batch", "64"],
     "demo": ["--workers", "2", "--epochs", "2"],
 }
 
@@ -102,7 +105,7 @@ def _flags(argv: list[str]) -> set[str]:
 def test_every_readme_command_has_a_smoke_entry_that_keeps_its_flags(tmp_path):
     kinds = {"run", "start", "list", "logs", "status", "scale", "kill", "stop", "demo", "report",
              "bench allreduce", "bench recovery", "bench checkpoint", "bench control", "bench adapt",
-             "bench overhead", "bench scaling", "bench decisions"}
+             "bench overhead", "bench scaling", "bench decisions", "bench exact"}
     for line in readme_commands():
         argv = shlex.split(line)
         assert argv[0] == "elastic" and _kind(argv) in kinds, f"README command without a smoke entry: {line}"
@@ -172,6 +175,11 @@ def _check(kind: str, output: str, out: pathlib.Path) -> None:
         case "bench decisions":
             assert [p["members"] for p in data] == [4, 16]
             assert all(p["steps"] == 16 and p["decision_ms_per_step"] > 0 for p in data)
+        case "bench exact":
+            assert [(r["model"], r["workers"]) for r in data["rows"]] == [("mlp", 1), ("mlp", 2)]
+            assert data["bit_identical"] == {"mlp": True}
+            assert all(r["exact_bytes_per_step"] > r["default_bytes_per_step"] > 0
+                       for r in data["rows"])
         case "bench scaling":
             assert len(data["points"]) == 4
             assert _png(out / "bench-scaling.png")

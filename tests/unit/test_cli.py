@@ -62,14 +62,15 @@ def test_the_option_surface_is_what_was_reviewed():
         "bench adapt": ["batch", "json_path", "slow_factor", "steps", "workers"],
         "bench control": ["calls", "json_path"],
         "bench decisions": ["json_path", "members", "steps"],
+        "bench exact": ["batch", "json_path", "models", "rounds", "steps", "workers"],
         "bench overhead": ["algorithm", "batch", "json_path", "model", "overlap", "rounds",
                            "steps", "workers"],
         "run": ["address", "algorithm", "backend", "batch_policy", "config", "debug", "epochs",
-                "global_batch",
+                "exact", "global_batch",
                 "kill_at", "ledger", "max_micro_batch", "max_steps", "max_workers", "min_workers",
                 "name", "run_dir", "seed", "target", "workers"],
         "start": ["address", "algorithm", "backend", "batch_policy", "config", "debug", "epochs",
-                  "global_batch",
+                  "exact", "global_batch",
                   "kill_at", "ledger", "max_micro_batch", "max_steps", "max_workers", "min_workers",
                   "name", "run_dir", "seed", "target", "workers"],
         "list": ["live"],
@@ -104,3 +105,18 @@ def test_logs_prints_each_event_kind_and_its_line_and_unknown_kinds_by_name(monk
     assert result.exit_code == 0, result.output
     assert result.output.splitlines() == ["   worker_joined  worker 6 joined",
                                           "from_a_newer_version  from_a_newer_version"]
+
+
+def test_run_exact_turns_exact_mode_on_over_a_config_file(tmp_path):
+    import inspect
+
+    from cli.train import _prepare, _training_options
+
+    options = {name: p.default for name, p in inspect.signature(_training_options).parameters.items()}
+    config_file = tmp_path / "fit.toml"
+    config_file.write_text('max_steps = 3\n[scaling]\nnum_workers = 2\n[batch]\nglobal_batch_size = 8\n')
+    options.update(target="examples/spirals.py:job", config=config_file, exact=True)
+    config, _ = _prepare(options)
+    assert config.batch.exact and config.batch.global_batch_size == 8
+    options["exact"] = False
+    assert not _prepare(options)[0].batch.exact
