@@ -226,10 +226,11 @@ class BatchConfig(_Frozen):
         description="Exact mode: the final weights are bit-identical (torch.equal) for any "
         "failure schedule, resize, rebalance and world size, and to one process running the "
         "same groups, given the same torch build, thread count and hardware type. Turns groups "
-        "on; each group's gradient, loss, count and BatchNorm terms are summed in fixed point "
-        "(int64), so the sum does not depend on the order; kernels are deterministic and the "
-        "threads fixed (scaling.threads_per_worker). Costs int64 gradients on the wire and no "
-        "overlap of communication with the backward pass.",
+        "on; each group's gradient, loss, count and BatchNorm terms are rounded to integers at "
+        "a power-of-two scale and summed exactly, so the sum does not depend on the order; "
+        "kernels are deterministic and the threads fixed (scaling.threads_per_worker). Costs "
+        "8-byte integers on the wire (twice float32) and no overlap of communication with the "
+        "backward pass. CPU workers only for now.",
     )
 
 
@@ -438,4 +439,10 @@ class FitConfig(_Frozen):
                              "'fixed' (with 'scale_with_workers' the batch follows the world size)")
         if self.scaling.use_gpu and self.collective.backend != "nccl":
             raise ValueError("scaling.use_gpu needs collective.backend='nccl'")
+        if batch.exact and self.scaling.use_gpu:
+            raise ValueError("batch.exact runs on CPU workers for now (its integer sums travel "
+                             "through the CPU transport); set scaling.use_gpu=False")
+        if self.collective.backend == "nccl" and not self.scaling.use_gpu:
+            raise ValueError("collective.backend='nccl' needs scaling.use_gpu=True (NCCL moves "
+                             "GPU memory only); use backend 'gloo' for CPU workers")
         return self

@@ -167,6 +167,9 @@ class RayWorkers:
                     dead.append(rank)
                 except RayTaskError as e:
                     if not isinstance(e.cause, CollectiveError):
+                        if isinstance(e.cause, ElasticError):  # ours, typed (a ConfigError)
+                            self._abort_all_but(ids, rank)
+                            raise e.cause from e
                         raise
                     broken.append(f"rank {rank}: {str(e.cause).splitlines()[0]}")
             if not aborted:

@@ -4,10 +4,10 @@ and CNN, against the default at the same world size, in one invocation.
 Both runs forward the same groups of G = B / (largest world size) samples (the default with
 `batch.max_micro_batch = G`), so the difference is only the sum: the default reduces float32
 gradients (one allreduce after the backward pass); exact mode rounds each group's gradient to
-int64 fixed point and reduces integers. Reported per (model, workers): the median in-step time
-of each (the slowest rank per step), their ratio, the exposed communication, the bytes each
-rank puts into the allreduce per step, and whether the exact runs at every world size ended
-with the same weight bits (they must).
+integers at a power-of-two scale and reduces them (as float64, exact for integers). Reported
+per (model, workers): the median in-step time of each (the slowest rank per step), their ratio,
+the exposed communication, the bytes each rank puts into the allreduce per step, and whether
+the exact runs at every world size ended with the same weight bits (they must).
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class ExactBenchResult:
 
 def payload_bytes(model: torch.nn.Module, workers: int, exact: bool) -> int:
     """Bytes one rank puts into the step's allreduce: the default's float32 gradients and
-    metadata (loss, votes, count, forms, buffer flags); exact mode's int64 values (gradients,
-    loss, count), per-slot sums and overflows, and the same metadata as integers."""
+    metadata (loss, votes, count, forms, buffer flags); exact mode's integers as float64
+    (gradients, loss, count), per-slot sums and overflows, and the same metadata."""
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     meta = 2 + 2 * workers + 1  # no BatchNorm layers in these models

@@ -127,8 +127,8 @@ class BufferSync:
                     raise ValueError(
                         f"the forward pass changed buffer {name!r}; with batch.exact every buffer "
                         "must be the same bits for any split, and elastic can make that so for "
-                        "BatchNorm running statistics only. Make it a parameter or a "
-                        "non-persistent value, or set batch.exact=False")
+                        "BatchNorm running statistics only. Keep it as a plain attribute "
+                        "(not a registered buffer), or set batch.exact=False")
         for i, ((name, m), before, (mean, var)) in enumerate(
                 zip(self.norms, self._before, self._sums, strict=True)):
             calls = int(m.num_batches_tracked) - (before.tracked + k)

@@ -11,24 +11,28 @@ rounded to integers
 
 which are summed exactly: on the rank over its groups, then by the allreduce. The integers
 travel as float64, whose sums of integers are exact while every partial sum stays below 2**53:
-with n groups in a step a group's integers stay below 2**bits, `bits = 52 - ceil(log2 n)`, so
-that n of them sum below 2**52. Exact integer addition does not depend on the order, so the
+with n groups in a step a group's integers stay below 2**bits, `bits = 52 - max(1, ceil(log2
+n))`, so that n of them sum below 2**52. Exact integer addition does not depend on the order, so the
 step's sum, `(sum q) * 2**e_t` (float64) cast to the slot's dtype, is the same bits wherever
 the groups ran.
 
 Exponents (public, so that a plain loop can replay a run; `tests/fidelity.py` does):
 
 - at the start, e_t = HEADROOM - bits: values below 2**HEADROOM fit;
-- after every applied step, with S_t the sum over the step's groups of max |q| (exact, also
-  summed exactly): if S_t > 0, e_t += bitlen(S_t) + HEADROOM - bits, so the next step fits
-  values up to 2**HEADROOM times this step's largest, at a resolution of about 2**-(bits -
-  HEADROOM - log2 n) of it (about 2**-32 for 64 groups: finer than a float32);
+- after every applied step, with S_t the sum over the step's groups of max |q| (summed
+  exactly): if S_t > 0, e_t += bitlen(S_t) + HEADROOM - bits, so the next step fits values up
+  to 2**HEADROOM times S_t (at least this step's largest value, at most n times it), at a
+  resolution of 2**-(bits - HEADROOM) of that bound (for 64 groups at least 2**-32 of the
+  largest value: finer than float32 for values near it; values below the resolution round
+  to 0);
 - a group whose max |q| reaches 2**bits cannot be summed: it adds 2**c_t to slot t's overflow
   (c_t = min(frexp exponent of its max |q| - bits, bits)); a rank with such a group votes to
   redo the step, every rank sets e_t += bitlen(summed overflow) - 1 and runs the step again
   (the overflow is a sum over groups too, so the redo does not depend on the split either).
 
-A skipped step (non-finite values under the policy 'skip') leaves the exponents alone.
+Only an applied step moves the exponents for good: a step that is voted down, fails in its
+reduce or is skipped (non-finite values under the policy 'skip') leaves them as they were at
+its start, rescales included (`Replica.run_step` restores them).
 """
 
 from __future__ import annotations
@@ -165,10 +169,14 @@ class ExactSum:
             self.nonfinite = True
             return
         exponent = self.exponents[slot]
-        max_q = round(math.ldexp(largest, -exponent))  # round() ties to even, like torch.round
+        try:
+            max_q = round(math.ldexp(largest, -exponent))  # ties to even, like torch.round
+        except OverflowError:  # beyond float64: as wide a rescale as one redo may take
+            max_q = math.inf
         if max_q >= self._limit:
             self.overflowed = True
-            self._overflow[slot] += 1 << overflow_bits(float(max_q), self.groups)
+            bits = self.bits if max_q == math.inf else overflow_bits(float(max_q), self.groups)
+            self._overflow[slot] += 1 << bits
             return
         if max_q == 0:
             return
@@ -183,13 +191,17 @@ class ExactSum:
         self._buffer[self.offsets[slot] : self.offsets[slot + 1]].add_(q)
         self._max_sums[slot] += int(max_q)
 
-    def payload(self, zero: bool, meta: torch.Tensor | None = None) -> torch.Tensor:
+    def payload(self, zero: bool, meta: torch.Tensor | None = None,
+                keep: Sequence[int] = ()) -> torch.Tensor:
         """This rank's buffer for the allreduce, with `meta` (float64, of the `extra` length
         `begin` was given) at its end; values and sums zeroed when `zero` (the rank voted the
-        step down), the overflow always kept."""
+        step down) except the slots in `keep`; the overflow always kept."""
         end = self.offsets[-1]
         if zero:
+            kept = {k: self._buffer[self.offsets[k] : self.offsets[k + 1]].clone() for k in keep}
             self._buffer[:end].zero_()
+            for k, values in kept.items():
+                self._buffer[self.offsets[k] : self.offsets[k + 1]].copy_(values)
         tail = self._buffer[end : end + 2 * self.slots]
         tail.copy_(torch.tensor(([0] * self.slots if zero else self._max_sums) + self._overflow,
                                 dtype=torch.float64))
@@ -236,10 +248,16 @@ class ExactSum:
         return {"exponents": list(self.exponents), "groups": self.groups,
                 "environment": environment()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        exponents = [int(e) for e in state["exponents"]]
-        if len(exponents) != self.slots or int(state["groups"]) != self.groups:
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raises ValueError, naming what differs, if `state` is not for this model and batch."""
+        slots, groups = len(state["exponents"]), int(state["groups"])
+        if slots != self.slots or groups != self.groups:
             raise ValueError(
-                f"the exact-mode state has {len(exponents)} slots for {state['groups']} groups "
-                f"per step; this model and batch have {self.slots} for {self.groups}")
-        self.exponents = exponents
+                f"the exact-mode state has {slots} slots for {groups} groups per step; this "
+                f"model and batch have {self.slots} for {self.groups} (a different model, or "
+                "batch.global_batch_size / batch.group_size giving another number of groups: "
+                "set batch.group_size to the run's)")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
+        self.exponents = [int(e) for e in state["exponents"]]

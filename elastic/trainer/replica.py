@@ -205,14 +205,20 @@ class Replica:
             self.exact.load_state_dict(state["exact"])
 
     def _check_exact(self, saved: dict[str, Any] | None, origin: str) -> None:
+        assert self.exact is not None
+        if saved is not None:
+            try:
+                self.exact.check_state(saved)
+            except ValueError as e:
+                raise ConfigError(f"batch.exact: {e}") from None
         here = environment()
-        there = saved.get("environment") if saved else None
+        there = (saved or {}).get("environment") or {}
         if there == here:
             return
         ckpt = self.config.checkpoint
         if origin == "checkpoint" and ckpt is not None and ckpt.allow_environment_change:
             return
-        what = ("was written without batch.exact" if saved is None else
+        what = ("was written without batch.exact" if saved is None or not there else
                 "was written under " + ", ".join(f"{k}={there.get(k)!r}" for k in here
                                                   if there.get(k) != here[k])
                 + "; this worker has " + ", ".join(f"{k}={here[k]!r}" for k in here
@@ -313,12 +319,15 @@ class Replica:
             CollectiveError: the reduce failed or was aborted; the step is not applied here.
         """
         context = self._begin(plan, chaos, lr_factor)
+        exponents = list(self.exact.exponents) if self.exact is not None else []
         for rescaled in range(_MAX_RESCALES + 1):  # noqa: B007 (read after the loop)
             computed = self._compute(context)
             try:
                 reduced = self._reduce(context, computed)
             except BaseException:  # nothing of the step may stay in the buffers
                 self.buffers.rollback()
+                if self.exact is not None:
+                    self.exact.exponents = exponents
                 raise
             outcome = verdict(context.step, reduced.votes, self.config.failure.nonfinite,
                               computed.user_traceback, reduced.forms, reduced.count)
@@ -329,10 +338,14 @@ class Replica:
             self.buffers.rollback()
             self.buffers.begin(context.pieces)
             self._drop_grads()
-            context = replace(context, chaos=())  # injected faults fire once
+            # Injected faults fire once: those of the phases already run are dropped.
+            context = replace(context, chaos=tuple(e for e in context.chaos
+                                                   if e.phase == "optimizer"))
         else:
             raise ConfigError(f"batch.exact: step {context.step}'s values still did not fit the "
                               f"fixed-point scale after {_MAX_RESCALES} rescales")
+        if self.exact is not None and not (isinstance(outcome, Commit) and not outcome.skipped):
+            self.exact.exponents = exponents  # only an applied step moves them for good
         if isinstance(outcome, Commit):
             record = self._apply(context, computed, reduced, outcome)
             return replace(record, rescaled=rescaled) if rescaled else record
@@ -491,7 +504,10 @@ class Replica:
         elif vote == Vote.OK and exact.nonfinite:
             vote = Vote.NONFINITE
         meta = pack_meta(context, 0.0, vote, 0.0, computed.form, self.buffers.section())
-        joined = exact.payload(zero=vote not in (Vote.OK, Vote.RESCALE), meta=meta)
+        # The count travels whatever the vote, as in the default reduce: whether a LossSum
+        # step's count is 0 must not depend on which ranks' groups were non-finite.
+        joined = exact.payload(zero=vote not in (Vote.OK, Vote.RESCALE), meta=meta,
+                               keep=(self._loss_slot + 1,))
         context.comm.allreduce(joined)
         exact.finish(joined)
         reduced = Reduced.unpack(joined[exact.payload_length :], context, None,

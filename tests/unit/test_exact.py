@@ -297,3 +297,55 @@ def test_every_slot_of_a_model_is_covered():
     assert replica.exact.sizes == [p.numel() for p in params] + [1, 1, 4, 4, 4, 4]
     assert replica.exact.groups == B // G
     assert list(itertools.accumulate(replica.exact.sizes, initial=0)) == replica.exact.offsets
+
+
+def _poisoned() -> torch.utils.data.TensorDataset:
+    data = fidelity.regression()
+    x, y = data.tensors
+    x = x.clone()
+    x[5] = float("nan")  # its group's loss and gradients are NaN
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _summed_mse(model, batch):
+    from elastic import LossSum
+
+    x, y = batch
+    return LossSum(((model(x) - y) ** 2).sum(), len(x))
+
+
+@pytest.mark.timeout(120)
+def test_a_non_finite_losssum_group_is_skipped_alike_at_any_world_size(tmp_path):
+    """The count travels whatever the vote, so whether the step's count is 0 does not depend
+    on which rank held the NaN group; the skipped step leaves the exponents as they were."""
+    torch.set_num_threads(1)
+    job = fidelity.mlp_job()
+    job = type(job)(model=job.model, optimizer=job.optimizer, loss=_summed_mse, dataset=_poisoned)
+    config = _config(tmp_path).model_copy(update={"checkpoint": None})
+    config = config.model_copy(update={"failure": config.failure.model_copy(
+        update={"nonfinite": "skip"})})
+    finals = []
+    for world in (1, 2):
+        replicas = [_SerialReplica(job, config, str(tmp_path)) for _ in range(world)]
+        skipped = 0
+        for _ in range(4):  # one epoch: the NaN sample comes once
+            before = list(replicas[0].exact.exponents)
+            record = _steps(replicas, plan_batch(B, world, G, unit=G), 1)[0][0]
+            assert isinstance(record, StepRecord)
+            if record.skipped_ranks:
+                skipped += 1
+                assert replicas[0].exact.exponents == before
+        assert skipped == 1
+        finals.append(replicas[0].model.state_dict())
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+
+
+def test_a_state_for_another_number_of_groups_is_refused_before_anything_loads(tmp_path):
+    job = fidelity.mlp_job()
+    replica = Replica(job, _config(tmp_path), str(tmp_path))
+    state = replica.state()
+    other = {**state, "exact": {**state["exact"], "groups": 8},
+             "cursor": {**state["cursor"], "global_step": 7}}
+    with pytest.raises(ConfigError, match=r"batch\.group_size"):
+        replica.load_state(other)
+    assert replica.global_step == 0  # nothing of it was taken
