@@ -112,6 +112,9 @@ def _ddp_worker(rank: int, world: int, store_path: str, model_name: str, batch: 
     if rank == 0:
         slowest = [max(t[i] for t in gathered) for i in range(steps)]
         torch.save({"times": slowest, "ends": ends}, out_path)
+    # Both ranks leave together: a rank tearing its pairs down while the other is still
+    # working made gloo abort the other process (SIGABRT, seen once in CI).
+    dist.barrier()
     dist.destroy_process_group()
 
 

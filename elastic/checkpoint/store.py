@@ -221,7 +221,8 @@ def verify(root: str, step: int, key: bytes | None = None) -> LoadedCheckpoint:
             raise CheckpointCorruptError(f"{directory}/{filename}: checksum mismatch")
         try:
             # weights_only: a checkpoint is data; a pickle that would run code is refused.
-            parts[filename.removesuffix(".pt")] = torch.load(io.BytesIO(data), weights_only=True)
+            parts[filename.removesuffix(".pt")] = torch.load(io.BytesIO(data), weights_only=True,
+                                                              map_location="cpu")
         except Exception as e:
             raise CheckpointCorruptError(
                 f"{directory}/{filename}: refused, not plain tensor data ({type(e).__name__})"

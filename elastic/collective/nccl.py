@@ -11,6 +11,7 @@ Needs `pip install elastic[gpu]` (cupy-cuda12x, nvidia-nccl-cu12) and a CUDA dev
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -80,6 +81,24 @@ def decode_unique_id(data: bytes) -> tuple[int, ...]:
     return tuple(int(x) for x in json.loads(data.decode()))
 
 
+# NCCL result codes by number; CuPy's NcclError knows 0-5 only and raises KeyError for the
+# others (6 is what a dead peer produces).
+NCCL_RESULTS = {1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
+                4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError",
+                7: "ncclInProgress"}
+
+# How often a pending NCCL operation's event is polled while waiting.
+_POLL_S = 0.0002
+
+
+def describe_nccl_error(error: BaseException) -> str:
+    """One line for what CuPy raised from an NCCL call, including the codes it cannot name."""
+    if isinstance(error, KeyError) and error.args and isinstance(error.args[0], int):
+        code = error.args[0]
+        return f"NCCL result {code} ({NCCL_RESULTS.get(code, 'unknown to this version')})"
+    return str(error) or type(error).__name__
+
+
 class _CudaPending:
     """Completion of work enqueued on a stream, plus the communicator's async error."""
 
@@ -90,11 +109,22 @@ class _CudaPending:
     def is_done(self) -> bool:
         return bool(self._event.query()) or self._async_error() is not None
 
+    def wait(self, timeout: float) -> bool:
+        """Polls the event (a CUDA event cannot be waited on with a timeout) and the
+        communicator's async error for up to `timeout` seconds; returns `is_done()`."""
+        deadline = time.monotonic() + timeout
+        while not self.is_done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(left, _POLL_S))
+        return True
+
     def _async_error(self) -> str | None:
         try:
             self._comm.check_async_error()
-        except Exception as e:  # cupy raises NcclError
-            return str(e)
+        except Exception as e:  # cupy raises NcclError, or KeyError for codes it lacks
+            return describe_nccl_error(e)
         return None
 
     def check(self) -> None:

@@ -238,7 +238,8 @@ class Replica:
 
     def load_state_bytes(self, data: bytes) -> None:
         # weights_only: a peer's bytes are data, never code.
-        self.load_state(torch.load(io.BytesIO(data), weights_only=True), origin="peer")
+        self.load_state(torch.load(io.BytesIO(data), weights_only=True, map_location="cpu"),
+                        origin="peer")
 
     def sync_from(self, src: int) -> None:
         """Every rank of the generation calls this; afterwards all hold `src`'s state."""

@@ -23,6 +23,43 @@ def test_every_mapped_dtype_has_a_distinct_nccl_name():
     assert torch.bfloat16 in nccl_backend.NCCL_DTYPES
 
 
+class _Event:
+    def __init__(self, done_after: int) -> None:
+        self.polls, self.done_after = 0, done_after
+
+    def query(self) -> bool:
+        self.polls += 1
+        return self.polls > self.done_after
+
+
+class _Comm:
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+    def check_async_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def test_a_pending_nccl_operation_can_be_waited_on_and_times_out():
+    """`Communicator.wait` calls `wait` whenever an operation is not done at the first poll."""
+    pending = nccl_backend._CudaPending(_Event(done_after=3), _Comm())
+    assert pending.wait(5.0) is True
+    pending.check()
+    never = nccl_backend._CudaPending(_Event(done_after=10**9), _Comm())
+    assert never.wait(0.01) is False
+
+
+@pytest.mark.parametrize(("code", "name"), [(6, "ncclRemoteError"), (7, "ncclInProgress")])
+def test_result_codes_cupy_cannot_name_become_a_collective_error_naming_them(code, name):
+    from elastic.errors import CollectiveError
+
+    pending = nccl_backend._CudaPending(_Event(done_after=10**9), _Comm(KeyError(code)))
+    assert pending.wait(1.0) is True  # an async error ends the wait
+    with pytest.raises(CollectiveError, match=f"NCCL result {code} \\({name}\\)"):
+        pending.check()
+
+
 def test_nccl_dtype_refuses_a_type_nccl_lacks():
     class FakeNccl:
         NCCL_FLOAT32 = 7
