@@ -248,9 +248,16 @@ class ExactSum:
         return {"exponents": list(self.exponents), "groups": self.groups,
                 "environment": environment()}
 
-    def check_state(self, state: dict[str, Any]) -> None:
-        """Raises ValueError, naming what differs, if `state` is not for this model and batch."""
-        slots, groups = len(state["exponents"]), int(state["groups"])
+    def check_state(self, state: Any) -> None:
+        """Raises ValueError, naming what differs, if `state` (from a peer or a checkpoint) is
+        malformed or not for this model and batch."""
+        exponents = state.get("exponents") if isinstance(state, dict) else None
+        groups = state.get("groups") if isinstance(state, dict) else None
+        if not (isinstance(exponents, list) and isinstance(groups, int)
+                and all(isinstance(e, int) and _LOWEST <= e <= _HIGHEST for e in exponents)):
+            raise ValueError("the exact-mode state is malformed (exponents must be integers in "
+                             f"[{_LOWEST}, {_HIGHEST}], groups an integer)")
+        slots = len(exponents)
         if slots != self.slots or groups != self.groups:
             raise ValueError(
                 f"the exact-mode state has {slots} slots for {groups} groups per step; this "
@@ -260,4 +267,4 @@ class ExactSum:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
-        self.exponents = [int(e) for e in state["exponents"]]
+        self.exponents = list(state["exponents"])

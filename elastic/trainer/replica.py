@@ -320,6 +320,10 @@ class Replica:
             CollectiveError: the reduce failed or was aborted; the step is not applied here.
         """
         context = self._begin(plan, chaos, lr_factor)
+        if self.exact is not None and context.pieces != self.exact.groups:
+            # Its integers are sized for that many groups; more would overflow their sums.
+            raise ConfigError(f"batch.exact: a plan of {context.pieces} forward passes for "
+                              f"{self.exact.groups} groups of the global batch")
         exponents = list(self.exact.exponents) if self.exact is not None else []
         for rescaled in range(_MAX_RESCALES + 1):  # noqa: B007 (read after the loop)
             computed = self._compute(context)

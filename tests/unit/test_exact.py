@@ -21,7 +21,7 @@ from elastic.config import CheckpointConfig
 from elastic.errors import ConfigError
 from elastic.trainer import exact as ex
 from elastic.trainer.exact import ExactSum
-from elastic.trainer.replica import Replica, StepRecord, UserFailure
+from elastic.trainer.replica import OutOfMemory, Replica, StepRecord, UserFailure
 from elastic.trainer.step import Rescale, Vote, verdict
 from tests import fidelity
 from tests.threads import run_ranks
@@ -49,9 +49,9 @@ def _groups(n: int, size: int, seed: int) -> list[torch.Tensor]:
 
 
 def _sum_over_ranks(groups: list[torch.Tensor], split: list[list[int]],
-                    exponents: list[int] | None = None) -> ExactSum:
+                    exponents: list[int] | None = None) -> list[ExactSum]:
     """Each inner list of `split` is one rank's groups (in that order); payloads summed as the
-    allreduce would. Returns rank 0's sums (`_ranks` holds every rank's)."""
+    allreduce would. Returns every rank's sums."""
     sums = []
     for mine in split:
         s = ExactSum([groups[0].numel()], len(groups))
@@ -64,8 +64,7 @@ def _sum_over_ranks(groups: list[torch.Tensor], split: list[list[int]],
     total = torch.stack([s.payload(zero=False) for s in sums]).sum(0)
     for s in sums:
         s.finish(total)
-    sums[0]._ranks = sums
-    return sums[0]
+    return sums
 
 
 def _splits(n: int) -> list[list[list[int]]]:
@@ -78,7 +77,7 @@ def _splits(n: int) -> list[list[list[int]]]:
 
 def test_the_sum_is_the_same_bits_however_the_groups_are_split_and_ordered():
     groups = _groups(8, 1000, seed=1)
-    results = [_sum_over_ranks(groups, split).value(0) for split in _splits(8)]
+    results = [_sum_over_ranks(groups, split)[0].value(0) for split in _splits(8)]
     assert all(torch.equal(r, results[0]) for r in results[1:])
     exact64 = torch.stack([g.double() for g in groups]).sum(0)
     # Finer than float32: the error is far below a float32 ulp of the largest group value.
@@ -94,13 +93,13 @@ def test_values_too_large_for_the_scale_vote_a_rescale_that_fits_whatever_the_sp
     groups[5] = groups[5] * 1e6  # far above 2**HEADROOM at the initial scale
     exponents = []
     for split in _splits(8):
-        s = _sum_over_ranks(groups, split)
+        ranks = _sum_over_ranks(groups, split)
         owner = next(i for i, mine in enumerate(split) if 5 in mine)
-        assert [r.overflowed for r in s._ranks] == [i == owner for i in range(len(split))]
-        s.rescale()
-        exponents.append(s.exponents[0])
+        assert [r.overflowed for r in ranks] == [i == owner for i in range(len(split))]
+        ranks[0].rescale()
+        exponents.append(ranks[0].exponents[0])
     assert len(set(exponents)) == 1 and exponents[0] > ex.initial_exponent(8)
-    redone = [_sum_over_ranks(groups, split, exponents) for split in _splits(8)]
+    redone = [_sum_over_ranks(groups, split, exponents)[0] for split in _splits(8)]
     assert not any(r.overflowed for r in redone)
     assert all(torch.equal(r.value(0), redone[0].value(0)) for r in redone)
 
@@ -114,7 +113,7 @@ def test_a_non_finite_value_is_flagged_not_summed():
 
 def test_exponents_follow_the_largest_values_of_the_last_applied_step():
     groups = [torch.full((4,), 3.0), torch.full((4,), -5.0)]
-    s = _sum_over_ranks(groups, [[0, 1]])
+    s = _sum_over_ranks(groups, [[0, 1]])[0]
     bits = ex.value_bits(2)
     before = s.exponents[0]
     s.advance()
@@ -148,9 +147,10 @@ def test_the_state_round_trips_and_refuses_another_shape():
 def test_a_rescale_outranks_non_finite_values_but_not_user_errors_or_out_of_memory():
     ok, bad, rescale = float(Vote.OK), float(Vote.NONFINITE), float(Vote.RESCALE)
     assert verdict(3, [ok, rescale, bad], "skip", None) == Rescale(step=3, ranks=(1,))
-    assert type(verdict(3, [float(Vote.USER_ERROR), rescale], "skip", "tb")).__name__ == "UserFailure"
-    oom = verdict(3, [float(Vote.OUT_OF_MEMORY), rescale], "skip", None)
-    assert type(oom).__name__ == "OutOfMemory" and oom.ranks == (0,)
+    assert verdict(3, [float(Vote.USER_ERROR), rescale], "skip", "tb") == UserFailure(
+        step=3, ranks=(0,), traceback="tb")
+    assert verdict(3, [float(Vote.OUT_OF_MEMORY), rescale], "skip", None) == OutOfMemory(
+        step=3, ranks=(0,))
 
 
 # --- configuration ----------------------------------------------------------------------------
@@ -210,7 +210,8 @@ def test_without_exact_mode_the_bits_follow_the_split(tmp_path):
 
 def _config(tmp_path, **checkpoint) -> FitConfig:
     return FitConfig(scaling=ScalingConfig(num_workers=2), max_steps=10, seed=SEED,
-                     batch=BatchConfig(global_batch_size=B, exact=True, autotune=False),
+                     batch=BatchConfig(global_batch_size=B, exact=True, autotune=False,
+                                       group_size=G),
                      run_dir=str(tmp_path),
                      checkpoint=CheckpointConfig(path=str(tmp_path / "ck"), **checkpoint)
                      if checkpoint is not None else None)
@@ -349,3 +350,8 @@ def test_a_state_for_another_number_of_groups_is_refused_before_anything_loads(t
     with pytest.raises(ConfigError, match=r"batch\.group_size"):
         replica.load_state(other)
     assert replica.global_step == 0  # nothing of it was taken
+    for bad in ({"exponents": [10**6] * replica.exact.slots, "groups": 4},
+                {"exponents": "x", "groups": 4}, ["not", "a", "dict"]):
+        with pytest.raises(ConfigError, match="malformed"):
+            replica.load_state({**other, "exact": bad}, origin="peer")
+    assert replica.global_step == 0
