@@ -44,8 +44,8 @@ def _prepare(options: dict[str, Any]) -> tuple[elastic.FitConfig, elastic.TrainJ
             _set(tree, dotted, value)
         if options["ledger"]:
             tree["ledger"] = True
-        if options["exact"]:
-            tree.setdefault("batch", {})["exact"] = True
+        if options["exact"]:  # a flag: only ever turns it on over a config file
+            _set(tree, "batch.exact", True)
         chaos = list(tree.get("chaos", []))
         for item in options["kill_at"] or []:
             step, sep, rank = item.partition(":")

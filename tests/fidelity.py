@@ -150,21 +150,29 @@ def checkpointed_job(checkpointed: bool = True) -> TrainJob:
 JOBS = {"cnn_batchnorm": cnn_job, "lm_losssum": lm_job, "dropout": dropout_job}
 
 
+def _start(job: TrainJob, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, TensorDataset]:
+    """Model (built under `seed`, as a worker builds it), optimizer and data set, in training
+    mode."""
+    torch.manual_seed(seed)
+    model = job.model()
+    model.train()
+    return model, job.optimizer(model.parameters()), job.dataset()
+
+
+def _global_batch(n: int, seed: int, global_batch: int, step: int) -> torch.Tensor:
+    """The indices of step `step`'s global batch in the public order."""
+    epoch, s = divmod(step, n // global_batch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+    return perm[s * global_batch : (s + 1) * global_batch]
+
+
 def reference(job: TrainJob, seed: int, global_batch: int, group: int,
               steps: int) -> dict[str, torch.Tensor]:
     """One plain-PyTorch process: groups of `group` samples in the public order (see the
     module's docstring). Returns the final state dict (parameters and buffers)."""
-    torch.manual_seed(seed)
-    model = job.model()
-    opt = job.optimizer(model.parameters())
-    data = job.dataset()
-    n = len(data)
-    per_epoch = n // global_batch
-    model.train()
+    model, opt, data = _start(job, seed)
     for step in range(steps):
-        epoch, s = divmod(step, per_epoch)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
-        idx = perm[s * global_batch : (s + 1) * global_batch]
+        idx = _global_batch(len(data), seed, global_batch, step)
         opt.zero_grad()
         count = 0.0
         for first in range(0, global_batch, group):
@@ -215,23 +223,15 @@ def exact_reference(job: TrainJob, seed: int, global_batch: int, group: int,
     """One plain-PyTorch process in exact mode: the groups of `reference`, each group's
     gradient, loss, count and BatchNorm terms computed on their own and summed in fixed point
     (`_fixed_point_sum`), every slot's exponent following the previous step's largest values."""
-    torch.manual_seed(seed)
-    model = job.model()
-    opt = job.optimizer(model.parameters())
-    data = job.dataset()
-    n = len(data)
-    per_epoch = n // global_batch
+    model, opt, data = _start(job, seed)
     groups = global_batch // group
     bits = 52 - max(1, (groups - 1).bit_length())
     params = [p for p in model.parameters() if p.requires_grad]
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     slots = len(params) + 2 + 2 * len(norms)
     exponents = [HEADROOM - bits] * slots
-    model.train()
     for step in range(steps):
-        epoch, s = divmod(step, per_epoch)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
-        idx = perm[s * global_batch : (s + 1) * global_batch]
+        idx = _global_batch(len(data), seed, global_batch, step)
         before = [(m.running_mean.clone(), m.running_var.clone(), int(m.num_batches_tracked))
                   for m in norms]
         values: list[list[torch.Tensor]] = [[] for _ in range(slots)]

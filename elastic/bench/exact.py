@@ -23,6 +23,7 @@ from elastic.bench import classification_loss
 from elastic.bench.overhead import MODELS, _optimizer, make_dataset, make_model
 from elastic.config import BatchConfig, FitConfig, ScalingConfig
 from elastic.job import TrainJob
+from elastic.trainer.exact import ExactSum
 
 
 @dataclass
@@ -57,13 +58,11 @@ def payload_bytes(model: torch.nn.Module, workers: int, exact: bool) -> int:
     """Bytes one rank puts into the step's allreduce: the default's float32 gradients and
     metadata (loss, votes, count, forms, buffer flags); exact mode's integers as float64
     (gradients, loss, count), per-slot sums and overflows, and the same metadata."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    numel = sum(p.numel() for p in params)
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
     meta = 2 + 2 * workers + 1  # no BatchNorm layers in these models
     if not exact:
-        return (numel + meta) * 4
-    slots = len(params) + 2
-    return (numel + 2 + 2 * slots + meta) * 8
+        return (sum(sizes) + meta) * 4
+    return (ExactSum([*sizes, 1, 1], groups=1).payload_length + meta) * 8
 
 
 def run_exact_bench(models: list[str], workers: list[int], steps: int = 30,
