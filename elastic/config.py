@@ -358,6 +358,33 @@ class CheckpointConfig(_Frozen):
     )
 
 
+class DataConfig(_Frozen):
+    """How a worker reads its samples."""
+
+    loader_workers: int = Field(
+        default=0, ge=0,
+        description="Loader processes per worker that read and collate the next steps' "
+        "micro-batches in the background (like DataLoader's num_workers). 0: the worker reads "
+        "each micro-batch itself when its step needs it.",
+    )
+    prefetch_steps: int = Field(
+        default=2, ge=1,
+        description="With loader processes: how many steps beyond the current one are read "
+        "ahead (each step's micro-batches of this worker). Batches read ahead for a plan that "
+        "changed (failure, resize, rebalancing) are dropped, never trained on.",
+    )
+    pin_memory: bool = Field(
+        default=False,
+        description="Copy loaded batches into pinned (page-locked) host memory, for faster "
+        "copies to a GPU; needs scaling.use_gpu.",
+    )
+    start_method: Literal["spawn", "forkserver"] = Field(
+        default="spawn",
+        description="How loader processes start: 'spawn' (a fresh interpreter each) or "
+        "'forkserver'. Never 'fork': a worker has communication threads running.",
+    )
+
+
 class FitConfig(_Frozen):
     """Everything `elastic.fit` needs besides the job itself."""
 
@@ -396,6 +423,10 @@ class FitConfig(_Frozen):
     chaos: tuple[ChaosEvent, ...] = Field(default=(), description="Faults to inject.")
     checkpoint: CheckpointConfig | None = Field(
         default=None, description="Checkpoints (none by default: peer restore only)."
+    )
+    data: DataConfig = Field(
+        default_factory=DataConfig, description="Background loading (loader processes, "
+        "prefetch, pinned memory)."
     )
 
     @model_validator(mode="after")
@@ -442,6 +473,9 @@ class FitConfig(_Frozen):
         if batch.exact and self.scaling.use_gpu:
             raise ValueError("batch.exact runs on CPU workers for now (its integer sums travel "
                              "through the CPU transport); set scaling.use_gpu=False")
+        if self.data.pin_memory and not self.scaling.use_gpu:
+            raise ValueError("data.pin_memory pins host memory for copies to a GPU; it needs "
+                             "scaling.use_gpu=True (set data.pin_memory=False on CPU workers)")
         if self.collective.backend == "nccl" and not self.scaling.use_gpu:
             raise ValueError("collective.backend='nccl' needs scaling.use_gpu=True (NCCL moves "
                              "GPU memory only); use backend 'gloo' for CPU workers")

@@ -5,13 +5,17 @@ reference loop that does not use the project's training code.
 The reference is what the README promises an elastic run equals: one process, the public
 sample order (`perm_e = randperm(N, seed + e)`, step s of epoch e takes `perm_e[s*B:(s+1)*B]`),
 the global batch cut into groups of G consecutive samples, one forward per group with the
-random-number generators seeded by `elastic.forward_seed(seed, step, j * G)` before group j's
-samples are loaded; a scalar loss scaled by G/B, a `LossSum` total backpropagated as is and the
-gradients divided by the summed count before the optimizer step.
+random-number generators (torch's, Python's, NumPy's) seeded by
+`elastic.forward_seed(seed, step, j * G)` before group j's samples are loaded; a scalar
+loss scaled by G/B, a `LossSum` total backpropagated as is and the gradients divided by the
+summed count before the optimizer step.
 """
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -105,6 +109,34 @@ def dropout_job() -> TrainJob:
     return TrainJob(model=dropout_mlp, optimizer=sgd, loss=mse, dataset=regression)
 
 
+class Augmented(torch.utils.data.Dataset):
+    """`regression()` with noise drawn while a sample is read, from torch's, Python's and
+    NumPy's global generators (as image augmentation does)."""
+
+    def __init__(self) -> None:
+        self.data = regression()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        x, y = self.data[i]
+        noise = torch.rand(x.shape) * 0.1 + random.random() * 0.1 + float(np.random.rand()) * 0.1
+        return x + noise, y
+
+
+def augmented_job() -> TrainJob:
+    """Dropout in the model and random augmentation in the data set."""
+    return TrainJob(model=dropout_mlp, optimizer=sgd, loss=mse, dataset=Augmented)
+
+
+def seed_all(seed: int) -> None:
+    """What the README says is seeded before a group's samples are read."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
 
@@ -176,7 +208,7 @@ def reference(job: TrainJob, seed: int, global_batch: int, group: int,
         opt.zero_grad()
         count = 0.0
         for first in range(0, global_batch, group):
-            torch.manual_seed(forward_seed(seed, step, first))
+            seed_all(forward_seed(seed, step, first))
             batch = default_collate([data[int(i)] for i in idx[first : first + group]])
             out = job.loss(model, batch)
             if isinstance(out, LossSum):
@@ -237,7 +269,7 @@ def exact_reference(job: TrainJob, seed: int, global_batch: int, group: int,
         values: list[list[torch.Tensor]] = [[] for _ in range(slots)]
         summing = False
         for j in range(groups):
-            torch.manual_seed(forward_seed(seed, step, j * group))
+            seed_all(forward_seed(seed, step, j * group))
             batch = default_collate([data[int(i)] for i in idx[j * group : (j + 1) * group]])
             with torch.no_grad():
                 for m, (_, _, tracked) in zip(norms, before, strict=True):

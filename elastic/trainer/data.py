@@ -11,6 +11,7 @@ batch that follows the world size (`scale_with_workers`) continues exactly where
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -86,18 +87,32 @@ class Cursor:
 
 
 class SampleOrder:
-    """The indices of a batch at a cursor, with the current epoch's permutation cached."""
+    """The indices of a batch at a cursor.
 
-    def __init__(self, dataset_size: int, seed: int) -> None:
+    A data set that defines `epoch_indices(seed, epoch, start, stop)` (a sharded source:
+    `elastic.data.ShardedSource`) defines its own public order; otherwise epoch e visits
+    `epoch_permutation(N, seed, e)`, of which the last two epochs' are cached (reading ahead
+    crosses into the next epoch while the current one is still being trained on).
+    """
+
+    def __init__(self, dataset_size: int, seed: int, source: Any = None) -> None:
         self.dataset_size = dataset_size
         self.seed = seed
-        self._epoch = -1
-        self._perm = torch.empty(0, dtype=torch.int64)
+        self._source = source if hasattr(source, "epoch_indices") else None
+        self._perms: dict[int, torch.Tensor] = {}
 
     def batch(self, cursor: Cursor, batch: int) -> tuple[int, torch.Tensor]:
         """(epoch, indices) of the next `batch` samples after `cursor`."""
         epoch, offset = cursor.start(self.dataset_size, batch)
-        if epoch != self._epoch:
-            self._perm = epoch_permutation(self.dataset_size, self.seed, epoch)
-            self._epoch = epoch
-        return epoch, self._perm[offset : offset + batch]
+        return epoch, self.indices(epoch, offset, offset + batch)
+
+    def indices(self, epoch: int, start: int, stop: int) -> torch.Tensor:
+        """Positions `start` to `stop` of epoch `epoch`'s order."""
+        if self._source is not None:
+            return self._source.epoch_indices(self.seed, epoch, start, stop)
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = epoch_permutation(self.dataset_size, self.seed, epoch)
+            self._perms = {e: p for e, p in self._perms.items() if e == epoch - 1 or e == epoch + 1}
+            self._perms[epoch] = perm
+        return perm[start:stop]

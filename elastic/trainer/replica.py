@@ -40,6 +40,7 @@ from elastic.trainer.buffers import BufferSync
 from elastic.trainer.data import Cursor, SampleOrder, steps_per_epoch
 from elastic.trainer.exact import ExactSum, environment, make_deterministic
 from elastic.trainer.flat import all_finite, allreduce_flat, flatten_grads, unflatten_grads
+from elastic.trainer.loader import Piece, Prefetcher, load_piece, set_generator_state
 from elastic.trainer.loss import LossForm, loss_term
 from elastic.trainer.outcomes import NonFinite, OutOfMemory, StepRecord, UserFailure
 from elastic.trainer.step import (
@@ -114,6 +115,7 @@ class Replica:
                 "torch.optim.Optimizer"
             )
         self.scheduler = job.lr_scheduler(self.optimizer) if job.lr_scheduler else None
+        data_rng = torch.get_rng_state()  # loader processes build the data set from here too
         self.dataset = job.dataset()
         if not (hasattr(self.dataset, "__len__") and hasattr(self.dataset, "__getitem__")):
             raise ConfigError(
@@ -125,7 +127,7 @@ class Replica:
             steps_per_epoch(len(self.dataset), config.batch.global_batch_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self.order = SampleOrder(len(self.dataset), config.seed)
+        self.order = SampleOrder(len(self.dataset), config.seed, self.dataset)
         if config.ledger and len(self.dataset) > _FLOAT32_EXACT:
             raise ConfigError("ledger=True supports data sets of up to 2**24 samples")
         self.cursor = Cursor()
@@ -139,6 +141,15 @@ class Replica:
         self._buckets = (GradientBuckets(self._params, collective.bucket_bytes,
                                          collective.first_bucket_bytes)
                          if collective.overlap_enabled and self.exact is None else None)
+        data = config.data
+        # Last: nothing above may fail after loader processes exist.
+        self.prefetcher = (Prefetcher(job, data.loader_workers, data.start_method, data_rng,
+                                      data.pin_memory) if data.loader_workers else None)
+
+    def close(self) -> None:
+        """Stops the loader processes (they also exit by themselves when this process dies)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
 
     def _exact_sums(self) -> ExactSum:
         """Exact mode's slots: every parameter's gradient, the loss, the `LossSum` count, then
@@ -376,6 +387,8 @@ class Replica:
             lr_factor=lr_factor, ledger=self.config.ledger, started=started,
             wall_start=wall_start, buffers=self.buffers.length,
             first_piece=sum(plan.accumulation(r) for r in range(rank)))
+        if self.prefetcher is not None:
+            self.prefetcher.want(self._ahead(plan, rank))
         self.buffers.begin(context.pieces)
         for event in chaos:
             if event.action == "slow":
@@ -385,6 +398,33 @@ class Replica:
         if self._buckets is not None:
             self._buckets.begin(comm, context.meta_len, rank, float(Vote.NONFINITE))
         return context
+
+    def _ahead(self, plan: BatchPlan, rank: int) -> list[Piece]:
+        """This rank's pieces of the current step and of the next `data.prefetch_steps` steps
+        should the plan stay as it is, in the order they will be trained on."""
+        pieces: list[Piece] = []
+        cursor, base, batch = self.cursor, plan.offset(rank), plan.global_batch_size
+        for _ in range(1 + self.config.data.prefetch_steps):
+            share = self.order.batch(cursor, batch)[1][base : base + plan.shares[rank]].tolist()
+            pieces += [Piece(cursor.step, forward_seed(self.config.seed, cursor.step, base + start),
+                             tuple(share[start : start + length]))
+                       for start, length in plan.pieces(rank)]
+            cursor = cursor.advance(self.order.dataset_size, batch)
+        return pieces
+
+    def _load(self, step: int, seed: int, samples: torch.Tensor) -> Any:
+        """One piece's batch, with the generators where reading it left them: read ahead by a
+        loader process if it was, else here (`elastic.trainer.loader` says why both are the
+        same)."""
+        indices = samples.tolist()
+        if self.prefetcher is not None:
+            taken = self.prefetcher.take(Piece(step, seed, tuple(indices)))
+            if taken is not None:
+                batch, state = taken
+                torch.manual_seed(seed)  # CUDA's generators; the CPU ones continue from `state`
+                set_generator_state(state)
+                return batch
+        return load_piece(self.dataset, self.collate, indices, seed)
 
     def _compute(self, context: StepContext) -> Computed:
         """The compute phase: forward/backward over the micro-batches of this rank's share
@@ -412,10 +452,10 @@ class Replica:
             base = context.plan.offset(context.rank)
             for index, (start, length) in enumerate(pieces):
                 piece = context.first_piece + index
-                torch.manual_seed(forward_seed(self.config.seed, context.step, base + start))
                 loading = time.perf_counter()
-                samples = context.indices[start : start + length]
-                batch = self.collate([self.dataset[int(i)] for i in samples])
+                batch = self._load(context.step,
+                                   forward_seed(self.config.seed, context.step, base + start),
+                                   context.indices[start : start + length])
                 data_s += time.perf_counter() - loading
                 self._enter("forward")
                 self._chaos(chaos, "forward", started)

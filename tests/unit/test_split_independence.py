@@ -15,7 +15,7 @@ from elastic import BatchConfig, FitConfig, ScalingConfig
 from elastic.adapt.groups import decide_grouping, default_group_size, forward_seed
 from elastic.adapt.plan import plan_batch
 from elastic.collective import RendezvousServer
-from elastic.config import CollectiveConfig
+from elastic.config import CollectiveConfig, DataConfig
 from elastic.errors import CollectiveError
 from elastic.trainer.buffers import BufferSync
 from elastic.trainer.replica import Replica, StepRecord
@@ -44,7 +44,7 @@ class _SerialReplica(Replica):
 
 
 def _elastic(tmp_path, job, schedule, group: int = G, micro: int | None = None,
-             overlap: bool = False, exact: bool = False):
+             overlap: bool = False, exact: bool = False, loader_workers: int = 0):
     """Runs `schedule`, a list of (world size, steps, weights), each segment a new generation
     whose replicas start from the previous segment's rank-0 state (as after a kill or a
     resize). Returns every rank's state dict after every step, per segment."""
@@ -53,7 +53,8 @@ def _elastic(tmp_path, job, schedule, group: int = G, micro: int | None = None,
                                                    first_bucket_bytes=1024),
                        batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False,
                                          exact=exact),
-                       run_dir=str(tmp_path), max_steps=100, seed=SEED)
+                       run_dir=str(tmp_path), max_steps=100, seed=SEED,
+                       data=DataConfig(loader_workers=loader_workers))
     building = _SerialReplica.compute_lock  # models are built under the process-wide seed too
     state: bytes | None = None
     history = []
@@ -66,13 +67,16 @@ def _elastic(tmp_path, job, schedule, group: int = G, micro: int | None = None,
                 with building:
                     replica = _SerialReplica(job, config, str(tmp_path))
                 replica.comm = comm
-                if state is not None and comm.rank == 0:
-                    replica.load_state_bytes(state)
-                replica.sync_from(0)
-                states = []
-                for _ in range(steps):
-                    assert isinstance(replica.run_step(plan, []), StepRecord)
-                    states.append({k: v.clone() for k, v in replica.model.state_dict().items()})
+                try:
+                    if state is not None and comm.rank == 0:
+                        replica.load_state_bytes(state)
+                    replica.sync_from(0)
+                    states = []
+                    for _ in range(steps):
+                        assert isinstance(replica.run_step(plan, []), StepRecord)
+                        states.append({k: v.clone() for k, v in replica.model.state_dict().items()})
+                finally:
+                    replica.close()
                 return replica, states
 
             results = run_ranks(server, world, body)

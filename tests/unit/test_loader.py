@@ -1,0 +1,229 @@
+"""Loader processes (no Ray): a piece read ahead is the same bits, generators included, as one
+read in the worker; pieces of another plan are dropped; a data set error comes back with its
+traceback; loader processes never outlive the worker, however it ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from elastic.trainer.loader import LoadError, Piece, Prefetcher, generator_state, load_piece
+from tests import fidelity
+from tests.unit.test_split_independence import SCHEDULES, SEED, B, G, _elastic
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Faulty(torch.utils.data.Dataset):
+    """Sample 7 cannot be read."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int):
+        if i == 7:
+            raise ValueError("sample 7 is corrupt")
+        return torch.tensor([float(i)])
+
+
+def faulty_job():
+    return fidelity.TrainJob(model=fidelity.mlp, optimizer=fidelity.sgd, loss=fidelity.mse,
+                             dataset=Faulty)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.fixture
+def prefetcher():
+    made: list[Prefetcher] = []
+
+    def make(job, workers: int = 2) -> Prefetcher:
+        p = Prefetcher(job, workers, "spawn", torch.get_rng_state())
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def test_a_piece_read_ahead_is_the_piece_read_here_generators_included(prefetcher):
+    job = fidelity.augmented_job()
+    loader = prefetcher(job)
+    pieces = [Piece(3, 11, (5, 1, 9)), Piece(3, 12, (4, 60)), Piece(4, 13, (0,))]
+    loader.want(pieces)
+    for piece in pieces:
+        batch, state = loader.take(piece)
+        expected = load_piece(job.dataset(), default_collate, piece.indices, piece.seed)
+        after = generator_state()
+        assert all(torch.equal(a, b) for a, b in zip(batch, expected, strict=True))
+        assert torch.equal(state[0], after[0])  # torch's generator where reading left it
+        assert state[1] == after[1]  # Python's
+        assert state[2][0] == after[2][0] and (state[2][1] == after[2][1]).all()  # NumPy's
+
+
+def test_pieces_of_another_plan_are_dropped_and_read_here_instead(prefetcher):
+    loader = prefetcher(fidelity.augmented_job(), workers=1)
+    old, new = Piece(0, 1, (1, 2)), Piece(0, 1, (1, 3))
+    loader.want([old])
+    loader.want([new])  # a replan: the old piece must never be handed out
+    assert loader.take(old) is None
+    assert loader.take(new) is not None
+    assert loader.take(new) is None  # taken once; a redo of the step reads it again itself
+
+
+def test_a_data_set_error_in_a_loader_carries_its_traceback(prefetcher):
+    loader = prefetcher(faulty_job(), workers=1)
+    bad = Piece(2, 5, (3, 7))
+    loader.want([bad, Piece(2, 6, (1,))])
+    with pytest.raises(LoadError) as info:
+        loader.take(bad)
+    message = str(info.value)
+    assert "step 2" in message and "ValueError: sample 7 is corrupt" in message
+    assert "in __getitem__" in message  # the loader's own traceback, not ours
+    assert loader.take(Piece(2, 6, (1,))) is not None  # the loaders go on
+
+
+def test_a_killed_loader_process_is_an_error_of_that_piece_then_loaders_restart(prefetcher):
+    loader = prefetcher(fidelity.augmented_job(), workers=1)
+    loader.want([Piece(0, 1, (1,))])
+    assert loader.take(Piece(0, 1, (1,))) is not None
+    [pid] = loader.pids()
+    os.kill(pid, signal.SIGKILL)
+    assert _wait_gone([pid]) == []
+    loader.want([Piece(1, 1, (2,))])
+    with pytest.raises(LoadError, match="died"):
+        loader.take(Piece(1, 1, (2,)))
+    loader.want([Piece(1, 1, (2,))])
+    assert loader.take(Piece(1, 1, (2,))) is not None
+    assert loader.pids() and pid not in loader.pids()
+
+
+def test_close_leaves_no_loader_process(prefetcher):
+    loader = prefetcher(fidelity.augmented_job())
+    loader.want([Piece(0, 1, (1,))])
+    loader.take(Piece(0, 1, (1,)))
+    pids = loader.pids()
+    assert len(pids) == 2
+    loader.close()
+    assert _wait_gone(pids, timeout=5) == []
+
+
+_OWNER = textwrap.dedent("""
+    import sys, torch
+    from elastic.trainer.loader import Piece, Prefetcher
+    from tests import fidelity
+    if __name__ == "__main__":
+        loader = Prefetcher(fidelity.augmented_job(), 2, "spawn", torch.get_rng_state())
+        loader.want([Piece(0, 1, (1,))])
+        loader.take(Piece(0, 1, (1,)))
+        print(*loader.pids(), flush=True)
+        sys.stdin.read()  # until killed
+""")
+
+
+def test_loader_processes_exit_when_their_worker_is_sigkilled(tmp_path):
+    script = tmp_path / "owner.py"
+    script.write_text(_OWNER)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    owner = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=root,
+                             env={**os.environ, "PYTHONPATH": root})
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        owner.kill()  # SIGKILL: no cleanup code runs in the owner
+        owner.wait()
+        assert _wait_gone(pids) == []
+    finally:
+        owner.kill()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule", ["kill", "resize"])
+def test_an_elastic_run_reading_ahead_ends_on_the_reference(tmp_path, schedule):
+    """Dropout and augmentation drawn from torch's, Python's and NumPy's generators in loader
+    processes: the plain-PyTorch reference (everything read in one process) to float tolerance,
+    and every member alike."""
+    job = fidelity.augmented_job()
+    final = _elastic(tmp_path, job, SCHEDULES[schedule], loader_workers=1)
+    expected = fidelity.reference(job, SEED, B, G, 6)
+    for key, value in expected.items():
+        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_the_reference_sees_augmentation_that_is_not_reseeded(tmp_path):
+    """The oracle can fail: without seeding Python's and NumPy's generators per group the
+    augmented run ends elsewhere."""
+    import random
+
+    import numpy as np
+
+    job = fidelity.augmented_job()
+    expected = fidelity.reference(job, SEED, B, G, 6)
+    real = fidelity.seed_all
+    try:
+        fidelity.seed_all = lambda seed: torch.manual_seed(seed)  # torch only, as before
+        random.seed(1)
+        np.random.seed(1)
+        other = fidelity.reference(job, SEED, B, G, 6)
+    finally:
+        fidelity.seed_all = real
+    assert max(float((other[k] - expected[k]).abs().max()) for k in expected) > 1e-4
+
+
+def test_steps_train_on_the_pieces_the_loaders_read(tmp_path):
+    """The pieces really come from the loader processes (a step that read them itself would
+    pass the reference test too): every piece of 4 steps after the first was served."""
+    from elastic import BatchConfig, DataConfig, FitConfig, ScalingConfig
+    from elastic.adapt.plan import plan_batch
+    from elastic.collective import RendezvousServer
+    from elastic.trainer.replica import Replica, StepRecord
+    from tests.threads import run_ranks
+
+    config = FitConfig(scaling=ScalingConfig(num_workers=1), max_steps=10, seed=SEED,
+                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+                       data=DataConfig(loader_workers=2, prefetch_steps=2), run_dir=str(tmp_path))
+    plan = plan_batch(B, 1, G, None, unit=G)
+
+    def body(comm):
+        replica = Replica(fidelity.augmented_job(), config, str(tmp_path))
+        replica.comm = comm
+        try:
+            for _ in range(5):
+                assert isinstance(replica.run_step(plan, []), StepRecord)
+            return replica.prefetcher.served, replica.model.state_dict()
+        finally:
+            replica.close()
+
+    server = RendezvousServer()
+    try:
+        [(served, state)] = run_ranks(server, 1, body)
+    finally:
+        server.close()
+    assert served == 5 * (B // G)
+    expected = fidelity.reference(fidelity.augmented_job(), SEED, B, G, 5)
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-5, msg=key)
