@@ -175,3 +175,19 @@ def poisoned_steps(seed: int, global_batch: int, steps: int) -> list[tuple[int, 
         if POISONED in idx:
             found.append((step, idx.index(POISONED)))
     return found
+
+
+class CorruptSample(torch.utils.data.Dataset):
+    """32 samples of 6 features; sample 7 cannot be read (a corrupt record)."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int):
+        if i == 7:
+            raise ValueError("sample 7 is corrupt")
+        return torch.full((N_FEATURES,), float(i), dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+
+
+def corrupt_job() -> TrainJob:
+    return TrainJob(model=make_model, optimizer=make_optimizer, loss=mse, dataset=CorruptSample)

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 from ray.experimental import internal_kv
 
+from elastic.actors.raydata import adopt_ray_dataset
 from elastic.actors.workers import RayWorkers
 from elastic.checkpoint.store import serialize
 from elastic.collective import RendezvousServer
@@ -70,6 +71,7 @@ class Controller:
         self.name = name
         self.run_dir = run_dir
         self.log = RunLog(run_dir)
+        job = adopt_ray_dataset(job)  # this actor owns the blocks for as long as the run lives
         self.server = RendezvousServer(host=ray.util.get_node_ip_address())
         self.workers = RayWorkers(job, config, run_dir, checkpoint_key, self.server)
         restarted = detached and ray.get_runtime_context().was_current_actor_reconstructed

@@ -123,6 +123,11 @@ class Replica:
                 "dataset (it needs __len__ and __getitem__)"
             )
         self.collate: Callable[[list[Any]], Any] = job.collate_fn or default_collate
+        if config.data.loader_workers and not getattr(self.dataset, "uses_loader_processes", True):
+            raise ConfigError(
+                f"data.loader_workers: a {type(self.dataset).__name__} is read through Ray, and "
+                "loader processes are not Ray workers; set data.loader_workers=0 (Ray Data ran "
+                "its transforms in parallel already)")
         try:
             steps_per_epoch(len(self.dataset), config.batch.global_batch_size)
         except ValueError as e:

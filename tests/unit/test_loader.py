@@ -16,27 +16,14 @@ import torch
 from torch.utils.data import default_collate
 
 from elastic.trainer.loader import LoadError, Piece, Prefetcher, generator_state, load_piece
-from tests import fidelity
+from tests import fidelity, jobs
 from tests.unit.test_split_independence import SCHEDULES, SEED, B, G, _elastic
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class Faulty(torch.utils.data.Dataset):
-    """Sample 7 cannot be read."""
-
-    def __len__(self) -> int:
-        return 32
-
-    def __getitem__(self, i: int):
-        if i == 7:
-            raise ValueError("sample 7 is corrupt")
-        return torch.tensor([float(i)])
-
-
 def faulty_job():
-    return fidelity.TrainJob(model=fidelity.mlp, optimizer=fidelity.sgd, loss=fidelity.mse,
-                             dataset=Faulty)
+    return jobs.corrupt_job()
 
 
 def _alive(pid: int) -> bool:
@@ -134,7 +121,7 @@ def test_close_leaves_no_loader_process(prefetcher):
 _OWNER = textwrap.dedent("""
     import sys, torch
     from elastic.trainer.loader import Piece, Prefetcher
-    from tests import fidelity
+    from tests import fidelity, jobs
     if __name__ == "__main__":
         loader = Prefetcher(fidelity.augmented_job(), 2, "spawn", torch.get_rng_state())
         loader.want([Piece(0, 1, (1,))])

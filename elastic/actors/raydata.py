@@ -1,0 +1,82 @@
+"""A Ray Dataset as a sharded source: its blocks are the shards (`elastic.data.sharded`).
+
+The run's controller materialises the dataset once (`Dataset.to_arrow_refs`: Ray Data runs its
+pipeline, its transforms in parallel over the cluster) and owns the blocks for as long as the
+run lives; workers read the blocks their shares fall in (`ray.get`, zero-copy on the block's
+node). From there on the order is the public shard order of `elastic.data`, so exactly-once,
+the ledger and replay hold as for any data set. What cannot keep that promise, and so is not
+done: Ray Data's own per-epoch randomness (`random_shuffle`, `randomize_block_order`, a
+`map_batches` that draws random numbers) runs once, at materialisation, instead of every epoch;
+streaming a dataset larger than the object store (it must fit, with spilling to disk); reading
+blocks in loader processes (they are not Ray workers: `data.loader_workers` must be 0, and
+Ray Data already ran the heavy transforms in parallel). Augment in `transform`, which runs per
+row on the worker under the step's seeded generators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import ray
+
+from elastic.data.sharded import ShardedSource
+from elastic.job import TrainJob, is_ray_dataset
+
+
+@ray.remote(num_cpus=0)
+def _num_rows(table: Any) -> int:
+    return table.num_rows
+
+
+class RayDataSource(ShardedSource):
+    """The blocks of a Ray Dataset as shards. Build it where the blocks should be owned (the
+    controller does, for a `TrainJob` whose `dataset` is a Ray Dataset).
+
+    Args:
+        dataset: a `ray.data.Dataset`.
+        transform: `row dict -> sample`, run on the worker.
+    """
+
+    uses_loader_processes = False
+
+    def __init__(self, dataset: Any, transform: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        self._refs = list(dataset.to_arrow_refs())
+        sizes = ray.get([_num_rows.remote(ref) for ref in self._refs])
+        self._cache: OrderedDict[int, Any] = OrderedDict()
+        super().__init__(sizes, transform)
+
+    def read(self, shard: int, rows: np.ndarray) -> list[Any]:
+        table = self._cache.get(shard)
+        if table is None:
+            table = self._cache[shard] = ray.get(self._refs[shard])
+            while len(self._cache) > 2:
+                self._cache.popitem(last=False)
+        return table.take(rows.tolist()).to_pylist()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_cache"] = OrderedDict()
+        return state
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """A data set factory that returns one source built earlier."""
+
+    source: ShardedSource
+
+    def __call__(self) -> ShardedSource:
+        return self.source
+
+
+def adopt_ray_dataset(job: TrainJob) -> TrainJob:
+    """`job` with a Ray Dataset in `dataset` replaced by a factory of its `RayDataSource`
+    (materialised here, so the caller owns the blocks); any other job as it is."""
+    if not is_ray_dataset(job.dataset):
+        return job
+    return dataclasses.replace(job, dataset=_Source(RayDataSource(job.dataset, job.transform)),
+                               transform=None)
