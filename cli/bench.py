@@ -337,3 +337,43 @@ def bench_exact(
         console.print(f"{model}: exact runs at workers {workers} ended with "
                       f"{'the same weight bits' if same else 'DIFFERENT weights (a bug)'}")
     save_json(json_path, r.to_json())
+
+
+@app.command("data")
+def bench_data(
+    workers: Annotated[int, typer.Option(help="World size.")] = 2,
+    loader_workers: Annotated[int, typer.Option(help="Loader processes per worker (k).")] = 2,
+    image_size: Annotated[int, typer.Option(
+        help="Side of the PNG images decoded per sample: sets the data cost.")] = 96,
+    steps: Annotated[int, typer.Option(help="Steps of each run (the first third is warm-up).")] = 60,
+    batch: Annotated[int, typer.Option(help="Global batch size.")] = 64,
+    rounds: Annotated[int, typer.Option(
+        help="Runs of each, alternating; medians are reported.")] = 1,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Decoding images: step time with and without loader processes, against the bound
+    max(compute, data / k) and DDP with DataLoader(num_workers=k)."""
+    from elastic.bench.data import run_data_bench
+
+    try:
+        r = run_data_bench(workers, loader_workers, batch, image_size, steps, rounds=rounds)
+    except (ValueError, ElasticError) as e:
+        raise fail(one_line(e)) from None
+    console.print(f"one rank's share ({batch // workers} images of {image_size}px) on one thread: "
+                  f"data {r.data_s * 1e3:.1f} ms, compute {r.compute_s * 1e3:.1f} ms; bound "
+                  f"max(compute, data/{loader_workers}) = {r.bound_s * 1e3:.1f} ms, "
+                  f"compute + data = {r.serial_s * 1e3:.1f} ms")
+    table = Table(title=f"{workers} workers, global batch {batch}, {loader_workers} loader "
+                        "processes per worker")
+    for column in ("", "median step ms", "wall ms / step", "vs bound"):
+        table.add_column(column, justify="right")
+    table.add_row("elastic.fit, no loader processes", f"{r.no_loaders_step_s * 1e3:.1f}",
+                  f"{r.no_loaders_wall_s * 1e3:.1f}", f"{r.no_loaders_step_s / r.bound_s:.2f}x")
+    table.add_row(f"elastic.fit, loader_workers={loader_workers}", f"{r.loaders_step_s * 1e3:.1f}",
+                  f"{r.loaders_wall_s * 1e3:.1f}", f"{r.bound_ratio:.2f}x")
+    table.add_row(f"torch DDP, DataLoader(num_workers={loader_workers})", f"{r.ddp_step_s * 1e3:.1f}",
+                  f"{r.ddp_wall_s * 1e3:.1f}", f"{r.ddp_step_s / r.bound_s:.2f}x")
+    console.print(table)
+    console.print(f"elastic with loaders / DDP: {r.ddp_ratio:.2f}x (step), "
+                  f"{r.loaders_wall_s / r.ddp_wall_s:.2f}x (wall)")
+    save_json(json_path, r.to_json())

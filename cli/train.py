@@ -27,7 +27,7 @@ _OPTION_FIELDS = {
     "max_micro_batch": "batch.max_micro_batch", "batch_policy": "batch.policy",
     "epochs": "epochs", "max_steps": "max_steps",
     "seed": "seed", "name": "name", "run_dir": "run_dir", "backend": "collective.backend",
-    "algorithm": "collective.algorithm",
+    "algorithm": "collective.algorithm", "loader_workers": "data.loader_workers",
 }
 
 
@@ -82,6 +82,8 @@ def _training_options(
     run_dir: Annotated[str | None, typer.Option(help="Where events and metrics go.")] = None,
     backend: Annotated[str | None, typer.Option(help="gloo or nccl.")] = None,
     algorithm: Annotated[str | None, typer.Option(help="ring, tree, halving_doubling, native.")] = None,
+    loader_workers: Annotated[int | None, typer.Option(
+        help="Loader processes per worker reading the next steps' samples ahead.")] = None,
     kill_at: Annotated[list[str] | None, typer.Option(help="Chaos: kill RANK at STEP (STEP:RANK).")] = None,
     ledger: Annotated[bool, typer.Option(help="Record the indices of every step.")] = False,
     exact: Annotated[bool, typer.Option(

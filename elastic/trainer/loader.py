@@ -157,6 +157,7 @@ class Prefetcher:
         self._pin = pin_memory
         self._futures: dict[Piece, Future] = {}
         self.served = 0  # pieces handed out read ahead (diagnostics, tests)
+        self.submitted = 0  # pieces given to the loader processes
         self._pool: ProcessPoolExecutor | None = None
         self._alive: Any = None
         self._start()
@@ -190,6 +191,7 @@ class Prefetcher:
 
     def _submit(self, piece: Piece) -> Future:
         assert self._pool is not None
+        self.submitted += 1
         try:
             return self._pool.submit(_load, piece.indices, piece.seed)
         except BrokenProcessPool:

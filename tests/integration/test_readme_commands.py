@@ -43,6 +43,10 @@ TINY = {
     ("bench decisions", "--members"): "4,16",
     ("bench exact", "--models"): "mlp",
     ("bench exact", "--workers"): "1,2",
+    ("bench data", "--loader-workers"): "1",
+    ("run images", "--max-steps"): "4",
+    ("run images", "--loader-workers"): "1",
+    ("run parquet_shards", "--epochs"): "1",
 }
 # Sizes the README leaves at their defaults, made small.
 EXTRA = {
@@ -53,6 +57,7 @@ EXTRA = {
     "bench decisions": ["--steps", "16"],
     "bench exact": ["--steps", "8", "--batch", "64"],
     "demo": ["--workers", "2", "--epochs", "2"],
+    "bench data": ["--steps", "9", "--batch", "16", "--image-size", "24"],
 }
 
 
@@ -73,6 +78,8 @@ def readme_commands() -> list[str]:
 
 
 def _kind(argv: list[str]) -> str:
+    if argv[1] == "run" and not argv[2].startswith("examples/spirals.py"):
+        return f"run {pathlib.Path(argv[2].partition(':')[0]).stem}"  # the data examples
     return " ".join(argv[1:3]) if argv[1] == "bench" else argv[1]
 
 
@@ -95,6 +102,8 @@ def _tiny(line: str, out: pathlib.Path, gcs: str) -> list[str]:
     result += EXTRA.get(kind, [])
     if kind == "demo":
         result += ["--run-dir", str(out / "demo")]
+    if kind == "run parquet_shards":
+        result += ["--run-dir", str(out / "shards")]
     return result
 
 
@@ -105,7 +114,8 @@ def _flags(argv: list[str]) -> set[str]:
 def test_every_readme_command_has_a_smoke_entry_that_keeps_its_flags(tmp_path):
     kinds = {"run", "start", "list", "logs", "status", "scale", "kill", "stop", "demo", "report",
              "bench allreduce", "bench recovery", "bench checkpoint", "bench control", "bench adapt",
-             "bench overhead", "bench scaling", "bench decisions", "bench exact"}
+             "bench overhead", "bench scaling", "bench decisions", "bench exact", "bench data",
+             "run images", "run parquet_shards"}
     for line in readme_commands():
         argv = shlex.split(line)
         assert argv[0] == "elastic" and _kind(argv) in kinds, f"README command without a smoke entry: {line}"
@@ -141,6 +151,13 @@ def _check(kind: str, output: str, out: pathlib.Path) -> None:
             assert "killed rank 1 on purpose at step 20" in output
             assert "A worker died or was killed" not in output  # Ray's note goes to ray.log
             assert re.search(r"recoveries\s*│\s*1", output)
+        case "run images":
+            assert re.search(r"steps\s*│\s*4\b", output), output[-2000:]
+        case "run parquet_shards":  # 5132 rows in 8 shards, batch 64: 80 steps, each row once
+            ledger = [json.loads(line) for line in open(out / "shards" / "ledger.jsonl")]
+            assert [e["step"] for e in ledger] == list(range(80))
+            seen = sorted(i for e in ledger for i in e["indices"])
+            assert len(seen) == len(set(seen)) == 80 * 64 and seen[-1] < 5132
         case "start":
             assert f"started run {NAME}" in output
             wait_until(lambda: (s := _status()) and s["state"] == "running" and s["step"] > 0, limit=120)
@@ -175,6 +192,10 @@ def _check(kind: str, output: str, out: pathlib.Path) -> None:
         case "bench decisions":
             assert [p["members"] for p in data] == [4, 16]
             assert all(p["steps"] == 16 and p["decision_ms_per_step"] > 0 for p in data)
+        case "bench data":
+            assert data["loader_workers"] == 1 and data["warmup"] == 3
+            assert min(data["loaders_step_s"], data["no_loaders_step_s"], data["ddp_step_s"]) > 0
+            assert data["bound_s"] == max(data["compute_s"], data["data_s"])
         case "bench exact":
             assert [(r["model"], r["workers"]) for r in data["rows"]] == [("mlp", 1), ("mlp", 2)]
             assert data["bit_identical"] == {"mlp": True}

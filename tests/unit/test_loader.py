@@ -201,7 +201,10 @@ def test_steps_train_on_the_pieces_the_loaders_read(tmp_path):
         try:
             for _ in range(5):
                 assert isinstance(replica.run_step(plan, []), StepRecord)
-            return replica.prefetcher.served, replica.model.state_dict()
+            prefetcher = replica.prefetcher
+            # Each piece given to the loaders once: 5 steps and the 2 read ahead.
+            assert prefetcher.submitted == (5 + 2) * (B // G)
+            return prefetcher.served, replica.model.state_dict()
         finally:
             replica.close()
 
