@@ -136,3 +136,43 @@ class Ranks:
             if proc.is_alive():
                 proc.kill()
             proc.join(10)
+
+
+# --- processes a test watches from outside (loader processes of a worker) -------------------
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def children(parents: set[int]) -> set[int]:
+    """Processes whose parent is one of `parents`."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) in parents:
+                        found.add(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return found
+
+
+def wait_gone(pids, timeout: float = 30.0) -> list[int]:
+    """Polls until every process of `pids` has exited (or `timeout`); returns those still
+    running."""
+    deadline = threading.Event()
+    timer = threading.Timer(timeout, deadline.set)
+    timer.start()
+    try:
+        while any(alive(p) for p in pids) and not deadline.wait(0.05):
+            pass
+    finally:
+        timer.cancel()
+    return [p for p in pids if alive(p)]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +22,7 @@ from elastic.events import WorkerFailure
 from tests import fidelity, jobs
 from tests.events import of_kind
 from tests.integration.test_fit import Operator
+from tests.procs import children, wait_gone
 
 pytestmark = pytest.mark.fault
 
@@ -43,33 +43,10 @@ def _assert_exactly_once(result, n: int) -> None:
         assert sorted(seen) == list(range(n))
 
 
-def _children(pids) -> set[int]:
-    """Processes whose parent is one of `pids` (a worker's loaders and their helpers)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) in pids:
-                        found.add(int(entry))
-            except (FileNotFoundError, ProcessLookupError):
-                pass
-    return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
-def _wait_gone(pids, timeout: float = 30.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
 
 
 @pytest.mark.timeout(300)
@@ -85,12 +62,12 @@ def test_loader_processes_keep_every_sample_once_through_a_kill_and_a_resize(ray
 
     def script(op):
         status = op.wait_for(lambda s: s["state"] == "running" and s["step"] >= 2)
-        loaders.update(_children({w["pid"] for w in status["workers"]}))
+        loaders.update(children({w["pid"] for w in status["workers"]}))
         elastic.kill(name, rank=1)
         op.wait_for(lambda s: s["failures"] == 1 and s["step"] >= 5, limit=120)
         elastic.scale(name, 3)
         status = op.wait_for(lambda s: s["world_size"] == 3 and s["step"] >= 9, limit=120)
-        loaders.update(_children({w["pid"] for w in status["workers"]}))
+        loaders.update(children({w["pid"] for w in status["workers"]}))
 
     with Operator(name, script):
         result = elastic.fit(fidelity.augmented_job(), config)
@@ -102,7 +79,7 @@ def test_loader_processes_keep_every_sample_once_through_a_kill_and_a_resize(ray
     for key, value in expected.items():
         torch.testing.assert_close(result.model_state[key], value, rtol=1e-5, atol=1e-5, msg=key)
     assert len(loaders) >= 3  # each worker's loader (and its helpers) seen
-    assert _wait_gone(loaders) == []
+    assert wait_gone(loaders) == []
 
 
 # --- a sharded parquet source --------------------------------------------------------------

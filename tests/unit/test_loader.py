@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from torch.utils.data import default_collate
 
 from elastic.trainer.loader import LoadError, Piece, Prefetcher, generator_state, load_piece
 from tests import fidelity, jobs
+from tests.procs import alive, wait_gone
 from tests.unit.test_split_independence import SCHEDULES, SEED, B, G, _elastic
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,20 +26,8 @@ def faulty_job():
     return jobs.corrupt_job()
 
 
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
-def _wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
 
 
 @pytest.fixture
@@ -99,7 +87,7 @@ def test_a_killed_loader_process_is_an_error_of_that_piece_then_loaders_restart(
     assert loader.take(Piece(0, 1, (1,))) is not None
     [pid] = loader.pids()
     os.kill(pid, signal.SIGKILL)
-    assert _wait_gone([pid]) == []
+    assert wait_gone([pid]) == []
     loader.want([Piece(1, 1, (2,))])
     with pytest.raises(LoadError, match="died"):
         loader.take(Piece(1, 1, (2,)))
@@ -115,13 +103,13 @@ def test_close_leaves_no_loader_process(prefetcher):
     pids = loader.pids()
     assert len(pids) == 2
     loader.close()
-    assert _wait_gone(pids, timeout=5) == []
+    assert wait_gone(pids, timeout=5) == []
 
 
 _OWNER = textwrap.dedent("""
     import sys, torch
     from elastic.trainer.loader import Piece, Prefetcher
-    from tests import fidelity, jobs
+    from tests import fidelity
     if __name__ == "__main__":
         loader = Prefetcher(fidelity.augmented_job(), 2, "spawn", torch.get_rng_state())
         loader.want([Piece(0, 1, (1,))])
@@ -140,10 +128,10 @@ def test_loader_processes_exit_when_their_worker_is_sigkilled(tmp_path):
                              env={**os.environ, "PYTHONPATH": root})
     try:
         pids = [int(p) for p in owner.stdout.readline().split()]
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        assert len(pids) == 2 and all(alive(p) for p in pids)
         owner.kill()  # SIGKILL: no cleanup code runs in the owner
         owner.wait()
-        assert _wait_gone(pids) == []
+        assert wait_gone(pids) == []
     finally:
         owner.kill()
 
