@@ -43,12 +43,6 @@ def _assert_exactly_once(result, n: int) -> None:
         assert sorted(seen) == list(range(n))
 
 
-
-
-
-
-
-
 @pytest.mark.timeout(300)
 def test_loader_processes_keep_every_sample_once_through_a_kill_and_a_resize(ray_cluster, tmp_path):
     """Dropout and augmentation in loader processes; a worker killed through the API, then a
