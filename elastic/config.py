@@ -350,6 +350,18 @@ class CheckpointConfig(_Frozen):
         "$ELASTIC_HOME/keys/checkpoint.key on the machine that starts the run; copy it "
         "privately to resume from these checkpoints elsewhere.",
     )
+    monitor: str | None = Field(
+        default=None,
+        description="An evaluation metric (a name TrainJob.eval_step returns) by which "
+        "checkpoints written right after an evaluation are ranked; the best keep_best of them "
+        "are kept besides the last keep_last.",
+    )
+    mode: Literal["min", "max"] = Field(
+        default="min", description="With monitor: whether a lower or a higher value is better."
+    )
+    keep_best: int = Field(
+        default=1, ge=0, description="With monitor: how many of the best checkpoints to keep."
+    )
     allow_environment_change: bool = Field(
         default=False,
         description="With batch.exact: resume a checkpoint written under another torch build, "
@@ -382,6 +394,98 @@ class DataConfig(_Frozen):
         default="spawn",
         description="How loader processes start: 'spawn' (a fresh interpreter each) or "
         "'forkserver'. Never 'fork': a worker has communication threads running.",
+    )
+
+
+class TrainingConfig(_Frozen):
+    """What happens around the forward pass and between the summed gradients and the update:
+    precision, clipping and how the learning-rate scheduler steps."""
+
+    precision: Literal["32", "bf16-mixed", "fp16-mixed"] = Field(
+        default="32",
+        description="'32': float32 throughout. 'bf16-mixed' / 'fp16-mixed': forward and loss "
+        "under autocast to bfloat16 / float16, parameters and gradients stay float32; "
+        "'fp16-mixed' scales the loss (a gradient scaler whose scale is committed state), skips "
+        "on every rank a step whose gradients overflow and shrinks the scale, as "
+        "torch.amp.GradScaler does.",
+    )
+    init_scale: float = Field(
+        default=2.0**16, gt=0, description="'fp16-mixed': the gradient scaler's first scale."
+    )
+    growth_interval: int = Field(
+        default=2000, ge=1,
+        description="'fp16-mixed': the scale doubles after this many steps without overflow "
+        "(and halves at each overflow).",
+    )
+    clip_grad_norm: float | None = Field(
+        default=None, gt=0,
+        description="Clip the summed gradients to this global 2-norm (after the allreduce, the "
+        "same on every rank); the norm before clipping goes to metrics.jsonl as grad_norm.",
+    )
+    clip_grad_value: float | None = Field(
+        default=None, gt=0,
+        description="Clip every summed gradient element to [-v, v] (after the allreduce).",
+    )
+    scheduler_interval: Literal["step", "epoch"] = Field(
+        default="step",
+        description="When TrainJob.lr_scheduler steps: after every committed optimizer step, "
+        "or once when an epoch's last step is committed.",
+    )
+    scheduler_monitor: str | None = Field(
+        default=None,
+        description="For a metric-driven scheduler (ReduceLROnPlateau): the value passed to "
+        "scheduler.step(value): 'loss' or a metric TrainJob.loss returns; with "
+        "scheduler_interval 'epoch', its mean over the epoch's steps. None: scheduler.step().",
+    )
+
+
+class EvaluationConfig(_Frozen):
+    """When the job's evaluation data set is evaluated (TrainJob.eval_dataset and eval_step)."""
+
+    every_steps: int | None = Field(
+        default=None, ge=1, description="Evaluate every this many committed steps."
+    )
+    every_epochs: int | None = Field(
+        default=None, ge=1,
+        description="Evaluate when this many epochs have been completed since the last "
+        "evaluation. Default: 1 when every_steps is not set either.",
+    )
+    at_end: bool = Field(default=True, description="Evaluate once more when the run ends.")
+    batch_size: int | None = Field(
+        default=None, ge=1,
+        description="Samples per evaluation forward pass on a worker. Default: "
+        "batch.max_micro_batch, else batch.global_batch_size.",
+    )
+
+
+class MLflowConfig(_Frozen):
+    """Where an MLflow logger writes."""
+
+    tracking_uri: str = Field(description="MLflow tracking URI (a directory, file:///..., or a "
+                              "server's http(s) address).")
+    experiment: str = Field(default="elastic", description="Experiment name (created if missing).")
+    run_name: str | None = Field(
+        default=None, description="MLflow run name. Default: the elastic run's name; a run "
+        "resumed under the same name continues the same MLflow run."
+    )
+
+
+class LoggingConfig(_Frozen):
+    """Where committed steps, evaluations and events are logged besides metrics.jsonl."""
+
+    tensorboard: str | None = Field(
+        default=None, description="TensorBoard log directory (needs the tensorboard package: "
+        "pip install 'elastic[loggers]')."
+    )
+    csv: str | None = Field(default=None, description="CSV file of the committed steps' metrics.")
+    mlflow: MLflowConfig | None = Field(
+        default=None, description="MLflow tracking (needs mlflow-skinny: pip install "
+        "'elastic[loggers]')."
+    )
+    progress: Literal["auto", "bar", "lines", "off"] = Field(
+        default="auto",
+        description="Progress of `elastic run` and `elastic.fit`: 'bar' (a rich progress bar), "
+        "'lines' (plain lines), 'off'; 'auto': a bar on a terminal, else lines.",
     )
 
 
@@ -427,6 +531,16 @@ class FitConfig(_Frozen):
     data: DataConfig = Field(
         default_factory=DataConfig, description="Background loading (loader processes, "
         "prefetch, pinned memory)."
+    )
+    training: TrainingConfig = Field(
+        default_factory=TrainingConfig, description="Precision, gradient clipping and how the "
+        "learning-rate scheduler steps."
+    )
+    evaluation: EvaluationConfig = Field(
+        default_factory=EvaluationConfig, description="When TrainJob.eval_dataset is evaluated."
+    )
+    logging: LoggingConfig = Field(
+        default_factory=LoggingConfig, description="Loggers (TensorBoard, CSV, MLflow) and progress."
     )
 
     @model_validator(mode="after")
@@ -476,6 +590,16 @@ class FitConfig(_Frozen):
         if self.data.pin_memory and not self.scaling.use_gpu:
             raise ValueError("data.pin_memory pins host memory for copies to a GPU; it needs "
                              "scaling.use_gpu=True (set data.pin_memory=False on CPU workers)")
+        training = self.training
+        if training.clip_grad_norm is not None and training.clip_grad_value is not None:
+            raise ValueError("set one of training.clip_grad_norm and training.clip_grad_value")
+        if batch.exact and training.precision != "32":
+            raise ValueError("batch.exact sums float32 gradients; it cannot run with "
+                             f"training.precision {training.precision!r} (set it to '32')")
+        ckpt = self.checkpoint
+        if ckpt is not None and ckpt.monitor is not None and ckpt.keep_best < 1:
+            raise ValueError("checkpoint.monitor ranks checkpoints to keep the best; set "
+                             "checkpoint.keep_best to 1 or more")
         if self.collective.backend == "nccl" and not self.scaling.use_gpu:
             raise ValueError("collective.backend='nccl' needs scaling.use_gpu=True (NCCL moves "
                              "GPU memory only); use backend 'gloo' for CPU workers")

@@ -8,6 +8,9 @@ from typing import Any
 
 from elastic.errors import ConfigError
 
+# What a callback may define (`elastic.callbacks.Callback` documents each).
+CALLBACK_HOOKS = ("on_step", "on_event", "on_evaluate", "on_checkpoint", "on_finish")
+
 
 @dataclass(frozen=True)
 class TrainJob:
@@ -31,8 +34,22 @@ class TrainJob:
         lr_scheduler: `(optimizer) -> LR scheduler`, stepped once per global step.
         collate_fn: turns a list of samples into a batch; default
             `torch.utils.data.default_collate`.
-        evaluate: `(model) -> dict`, run on rank 0 after each epoch and at the end.
+        evaluate: `(model) -> dict`, run on rank 0 after each epoch and at the end (the
+            simple form; `eval_dataset` with `eval_step` is the distributed one).
         transform: with a Ray Dataset only: `row dict -> sample`, run on the worker.
+        eval_dataset: `() -> map-style Dataset` evaluated with `eval_step`, split over the
+            current members (`FitConfig.evaluation` says when).
+        eval_step: `(model, batch) -> {name: (sum, count)}`: per metric, the sum over the
+            batch's items and their number (tensors or numbers; `elastic.LossSum` works too);
+            each metric is reported as its sums over the whole evaluation set divided by its
+            counts. Runs under `torch.no_grad()` with the model in eval mode.
+        callbacks: `elastic.Callback` objects; they run in the controller process, never in a
+            worker's step (see `elastic.callbacks`).
+        extra_state: `(model, optimizer) -> {name: object}`: state beside the model and the
+            optimizer (an EMA of the weights, user counters), each object with `state_dict()`
+            and `load_state_dict(d)`; part of peer restore and checkpoints. An object with an
+            `after_step(model)` method has it called on every rank after each applied
+            optimizer step.
     """
 
     model: Callable[[], Any]
@@ -43,6 +60,10 @@ class TrainJob:
     collate_fn: Callable[[list[Any]], Any] | None = None
     evaluate: Callable[[Any], dict[str, float]] | None = None
     transform: Callable[[Any], Any] | None = None
+    eval_dataset: Callable[[], Any] | None = None
+    eval_step: Callable[[Any, Any], Any] | None = None
+    callbacks: tuple[Any, ...] = ()
+    extra_state: Callable[[Any, Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.transform is not None and not is_ray_dataset(self.dataset):
@@ -59,7 +80,16 @@ class TrainJob:
                     if name in ("model", "dataset") else
                     f"TrainJob.{name} must be callable, got {type(value).__name__}"
                 )
-        for name in ("lr_scheduler", "collate_fn", "evaluate", "transform"):
+        if (self.eval_dataset is None) != (self.eval_step is None):
+            raise ConfigError("TrainJob.eval_dataset and TrainJob.eval_step go together: set both "
+                              "(or neither)")
+        object.__setattr__(self, "callbacks", tuple(self.callbacks))
+        for callback in self.callbacks:
+            if not any(hasattr(callback, hook) for hook in CALLBACK_HOOKS):
+                raise ConfigError(f"TrainJob.callbacks: {type(callback).__name__} has none of the "
+                                  f"hooks {', '.join(CALLBACK_HOOKS)}")
+        for name in ("lr_scheduler", "collate_fn", "evaluate", "transform", "eval_dataset",
+                     "eval_step", "extra_state"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise ConfigError(f"TrainJob.{name} must be callable or None, got {type(value).__name__}")
