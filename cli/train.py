@@ -16,9 +16,10 @@ from rich.table import Table
 
 import elastic
 from cli.output import console, fail, one_line
-from cli.render import EventTail, describe
+from cli.render import describe
 from elastic.errors import ElasticError
 from elastic.events import Evaluate, Recovered, parse
+from elastic.progress import resolve
 
 # Command-line option -> dotted FitConfig field; `run` and `start` share them.
 _OPTION_FIELDS = {
@@ -28,6 +29,7 @@ _OPTION_FIELDS = {
     "epochs": "epochs", "max_steps": "max_steps",
     "seed": "seed", "name": "name", "run_dir": "run_dir", "backend": "collective.backend",
     "algorithm": "collective.algorithm", "loader_workers": "data.loader_workers",
+    "tensorboard": "logging.tensorboard", "csv": "logging.csv",
 }
 
 
@@ -84,6 +86,11 @@ def _training_options(
     algorithm: Annotated[str | None, typer.Option(help="ring, tree, halving_doubling, native.")] = None,
     loader_workers: Annotated[int | None, typer.Option(
         help="Loader processes per worker reading the next steps' samples ahead.")] = None,
+    tensorboard: Annotated[str | None, typer.Option(
+        help="TensorBoard log directory for the committed steps and evaluations (needs "
+        "pip install 'elastic[loggers]').")] = None,
+    csv: Annotated[str | None, typer.Option(
+        help="CSV file of the committed steps and evaluations, one row each.")] = None,
     kill_at: Annotated[list[str] | None, typer.Option(help="Chaos: kill RANK at STEP (STEP:RANK).")] = None,
     ledger: Annotated[bool, typer.Option(help="Record the indices of every step.")] = False,
     exact: Annotated[bool, typer.Option(
@@ -133,26 +140,23 @@ def _set(tree: dict, dotted: str, value: object) -> None:
 
 @_training_command
 def run(options: dict[str, Any]) -> None:
-    """Train TARGET in the foreground, printing recovery events as they happen."""
+    """Train TARGET in the foreground, showing its progress and its events as they happen (a
+    progress bar on a terminal, plain lines otherwise)."""
     fit_config, job = _prepare(options)
     run_name = fit_config.name or f"run-{os.getpid()}"
-    fit_config = fit_config.model_copy(update={"name": run_name})
+    # `fit` shows the progress; 'auto' means lines here where `fit` alone would print nothing.
+    progress = resolve(fit_config.logging.progress, console.is_terminal, otherwise="lines")
+    shown = fit_config.logging.model_copy(update={"progress": progress or "off"})
+    fit_config = fit_config.model_copy(update={"name": run_name, "logging": shown})
     directory = pathlib.Path(fit_config.run_dir or os.path.join("runs", run_name))
     console.print(f"run [bold]{run_name}[/bold]: {fit_config.scaling.num_workers} workers, "
                   f"global batch {fit_config.batch.global_batch_size}, run dir {directory}")
-    tail = EventTail(directory / "events.jsonl")
-    tail.thread.start()
     try:
         result = elastic.fit(job, fit_config)
     except ElasticError as e:
-        tail.stop.set()
-        tail.flush()
         if options["debug"]:
             raise
         raise fail(f"{type(e).__name__}: {one_line(e)}") from None
-    tail.stop.set()
-    tail.thread.join()
-    tail.flush()
     _print_summary(result)
 
 

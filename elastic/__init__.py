@@ -2,17 +2,22 @@
 
 from elastic.adapt.groups import forward_seed
 from elastic.api import events, fit, kill, load_checkpoint, runs, scale, start, status, stop
+from elastic.callbacks import Callback
 from elastic.config import (
     BatchConfig,
     ChaosEvent,
     CheckpointConfig,
     CollectiveConfig,
     DataConfig,
+    EvaluationConfig,
     FailureConfig,
     FitConfig,
+    LoggingConfig,
+    MLflowConfig,
     ScalingConfig,
+    TrainingConfig,
 )
-from elastic.errors import ElasticError, UserCodeError
+from elastic.errors import AfterStepError, ElasticError, UserCodeError
 from elastic.job import TrainJob
 from elastic.targets import load_target
 from elastic.trainer.loss import LossSum
@@ -28,18 +33,24 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'elastic' has no attribute {name!r}")
 
 __all__ = [
+    "AfterStepError",
     "BatchConfig",
+    "Callback",
     "ChaosEvent",
     "CheckpointConfig",
     "CollectiveConfig",
     "DataConfig",
     "ElasticError",
+    "EvaluationConfig",
     "FailureConfig",
     "FitConfig",
     "FitResult",
+    "LoggingConfig",
     "LossSum",
+    "MLflowConfig",
     "ScalingConfig",
     "TrainJob",
+    "TrainingConfig",
     "UserCodeError",
     "events",
     "fit",

@@ -23,23 +23,27 @@ if TYPE_CHECKING:
 def fit(job: TrainJob, config: FitConfig) -> FitResult:
     """Trains `job` data-parallel on Ray workers, through failures and resizes.
 
-    Uses the connected Ray cluster, or starts a local one.
+    Uses the connected Ray cluster, or starts a local one. Shows the run's progress when
+    stdout is a terminal (`config.logging.progress`).
 
     Raises:
-        UserCodeError: user code kept raising past `failure.max_user_retries`.
+        UserCodeError: user code kept raising past `failure.max_user_retries`, or a callback
+            raised (`CallbackError`).
         InsufficientWorkersError: fewer than `scaling.min_workers` workers for too long.
         StartupTimeoutError: the workers did not start in time.
         ConfigError: the job cannot be built (a factory raised or returned the wrong type).
         WorkerOutOfMemoryError: a worker ran out of memory even at micro-batch 1.
     """
     from elastic.actors import client
+    from elastic.progress import follow
     from elastic.result import FitResult
 
     if not isinstance(job, TrainJob):
         raise TypeError(f"fit needs an elastic.TrainJob, got {type(job).__name__}")
     name = config.name or client.new_run_name()
     run_dir = os.path.abspath(config.run_dir or os.path.join("runs", name))
-    outcome = client.run_controller(job, config, name, run_dir)
+    with follow(run_dir, config.logging.progress):  # a bar on a terminal (LoggingConfig.progress)
+        outcome = client.run_controller(job, config, name, run_dir)
     if outcome.error is not None:
         raise outcome.error
     assert outcome.model_state is not None
@@ -201,7 +205,7 @@ def _from_record(record: dict[str, Any], method: str) -> Any:
 
 
 def load_checkpoint(path: str, step: int | None = None, *, key_file: str | None = None,
-                    signed: bool = True) -> LoadedCheckpoint | None:
+                    signed: bool = True, best: bool = False) -> LoadedCheckpoint | None:
     """The newest checkpoint under `path` whose manifest and checksums verify (or exactly
     `step`); None if there is none. `parts["model"]` is the model's state dict.
 
@@ -212,8 +216,11 @@ def load_checkpoint(path: str, step: int | None = None, *, key_file: str | None 
             `fit` uses by default on this machine).
         signed: False loads checkpoints written with `CheckpointConfig(sign=False)`; their
             checksums still verify, but anyone who can write `path` could have replaced them.
+        best: the one with the best monitored value instead (`CheckpointConfig.monitor`, by
+            the metric and mode its manifests record); None if none records one.
 
     Raises:
+        ValueError: both `step` and `best`.
         CheckpointCorruptError: `step` was given and that checkpoint does not verify (or is
             not signed with the key), or holds a pickle that would run code (it is refused,
             never executed).
@@ -222,5 +229,11 @@ def load_checkpoint(path: str, step: int | None = None, *, key_file: str | None 
     from elastic.checkpoint import load_checkpoint as _load_checkpoint
     from elastic.checkpoint.signing import default_key_file, read_key
 
+    if best and step is not None:
+        raise ValueError("load_checkpoint takes step or best=True, not both")
     key = read_key(key_file or default_key_file()) if signed else None
+    if best:
+        from elastic.checkpoint.store import best_checkpoint
+
+        return best_checkpoint(path, key)
     return _load_checkpoint(path, step, key)

@@ -11,7 +11,7 @@ import os
 from datetime import timedelta
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Backend = Literal["gloo", "nccl"]
 Algorithm = Literal["ring", "tree", "halving_doubling", "native"]
@@ -280,7 +280,8 @@ class FailureConfig(_Frozen):
 
 
 ChaosAction = Literal["kill", "hang", "raise", "slow", "oom"]
-ChaosPhase = Literal["data", "forward", "backward", "allreduce", "optimizer", "checkpoint"]
+ChaosPhase = Literal["data", "forward", "backward", "allreduce", "optimizer", "checkpoint",
+                     "evaluate"]
 
 
 class ChaosEvent(_Frozen):
@@ -297,7 +298,9 @@ class ChaosEvent(_Frozen):
                               "(ignored by 'slow', which stretches the whole compute part). "
                               "'checkpoint': a 'kill' during the first checkpoint write at or "
                               "after `step`, once a part is on disk and before the manifest "
-                              "(rank 0 writes checkpoints).")
+                              "(rank 0 writes checkpoints). 'evaluate': in the evaluation at "
+                              "committed step `step` (if one runs there), before the rank reads "
+                              "its slice; 'raise' there is an error of eval_step.")
     factor: float = Field(default=2.0, gt=1, description="Slow-down factor for action 'slow'.")
     steps: int | None = Field(
         default=1, ge=1,
@@ -308,11 +311,15 @@ class ChaosEvent(_Frozen):
     def _raise_only_in_user_code(self) -> ChaosEvent:
         # 'raise' and 'oom' stand for errors in user code; in the allreduce or optimizer phase
         # they would escape the step's error vote and look like a bug of ours.
-        if self.action in ("raise", "oom") and self.phase not in ("data", "forward", "backward"):
+        user_code = ("data", "forward", "backward") + (("evaluate",) if self.action == "raise" else ())
+        if self.action in ("raise", "oom") and self.phase not in user_code:
             raise ValueError(
-                f"chaos action {self.action!r} fires in user code only; use phase data, forward "
-                f"or backward, not {self.phase!r}"
+                f"chaos action {self.action!r} fires in user code only; use phase "
+                f"{', '.join(user_code)}, not {self.phase!r}"
             )
+        if self.phase == "evaluate" and self.action == "slow":
+            raise ValueError("chaos phase 'evaluate' takes action 'kill', 'hang' or 'raise'; "
+                             "'slow' stretches training steps (leave its phase at the default)")
         if self.phase == "checkpoint" and (self.action != "kill" or self.rank != 0):
             raise ValueError(
                 "chaos phase 'checkpoint' takes action 'kill' on rank 0 (the rank that writes "
@@ -352,7 +359,7 @@ class CheckpointConfig(_Frozen):
     )
     monitor: str | None = Field(
         default=None,
-        description="An evaluation metric (a name TrainJob.eval_step returns) by which "
+        description="An evaluation metric (a name TrainJob.eval_step or evaluate returns) by which "
         "checkpoints written right after an evaluation are ranked; the best keep_best of them "
         "are kept besides the last keep_last.",
     )
@@ -368,6 +375,13 @@ class CheckpointConfig(_Frozen):
         "thread count or hardware type, or without exact mode (the run is exact from there on "
         "but no longer reproduces the run that wrote it). Off: such a resume is refused.",
     )
+
+    @model_validator(mode="after")
+    def _check_monitor(self) -> CheckpointConfig:
+        if self.monitor is not None and not self.monitor.strip():
+            raise ValueError("checkpoint.monitor is empty; set it to a metric name that "
+                             "TrainJob.eval_step (or evaluate) returns, or leave it unset")
+        return self
 
 
 class DataConfig(_Frozen):
@@ -447,8 +461,8 @@ class EvaluationConfig(_Frozen):
     )
     every_epochs: int | None = Field(
         default=None, ge=1,
-        description="Evaluate when this many epochs have been completed since the last "
-        "evaluation. Default: 1 when every_steps is not set either.",
+        description="Evaluate after every this many epochs (after epochs E, 2E, ... of the "
+        "run). Default: 1 when every_steps is not set either.",
     )
     at_end: bool = Field(default=True, description="Evaluate once more when the run ends.")
     batch_size: int | None = Field(
@@ -457,36 +471,69 @@ class EvaluationConfig(_Frozen):
         "batch.max_micro_batch, else batch.global_batch_size.",
     )
 
+    @property
+    def epoch_interval(self) -> int | None:
+        """Epochs between evaluations (`every_epochs`, 1 when neither interval is set)."""
+        if self.every_epochs is not None:
+            return self.every_epochs
+        return 1 if self.every_steps is None else None
+
+
+def _absolute(path: str) -> str:
+    """`path` made absolute where the configuration is built: the controller that opens it
+    runs in another process, whose working directory may differ."""
+    return os.path.abspath(os.path.expanduser(path))
+
 
 class MLflowConfig(_Frozen):
     """Where an MLflow logger writes."""
 
-    tracking_uri: str = Field(description="MLflow tracking URI (a directory, file:///..., or a "
-                              "server's http(s) address).")
+    tracking_uri: str = Field(description="MLflow tracking URI: a directory (MLflow's file "
+                              "store; a relative one is made absolute here), file:///..., or "
+                              "a server's http(s) address.")
     experiment: str = Field(default="elastic", description="Experiment name (created if missing).")
     run_name: str | None = Field(
-        default=None, description="MLflow run name. Default: the elastic run's name; a run "
+        default=None, pattern=r"^[^'\"\\]{1,250}$",
+        description="MLflow run name (no quotes or backslashes). Default: the elastic run's "
+        "name. The MLflow run is found again by this name (its tag `elastic.run`), so a run "
         "resumed under the same name continues the same MLflow run."
     )
 
+    @field_validator("tracking_uri")
+    @classmethod
+    def _absolute_folder(cls, uri: str) -> str:
+        return uri if ":" in uri or uri == "databricks" else _absolute(uri)
+
 
 class LoggingConfig(_Frozen):
-    """Where committed steps, evaluations and events are logged besides metrics.jsonl."""
+    """Where committed steps and evaluations are logged besides metrics.jsonl, and how
+    progress is shown (`elastic.loggers` says what each logger writes)."""
 
     tensorboard: str | None = Field(
-        default=None, description="TensorBoard log directory (needs the tensorboard package: "
-        "pip install 'elastic[loggers]')."
+        default=None, description="TensorBoard log directory, with the runs `train` and `eval` "
+        "(needs the tensorboard package: pip install 'elastic[loggers]'). Relative: made "
+        "absolute here."
     )
-    csv: str | None = Field(default=None, description="CSV file of the committed steps' metrics.")
+    csv: str | None = Field(
+        default=None, description="CSV file of the committed steps' metrics and the "
+        "evaluations, one row each. Relative: made absolute here."
+    )
     mlflow: MLflowConfig | None = Field(
         default=None, description="MLflow tracking (needs mlflow-skinny: pip install "
         "'elastic[loggers]')."
     )
     progress: Literal["auto", "bar", "lines", "off"] = Field(
         default="auto",
-        description="Progress of `elastic run` and `elastic.fit`: 'bar' (a rich progress bar), "
-        "'lines' (plain lines), 'off'; 'auto': a bar on a terminal, else lines.",
+        description="Progress of `elastic run` and `elastic.fit`: 'bar' (a rich progress bar: "
+        "steps, epoch, loss, samples/s, world size, last event), 'lines' (plain lines), 'off'. "
+        "'auto': a bar when stdout is a terminal; otherwise `elastic run` prints lines and "
+        "`elastic.fit` nothing.",
     )
+
+    @field_validator("tensorboard", "csv")
+    @classmethod
+    def _absolute_path(cls, path: str | None) -> str | None:
+        return None if path is None else _absolute(path)
 
 
 class FitConfig(_Frozen):

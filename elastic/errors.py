@@ -141,6 +141,26 @@ class UserCodeError(ElasticError):
         return (_rebuild_kw, (type(self), self.args[0], fields))
 
 
+class AfterStepError(UserCodeError):
+    """User code that runs once a step is applied (`TrainJob.lr_scheduler`, an extra state's
+    `after_step`) raised; the step stays committed.
+
+    Recovery: none: a retry would apply the step again; the run fails with the traceback.
+    """
+
+
+class CallbackError(UserCodeError):
+    """A hook of a `TrainJob.callbacks` object raised; callbacks run in the controller
+    process, so the error has no rank (`rank` is -1). The message names the callback's class
+    and hook; `step` is the step of the record it was handed (else the committed step).
+
+    Recovery: none: the run fails at once (a callback is never retried), with the traceback.
+    """
+
+    def __str__(self) -> str:
+        return f"{self.args[0]} (step {self.step})\n{self.traceback}"
+
+
 class _AtRankAndStep(ElasticError):
     """An error that names the rank and the step where it happened (both required).
 

@@ -26,6 +26,7 @@ Kinds and their classes:
 | `generation` | `Generation` |
 | `generation_failed` | `GenerationFailed` |
 | `kill_requested` | `KillRequested` |
+| `logger_failed` | `LoggerFailed` |
 | `member_unreachable` | `MemberUnreachable` |
 | `micro_batch_tuned` | `MicroBatchTuned` |
 | `nonfinite` | `Nonfinite` |
@@ -482,7 +483,8 @@ class Rebalanced(Event, kind="rebalanced"):
 
 @dataclass(frozen=True, kw_only=True)
 class Evaluate(Event, kind="evaluate"):
-    """The result of `TrainJob.evaluate` after epoch `epoch`.
+    """An evaluation of the committed model at step `step`, `epoch` epochs done: the metrics
+    of `TrainJob.eval_step` over the whole evaluation set and of `TrainJob.evaluate`.
 
     On disk `metrics` are top-level fields beside `step` and `epoch`.
     """
@@ -562,6 +564,20 @@ class CheckpointConfigChanged(Event, kind="checkpoint_config_changed"):
 
     path: str
     note: str
+
+
+# --- loggers ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggerFailed(Event, kind="logger_failed"):
+    """Logger `logger` (`csv`, `tensorboard` or `mlflow`, `LoggingConfig`) raised `error` (its
+    first line) at `step` (None: opening or closing it); it is off for the rest of the run,
+    which goes on. The traceback is in the controller's log."""
+
+    logger: str
+    error: str
+    step: int | None = None
 
 
 # --- the codec ---------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ class FitResult:
         samples: samples processed by committed steps (steps x global batch).
         events: every event of the run, in order.
         metrics: one record per committed step.
-        evaluation: the last result of `TrainJob.evaluate`, if any.
+        evaluation: the last evaluation's metrics (`TrainJob.eval_step`'s and `evaluate`'s), if any.
         stopped: True when the run ended early because of `stop`.
     """
 

@@ -1,7 +1,8 @@
 """A run's records on disk: `events.jsonl`, `metrics.jsonl` and (opt-in) `ledger.jsonl`.
 
 `RunLog.emit` is the one writer of events; `elastic.events` defines their records and reads
-them back.
+them back. Sinks (the run's loggers and callbacks, `elastic.sinks`) get every event and metrics
+line after it is written.
 """
 
 from __future__ import annotations
@@ -10,12 +11,23 @@ import json
 import os
 import threading
 import time
-from typing import Any
+from collections import deque
+from typing import Any, Protocol
 
 from elastic.events import Event, build, read_jsonl, to_record
 from elastic.private import ensure_private_dir, open_private_append
 
-__all__ = ["RunLog", "read_jsonl"]  # read_jsonl lives with the events; kept here for its callers
+__all__ = ["RunLog", "Sink", "read_jsonl"]  # read_jsonl lives with the events; kept here for its callers
+
+
+class Sink(Protocol):
+    """What `RunLog.add_sinks` takes: called with each record as written (do not change it)."""
+
+    def on_metric(self, record: dict[str, Any]) -> None:
+        """One committed step's metrics line."""
+
+    def on_event(self, record: dict[str, Any]) -> None:
+        """One event record (`{"time": ..., "event": kind, **fields}`)."""
 
 
 class RunLog:
@@ -36,6 +48,14 @@ class RunLog:
         self._files: dict[str, int] = {}
         self.events: list[dict[str, Any]] = []
         self.metrics: list[dict[str, Any]] = []
+        self._sinks: list[Sink] = []
+        self._sink_thread: int | None = None
+        # (hook, record, own: see `handing_own`), in the order written
+        self._pending: deque[tuple[str, dict[str, Any], bool]] = deque()
+        self._delivering = False
+        self.handing_own = True
+        """Whether the record being handed to the sinks is the thread's own: written on the
+        sinks' thread, not by a sink (another thread's record waits for one of these)."""
         self._descriptor("events.jsonl")  # a planted file or link fails the run at its start
 
     def _descriptor(self, name: str) -> int:
@@ -70,6 +90,9 @@ class RunLog:
         with self._lock:
             self.events.append(record)
             self._append("events.jsonl", record)
+            if self._sinks:
+                self._pending.append(("on_event", record, self._own()))
+        self.deliver()
         return record
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -86,9 +109,70 @@ class RunLog:
         with self._lock:
             self.metrics.append(fields)
             self._append("metrics.jsonl", fields)
+            if self._sinks:
+                self._pending.append(("on_metric", fields, self._own()))
+        self.deliver()
+
+    def add_sinks(self, *sinks: Sink) -> None:
+        """Hands every record written from now on to `sinks`, in order, after it is written.
+
+        Sinks run on the thread that added them, one record at a time: a record another thread
+        writes (a control request's event) waits until this thread writes its next record or
+        calls `deliver`, so that a sink never runs on two threads at once, and a hook that has
+        the controller write an event on another thread (a stop request) does not wait on
+        itself.
+        """
+        with self._lock:
+            self._sinks.extend(sinks)
+            self._sink_thread = threading.get_ident()
+
+    def remove_sinks(self) -> None:
+        """Stops handing records to sinks (records not yet delivered are dropped)."""
+        with self._lock:
+            self._sinks, self._sink_thread = [], None
+            self._pending.clear()
+
+    def deliver(self) -> None:
+        """Hands the records written so far to the sinks, if called on the sinks' thread.
+
+        Raises:
+            Exception: the first exception a sink raised, once every sink has had the record
+                (the records after it wait for the next call).
+        """
+        if not self._on_sink_thread() or self._delivering:
+            return  # a sink writing a record: the loop below delivers it next
+        self._delivering = True
+        try:
+            while True:
+                with self._lock:
+                    if not self._pending:
+                        return
+                    hook, record, self.handing_own = self._pending.popleft()
+                    sinks = list(self._sinks)
+                _hand(sinks, hook, record)
+        finally:
+            self._delivering = False
+            self.handing_own = True
+
+    def _on_sink_thread(self) -> bool:
+        return threading.get_ident() == self._sink_thread
+
+    def _own(self) -> bool:
+        return self._on_sink_thread() and not self._delivering
 
     def ledger(self, step: int, epoch: int, indices: list[int]) -> None:
         """Records which data set indices a committed step consumed."""
         with self._lock:
             self._append("ledger.jsonl", {"step": step, "epoch": epoch, "indices": indices})
 
+
+def _hand(sinks: list[Sink], hook: str, record: dict[str, Any]) -> None:
+    """Calls `hook` of every sink; then raises the first exception one raised."""
+    error: Exception | None = None
+    for sink in sinks:
+        try:
+            getattr(sink, hook)(record)
+        except Exception as e:  # the other sinks still get the record
+            error = error or e
+    if error is not None:
+        raise error

@@ -50,12 +50,12 @@ class ImageFolder(torch.utils.data.Dataset):
         return (x - 0.5) / 0.25, label
 
 
-def write_folder(root: str, per_class: int = 64) -> None:
+def write_folder(root: str, per_class: int = 64, seed: int = 0) -> None:
     """A synthetic image folder (written once; each file under a temporary name, then
-    renamed, so a reader never sees half a file)."""
+    renamed, so a reader never sees half a file); another `seed` draws other images."""
     from PIL import Image
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     yy, xx = np.mgrid[0:SIZE, 0:SIZE] / SIZE
     for c, name in enumerate(CLASSES):
         os.makedirs(os.path.join(root, name), exist_ok=True)

@@ -35,6 +35,7 @@ from elastic.job import TrainJob
 from elastic.private import write_private
 from elastic.registry import RunRegistry, is_terminal, this_host
 from elastic.runlog import RunLog
+from elastic.sinks import RunSinks
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,10 @@ class Controller:
         self.workers = RayWorkers(job, config, run_dir, checkpoint_key, self.server)
         restarted = detached and ray.get_runtime_context().was_current_actor_reconstructed
         self.ctx = Context(config, name, self.log, self.workers, has_evaluate=job.evaluate is not None,
+                           has_eval_step=job.eval_step is not None,
                            restarted=restarted, publish=self._publish)
         self.machine = Machine(self.ctx, on_change=self._on_state)
+        self.sinks = RunSinks(config.logging, job.callbacks, self.machine)  # loggers, callbacks
         self._lock = threading.Lock()
         # The run's record in the index (found by name, live or ended) and its fast control
         # channel; `home` is the starting process's ELASTIC_HOME, if it set one.
@@ -227,13 +230,15 @@ class Controller:
         error: BaseException | None = None
         try:
             try:
-                end = self.machine.run()
-                model_state = end.model_state if isinstance(end, Finished) else None
-                error = end.error if isinstance(end, Failed) else None
+                self.sinks.start()  # a missing logger package fails the run before it starts
+                self.machine.run()
             finally:  # whatever happened, no worker outlives the run
                 self.workers.shutdown()
                 self.ctx.members = []
                 self.server.close()
+            end = self.sinks.end()  # callbacks' on_finish; a late callback error fails the run
+            model_state = end.model_state if isinstance(end, Finished) else None
+            error = end.error if isinstance(end, Failed) else None
             if self.detached:
                 if model_state is not None:
                     self._write_final_model(model_state)
@@ -241,6 +246,7 @@ class Controller:
         finally:
             # The end is published once everything it points to is written, and before the
             # channel closes: a caller that finds nobody answering reads the record again.
+            self.sinks.close()
             with self._lock:
                 self._ended = True
             self._publish()

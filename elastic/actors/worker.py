@@ -17,13 +17,25 @@ import torch
 
 from elastic.adapt.lr import LrRamp
 from elastic.adapt.plan import BatchPlan
-from elastic.checkpoint import CheckpointWriter, write_checkpoint
+from elastic.checkpoint import CheckpointWriter
+from elastic.checkpoint.retention import Retention
 from elastic.checkpoint.store import newest_checkpoint, serialize
 from elastic.collective import Communicator, Endpoint
 from elastic.config import ChaosEvent, FitConfig
-from elastic.control.port import ChunkDone, ChunkInterrupted, ChunkOutcome, ChunkVotedDown
-from elastic.errors import CheckpointSignatureError, CollectiveError
+from elastic.control.port import (
+    ChunkDone,
+    ChunkFailed,
+    ChunkInterrupted,
+    ChunkOutcome,
+    ChunkVotedDown,
+    EvalDone,
+    EvalInterrupted,
+    EvalOutcome,
+    EvalVotedDown,
+)
+from elastic.errors import AfterStepError, CheckpointSignatureError, CollectiveError, InjectedFault
 from elastic.job import TrainJob
+from elastic.trainer.evaluation import EvalFailure, LazyDataset, eval_batch_size, evaluate_share
 from elastic.trainer.replica import (
     NonFinite,
     OutOfMemory,
@@ -47,7 +59,9 @@ class WorkerActor:
         self._lock = threading.Lock()
         ckpt = config.checkpoint
         self._key = checkpoint_key
-        self._writer = CheckpointWriter(ckpt.path, ckpt.keep_last, checkpoint_key) if ckpt else None
+        self._writer = (CheckpointWriter(ckpt.path, ckpt.keep_last, checkpoint_key, Retention(
+            ckpt.keep_last, ckpt.keep_best, ckpt.monitor, ckpt.mode)) if ckpt else None)
+        self._eval_set = LazyDataset(job.eval_dataset, config.seed) if job.eval_dataset else None
         self._checkpoint_chaos: list[ChaosEvent] = []  # kills to fire during a checkpoint write
 
     def info(self) -> dict[str, Any]:
@@ -95,6 +109,8 @@ class WorkerActor:
                 records.append(outcome)
         except CollectiveError as e:
             return ChunkInterrupted(records, replica.global_step, replica.cursor.to_dict(), str(e))
+        except AfterStepError as e:
+            return ChunkFailed(records, replica.global_step, replica.cursor.to_dict(), e)
         return ChunkDone(records, replica.global_step, replica.cursor.to_dict())
 
     def checkpoint(self, meta: dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +130,7 @@ class WorkerActor:
             submitted = self._writer.submit(step, snapshot, meta, after_part=crash)
         else:
             parts = {name: serialize(value) for name, value in state.items() if value is not None}
-            write_checkpoint(ckpt.path, step, parts, meta, after_part=crash, key=self._key)
+            self._writer.write_now(step, parts, meta, after_part=crash)
             submitted = True
         return {"submitted": submitted, "reports": self._reports()}
 
@@ -128,6 +144,34 @@ class WorkerActor:
         self._checkpoint_chaos.remove(event)
         run_dir = self.replica.run_dir
         return lambda _part: chaos_kill(run_dir, event)
+
+    def evaluate_share(self, shares: tuple[int, ...], chaos: list[ChaosEvent]) -> EvalOutcome:
+        """Evaluates this rank's slice of the evaluation set and reduces the metrics with every
+        member of the generation (`elastic.trainer.evaluation.evaluate_share`); chaos faults of
+        phase 'evaluate' for this rank fire before it reads anything."""
+        replica = self.replica
+        comm = replica.comm
+        assert comm is not None and self._eval_set is not None and replica.job.eval_step
+        mine = [e for e in chaos if e.rank == comm.rank and e.phase == "evaluate"]
+        try:
+            result = evaluate_share(comm, replica.model, self._eval_set, replica.collate,
+                                    replica.job.eval_step, shares, eval_batch_size(self.config),
+                                    self.config.seed, lambda: self._fire(mine), replica.progress)
+        except CollectiveError as e:
+            return EvalInterrupted(str(e))
+        return EvalVotedDown(result) if isinstance(result, EvalFailure) else EvalDone(result)
+
+    def _fire(self, events: list[ChaosEvent]) -> None:
+        """Chaos during an evaluation: 'kill' SIGKILLs this worker, 'hang' blocks it for
+        good, 'raise' is an error of user code."""
+        for event in events:
+            if event.action == "kill":
+                chaos_kill(self.replica.run_dir, event)
+            elif event.action == "hang":
+                threading.Event().wait()
+            elif event.action == "raise":
+                raise InjectedFault(f"injected fault in the evaluation at step {event.step}, "
+                                    f"rank {event.rank}")
 
     def flush_checkpoints(self) -> list[dict[str, Any]]:
         """Waits for the background write, if any; returns the finished writes' reports."""

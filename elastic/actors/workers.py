@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -22,7 +23,7 @@ from elastic.adapt.lr import LrRamp
 from elastic.adapt.plan import BatchPlan
 from elastic.collective import RendezvousServer
 from elastic.config import ChaosEvent, FitConfig
-from elastic.control.port import ChunkOutcome, ChunkReport, Gathered, Member, Started
+from elastic.control.port import ChunkReport, EvalReport, Gathered, Member, Started
 from elastic.errors import CollectiveError, ConfigError, ElasticError, WorkerLostError
 from elastic.job import TrainJob
 
@@ -194,7 +195,23 @@ class RayWorkers:
                   hung: Callable[[dict[int, str]], list[int]]) -> ChunkReport:
         refs = {self.actors[w].run_chunk.remote(plan, num_steps, chaos, lr_ramp): r
                 for r, w in enumerate(ids)}
-        outcomes: dict[int, ChunkOutcome] = {}
+        answers = self._answers(ids, refs, hang_timeout, hung)
+        return ChunkReport(answers.outcomes, answers.lost, answers.detected, answers.hung)
+
+    def evaluate(self, ids: Sequence[int], shares: Sequence[int], chaos: list[ChaosEvent],
+                 hang_timeout: float, hung: Callable[[dict[int, str]], list[int]]) -> EvalReport:
+        refs = {self.actors[w].evaluate_share.remote(tuple(shares), chaos): r
+                for r, w in enumerate(ids)}
+        answers = self._answers(ids, refs, hang_timeout, hung)
+        return EvalReport(answers.outcomes, answers.lost, answers.detected, answers.hung)
+
+    def _answers(self, ids: Sequence[int], refs: dict[Any, int], hang_timeout: float,
+                 hung: Callable[[dict[int, str]], list[int]]) -> _Answers:
+        """Waits for every rank's answer to one call on the generation (`refs`: ref -> rank).
+        At the first loss every survivor is aborted, so that none waits in a collective for
+        the dead; ranks silent for `hang_timeout` are asked where they are and those `hung`
+        names are killed."""
+        outcomes: dict[int, Any] = {}
         lost: dict[int, str] = {}
         killed: list[tuple[int, str]] = []
         detected = 0.0
@@ -213,7 +230,7 @@ class RayWorkers:
                     detected = time.time()
                     # Release every survivor blocked in a collective with the dead worker.
                     self._abort_all_but(ids, rank)
-        return ChunkReport(outcomes, lost, detected, killed)
+        return _Answers(outcomes, lost, detected, killed)
 
     def _kill_hung(self, ids: Sequence[int], ranks: list[int],
                    hung: Callable[[dict[int, str]], list[int]]) -> list[tuple[int, str]]:
@@ -245,6 +262,16 @@ class RayWorkers:
             return None
         with open(path) as f:
             return float(f.read())
+
+
+@dataclass(frozen=True)
+class _Answers:
+    """Every rank's answer to one call on a generation (the fields of a `ChunkReport`)."""
+
+    outcomes: dict[int, Any]
+    lost: dict[int, str]
+    detected: float
+    hung: list[tuple[int, str]]
 
 
 def _phase(ref: Any) -> str:

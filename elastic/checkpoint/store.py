@@ -27,6 +27,7 @@ from typing import Any
 import fsspec
 import torch
 
+from elastic.checkpoint.retention import MONITOR, Candidate, Retention, best, kept, monitored_value
 from elastic.checkpoint.signing import sign, signature_problem
 from elastic.errors import CheckpointCorruptError, CheckpointSignatureError, ConfigError
 from elastic.private import ensure_private_dir, write_private
@@ -262,13 +263,14 @@ def newest_checkpoint(root: str, key: bytes | None = None
     return None, skipped
 
 
-def _retention_state(root: str, step: int, key: bytes | None) -> str:
+def _retention_state(root: str, step: int, key: bytes | None) -> tuple[str, dict[str, Any]]:
     """Cheap validity for retention (full verification reads and hashes every byte;
-    `load_checkpoint` does that): "incomplete" without a committed manifest whose files exist
-    with the recorded sizes; "foreign" when complete but not validly signed with `key`; else
-    "valid". A foreign checkpoint (planted, or written with another key) never counts towards
-    `keep_last`, so it cannot push a real one out; retention never deletes it either, so a
-    mistaken key costs no data (only a step of this run with the same number replaces it)."""
+    `load_checkpoint` does that), and the manifest: "incomplete" without a committed manifest
+    whose files exist with the recorded sizes; "foreign" when complete but not validly signed
+    with `key`; else "valid". A foreign checkpoint (planted, or written with another key) never
+    counts towards `keep_last` or `keep_best`, so it cannot push a real one out (nor claim a
+    best value); retention never deletes it either, so a mistaken key costs no data (only a
+    step of this run with the same number replaces it)."""
     fs, base = _fs(root)
     directory = f"{base}/{step_dir_name(step)}"
     try:
@@ -276,27 +278,57 @@ def _retention_state(root: str, step: int, key: bytes | None) -> str:
             manifest = json.loads(f.read().decode())
         files = manifest["files"]
         if not all(fs.size(f"{directory}/{name}") == meta["bytes"] for name, meta in files.items()):
-            return "incomplete"
+            return "incomplete", {}
     except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-        return "incomplete"
+        return "incomplete", {}
     if key is not None and signature_problem(manifest, key) is not None:
-        return "foreign"
-    return "valid"
+        return "foreign", {}
+    return "valid", manifest
 
 
-def prune(root: str, keep_last: int, key: bytes | None = None) -> list[int]:
-    """Deletes all but the newest `keep_last` valid checkpoints (signed with `key`, if given),
-    and incomplete directories older than the newest valid one. Never deletes the only valid
-    checkpoint, nor a complete one signed otherwise. Returns the steps deleted."""
+def prune(root: str, keep_last: int, key: bytes | None = None,
+          retention: Retention | None = None) -> list[int]:
+    """Deletes all but the newest `keep_last` valid checkpoints (signed with `key`, if given)
+    and, with `retention` (which then replaces `keep_last`), the best `keep_best` by its
+    monitored metric besides; and incomplete directories older than the newest valid one.
+    Never deletes the only valid checkpoint, nor a complete one signed otherwise. Returns the
+    steps deleted."""
     fs, base = _fs(root)
-    valid, incomplete = [], []
+    retention = retention or Retention(keep_last=keep_last)
+    valid: list[Candidate] = []
+    incomplete: list[int] = []
     for candidate in list_steps(root):
-        state = _retention_state(root, candidate, key)
-        if state != "foreign":
-            (valid if state == "valid" else incomplete).append(candidate)
-    doomed = valid[max(1, keep_last):]
+        state, manifest = _retention_state(root, candidate, key)
+        if state == "valid":
+            valid.append(Candidate(candidate, monitored_value(manifest, retention.monitor)))
+        elif state == "incomplete":
+            incomplete.append(candidate)
+    keep = kept(valid, retention)
+    doomed = [c.step for c in valid if c.step not in keep]
     if valid:
-        doomed += [s for s in incomplete if s < valid[0]]
+        doomed += [s for s in incomplete if s < valid[0].step]
     for s in doomed:
         fs.rm(f"{base}/{step_dir_name(s)}", recursive=True)
     return sorted(doomed)
+
+
+def best_checkpoint(root: str, key: bytes | None = None) -> LoadedCheckpoint | None:
+    """The checkpoint with the best monitored value under `root` that verifies (by the metric
+    and mode the newest monitored checkpoint records), or None when no valid checkpoint
+    records one."""
+    records = []
+    for step in list_steps(root):
+        state, manifest = _retention_state(root, step, key)
+        record = manifest.get(MONITOR) if state == "valid" else None
+        if isinstance(record, dict):
+            records.append((step, record))
+    if not records:
+        return None
+    name, mode = records[0][1].get("name"), records[0][1].get("mode", "min")
+    candidates = [Candidate(step, monitored_value({MONITOR: record}, name)) for step, record in records]
+    for step in best(candidates, mode, len(candidates)):
+        try:
+            return verify(root, step, key)
+        except CheckpointCorruptError:
+            continue
+    return None

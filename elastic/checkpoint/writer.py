@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from elastic.checkpoint.retention import Retention
 from elastic.checkpoint.store import prune, serialize, write_checkpoint
 
 
@@ -29,12 +30,16 @@ class CheckpointWriter:
         root: checkpoint root (local path or fsspec URL).
         keep_last: how many valid checkpoints retention keeps.
         key: signs every manifest (see `elastic.checkpoint.signing`); None: unsigned.
+        retention: what retention keeps, when it ranks checkpoints by a monitored metric too
+            (its `keep_last` then replaces `keep_last`).
     """
 
-    def __init__(self, root: str, keep_last: int, key: bytes | None = None) -> None:
+    def __init__(self, root: str, keep_last: int, key: bytes | None = None,
+                 retention: Retention | None = None) -> None:
         self.root = root
         self.keep_last = keep_last
         self.key = key
+        self.retention = retention or Retention(keep_last=keep_last)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._reports: list[WriteReport] = []
@@ -57,6 +62,13 @@ class CheckpointWriter:
             self._thread.start()
             return True
 
+    def write_now(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any],
+                  after_part: Callable[[str], None] | None = None) -> None:
+        """Writes on the calling thread (after the write in flight, if any), then applies
+        retention; its report is taken with the background writes'."""
+        self.flush()
+        self._write(step, dict(parts), dict(meta), after_part)
+
     def _write(self, step: int, parts: dict[str, Any], meta: dict[str, Any],
                after_part: Callable[[str], None] | None) -> None:
         started = time.perf_counter()
@@ -64,7 +76,7 @@ class CheckpointWriter:
             blobs = {name: value if isinstance(value, bytes) else serialize(value)
                      for name, value in parts.items()}
             path = write_checkpoint(self.root, step, blobs, meta, after_part, self.key)
-            pruned = tuple(prune(self.root, self.keep_last, self.key))
+            pruned = tuple(prune(self.root, self.keep_last, self.key, self.retention))
             report = WriteReport(step, path, time.perf_counter() - started, pruned=pruned)
         except Exception as e:
             report = WriteReport(step, None, time.perf_counter() - started,

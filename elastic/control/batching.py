@@ -222,9 +222,23 @@ class Batching:
                         optimizer_s=optimizer_s,
                         timeline=[[round(x, 6) for x in ranks[r].timeline] if r in ranks else None
                                   for r in world],
-                        **({"rescaled": first.rescaled} if first.rescaled else {}))
+                        **({"rescaled": first.rescaled} if first.rescaled else {}),
+                        **_training_fields(first))
         skipped = sorted({r for rec in records for r in rec.skipped_ranks})
         if skipped:
             self.log.emit(Nonfinite(step=step, ranks=skipped, policy="skip"))
         if self.config.ledger and first.indices is not None:
             self.log.ledger(step, first.epoch, list(first.indices))
+
+
+def _training_fields(record: Any) -> dict[str, Any]:
+    """The metrics line's user metrics, pre-clip gradient norm and fp16 loss scale, when the
+    step has them (records from before these fields have none)."""
+    fields: dict[str, Any] = {}
+    if getattr(record, "metrics", None):
+        fields["metrics"] = dict(record.metrics)
+    if getattr(record, "grad_norm", None) is not None:
+        fields["grad_norm"] = record.grad_norm
+    if getattr(record, "scale", None) is not None:
+        fields["scale"] = record.scale
+    return fields

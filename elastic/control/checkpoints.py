@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from elastic.checkpoint.retention import monitor_record
 from elastic.config import FitConfig
 from elastic.control.port import Workers
 from elastic.errors import ConfigError
@@ -39,6 +40,8 @@ class CheckpointCoordinator:
         self._last_step = 0
         self._last_time = time.monotonic()
         self.group_size = 1  # G with groups on (set once the grouping is decided)
+        self._monitored: tuple[int, float] | None = None  # (step, value) of the last evaluation
+        self._written: tuple[int, bool] | None = None  # (step, with a monitored value) submitted
 
     @property
     def enabled(self) -> bool:
@@ -87,29 +90,85 @@ class CheckpointCoordinator:
         return bool(ckpt.every_seconds and time.monotonic() - self._last_time >= ckpt.every_seconds)
 
     def maybe_write(self, worker_id: int, step: int, world_size: int, final: bool = False) -> None:
-        """Asks worker `worker_id` (rank 0) to checkpoint `step` if one is due (always when `final`, which
-        also waits for the write to finish)."""
+        """Asks worker `worker_id` (rank 0) to checkpoint `step` if one is due (always when
+        `final`, which also waits for the write to finish; unless this step's checkpoint was
+        written already with the same manifest record)."""
         if not self.enabled:
             return
         if final:
             # The final checkpoint must not be skipped because an earlier write is in flight.
             self._log_writes(self.workers.call(worker_id, "flush_checkpoints"))
+            if self._current(step):
+                return
         if final or self._due(step):
-            meta = {"world_size": world_size, "fingerprint": self.fingerprint()}
-            answer = self.workers.call(worker_id, "checkpoint", meta)
-            if answer["submitted"]:
-                self._last_step, self._last_time = step, time.monotonic()
-            else:
-                self.log.emit(CheckpointBusy(step=step,
-                               note="previous write still in flight; this one was skipped"))
-            self._log_writes(answer["reports"])
+            self._write(worker_id, step, world_size)
         if final:
             self._log_writes(self.workers.call(worker_id, "flush_checkpoints"))
+
+    def after_evaluation(self, worker_id: int, step: int, world_size: int,
+                         metrics: dict[str, Any]) -> None:
+        """Right after the evaluation at `step`: with `checkpoint.monitor`, records its value
+        and has worker `worker_id` write a checkpoint of `step` that carries it in its manifest
+        (unless this run wrote one already; a write in flight is waited for, so that this one
+        is not skipped); then any periodic checkpoint that is due.
+
+        Raises:
+            ConfigError: the evaluation did not return the monitored metric.
+        """
+        ckpt = self.config.checkpoint
+        if ckpt is None:
+            return
+        if ckpt.monitor is not None:
+            self._monitored = (step, monitored(ckpt.monitor, metrics))
+            if not self._current(step):
+                self._log_writes(self.workers.call(worker_id, "flush_checkpoints"))
+                self._write(worker_id, step, world_size)
+        self.maybe_write(worker_id, step, world_size)
+
+    def _write(self, worker_id: int, step: int, world_size: int) -> None:
+        meta = {"world_size": world_size, "fingerprint": self.fingerprint(),
+                **self._monitor_meta(step)}
+        answer = self.workers.call(worker_id, "checkpoint", meta)
+        if answer["submitted"]:
+            self._last_step, self._last_time = step, time.monotonic()
+            self._written = (step, bool(self._monitor_meta(step)))
+        else:
+            self.log.emit(CheckpointBusy(step=step,
+                           note="previous write still in flight; this one was skipped"))
+        self._log_writes(answer["reports"])
+
+    def _current(self, step: int) -> bool:
+        """Whether this run submitted a checkpoint of `step` with the manifest record it would
+        write now (and its write did not fail)."""
+        return self._written == (step, bool(self._monitor_meta(step)))
+
+    def _monitor_meta(self, step: int) -> dict[str, Any]:
+        """The manifest's record of the monitored value, for a checkpoint of the evaluated step."""
+        ckpt = self.config.checkpoint
+        if ckpt is None or ckpt.monitor is None or self._monitored is None \
+                or self._monitored[0] != step:
+            return {}
+        return monitor_record(ckpt.monitor, self._monitored[1], ckpt.mode)
 
     def _log_writes(self, reports: list[dict[str, Any]]) -> None:
         for r in reports:
             if r["error"]:
+                if self._written is not None and self._written[0] == r["step"]:
+                    self._written = None
                 self.log.emit(CheckpointFailed(step=r["step"], error=r["error"]))
             else:
                 self.log.emit(CheckpointWritten(step=r["step"], path=r["path"],
                                seconds=r["seconds"], pruned=list(r["pruned"])))
+
+
+def monitored(name: str, metrics: dict[str, Any]) -> float:
+    """The value of the monitored metric `name` in an evaluation's `metrics`.
+
+    Raises:
+        ConfigError: the evaluation did not return it.
+    """
+    if name not in metrics:
+        returned = ", ".join(sorted(metrics)) or "no metrics"
+        raise ConfigError(f"checkpoint.monitor is {name!r}, but the evaluation returned "
+                          f"{returned}; set checkpoint.monitor to one of them")
+    return float(metrics[name])

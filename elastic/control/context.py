@@ -57,6 +57,7 @@ class Context:
         log: the run's events and metrics.
         workers: the port to the worker processes.
         has_evaluate: the job has an `evaluate` function.
+        has_eval_step: the job has an evaluation set and `eval_step` (distributed evaluation).
         restarted: this controller is a restarted one (it must resume from a checkpoint).
         publish: writes the run's record to the index (after every state change and chunk).
         members: the current members in rank order.
@@ -70,7 +71,10 @@ class Context:
         requests: control requests from other threads.
         chaos: scheduled faults not yet fired, by step.
         recovery: the timing of a recovery whose first step has not completed.
-        evaluation: the last result of the job's `evaluate`.
+        evaluation: the last evaluation's metrics (`eval_step`'s and `evaluate`'s).
+        evaluated_at: the step of the last evaluation (None before the first).
+        pending_evaluation: the step of an evaluation that is due and not yet done (a failure
+            interrupted it, or a user error is retried); it runs before training goes on.
         stopped_early: the run ended on a stop request.
     """
 
@@ -79,6 +83,7 @@ class Context:
     log: RunLog
     workers: Workers
     has_evaluate: bool = False
+    has_eval_step: bool = False
     restarted: bool = False
     publish: Callable[[], None] = lambda: None
     members: list[Member] = field(default_factory=list)
@@ -93,6 +98,8 @@ class Context:
     chaos: list[ChaosEvent] = field(init=False)
     recovery: PendingRecovery | None = None
     evaluation: dict[str, Any] = field(default_factory=dict)
+    evaluated_at: int | None = None
+    pending_evaluation: int | None = None
     stopped_early: bool = False
 
     def __post_init__(self) -> None:
@@ -105,6 +112,11 @@ class Context:
     def step(self) -> int:
         """The committed global step."""
         return self.cursor.step
+
+    @property
+    def evaluates(self) -> bool:
+        """The job has something to evaluate (`eval_step` or `evaluate`)."""
+        return self.has_evaluate or self.has_eval_step
 
     def ids(self) -> list[int]:
         """The members' worker ids in rank order."""

@@ -11,7 +11,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from elastic.control.port import ChunkDone, ChunkInterrupted, ChunkOutcome, ChunkVotedDown
+from elastic.control.port import (
+    ChunkDone,
+    ChunkFailed,
+    ChunkInterrupted,
+    ChunkOutcome,
+    ChunkVotedDown,
+    EvalDone,
+    EvalInterrupted,
+    EvalOutcome,
+    EvalVotedDown,
+)
 from elastic.errors import (
     CollectiveError,
     ElasticError,
@@ -26,19 +36,59 @@ from elastic.trainer.data import Cursor
 
 def chunk_length(*, step: int, steps_per_chunk: int, total_steps: int, steps_left_in_epoch: int,
                  trial_steps_left: int | None, checkpoint_every: int | None,
-                 chaos_steps: Sequence[int]) -> int:
+                 chaos_steps: Sequence[int], evaluation_every: int | None = None) -> int:
     """Steps in the next chunk: up to `steps_per_chunk`, ending at the run's end, the epoch's
-    end, the micro-batch trial's end, the next periodic checkpoint, and the next scheduled
-    chaos event (a chunk starts at a chaos event's step, so that dispatching it fires it)."""
+    end, the micro-batch trial's end, the next periodic checkpoint, the next periodic
+    evaluation, and the next scheduled chaos event (a chunk starts at a chaos event's step, so
+    that dispatching it fires it)."""
     num = min(steps_per_chunk, total_steps - step, steps_left_in_epoch)
     if trial_steps_left is not None:
         num = min(num, trial_steps_left)
-    if checkpoint_every:
-        num = min(num, checkpoint_every - step % checkpoint_every)
+    for every in (checkpoint_every, evaluation_every):
+        if every:
+            num = min(num, every - step % every)
     later = [s for s in chaos_steps if s > step]
     if later:
         num = min(num, min(later) - step)
     return num
+
+
+def evaluation_due(*, step: int, evaluated_at: int | None, every_steps: int | None,
+                   every_epochs: int | None, epoch_ended: bool, epochs_done: int, at_end: bool,
+                   ending: bool) -> bool:
+    """Whether the committed model is evaluated at step `step` (a chunk boundary): at every
+    multiple of `every_steps`, after every `every_epochs`-th epoch (`epoch_ended`: the chunk
+    ended the epoch, `epochs_done` counting it), and with `at_end` when the run ends there
+    (`ending`: its last step, or a stop); never twice at one step (`evaluated_at`: the step of
+    the last evaluation)."""
+    if step == evaluated_at:
+        return False
+    if every_steps and step > 0 and step % every_steps == 0:
+        return True
+    if every_epochs and epoch_ended and epochs_done % every_epochs == 0:
+        return True
+    return at_end and ending
+
+
+def evaluation_error(lost: Sequence[int], outcomes: Mapping[int, EvalOutcome], hung: Sequence[int],
+                     step: int) -> ElasticError | None:
+    """What went wrong in an evaluation at step `step`, as the typed error the failure policy
+    acts on; None when every rank finished it. As for a chunk: a lost worker first (a
+    `WorkerHangError` when the hang watchdog killed it), then an error of user code (every rank
+    reports it; the traceback is the first rank's that has one), then a collective error."""
+    if lost:
+        kind = WorkerHangError if set(lost) & set(hung) else WorkerLostError
+        return kind(f"ranks {sorted(lost)} lost during the evaluation", rank=min(lost), step=step)
+    voted = [o.failure for o in outcomes.values() if isinstance(o, EvalVotedDown)]
+    if voted:
+        trace = next((f.traceback for f in voted if f.traceback), None)
+        return UserCodeError(f"the evaluation at step {step} failed", rank=voted[0].ranks[0],
+                             step=step, traceback=trace or "")
+    broken = [o for o in outcomes.values() if isinstance(o, EvalInterrupted)]
+    if broken:
+        return CollectiveError(broken[0].error)
+    assert all(isinstance(o, EvalDone) for o in outcomes.values())
+    return None
 
 
 def total_steps(*, max_steps: int | None, epochs: int | None, dataset_size: int, batch: int,
@@ -111,6 +161,9 @@ def chunk_error(report_lost: Sequence[int], outcomes: Mapping[int, ChunkOutcome]
     if report_lost:
         kind = WorkerHangError if set(report_lost) & set(hung) else WorkerLostError
         return kind(f"ranks {sorted(report_lost)} lost", rank=min(report_lost))
+    failed = [o for o in outcomes.values() if isinstance(o, ChunkFailed)]
+    if failed:
+        return failed[0].error
     voted = [o for o in outcomes.values() if isinstance(o, ChunkVotedDown)]
     if voted:
         return vote_error(voted)
@@ -143,6 +196,9 @@ def vote_error(voted: Sequence[ChunkVotedDown]) -> ElasticError:
 
 def voted_ranks(outcomes: Mapping[int, ChunkOutcome]) -> tuple[int, ...]:
     """The ranks a voted-down step names (every rank reports the same vote)."""
+    failed = tuple(rank for rank, o in sorted(outcomes.items()) if isinstance(o, ChunkFailed))
+    if failed:  # user code after an applied step: the ranks where it raised
+        return failed
     for outcome in outcomes.values():
         if isinstance(outcome, ChunkVotedDown):
             return tuple(outcome.failure.ranks)

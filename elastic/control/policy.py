@@ -12,6 +12,7 @@ recovery each error class documents:
 | `RendezvousError` (forming)           | `Recover` (a new generation); `Fail` after 3 retries |
 | `MembershipChanged`                   | `Reconfigure` (re-form, no restore needed)        |
 | `UserCodeError`                       | `Retry` the step; `Fail` past `max_user_retries`  |
+| `AfterStepError` (a `UserCodeError`)  | `Fail`: the step was applied                      |
 | `WorkerOutOfMemoryError`              | `BackOff` (halve the rank's micro-batch); `Fail` at 1 |
 | `NonFiniteLossError`                  | `Fail` (policy 'stop'; 'skip' never reaches here) |
 | anything else                         | `Fail`                                            |
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from elastic.adapt.tuning import OomBackoff, back_off
 from elastic.config import FailureConfig
 from elastic.errors import (
+    AfterStepError,
     CollectiveError,
     ElasticError,
     InsufficientWorkersError,
@@ -115,6 +117,9 @@ class FailurePolicy:
                 return Recover()
             case MembershipChanged():
                 return Reconfigure()
+            case AfterStepError():  # the step is applied: a retry would apply it again
+                self.user_retries[error.step] = self.user_retries.get(error.step, 0) + 1
+                return Fail(error)
             case UserCodeError():
                 return self._user_error(error)
             case WorkerOutOfMemoryError():

@@ -94,7 +94,18 @@ class ChunkVotedDown:
     failure: Any
 
 
-ChunkOutcome = Union[ChunkDone, ChunkInterrupted, ChunkVotedDown]  # noqa: UP007 (runtime alias)
+@dataclass(frozen=True)
+class ChunkFailed:
+    """User code that runs after a step is applied raised (`elastic.errors.AfterStepError`):
+    that step and those in `records` committed; the run cannot go on."""
+
+    records: list[Any]
+    committed_step: int
+    cursor: dict[str, int]
+    error: Any
+
+
+ChunkOutcome = Union[ChunkDone, ChunkInterrupted, ChunkVotedDown, ChunkFailed]  # noqa: UP007
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,46 @@ class ChunkReport:
     """
 
     outcomes: dict[int, ChunkOutcome]
+    lost: dict[int, str] = field(default_factory=dict)
+    detected: float = 0.0
+    hung: list[tuple[int, str]] = field(default_factory=list)
+
+
+# --- what one worker reports after an evaluation -------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalDone:
+    """The evaluation finished; `metrics` ({name: value}) are the same on every rank."""
+
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class EvalVotedDown:
+    """User code raised during the evaluation on some rank, or the ranks disagree (metric
+    names, evaluation set size): every rank reports it (`failure`:
+    `elastic.trainer.evaluation.EvalFailure`)."""
+
+    failure: Any
+
+
+@dataclass(frozen=True)
+class EvalInterrupted:
+    """A collective of the evaluation raised (a peer died, a timeout, or the controller
+    aborted); `error` is its text. The committed state is untouched."""
+
+    error: str
+
+
+EvalOutcome = Union[EvalDone, EvalVotedDown, EvalInterrupted]  # noqa: UP007 (runtime alias)
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """Every rank's answer to one evaluation (fields as in `ChunkReport`)."""
+
+    outcomes: dict[int, EvalOutcome]
     lost: dict[int, str] = field(default_factory=dict)
     detected: float = 0.0
     hung: list[tuple[int, str]] = field(default_factory=list)
@@ -180,6 +231,12 @@ class Workers(Protocol):
         """Runs `num_steps` steps on every member. When no member answers for `hang_timeout`
         seconds, asks the waiting ones where they are and kills the ranks that `hung(phases)`
         names (the normal loss path follows)."""
+        ...
+
+    def evaluate(self, ids: Sequence[int], shares: Sequence[int], chaos: list[ChaosEvent],
+                 hang_timeout: float, hung: Callable[[dict[int, str]], list[int]]) -> EvalReport:
+        """Evaluates the committed model on every member, each over its slice of the
+        evaluation set (in proportion to `shares`); hangs are handled as in `run_chunk`."""
         ...
 
     def call(self, worker_id: int, method: str, *args: Any) -> Any:

@@ -24,12 +24,18 @@ from elastic.control.port import (
     ChunkOutcome,
     ChunkReport,
     ChunkVotedDown,
+    EvalDone,
+    EvalInterrupted,
+    EvalOutcome,
+    EvalReport,
+    EvalVotedDown,
     Gathered,
     Member,
     Started,
 )
 from elastic.errors import WorkerLostError
 from elastic.trainer.data import Cursor
+from elastic.trainer.evaluation import EvalFailure
 from elastic.trainer.outcomes import StepRecord
 
 
@@ -56,13 +62,15 @@ class SimulatedWorkers:
             of `elastic.trainer.replica`), the next time with the next one, and so on.
         traits: what the workers report of the model (`Replica.traits`; default: no
             BatchNorm or dropout layers).
+        metrics: what an evaluation of the committed step returns (default: {"score": step}).
     """
 
     def __init__(self, dataset_size: int, capacity: int, step_time_s: float = 0.01,
                  start_delay_s: float = 1.0,
                  before_chunk: Callable[[int], None] | None = None,
                  votes: dict[int, list[Any]] | None = None,
-                 traits: dict[str, int] | None = None) -> None:
+                 traits: dict[str, int] | None = None,
+                 metrics: Callable[[int], dict[str, float]] | None = None) -> None:
         self.dataset_size = dataset_size
         self.capacity = capacity
         self.step_time_s = step_time_s
@@ -70,6 +78,8 @@ class SimulatedWorkers:
         self.before_chunk = before_chunk
         self.votes = {step: list(failures) for step, failures in (votes or {}).items()}
         self.traits = traits or {"batchnorm": 0, "dropout": 0}
+        self.metrics = metrics or (lambda step: {"score": float(step)})
+        self.evaluations: list[tuple[int, tuple[int, ...]]] = []  # (step, shares) of each
         self.clock = 1_000_000.0
         self.workers: dict[int, _Worker] = {}
         self._starting: list[int] = []
@@ -191,6 +201,25 @@ class SimulatedWorkers:
         outcomes: dict[int, ChunkOutcome] = {
             r: interrupted for r in range(len(ids)) if r not in kills}
         return ChunkReport(outcomes, {r: "simulated kill" for r in sorted(kills)}, self.clock)
+
+    def evaluate(self, ids: Sequence[int], shares: Sequence[int], chaos: list[ChaosEvent],
+                 hang_timeout: float, hung: Callable[[dict[int, str]], list[int]]) -> EvalReport:
+        """Every member evaluates (`metrics` of the committed step); scheduled kills of phase
+        'evaluate' make their ranks die in it and 'raise' fails it on every rank."""
+        step = self.workers[ids[0]].step
+        self.evaluations.append((step, tuple(shares)))
+        self.clock += self.step_time_s
+        kills = {e.rank for e in chaos if e.action == "kill" and e.rank < len(ids)}
+        raised = tuple(sorted(e.rank for e in chaos if e.action == "raise"))
+        if kills:
+            for rank in kills:
+                self.workers[ids[rank]].alive = False
+            survivors: dict[int, EvalOutcome] = {
+                r: EvalInterrupted("simulated peer loss") for r in range(len(ids)) if r not in kills}
+            return EvalReport(survivors, {r: "simulated kill" for r in sorted(kills)}, self.clock)
+        outcome: EvalOutcome = (EvalVotedDown(EvalFailure(raised, "InjectedFault")) if raised
+                                else EvalDone(self.metrics(step)))
+        return EvalReport(dict.fromkeys(range(len(ids)), outcome))
 
     # --- single calls ------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ transition and returns the next state.
     Starting --> Running <--> Recovering
                     ^ |
                     | +--> Resizing --> Running
+                    | +--> Evaluating --> Running (or Recovering, then Evaluating again)
                     |
                  Running --> Finishing --> Finished
     (any) --(an ElasticError)--> Failed
@@ -23,13 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from elastic.adapt.plan import plan_batch
 from elastic.config import ChaosEvent
 from elastic.control import decisions
 from elastic.control.batching import Batching
 from elastic.control.context import Context
 from elastic.control.group import admit, drop, form, on_any_member, top_up
 from elastic.control.policy import BackOff, Fail, Reconfigure, Recover, Retry
-from elastic.control.port import ChunkInterrupted, ChunkReport
+from elastic.control.port import ChunkInterrupted, ChunkReport, EvalDone, EvalReport, EvalVotedDown
 from elastic.control.run_state import RunState
 from elastic.errors import (
     CollectiveError,
@@ -104,6 +106,11 @@ class Starting(State):
         if config.checkpoint is not None:
             from elastic.checkpoint.store import check_root
             check_root(config.checkpoint.path)
+            if config.checkpoint.monitor is not None and not ctx.evaluates:
+                raise ConfigError(
+                    f"checkpoint.monitor is {config.checkpoint.monitor!r}, but the job evaluates "
+                    "nothing; give TrainJob eval_dataset and eval_step (or evaluate), or unset "
+                    "checkpoint.monitor")
         self._start_workers(ctx)
         ctx.dataset_size = on_any_member(ctx, lambda w: ctx.workers.call(w, "dataset_size"))
         traits = on_any_member(ctx, lambda w: ctx.workers.call(w, "traits"))
@@ -159,6 +166,10 @@ class Running(State):
     label: ClassVar[RunState] = RunState.RUNNING
 
     def step(self, ctx: Context) -> State:
+        if ctx.pending_evaluation is not None:
+            if ctx.pending_evaluation == ctx.step:
+                return Evaluating()
+            ctx.pending_evaluation = None  # its step was lost (restored from an older checkpoint)
         if ctx.step >= ctx.total_steps:
             return Finishing()
         if self.resized:
@@ -167,9 +178,10 @@ class Running(State):
         with ctx.requests.lock:
             stop, target = ctx.requests.stop, ctx.requests.target
         if stop:
-            ctx.stopped_early = True
-            ctx.log.emit(Stopping(step=ctx.step))
-            return Finishing()
+            if not ctx.stopped_early:
+                ctx.stopped_early = True
+                ctx.log.emit(Stopping(step=ctx.step))
+            return Evaluating() if _evaluation_due(ctx, ending=True) else Finishing()
         shrink = len(ctx.members) > target
         if not shrink:
             top_up(ctx)
@@ -190,9 +202,11 @@ class Running(State):
             steps_left_in_epoch=ctx.cursor.steps_left_in_epoch(ctx.dataset_size,
                                                                ctx.batch.batch_now),
             trial_steps_left=ctx.batch.trial_steps_left(trial), checkpoint_every=every,
-            chaos_steps=[e.step for e in ctx.chaos])
-        chaos = [e for e in ctx.chaos if e.step == step]
-        ctx.chaos = [e for e in ctx.chaos if e.step != step]
+            chaos_steps=[e.step for e in ctx.chaos if e.phase != "evaluate"],
+            evaluation_every=ctx.config.evaluation.every_steps if ctx.evaluates else None)
+        # Faults of phase 'evaluate' wait for the evaluation at their step.
+        chaos = [e for e in ctx.chaos if e.step == step and e.phase != "evaluate"]
+        ctx.chaos = [e for e in ctx.chaos if e.step != step or e.phase == "evaluate"]
         for event in chaos:
             ctx.log.emit(Chaos(**event.model_dump()))
         report = ctx.workers.run_chunk(ids, plan, num, chaos, ctx.batch.lr_ramp,
@@ -206,6 +220,9 @@ class Running(State):
                                       [rank for rank, _ in report.hung])
         if error is None:
             self._completed(ctx, report, trial, records, ids)
+            if _evaluation_due(ctx, ending=ctx.step >= ctx.total_steps, after_chunk=True):
+                return Evaluating()  # it writes the checkpoints due at this step after it
+            on_any_member(ctx, lambda w: ctx.checkpoints.maybe_write(w, ctx.step, len(ctx.members)))
             return self
         return self._failed(ctx, error, report, chaos, plan.micro_batches, ids)
 
@@ -224,11 +241,6 @@ class Running(State):
         cursors = [o.cursor for o in report.outcomes.values()]
         ctx.cursor = Cursor(**max(cursors, key=lambda c: c["step"]))
         ctx.batch.adapt(trial, records, ids, ctx.step)
-        b = ctx.batch.batch_now
-        epoch_over = ctx.cursor.start(ctx.dataset_size, b)[0] > ctx.cursor.epoch
-        if epoch_over or ctx.step == ctx.total_steps:
-            evaluate(ctx)
-        on_any_member(ctx, lambda w: ctx.checkpoints.maybe_write(w, ctx.step, len(ctx.members)))
 
     def _failed(self, ctx: Context, error: ElasticError, report: ChunkReport,
                 chaos: list[ChaosEvent], micro_batches: tuple[int, ...], ids: list[int]) -> State:
@@ -267,14 +279,101 @@ class Running(State):
         return self
 
 
-def evaluate(ctx: Context) -> None:
-    """Runs the job's `evaluate` on a member and records it."""
-    if not ctx.has_evaluate:
-        return
-    result = on_any_member(ctx, lambda w: ctx.workers.call(w, "evaluate"))
-    ctx.evaluation = result
-    ctx.log.emit(Evaluate(step=ctx.step, metrics=dict(result),
-                          epoch=ctx.cursor.epochs_done(ctx.dataset_size, ctx.batch.batch_now)))
+def _evaluation_due(ctx: Context, ending: bool, after_chunk: bool = False) -> bool:
+    """Whether the committed model is evaluated now (`decisions.evaluation_due`): `ending`, the
+    run ends here; `after_chunk`, a chunk just completed (so an epoch may have ended)."""
+    if not ctx.evaluates:
+        return False
+    evaluation = ctx.config.evaluation
+    epochs_done = ctx.cursor.epochs_done(ctx.dataset_size, ctx.batch.batch_now)
+    return decisions.evaluation_due(
+        step=ctx.step, evaluated_at=ctx.evaluated_at, every_steps=evaluation.every_steps,
+        every_epochs=evaluation.epoch_interval, epoch_ended=after_chunk and epochs_done > ctx.cursor.epoch,
+        epochs_done=epochs_done, at_end=evaluation.at_end, ending=ending)
+
+
+class Evaluating(State):
+    """Evaluates the committed model on every member (each over its slice of the evaluation
+    set, in proportion to the batch plan for the current members) and with the job's
+    `evaluate` on one; records the result (`Evaluate` event, `ctx.evaluation`), then writes the
+    checkpoints due at this step (with `checkpoint.monitor`, one that records the value).
+
+    A lost worker or a broken collective recovers as a chunk's would, and the evaluation runs
+    again at the same step before training goes on (`ctx.pending_evaluation`); an error of user
+    code is retried as a step's is. A part of Running (its label), not a phase users see."""
+
+    label = RunState.RUNNING
+
+    def step(self, ctx: Context) -> State:
+        ctx.pending_evaluation = step = ctx.step
+        metrics: dict[str, Any] = {}
+        if ctx.has_eval_step:
+            chaos = [e for e in ctx.chaos if e.step == step and e.phase == "evaluate"]
+            ctx.chaos = [e for e in ctx.chaos if e not in chaos]
+            for event in chaos:
+                ctx.log.emit(Chaos(**event.model_dump()))
+            report = self._evaluate(ctx, chaos)
+            error = decisions.evaluation_error(list(report.lost), report.outcomes,
+                                               [rank for rank, _ in report.hung], step)
+            if error is not None:
+                return self._failed(ctx, error, report, chaos)
+            done = report.outcomes[min(report.outcomes)]
+            assert isinstance(done, EvalDone)
+            metrics.update(done.metrics)
+        if ctx.has_evaluate:
+            legacy = on_any_member(ctx, lambda w: ctx.workers.call(w, "evaluate"))
+            clash = sorted(set(legacy) & set(metrics))
+            if clash:
+                raise ConfigError(f"TrainJob.evaluate and TrainJob.eval_step both return "
+                                  f"{', '.join(clash)}; rename one of them")
+            metrics.update(legacy)
+        self._record(ctx, metrics)
+        on_any_member(ctx, lambda w: ctx.checkpoints.after_evaluation(
+            w, step, len(ctx.members), metrics))
+        return Running()
+
+    @staticmethod
+    def _evaluate(ctx: Context, chaos: list[ChaosEvent]) -> EvalReport:
+        ids = ctx.ids()
+        shares = plan_batch(ctx.batch.batch_now, len(ids), None, ctx.batch.weights(ids)).shares
+        report = ctx.workers.evaluate(ids, shares, chaos,
+                                      ctx.config.failure.hang_timeout.total_seconds(),
+                                      decisions.hung_ranks)
+        for rank, phase in report.hung:
+            ctx.log.emit(WorkerHung(rank=rank, phase=phase, worker_id=ids[rank]))
+        return report
+
+    @staticmethod
+    def _record(ctx: Context, metrics: dict[str, Any]) -> None:
+        try:
+            event = Evaluate(step=ctx.step, metrics=dict(metrics),
+                             epoch=ctx.cursor.epochs_done(ctx.dataset_size, ctx.batch.batch_now))
+        except ValueError as e:  # a metric named like a field of the event record
+            raise ConfigError(str(e)) from None
+        ctx.evaluation, ctx.evaluated_at, ctx.pending_evaluation = metrics, ctx.step, None
+        ctx.log.emit(event)
+
+    @staticmethod
+    def _failed(ctx: Context, error: ElasticError, report: EvalReport,
+                chaos: list[ChaosEvent]) -> State:
+        """Recovers (the evaluation stays pending and runs again at the same step), retries
+        after an error of user code, or fails, as the failure policy decides."""
+        action = ctx.policy.decide(error)
+        if isinstance(action, Fail):
+            raise action.error
+        if isinstance(error, UserCodeError):
+            trace = error.traceback.strip().splitlines()
+            ranks = next(list(o.failure.ranks) for o in report.outcomes.values()
+                         if isinstance(o, EvalVotedDown))
+            ctx.log.emit(UserError(step=error.step, ranks=ranks,
+                          attempt=ctx.policy.user_retries[error.step],
+                          error=trace[-1] if trace else ""))
+            return Running()
+        assert isinstance(action, Recover)
+        lost = sorted(report.lost)
+        return Recovering(lost=lost, report=ChunkReport({}, dict(report.lost), report.detected,
+                                                        list(report.hung)),
+                          chaos=chaos, detected=report.detected or ctx.workers.now())
 
 
 # --- recovering and resizing -----------------------------------------------------------------
@@ -361,13 +460,11 @@ class Resizing(State):
 
 
 class Finishing(State):
-    """Evaluates a stopped run, writes the final checkpoint and takes the final model."""
+    """Writes the final checkpoint and takes the final model."""
 
     label = RunState.FINISHING
 
     def step(self, ctx: Context) -> State:
-        if ctx.stopped_early and ctx.has_evaluate and not ctx.evaluation:
-            evaluate(ctx)
         on_any_member(ctx, lambda w: ctx.checkpoints.maybe_write(w, ctx.step, len(ctx.members),
                                                                  final=True))
         model_state = on_any_member(ctx, lambda w: ctx.workers.call(w, "model_state"))

@@ -4,7 +4,7 @@ action (retry, smaller micro-batches, fail)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,9 @@ class StepRecord:
     # step timeline (communication is the exposed part: nothing overlaps it).
     timeline: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
     rescaled: int = 0  # exact mode: redos of the step at a wider fixed-point scale
+    metrics: dict[str, float] = field(default_factory=dict)  # user metrics of the global batch
+    grad_norm: float | None = None  # the summed gradients' 2-norm before clipping (clipping on)
+    scale: float | None = None  # 'fp16-mixed': the loss scale the step ran with
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,15 @@ from elastic.trainer.exact import ExactSum, environment, make_deterministic
 from elastic.trainer.flat import all_finite, allreduce_flat, flatten_grads, unflatten_grads
 from elastic.trainer.loader import Piece, Prefetcher, load_piece, set_generator_state
 from elastic.trainer.loss import LossForm, loss_term
+from elastic.trainer.metrics import (
+    MAX_NAMES_BYTES,
+    MetricSums,
+    decode_names,
+    encode_names,
+    merge_names,
+    read_section,
+    split_output,
+)
 from elastic.trainer.outcomes import NonFinite, OutOfMemory, StepRecord, UserFailure
 from elastic.trainer.step import (
     Commit,
@@ -52,6 +61,13 @@ from elastic.trainer.step import (
     Vote,
     pack_meta,
     verdict,
+)
+from elastic.trainer.training import (
+    Training,
+    after_step,
+    build_extra_state,
+    load_extra_state,
+    wants_model,
 )
 
 # The outcome types are part of this module's interface (the worker actor imports them here).
@@ -108,13 +124,8 @@ class Replica:
             raise ConfigError(
                 f"TrainJob.model returned {type(self.model).__name__}, not a torch.nn.Module"
             )
-        self.optimizer = job.optimizer(self.model.parameters())
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise ConfigError(
-                f"TrainJob.optimizer returned {type(self.optimizer).__name__}, not a "
-                "torch.optim.Optimizer"
-            )
-        self.scheduler = job.lr_scheduler(self.optimizer) if job.lr_scheduler else None
+        self._build_optimizer()
+        self.metric_names: tuple[str, ...] = ()  # committed: the same on every rank
         data_rng = torch.get_rng_state()  # loader processes build the data set from here too
         self.dataset = job.dataset()
         if not (hasattr(self.dataset, "__len__") and hasattr(self.dataset, "__getitem__")):
@@ -151,6 +162,21 @@ class Replica:
         self.prefetcher = (Prefetcher(job, data.loader_workers, data.start_method, data_rng,
                                       data.pin_memory) if data.loader_workers else None)
 
+    def _build_optimizer(self) -> None:
+        """The optimizer (from the model's parameters, or from the model when the factory
+        asks for it: `wants_model`), the scheduler, their `Training` and the extra state."""
+        job = self.job
+        self.optimizer = job.optimizer(self.model if wants_model(job.optimizer)
+                                       else self.model.parameters())
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"TrainJob.optimizer returned {type(self.optimizer).__name__}, not a "
+                "torch.optim.Optimizer"
+            )
+        self.scheduler = job.lr_scheduler(self.optimizer) if job.lr_scheduler else None
+        self.training = Training(self.config.training, self.scheduler)
+        self.extra = build_extra_state(job, self.model, self.optimizer)
+
     def close(self) -> None:
         """Stops the loader processes (they also exit by themselves when this process dies)."""
         if self.prefetcher is not None:
@@ -181,6 +207,10 @@ class Replica:
             "rng": torch.get_rng_state(),
             "cursor": {"global_step": self.cursor.step, "epoch": self.cursor.epoch,
                        "offset": self.cursor.offset, "samples": self.cursor.samples},
+            "training": self.training.state_dict(),
+            "metric_names": list(self.metric_names),
+            **({"extra": {name: obj.state_dict() for name, obj in self.extra.items()}}
+               if self.extra else {}),
             **({"exact": self.exact.state_dict()} if self.exact is not None else {}),
         }
 
@@ -215,6 +245,9 @@ class Replica:
             self.scheduler.load_state_dict(state["scheduler"])
         if state.get("rng") is not None:
             torch.set_rng_state(state["rng"])
+        self.training.load_state_dict(state.get("training"))
+        self.metric_names = tuple(state.get("metric_names") or ())
+        load_extra_state(self.extra, state.get("extra"))
         self.cursor = Cursor.from_dict(state["cursor"], self.order.dataset_size,
                                        self.config.batch.global_batch_size)
         if self.exact is not None and state.get("exact") is not None:
@@ -266,7 +299,7 @@ class Replica:
         announced = int(size.item())
         if comm.rank != src:
             # Checked before a byte is allocated: a peer cannot make this rank exhaust memory.
-            limit = max_state_bytes(self.model, self.optimizer)
+            limit = max_state_bytes(self.model, self.optimizer, self.extra)
             if not 0 < announced <= limit:
                 raise CollectiveError(
                     f"rank {src} announced a committed state of {announced} bytes; this rank "
@@ -345,12 +378,14 @@ class Replica:
             computed = self._compute(context)
             try:
                 reduced = self._reduce(context, computed)
+                reduced = self._learn_metric_names(context, computed, reduced)
             except BaseException:  # nothing of the step may stay in the buffers
                 self.buffers.rollback()
                 if self.exact is not None:
                     self.exact.exponents = exponents
                 raise
-            outcome = verdict(context.step, reduced.votes, self.config.failure.nonfinite,
+            outcome = verdict(context.step, reduced.votes, self.training.nonfinite_policy(
+                              self.config.failure.nonfinite),
                               computed.user_traceback, reduced.forms, reduced.count)
             if not isinstance(outcome, Rescale):
                 break
@@ -391,7 +426,8 @@ class Replica:
             indices=global_batch[offset : offset + plan.shares[rank]], chaos=tuple(chaos),
             lr_factor=lr_factor, ledger=self.config.ledger, started=started,
             wall_start=wall_start, buffers=self.buffers.length,
-            first_piece=sum(plan.accumulation(r) for r in range(rank)))
+            first_piece=sum(plan.accumulation(r) for r in range(rank)),
+            metric_names=self.metric_names, scale=self.training.scale)
         if self.prefetcher is not None:
             self.prefetcher.want(self._ahead(plan, rank))
         self.buffers.begin(context.pieces)
@@ -447,6 +483,7 @@ class Replica:
         pieces = plan.pieces(context.rank)
         buckets = self._buckets
         loss_sum = data_s = count = 0.0
+        metrics = MetricSums()
         form = LossForm.NONE
         error, vote, exact = None, Vote.OK, self.exact
         if exact is not None:
@@ -465,8 +502,8 @@ class Replica:
                 self._enter("forward")
                 self._chaos(chaos, "forward", started)
                 self.buffers.before_piece(piece)
-                loss, items, form = loss_term(self.job.loss(self.model, batch),
-                                              length / plan.global_batch_size, form)
+                loss, items, form = self._forward(batch, length / plan.global_batch_size, form,
+                                                  metrics, length)
                 # Read before backward: activation checkpointing runs the layers again there.
                 self.buffers.after_piece(piece)
                 count += items
@@ -476,7 +513,7 @@ class Replica:
                 self._chaos(chaos, "backward", started)
                 if buckets is not None:  # gradients are complete in the last backward pass
                     buckets.arm(index == len(pieces) - 1)
-                loss.backward()
+                (loss * context.scale if context.scale != 1.0 else loss).backward()
                 loss_sum += float(loss.detach())
                 del loss
                 if exact is not None:
@@ -489,7 +526,18 @@ class Replica:
         except Exception:
             error, vote = traceback.format_exc(), Vote.USER_ERROR
         return Computed(loss_sum=loss_sum, count=count, form=form, vote=vote, error=error, data_s=data_s,
-                        compute_s=time.perf_counter() - started)
+                        compute_s=time.perf_counter() - started, metrics=metrics)
+
+    def _forward(self, batch: Any, scale: float, form: LossForm, metrics: MetricSums,
+                 samples: int) -> tuple[torch.Tensor, float, LossForm]:
+        """One micro-batch's forward and loss (under autocast with mixed precision): the
+        tensor to backpropagate, its item count and form; its user metrics into `metrics`."""
+        with self.training.autocast(self.model):
+            out, piece_metrics = split_output(self.job.loss(self.model, batch))
+        loss, items, form = loss_term(out, scale, form)
+        if piece_metrics:
+            metrics.add(piece_metrics, samples)
+        return loss, items, form
 
     def _sum_loss(self, exact: ExactSum, loss: torch.Tensor, items: float,
                   form: LossForm) -> None:
@@ -531,7 +579,7 @@ class Replica:
                                     and (flat is None or all_finite(flat))):
             vote = Vote.NONFINITE
         meta = pack_meta(context, computed.loss_sum, vote, computed.count, computed.form,
-                         self.buffers.section())
+                         self.buffers.section(), computed.metrics)
         if buckets is not None:
             buckets.finish(meta)
             meta = buckets.wait()
@@ -553,7 +601,8 @@ class Replica:
             vote = Vote.RESCALE
         elif vote == Vote.OK and exact.nonfinite:
             vote = Vote.NONFINITE
-        meta = pack_meta(context, 0.0, vote, 0.0, computed.form, self.buffers.section())
+        meta = pack_meta(context, 0.0, vote, 0.0, computed.form, self.buffers.section(),
+                         computed.metrics)
         # The count travels whatever the vote, as in the default reduce: whether a LossSum
         # step's count is 0 must not depend on which ranks' groups were non-finite.
         joined = exact.payload(zero=vote not in (Vote.OK, Vote.RESCALE), meta=meta,
@@ -579,6 +628,7 @@ class Replica:
         optimizer_start = time.perf_counter()
         self._enter("optimizer")
         self._chaos(context.chaos, "optimizer", context.started)
+        grad_norm = None
         if commit.skipped:  # the samples count as consumed
             self.buffers.rollback()
             lr = float(self.optimizer.param_groups[0]["lr"]) * context.lr_factor
@@ -600,13 +650,13 @@ class Replica:
                 for p in self._params:
                     if p.grad is not None:
                         p.grad.div_(commit.divisor)
+            grad_norm = self.training.unscale_and_clip(self._params)
             lr = self._optimizer_step(context.lr_factor)
-            if self.scheduler is not None:
-                self.scheduler.step()
             if self.exact is not None:
                 self.exact.advance()
         self._drop_grads()
         self.cursor = self.cursor.advance(self.order.dataset_size, context.global_batch_size)
+        self._after(context, reduced, applied=not commit.skipped)
         optimizer_s = time.perf_counter() - optimizer_start
         self._enter("idle")
         plan, compute_s = context.plan, computed.compute_s
@@ -618,7 +668,59 @@ class Replica:
             end_time=time.time(), lr=lr, indices=reduced.indices, skipped_ranks=commit.skipped,
             timeline=(context.wall_start, computed.data_s, compute_s - computed.data_s,
                       reduced.comm_s, optimizer_s),
+            metrics=read_section(reduced.metrics, self.metric_names)[1], grad_norm=grad_norm,
+            scale=context.scale if self.config.training.precision == "fp16-mixed" else None,
         )
+
+    def _after(self, context: StepContext, reduced: Reduced, applied: bool) -> None:
+        """Once the step is committed: the extra state's `after_step` hooks (applied steps),
+        the loss scale and the scheduler.
+
+        Raises:
+            AfterStepError: user code raised there (the step stays committed).
+        """
+        if applied:
+            after_step(self.extra, self.model, context.step, context.rank)
+        epoch_over = (self.cursor.start(self.order.dataset_size, context.global_batch_size)[0]
+                      > self.cursor.epoch)
+        self.training.after_step(context.step, context.rank, applied, reduced.loss,
+                                 read_section(reduced.metrics, self.metric_names)[1],
+                                 epoch_over)
+
+    def _learn_metric_names(self, context: StepContext, computed: Computed,
+                            reduced: Reduced) -> Reduced:
+        """When some rank's metrics named a metric this step's layout did not have (the
+        summed flag), every rank exchanges its names, adopts their union and sums this
+        step's metrics again under it. Every rank runs the same collectives (the flag is
+        summed), so nobody is left waiting.
+
+        Raises:
+            CollectiveError: the exchange failed, or a peer announced malformed names.
+        """
+        new, _ = read_section(reduced.metrics, context.metric_names)
+        if not new:
+            return reduced
+        comm = context.comm
+        mine = encode_names(list(computed.metrics.sums))
+        names: list[list[str]] = []
+        for src in range(comm.world_size):
+            size = torch.tensor([len(mine) if src == comm.rank else 0], dtype=torch.int64)
+            comm.broadcast(size, src)
+            announced = int(size.item())
+            if not 0 < announced <= MAX_NAMES_BYTES:
+                raise CollectiveError(f"rank {src} announced {announced} bytes of metric names; "
+                                      f"at most {MAX_NAMES_BYTES} are accepted", rank=comm.rank)
+            data = (torch.frombuffer(bytearray(mine), dtype=torch.uint8) if src == comm.rank
+                    else torch.empty(announced, dtype=torch.uint8))
+            comm.broadcast(data, src)
+            try:
+                names.append(decode_names(data.numpy().tobytes()))
+            except ValueError as e:
+                raise CollectiveError(f"rank {src}: {e}", rank=comm.rank) from None
+        self.metric_names = merge_names(self.metric_names, *names)
+        section = computed.metrics.section(self.metric_names)
+        comm.allreduce(section)
+        return replace(reduced, metrics=section)
 
     def _drop_grads(self) -> None:
         for p in self._params:
@@ -656,15 +758,18 @@ _OPTIMIZER_SLOTS = 3
 _STATE_SLACK_BYTES = 16 << 20
 
 
-def max_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def max_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    extra: dict[str, Any] | None = None) -> int:
     """An upper bound of the serialised committed state of a replica of `model`: its own
     parameters and buffers plus up to `_OPTIMIZER_SLOTS` tensors per parameter in the
-    optimizer (or what the optimizer already holds, if more), plus a fixed slack."""
+    optimizer (or what the optimizer already holds, if more), the job's extra state as this
+    replica holds it (an EMA is as large on every rank), plus a fixed slack."""
     tensors = list(model.state_dict().values())
     model_bytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     held = sum(_tensor_bytes(v) for st in optimizer.state.values() for v in st.values())
-    return model_bytes + max(_OPTIMIZER_SLOTS * params, held) + _STATE_SLACK_BYTES
+    extra_bytes = sum(_tensor_bytes(obj.state_dict()) for obj in (extra or {}).values())
+    return model_bytes + max(_OPTIMIZER_SLOTS * params, held) + extra_bytes + _STATE_SLACK_BYTES
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -672,4 +777,6 @@ def _tensor_bytes(value: Any) -> int:
         return value.numel() * value.element_size()
     if isinstance(value, (list, tuple)):  # LBFGS keeps its history as lists of tensors
         return sum(_tensor_bytes(v) for v in value)
+    if isinstance(value, dict):  # an extra state's state_dict
+        return sum(_tensor_bytes(v) for v in value.values())
     return 0

@@ -15,17 +15,18 @@
 
 Every rank runs the reduce whatever its vote, so that no rank is left waiting in a collective.
 The metadata is one float64 vector: `[loss_sum, vote of rank 0, ..., vote of rank w-1, count,
-form of rank 0, ..., form of rank w-1, ledger..., buffers...]`; each rank writes only its own
+form of rank 0, ..., form of rank w-1, ledger..., buffers..., metrics...]`; each rank writes only its own
 vote and form slots and its own part of the ledger, so the sum over ranks holds every rank's
 vote, form and index exactly (and the count: integers, exact below 2**24 even when the metadata
 rides in a float32 buffer). The buffers section is `BufferSync.section`: the BatchNorm
-running-statistic terms every rank adds, so that all ranks write the same buffers.
+running-statistic terms every rank adds, so that all ranks write the same buffers. The metrics
+section is `elastic.trainer.metrics`'s: a new-names flag, then (sum, weight) per user metric.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Literal
 
@@ -35,6 +36,7 @@ from elastic.adapt.plan import BatchPlan
 from elastic.collective import Communicator
 from elastic.config import ChaosEvent
 from elastic.trainer.loss import LossForm, form_error
+from elastic.trainer.metrics import MetricSums, section_length
 from elastic.trainer.outcomes import NonFinite, OutOfMemory, UserFailure
 
 
@@ -64,6 +66,8 @@ class StepContext:
         buffers: length of the metadata's buffers section (`BufferSync.length`).
         first_piece: the global position of this rank's first forward pass among the step's
             (rank 0's pieces come first, then rank 1's, ...).
+        metric_names: the user metrics the replica knows when the step begins.
+        scale: the loss scale of 'fp16-mixed' (1.0 otherwise).
         started: `time.perf_counter()` when the step began.
         wall_start: `time.time()` when the step began.
     """
@@ -80,6 +84,8 @@ class StepContext:
     wall_start: float
     buffers: int = 0
     first_piece: int = 0
+    metric_names: tuple[str, ...] = ()
+    scale: float = 1.0
 
     @property
     def rank(self) -> int:
@@ -97,7 +103,7 @@ class StepContext:
     def meta_len(self) -> int:
         """Length of the step's metadata vector."""
         return (2 + 2 * self.world_size + (self.global_batch_size if self.ledger else 0)
-                + self.buffers)
+                + self.buffers + section_length(self.metric_names))
 
     @property
     def pieces(self) -> int:
@@ -120,6 +126,7 @@ class Computed:
         error: the traceback behind a vote other than OK.
         data_s: seconds spent loading and collating samples.
         compute_s: seconds from the step's start to the end of the last backward pass.
+        metrics: this rank's user metric sums.
     """
 
     loss_sum: float
@@ -129,6 +136,7 @@ class Computed:
     error: str | None
     data_s: float
     compute_s: float
+    metrics: MetricSums = field(default_factory=MetricSums)
 
     @property
     def user_traceback(self) -> str | None:
@@ -137,9 +145,11 @@ class Computed:
 
 
 def pack_meta(context: StepContext, loss_sum: float, vote: Vote, count: float = 0.0,
-              form: LossForm = LossForm.NONE, buffers: torch.Tensor | None = None) -> torch.Tensor:
+              form: LossForm = LossForm.NONE, buffers: torch.Tensor | None = None,
+              metrics: MetricSums | None = None) -> torch.Tensor:
     """This rank's contribution to the step's metadata (float64, `context.meta_len` long);
-    `buffers` is this rank's buffers section (`context.buffers` long)."""
+    `buffers` is this rank's buffers section (`context.buffers` long), `metrics` its user
+    metric sums."""
     flags = torch.zeros(2 * context.world_size + 1, dtype=torch.float64)
     flags[context.rank] = float(vote)
     flags[context.world_size] = count
@@ -153,7 +163,8 @@ def pack_meta(context: StepContext, loss_sum: float, vote: Vote, count: float = 
     if len(section) != context.buffers:
         raise ValueError(f"a buffers section of {len(section)} values; the step expects "
                          f"{context.buffers}")
-    return torch.cat([torch.tensor([loss_sum], dtype=torch.float64), flags, ledger, section])
+    user = (metrics or MetricSums()).section(context.metric_names)
+    return torch.cat([torch.tensor([loss_sum], dtype=torch.float64), flags, ledger, section, user])
 
 
 @dataclass(frozen=True)
@@ -168,6 +179,7 @@ class Reduced:
         forms: every rank's `LossForm`, in rank order.
         indices: the global batch's indices, when the ledger is on.
         buffers: the summed buffers section.
+        metrics: the summed metrics section (`elastic.trainer.metrics.read_section`).
         flat: the summed gradients of the flat reduce, one buffer per dtype; None when they
             are in the gradient buckets.
         comm_s: seconds spent in the reduce (the communication nothing overlapped).
@@ -181,6 +193,7 @@ class Reduced:
     buffers: torch.Tensor
     flat: dict[torch.dtype, torch.Tensor] | None
     comm_s: float
+    metrics: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.float64))
 
     @classmethod
     def unpack(cls, meta: torch.Tensor, context: StepContext,
@@ -192,13 +205,15 @@ class Reduced:
         indices = (tuple(int(i) for i in meta[ledger:section].tolist()) if context.ledger
                    else None)
         buffers = meta[section : section + context.buffers].to(torch.float64)
+        user = meta[section + context.buffers :].to(torch.float64)
         count = float(meta[1 + world])
         forms = tuple(meta[2 + world : ledger].tolist())
         loss = float(meta[0])
         if LossForm.SUM in forms and count > 0:
             loss /= count
         return cls(loss=loss, votes=tuple(meta[1 : 1 + world].tolist()), count=count,
-                   forms=forms, indices=indices, buffers=buffers, flat=flat, comm_s=comm_s)
+                   forms=forms, indices=indices, buffers=buffers, flat=flat, comm_s=comm_s,
+                   metrics=user)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import json
 import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 
 import pytest
@@ -47,6 +48,7 @@ TINY = {
     ("run images", "--max-steps"): "4",
     ("run images", "--loader-workers"): "1",
     ("run parquet_shards", "--epochs"): "1",
+    ("run classifier", "--max-steps"): "6",
 }
 # Sizes the README leaves at their defaults, made small.
 EXTRA = {
@@ -115,7 +117,7 @@ def test_every_readme_command_has_a_smoke_entry_that_keeps_its_flags(tmp_path):
     kinds = {"run", "start", "list", "logs", "status", "scale", "kill", "stop", "demo", "report",
              "bench allreduce", "bench recovery", "bench checkpoint", "bench control", "bench adapt",
              "bench overhead", "bench scaling", "bench decisions", "bench exact", "bench data",
-             "run images", "run parquet_shards"}
+             "run images", "run parquet_shards", "run classifier"}
     for line in readme_commands():
         argv = shlex.split(line)
         assert argv[0] == "elastic" and _kind(argv) in kinds, f"README command without a smoke entry: {line}"
@@ -153,6 +155,14 @@ def _check(kind: str, output: str, out: pathlib.Path) -> None:
             assert re.search(r"recoveries\s*│\s*1", output)
         case "run images":
             assert re.search(r"steps\s*│\s*4\b", output), output[-2000:]
+        case "run classifier":  # the paths of examples/classifier.toml, under the repository
+            from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+            assert re.search(r"steps\s*│\s*6\b", output), output[-2000:]
+            board = EventAccumulator(str(ROOT / "runs" / "classifier-tensorboard"))
+            board.Reload()
+            assert [e.step for e in board.Scalars("train/accuracy")] == list(range(6))
+            assert [e.step for e in board.Scalars("eval/accuracy")] == [6]
         case "run parquet_shards":  # 5132 rows in 8 shards, batch 64: 80 steps, each row once
             ledger = [json.loads(line) for line in open(out / "shards" / "ledger.jsonl")]
             assert [e["step"] for e in ledger] == list(range(80))
@@ -222,6 +232,9 @@ def test_every_readme_command_runs_and_gives_what_it_promises(head, tmp_path):
     for line in readme_commands():
         argv = _tiny(line, tmp_path, head["gcs"])
         kind = _kind(argv)
+        if kind == "run classifier":  # its config file's paths: a fresh run, not a resume
+            for name in ("classifier-checkpoints", "classifier-tensorboard"):
+                shutil.rmtree(ROOT / "runs" / name, ignore_errors=True)
         done = subprocess.run([str(BIN / "elastic"), *argv[1:]], env=env, cwd=ROOT, capture_output=True,
                               text=True, timeout=600)
         output = done.stdout + done.stderr

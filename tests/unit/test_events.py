@@ -78,6 +78,7 @@ SAMPLES = {
     "checkpoint_skipped": {"path": "/ckpt/step-5", "reason": "unsigned"},
     "checkpoint_config_changed": {"path": "/ckpt/step-10",
                                   "note": "global batch or seed differ from the run that wrote it"},
+    "logger_failed": {"logger": "mlflow", "error": "MlflowException: connection refused", "step": 12},
 }
 
 

@@ -26,6 +26,10 @@ FORBIDDEN = {
     "elastic.report": ("ray", "torch", "elastic.actors"),
     "elastic.recovery": ("ray", "torch", "elastic.actors"),
     "elastic.demo": ("ray", "elastic.actors", "cli"),
+    "elastic.callbacks": ("ray", "torch", "elastic.actors", "cli"),
+    "elastic.loggers": ("ray", "elastic.actors", "cli"),
+    "elastic.sinks": ("ray", "elastic.actors", "cli"),
+    "elastic.progress": ("ray", "torch", "elastic.actors", "cli"),
     "elastic.actors": ("cli",),
     "cli": ("elastic.actors", "ray"),
 }

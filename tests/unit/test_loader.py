@@ -89,10 +89,15 @@ def test_a_killed_loader_process_is_an_error_of_that_piece_then_loaders_restart(
     os.kill(pid, signal.SIGKILL)
     assert wait_gone([pid]) == []
     loader.want([Piece(1, 1, (2,))])
-    with pytest.raises(LoadError, match="died"):
-        loader.take(Piece(1, 1, (2,)))
-    loader.want([Piece(1, 1, (2,))])
-    assert loader.take(Piece(1, 1, (2,))) is not None
+    # The pool may see the death at the submit (it restarts and reads the piece) or only at
+    # the take (the piece fails as "died"); either way the next read succeeds on new loaders.
+    try:
+        taken = loader.take(Piece(1, 1, (2,)))
+    except LoadError as e:
+        assert "died" in str(e)
+        loader.want([Piece(1, 1, (2,))])
+        taken = loader.take(Piece(1, 1, (2,)))
+    assert taken is not None
     assert loader.pids() and pid not in loader.pids()
 
 

@@ -1,0 +1,411 @@
+"""Loggers: a run's committed steps and evaluations in a CSV file, TensorBoard or MLflow.
+
+`LoggingConfig` names them; the controller builds them (`open_loggers`) and feeds them from
+the run's log (`LoggerSink`). Each committed step's metrics line is logged at its `step` (the
+step of metrics.jsonl): `loss`, `lr`, `samples_per_s`, `world_size`, `global_batch_size`,
+`grad_norm` and `scale` when present, and each user metric as `train/<name>`. An evaluation is
+logged as `eval/<name>` at its `step` (the committed steps it saw).
+
+Resumed and restored runs. A run resumed from the checkpoint of step c (a new `fit` on the
+same checkpoint path, a restarted detached controller, or a restore from a checkpoint during a
+run) logs steps c, c+1, ... again. When the first step a logger gets, or a step at or below
+the last one it logged, is s, whatever was logged before at training steps >= s and at
+evaluations after s is dropped (the evaluation at s saw the checkpoint's state and is not
+redone); a first evaluation at c drops both from c on. So every step is in the log once, with
+the value of the newest run:
+
+- CSV rewrites its file without those rows;
+- TensorBoard opens its writers with `purge_step` (runs `train` and `eval` under the log
+  directory, so that each has its own purge point);
+- MLflow cannot delete a value: it continues the MLflow run tagged with the run's name (or
+  `MLflowConfig.run_name`), reads that run's metric history, and never logs a step twice, so
+  a replayed step keeps the value logged first. The replay recomputes the same step from the
+  same state, so the two agree up to floating-point summation order (bitwise with
+  `batch.exact`).
+
+Failures. A logger that raises is closed and is off for the rest of the run, which goes on:
+the run writes a `logger_failed` event and the controller's log a warning with the traceback.
+A logger whose package is missing fails the run before it starts (ConfigError).
+
+No Ray here.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from elastic.config import LoggingConfig, MLflowConfig
+from elastic.errors import ConfigError
+from elastic.events import Evaluate, LoggerFailed, parse
+
+if TYPE_CHECKING:
+    from elastic.runlog import RunLog
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CSVLogger", "Logger", "LoggerSink", "MLflowLogger", "TensorBoardLogger", "open_loggers"]
+
+Series = Literal["train", "eval"]
+
+TRAIN_FIELDS = ("loss", "lr", "samples_per_s", "world_size", "global_batch_size", "grad_norm", "scale")
+"""Fields of a metrics line that are logged under their own name."""
+
+RUN_TAG = "elastic.run"
+"""The MLflow tag holding the run's name, by which a resumed run finds its MLflow run."""
+
+_INSTALL = "pip install 'elastic[loggers]'"
+
+
+class Logger:
+    """One destination of the run's points.
+
+    The sink calls `truncate` before the first point and whenever a step comes again, then
+    `log` for each point, and `close` at the end.
+    """
+
+    name: ClassVar[str]
+
+    def truncate(self, train_from: int, eval_from: int) -> None:
+        """Drops what was logged at training steps >= `train_from` and evaluations at steps
+        >= `eval_from` (or, where nothing can be dropped, logs none of those steps again)."""
+        raise NotImplementedError
+
+    def log(self, series: Series, step: int, values: dict[str, float], walltime: float,
+            epoch: int | None) -> None:
+        """Logs `values` (name -> number) of `series` at `step`."""
+        raise NotImplementedError
+
+    def close(self, state: str) -> None:
+        """Writes what is buffered and releases the files; `state` is how the run ended
+        ('finished', 'stopped' or 'failed')."""
+        raise NotImplementedError
+
+
+def train_values(record: dict[str, Any]) -> dict[str, float]:
+    """The values of a metrics line that loggers log (see the module docstring); numbers
+    only (None, text and lists are left out)."""
+    values = {k: record[k] for k in TRAIN_FIELDS if _is_number(record.get(k))}
+    for name, value in (record.get("metrics") or {}).items():
+        if _is_number(value):
+            values[f"train/{name}"] = value
+    return values
+
+
+def eval_values(metrics: dict[str, Any]) -> dict[str, float]:
+    """An evaluation's numeric results, named `eval/<name>`."""
+    return {f"eval/{k}": v for k, v in metrics.items() if _is_number(v)}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# --- CSV -----------------------------------------------------------------------------------------
+
+
+class CSVLogger(Logger):
+    """One row per committed step and one per evaluation (its `eval/` columns filled), with
+    the columns `step`, `epoch`, `time` and the values; a new value name rewrites the file
+    with one more column.
+
+    Args:
+        path: the CSV file (created with its folder; an existing one is continued).
+    """
+
+    name = "csv"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.columns = ["step", "epoch", "time"]
+        if os.path.exists(path):
+            with open(path, newline="") as f:
+                self.columns = list(csv.DictReader(f).fieldnames or self.columns)
+        self._file: Any = None
+
+    def _read(self) -> list[dict[str, str]]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path, newline="") as f:
+            return list(csv.DictReader(f))
+
+    def _rewrite(self, rows: list[dict[str, Any]]) -> None:
+        """Writes `rows` under the current columns, atomically (temp file, then rename)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        temp = f"{self.path}.tmp"
+        with open(temp, "w", newline="") as f:
+            writer = csv.DictWriter(f, self.columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(temp, self.path)
+
+    def truncate(self, train_from: int, eval_from: int) -> None:
+        def keep(row: dict[str, str]) -> bool:
+            is_eval = any(v for k, v in row.items() if k.startswith("eval/"))
+            return int(row["step"]) < (eval_from if is_eval else train_from)
+
+        self._rewrite([row for row in self._read() if keep(row)])
+
+    def log(self, series: Series, step: int, values: dict[str, float], walltime: float,
+            epoch: int | None) -> None:
+        row = {"step": step, "epoch": "" if epoch is None else epoch, "time": walltime, **values}
+        new = [k for k in row if k not in self.columns]
+        if new:
+            self.columns += new
+            self._rewrite(self._read())
+        if self._file is None:
+            self._file = open(self.path, "a", newline="")  # kept open between rows
+        csv.DictWriter(self._file, self.columns).writerow(row)
+        self._file.flush()
+
+    def close(self, state: str) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+# --- TensorBoard ---------------------------------------------------------------------------------
+
+
+class TensorBoardLogger(Logger):
+    """Scalars in TensorBoard event files: the training series in `<log_dir>/train`, the
+    evaluations in `<log_dir>/eval` (two TensorBoard runs, each purged on its own).
+
+    Args:
+        log_dir: the log directory (`tensorboard --logdir` it).
+    """
+
+    name = "tensorboard"
+    FLUSH_SECONDS = 5  # how stale a live TensorBoard may be
+
+    def __init__(self, log_dir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = log_dir
+        self._writer_class = SummaryWriter
+        self._writers: dict[Series, Any] = {}
+        self._purge: dict[Series, int | None] = {"train": None, "eval": None}
+
+    def _writer(self, series: Series) -> Any:
+        writer = self._writers.get(series)
+        if writer is None:
+            writer = self._writers[series] = self._writer_class(
+                os.path.join(self.log_dir, series), purge_step=self._purge[series],
+                flush_secs=self.FLUSH_SECONDS)
+        return writer
+
+    def truncate(self, train_from: int, eval_from: int) -> None:
+        self._close_writers()
+        self._purge = {"train": train_from, "eval": eval_from}
+        for series in ("train", "eval"):  # purged now: the run may never log that series
+            if os.path.isdir(os.path.join(self.log_dir, series)):
+                self._writer(series)
+
+    def log(self, series: Series, step: int, values: dict[str, float], walltime: float,
+            epoch: int | None) -> None:
+        writer = self._writer(series)
+        for tag, value in values.items():
+            writer.add_scalar(tag, value, step, walltime=walltime)
+
+    def close(self, state: str) -> None:
+        self._close_writers()
+
+    def _close_writers(self) -> None:
+        writers, self._writers = self._writers, {}
+        for writer in writers.values():
+            writer.close()
+
+
+# --- MLflow --------------------------------------------------------------------------------------
+
+
+class MLflowLogger(Logger):
+    """Metrics of one MLflow run, continued by every run of the same name (see the module
+    docstring: a step is never logged twice). Points are sent in batches, at most one request
+    a second and at the end; the MLflow run ends FINISHED, KILLED (stopped) or FAILED.
+
+    Args:
+        config: tracking URI, experiment and run name.
+        run_name: the elastic run's name (the MLflow run's name unless `config.run_name`).
+    """
+
+    name = "mlflow"
+    SEND_SECONDS = 1.0
+    BATCH = 1000  # MLflow's limit of metrics per log_batch request
+    STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+
+    def __init__(self, config: MLflowConfig, run_name: str) -> None:
+        if _is_path(config.tracking_uri):
+            # MLflow 3 refuses its file store unless told; a directory here is the user's choice.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        self._metric = Metric
+        self.client = MlflowClient(tracking_uri=config.tracking_uri)
+        name = config.run_name or run_name
+        experiment = self.client.get_experiment_by_name(config.experiment)
+        experiment_id = (experiment.experiment_id if experiment is not None
+                         else self.client.create_experiment(config.experiment))
+        found = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{name}'",
+            order_by=["attributes.start_time DESC"], max_results=1)
+        if found:
+            self.run_id = found[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            self.run_id = self.client.create_run(experiment_id, run_name=name,
+                                                 tags={RUN_TAG: name}).info.run_id
+        self._logged: dict[str, set[int]] = {}  # key -> steps at or after the truncation point
+        self._pending: list[Any] = []
+        self._sent = time.monotonic()
+
+    def truncate(self, train_from: int, eval_from: int) -> None:
+        self._send()
+        self._logged = {}
+        for key in self.client.get_run(self.run_id).data.metrics:
+            start = eval_from if key.startswith("eval/") else train_from
+            self._logged[key] = {m.step for m in self.client.get_metric_history(self.run_id, key)
+                                 if m.step >= start}
+
+    def log(self, series: Series, step: int, values: dict[str, float], walltime: float,
+            epoch: int | None) -> None:
+        stamp = int(walltime * 1000)
+        for key, value in values.items():
+            if step not in self._logged.get(key, ()):
+                self._pending.append(self._metric(key, value, stamp, step))
+        if len(self._pending) >= self.BATCH or time.monotonic() - self._sent >= self.SEND_SECONDS:
+            self._send()
+
+    def _send(self) -> None:
+        while self._pending:
+            self.client.log_batch(self.run_id, metrics=self._pending[:self.BATCH])
+            del self._pending[:self.BATCH]
+        self._sent = time.monotonic()
+
+    def close(self, state: str) -> None:
+        self._send()
+        self.client.set_terminated(self.run_id, self.STATUS.get(state, "FAILED"))
+
+
+def _is_path(uri: str) -> bool:
+    """Whether an MLflow tracking URI names a local folder (its file store)."""
+    return uri.startswith("file:") or (":" not in uri and uri != "databricks")
+
+
+# --- building and feeding them -------------------------------------------------------------------
+
+
+def open_loggers(config: LoggingConfig, run_name: str, log: RunLog) -> list[Logger]:
+    """The loggers `config` names. One that cannot be opened is reported as failed (a
+    `logger_failed` event) and left out.
+
+    Raises:
+        ConfigError: a logger's package is not installed.
+    """
+    csv_path, log_dir, mlflow = config.csv, config.tensorboard, config.mlflow
+    makers: list[tuple[str, str | None, Callable[[], Logger]]] = []
+    if csv_path is not None:
+        makers.append(("csv", None, lambda: CSVLogger(csv_path)))
+    if log_dir is not None:
+        makers.append(("tensorboard", "tensorboard", lambda: TensorBoardLogger(log_dir)))
+    if mlflow is not None:
+        makers.append(("mlflow", "mlflow", lambda: MLflowLogger(mlflow, run_name)))
+    loggers: list[Logger] = []
+    for name, package, make in makers:
+        if package is not None:
+            _require(package, name)
+        try:
+            loggers.append(make())
+        except Exception as e:
+            report_failure(log, name, e, None)
+    return loggers
+
+
+def _require(package: str, setting: str) -> None:
+    try:
+        __import__(package)
+    except ImportError as e:
+        raise ConfigError(f"logging.{setting} needs the {package} package, which is not "
+                          f"installed where the controller runs: {_INSTALL}") from e
+
+
+def report_failure(log: RunLog, name: str, error: BaseException, step: int | None) -> None:
+    """Records that logger `name` failed: a warning with the traceback, a `logger_failed`
+    event."""
+    logger.warning("logger %s failed%s; it is off for the rest of the run", name,
+                   "" if step is None else f" at step {step}", exc_info=error)
+    lines = str(error).strip().splitlines()
+    log.emit(LoggerFailed(logger=name, error=f"{type(error).__name__}: {lines[0] if lines else ''}",
+                          step=step))
+
+
+class LoggerSink:
+    """Feeds loggers from the run's log (an `elastic.runlog.Sink`): decides where each
+    logger truncates (see the module docstring) and switches off a logger that raises.
+
+    Args:
+        loggers: the loggers (`open_loggers`).
+        log: the run's log, for `logger_failed` events.
+    """
+
+    def __init__(self, loggers: Iterable[Logger], log: RunLog) -> None:
+        self.loggers = list(loggers)
+        self.log = log
+        self._started = False
+        self._last: dict[Series, int] = {"train": -1, "eval": -1}  # last step logged
+
+    def on_metric(self, record: dict[str, Any]) -> None:
+        step = int(record["step"])
+        if not self._started or step <= self._last["train"]:
+            self._truncate(step, step + 1)
+        self._point("train", step, train_values(record), record)
+
+    def on_event(self, record: dict[str, Any]) -> None:
+        event = parse(record)
+        if not isinstance(event, Evaluate):
+            return
+        if not self._started or event.step <= self._last["eval"]:
+            self._truncate(event.step, event.step)
+        self._point("eval", event.step, eval_values(event.metrics), record)
+
+    def close(self, state: str) -> None:
+        """Closes every logger (`state`: how the run ended)."""
+        loggers, self.loggers = self.loggers, []
+        for each in loggers:
+            try:
+                each.close(state)
+            except Exception as e:
+                report_failure(self.log, each.name, e, None)
+
+    def _truncate(self, train_from: int, eval_from: int) -> None:
+        self._started = True
+        self._last = {"train": min(self._last["train"], train_from - 1),
+                      "eval": min(self._last["eval"], eval_from - 1)}
+        self._each(lambda each: each.truncate(train_from, eval_from), train_from)
+
+    def _point(self, series: Series, step: int, values: dict[str, float],
+               record: dict[str, Any]) -> None:
+        self._last[series] = step
+        walltime = record.get("time") or time.time()
+        epoch = record.get("epoch")
+        self._each(lambda each: each.log(series, step, values, walltime, epoch), step)
+
+    def _each(self, call: Callable[[Logger], None], step: int) -> None:
+        for each in list(self.loggers):
+            try:
+                call(each)
+            except Exception as e:
+                self.loggers.remove(each)
+                report_failure(self.log, each.name, e, step)
+                try:
+                    each.close("failed")
+                except Exception:  # already reported; it is off either way
+                    logger.debug("closing failed logger %s", each.name, exc_info=True)

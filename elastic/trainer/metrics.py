@@ -1,0 +1,134 @@
+"""User training metrics: what `TrainJob.loss` may return beside the loss, and how they ride
+in the step's metadata.
+
+`TrainJob.loss` may return `(loss, {name: value})`. A value is a scalar (a tensor or a number:
+a mean over the micro-batch's samples, weighted by the micro-batch's length) or an
+`elastic.LossSum(total, count)` (a sum over items and their number, such as correct tokens
+out of the tokens that are not padding). Each metric is reported per committed step as its
+weighted sum over the global batch divided by its weight, so it does not depend on how the
+batch was split.
+
+The metrics section of the step's metadata holds, after a flag, one (sum, weight) pair per
+name in the order of `MetricNames.names`: every rank writes its own sums, and the step's
+allreduce adds them. The names are the replica's committed state, the same on every rank when a
+step begins; a rank whose metrics include a name it does not know raises the flag, and after
+the allreduce every rank exchanges its new names (`merge_names`) and sums that step's values
+again under the merged names. That happens once per new name, not per step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from elastic.trainer.loss import LossSum
+
+# Bytes one rank may announce for its metric names (a peer cannot make a rank allocate more).
+MAX_NAMES_BYTES = 1 << 16
+
+
+def split_output(out: Any) -> tuple[Any, Mapping[str, Any] | None]:
+    """The loss and the metrics of what `TrainJob.loss` returned: `loss` or `(loss, metrics)`.
+
+    Raises:
+        ValueError: a tuple that is not (loss, dict of str).
+    """
+    if not isinstance(out, tuple):
+        return out, None
+    if len(out) != 2 or not isinstance(out[1], Mapping):
+        raise ValueError("TrainJob.loss returned a tuple; return a loss, or (loss, {name: value})")
+    metrics = out[1]
+    bad = [k for k in metrics if not isinstance(k, str) or not k]
+    if bad:
+        raise ValueError(f"TrainJob.loss returned metric names {bad!r}; names must be non-empty str")
+    return out[0], metrics
+
+
+def term(value: Any, samples: int) -> tuple[float, float]:
+    """One micro-batch's (weighted sum, weight) of a metric `value` over `samples` samples.
+
+    Raises:
+        ValueError: a value that is not a scalar or a `LossSum` of scalars.
+    """
+    if isinstance(value, LossSum):
+        return _scalar(value.total), _scalar(value.count)
+    return _scalar(value) * samples, float(samples)
+
+
+def _scalar(value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"a metric must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        return float(value.detach())
+    if isinstance(value, (int, float)):
+        return float(value)
+    raise ValueError(f"a metric must be a number, a scalar tensor or a LossSum, got "
+                     f"{type(value).__name__}")
+
+
+@dataclass
+class MetricSums:
+    """One rank's metric sums over its micro-batches of a step."""
+
+    sums: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, metrics: Mapping[str, Any], samples: int) -> None:
+        for name, value in metrics.items():
+            total, weight = term(value, samples)
+            pair = self.sums.setdefault(name, [0.0, 0.0])
+            pair[0] += total
+            pair[1] += weight
+
+    def section(self, names: Sequence[str]) -> torch.Tensor:
+        """The metadata's metrics section under `names`: the flag (1.0 when this rank has a
+        name not in `names`), then (sum, weight) per name."""
+        known = set(names)
+        flag = 1.0 if any(name not in known for name in self.sums) else 0.0
+        values = [flag]
+        for name in names:
+            values += self.sums.get(name, [0.0, 0.0])
+        return torch.tensor(values, dtype=torch.float64)
+
+
+def section_length(names: Sequence[str]) -> int:
+    return 1 + 2 * len(names)
+
+
+def read_section(section: torch.Tensor, names: Sequence[str]) -> tuple[bool, dict[str, float]]:
+    """Whether some rank raised the new-names flag, and each metric's value (sum / weight;
+    metrics of weight 0 are left out) from the summed section."""
+    values = section.tolist()
+    metrics = {}
+    for i, name in enumerate(names):
+        total, weight = values[1 + 2 * i], values[2 + 2 * i]
+        if weight > 0:
+            metrics[name] = total / weight
+    return values[0] > 0, metrics
+
+
+def encode_names(names: Sequence[str]) -> bytes:
+    return json.dumps(sorted(names)).encode()
+
+
+def decode_names(data: bytes) -> list[str]:
+    """A peer's names; anything but a JSON list of strings is refused.
+
+    Raises:
+        ValueError: malformed names.
+    """
+    names = json.loads(data.decode())
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise ValueError("a peer announced malformed metric names")
+    return names
+
+
+def merge_names(known: Sequence[str], *others: Sequence[str]) -> tuple[str, ...]:
+    """The sorted union of the names."""
+    merged = set(known)
+    for names in others:
+        merged.update(names)
+    return tuple(sorted(merged))

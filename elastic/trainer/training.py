@@ -1,0 +1,229 @@
+"""What a replica does around the forward pass and between the summed gradients and the
+update (`FitConfig.training`): autocast, the fp16 loss scale, clipping and the scheduler; and
+the job's extra state.
+
+Every rank holds the same `Training` state and applies it to the same summed gradients, so
+every decision here (skip and shrink the scale, clip, step the scheduler) is the same on every
+rank. The fp16 loss scale follows `torch.amp.GradScaler`'s rule: halve it at a step whose
+gradients overflow (the step is skipped on every rank, its samples consumed), double it after
+`growth_interval` steps in a row without one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import traceback
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+
+from elastic.config import TrainingConfig
+from elastic.errors import AfterStepError, ConfigError
+
+_AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+class Training:
+    """The precision, clipping and scheduler state of one replica.
+
+    Args:
+        config: the run's `FitConfig.training`.
+        scheduler: the job's learning-rate scheduler, if any.
+
+    Raises:
+        ConfigError: a metric-driven scheduler without `training.scheduler_monitor`.
+    """
+
+    def __init__(self, config: TrainingConfig, scheduler: Any) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.scale = config.init_scale if config.precision == "fp16-mixed" else 1.0
+        self.growth_tracker = 0
+        self.monitor_sum, self.monitor_steps = 0.0, 0  # the epoch's mean, for 'epoch' + monitor
+        plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        if plateau and config.scheduler_monitor is None:
+            raise ConfigError("TrainJob.lr_scheduler is a ReduceLROnPlateau, which steps on a "
+                              "metric: set training.scheduler_monitor ('loss' or a metric your "
+                              "loss returns)")
+        if config.scheduler_monitor is not None and scheduler is None:
+            raise ConfigError("training.scheduler_monitor is set but TrainJob.lr_scheduler is "
+                              "not; set both or neither")
+
+    # --- state ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
+                "monitor_sum": self.monitor_sum, "monitor_steps": self.monitor_steps}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Takes a committed state (None: one written before these fields existed)."""
+        if not state:
+            return
+        if self.config.precision == "fp16-mixed":
+            self.scale = float(state.get("scale", self.scale))
+            self.growth_tracker = int(state.get("growth_tracker", 0))
+        self.monitor_sum = float(state.get("monitor_sum", 0.0))
+        self.monitor_steps = int(state.get("monitor_steps", 0))
+
+    # --- the step ------------------------------------------------------------------------
+
+    def nonfinite_policy(self, policy: Literal["stop", "skip"]) -> Literal["stop", "skip"]:
+        """'fp16-mixed' overflows are expected: such a step is always skipped (and the scale
+        shrinks); otherwise the run's `failure.nonfinite`."""
+        return "skip" if self.config.precision == "fp16-mixed" else policy
+
+    @contextlib.contextmanager
+    def autocast(self, model: torch.nn.Module) -> Iterator[None]:
+        """Autocast to the mixed precision around forward and loss (nothing at '32')."""
+        dtype = _AUTOCAST.get(self.config.precision)
+        if dtype is None:
+            yield
+            return
+        device = next((p.device.type for p in model.parameters()), "cpu")
+        with torch.autocast(device_type=device, dtype=dtype):
+            yield
+
+    def unscale_and_clip(self, params: list[torch.nn.Parameter]) -> float | None:
+        """Divides the summed gradients by the loss scale, then clips them; returns their
+        global 2-norm before clipping when clipping is on (None otherwise)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / self.scale)  # a power of two: exact
+        config = self.config
+        if config.clip_grad_norm is not None:
+            return float(torch.nn.utils.clip_grad_norm_(params, config.clip_grad_norm))
+        if config.clip_grad_value is not None:
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            torch.nn.utils.clip_grad_value_(params, config.clip_grad_value)
+            return norm
+        return None
+
+    def after_step(self, step: int, rank: int, applied: bool, loss: float,
+                   metrics: Mapping[str, float], epoch_over: bool) -> None:
+        """Updates the loss scale and steps the scheduler once the step is committed (applied,
+        or skipped for non-finite values: the step counts, its samples are consumed).
+
+        Raises:
+            AfterStepError: the scheduler raised.
+        """
+        if self.config.precision == "fp16-mixed":
+            self._update_scale(applied)
+        if self.scheduler is None:
+            return
+        try:
+            self._step_scheduler(applied, loss, metrics, epoch_over)
+        except ConfigError:
+            raise
+        except Exception:
+            raise AfterStepError(f"TrainJob.lr_scheduler raised after step {step} was applied",
+                                 rank=rank, step=step, traceback=traceback.format_exc()) from None
+
+    def _update_scale(self, applied: bool) -> None:
+        if not applied:
+            self.scale *= 0.5
+            self.growth_tracker = 0
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.config.growth_interval:
+            self.scale *= 2.0
+            self.growth_tracker = 0
+
+    def _step_scheduler(self, applied: bool, loss: float, metrics: Mapping[str, float],
+                        epoch_over: bool) -> None:
+        config, scheduler = self.config, self.scheduler
+        name = config.scheduler_monitor
+        value = None
+        if name is not None:
+            value = loss if name == "loss" else metrics.get(name)
+            if value is None and applied:
+                raise ConfigError(f"training.scheduler_monitor {name!r} is neither 'loss' nor a "
+                                  f"metric TrainJob.loss returns (it returns {sorted(metrics)})")
+        if config.scheduler_interval == "epoch":
+            if value is not None and math.isfinite(value):
+                self.monitor_sum += value
+                self.monitor_steps += 1
+            if not epoch_over:
+                return
+            if name is None:
+                scheduler.step()
+            elif self.monitor_steps:
+                scheduler.step(self.monitor_sum / self.monitor_steps)
+            self.monitor_sum, self.monitor_steps = 0.0, 0
+        elif name is None:
+            scheduler.step()
+        elif value is not None and math.isfinite(value):  # a skipped step has no value
+            scheduler.step(value)
+
+
+def wants_model(factory: Any) -> bool:
+    """Whether `TrainJob.optimizer` takes the model (to build parameter groups by name)
+    rather than its parameters: its first parameter is named `model` or annotated as a
+    `torch.nn.Module`."""
+    try:
+        first = next(iter(inspect.signature(factory).parameters.values()), None)
+    except (TypeError, ValueError):  # a builtin or a class without a signature
+        return False
+    if first is None:
+        return False
+    annotation = first.annotation
+    if isinstance(annotation, str):
+        return first.name == "model" or annotation.rsplit(".", 1)[-1] == "Module"
+    return first.name == "model" or (isinstance(annotation, type)
+                                     and issubclass(annotation, torch.nn.Module))
+
+
+def build_extra_state(job: Any, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The job's extra state objects, checked.
+
+    Raises:
+        ConfigError: not a mapping of names to objects with state_dict and load_state_dict.
+    """
+    if job.extra_state is None:
+        return {}
+    extra = job.extra_state(model, optimizer)
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"TrainJob.extra_state returned {type(extra).__name__}; return a dict "
+                          "{name: object with state_dict() and load_state_dict()}")
+    for name, obj in extra.items():
+        if not (callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))):
+            raise ConfigError(f"TrainJob.extra_state[{name!r}] ({type(obj).__name__}) needs "
+                              "state_dict() and load_state_dict()")
+    return dict(extra)
+
+
+def load_extra_state(extra: Mapping[str, Any], saved: Mapping[str, Any] | None) -> None:
+    """Loads each extra state object's committed state.
+
+    Raises:
+        ConfigError: the saved state lacks an object's state (it was written by a job with
+            other extra state).
+    """
+    if not extra:
+        return
+    missing = sorted(set(extra) - set(saved or {}))
+    if missing:
+        raise ConfigError(f"the committed state has no extra state {missing} (it was written "
+                          "by a job with other TrainJob.extra_state)")
+    for name, obj in extra.items():
+        obj.load_state_dict(saved[name])  # type: ignore[index]
+
+
+def after_step(extra: Mapping[str, Any], model: torch.nn.Module, step: int, rank: int) -> None:
+    """Calls `after_step(model)` of the extra state objects that have one.
+
+    Raises:
+        AfterStepError: one raised.
+    """
+    for name, obj in extra.items():
+        hook = getattr(obj, "after_step", None)
+        if callable(hook):
+            try:
+                hook(model)
+            except Exception:
+                raise AfterStepError(
+                    f"TrainJob.extra_state[{name!r}].after_step raised after step {step} was "
+                    "applied", rank=rank, step=step, traceback=traceback.format_exc()) from None
