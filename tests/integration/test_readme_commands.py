@@ -159,10 +159,13 @@ def _check(kind: str, output: str, out: pathlib.Path) -> None:
             from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
             assert re.search(r"steps\s*│\s*6\b", output), output[-2000:]
-            board = EventAccumulator(str(ROOT / "runs" / "classifier-tensorboard"))
-            board.Reload()
-            assert [e.step for e in board.Scalars("train/accuracy")] == list(range(6))
-            assert [e.step for e in board.Scalars("eval/accuracy")] == [6]
+            boards = ROOT / "runs" / "classifier-tensorboard"
+            train, held_out = EventAccumulator(str(boards / "train")), EventAccumulator(str(boards / "eval"))
+            train.Reload()
+            held_out.Reload()
+            assert [e.step for e in train.Scalars("train/accuracy")] == list(range(6))
+            assert [e.step for e in train.Scalars("grad_norm")] == list(range(6))  # clipping on
+            assert [e.step for e in held_out.Scalars("eval/accuracy")] == [6]
         case "run parquet_shards":  # 5132 rows in 8 shards, batch 64: 80 steps, each row once
             ledger = [json.loads(line) for line in open(out / "shards" / "ledger.jsonl")]
             assert [e["step"] for e in ledger] == list(range(80))
