@@ -177,8 +177,9 @@ def metric_terms(out: Any) -> dict[str, tuple[float, float]]:
                         f"{type(out).__name__}")
     terms = {}
     for name, value in out.items():
-        if not isinstance(name, str):
-            raise TypeError(f"TrainJob.eval_step returned a metric name {name!r}; names are str")
+        if not isinstance(name, str) or not name or "\0" in name:
+            raise TypeError(f"TrainJob.eval_step returned a metric name {name!r}; names are "
+                            "non-empty str without NUL characters")
         if isinstance(value, LossSum):
             total, count = value.total, value.count
         elif isinstance(value, (tuple, list)) and len(value) == 2:

@@ -55,14 +55,16 @@ class Training:
     # --- state ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
-                "monitor_sum": self.monitor_sum, "monitor_steps": self.monitor_steps}
+        return {"precision": self.config.precision, "scale": self.scale,
+                "growth_tracker": self.growth_tracker, "monitor_sum": self.monitor_sum,
+                "monitor_steps": self.monitor_steps}
 
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         """Takes a committed state (None: one written before these fields existed)."""
         if not state:
             return
-        if self.config.precision == "fp16-mixed":
+        # A scale saved under another precision (1.0) is no fp16 scale: keep init_scale.
+        if self.config.precision == "fp16-mixed" and state.get("precision") == "fp16-mixed":
             self.scale = float(state.get("scale", self.scale))
             self.growth_tracker = int(state.get("growth_tracker", 0))
         self.monitor_sum = float(state.get("monitor_sum", 0.0))
@@ -96,7 +98,8 @@ class Training:
         if config.clip_grad_norm is not None:
             return float(torch.nn.utils.clip_grad_norm_(params, config.clip_grad_norm))
         if config.clip_grad_value is not None:
-            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            norm = (float(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0)
             torch.nn.utils.clip_grad_value_(params, config.clip_grad_value)
             return norm
         return None

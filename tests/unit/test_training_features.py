@@ -374,3 +374,21 @@ def test_the_peer_state_bound_counts_the_extra_state():
     extra = {"ema": Ema(big), "ema2": Ema(big)}
     model_bytes = sum(v.numel() * 4 for v in big.state_dict().values())
     assert max_state_bytes(big, opt, extra) - max_state_bytes(big, opt) == 2 * model_bytes
+
+
+def test_a_state_written_without_fp16_keeps_the_init_scale():
+    from elastic.trainer.training import Training
+
+    fp16 = Training(TrainingConfig(precision="fp16-mixed"), None)
+    fp16.load_state_dict(Training(TrainingConfig(), None).state_dict())  # a bf16/fp32 checkpoint
+    assert fp16.scale == 2.0**16
+    saved = {**fp16.state_dict(), "scale": 8.0}
+    fp16.load_state_dict(saved)
+    assert fp16.scale == 8.0
+
+
+def test_the_evaluation_refuses_empty_metric_names():
+    from elastic.trainer.evaluation import metric_terms
+
+    with pytest.raises(TypeError, match="non-empty"):
+        metric_terms({"": (1.0, 2)})
