@@ -656,7 +656,8 @@ class Replica:
                 self.exact.advance()
         self._drop_grads()
         self.cursor = self.cursor.advance(self.order.dataset_size, context.global_batch_size)
-        self._after(context, reduced, applied=not commit.skipped)
+        metrics = read_section(reduced.metrics, self.metric_names)[1]
+        self._after(context, reduced.loss, metrics, applied=not commit.skipped)
         optimizer_s = time.perf_counter() - optimizer_start
         self._enter("idle")
         plan, compute_s = context.plan, computed.compute_s
@@ -668,11 +669,12 @@ class Replica:
             end_time=time.time(), lr=lr, indices=reduced.indices, skipped_ranks=commit.skipped,
             timeline=(context.wall_start, computed.data_s, compute_s - computed.data_s,
                       reduced.comm_s, optimizer_s),
-            metrics=read_section(reduced.metrics, self.metric_names)[1], grad_norm=grad_norm,
+            metrics=metrics, grad_norm=grad_norm,
             scale=context.scale if self.config.training.precision == "fp16-mixed" else None,
         )
 
-    def _after(self, context: StepContext, reduced: Reduced, applied: bool) -> None:
+    def _after(self, context: StepContext, loss: float, metrics: dict[str, float],
+               applied: bool) -> None:
         """Once the step is committed: the extra state's `after_step` hooks (applied steps),
         the loss scale and the scheduler.
 
@@ -683,9 +685,7 @@ class Replica:
             after_step(self.extra, self.model, context.step, context.rank)
         epoch_over = (self.cursor.start(self.order.dataset_size, context.global_batch_size)[0]
                       > self.cursor.epoch)
-        self.training.after_step(context.step, context.rank, applied, reduced.loss,
-                                 read_section(reduced.metrics, self.metric_names)[1],
-                                 epoch_over)
+        self.training.after_step(context.step, context.rank, applied, loss, metrics, epoch_over)
 
     def _learn_metric_names(self, context: StepContext, computed: Computed,
                             reduced: Reduced) -> Reduced:
