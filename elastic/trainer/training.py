@@ -110,7 +110,8 @@ class Training:
         or skipped for non-finite values: the step counts, its samples are consumed).
 
         Raises:
-            AfterStepError: the scheduler raised.
+            AfterStepError: the scheduler raised, or `scheduler_monitor` names a metric the
+                step does not have (the step stays committed either way).
         """
         if self.config.precision == "fp16-mixed":
             self._update_scale(applied)
@@ -118,8 +119,9 @@ class Training:
             return
         try:
             self._step_scheduler(applied, loss, metrics, epoch_over)
-        except ConfigError:
-            raise
+        except ConfigError as e:  # a monitor the loss does not return: no traceback to show
+            raise AfterStepError(f"after step {step} was applied: {e}", rank=rank, step=step,
+                                 traceback=f"ConfigError: {e}") from None
         except Exception:
             raise AfterStepError(f"TrainJob.lr_scheduler raised after step {step} was applied",
                                  rank=rank, step=step, traceback=traceback.format_exc()) from None

@@ -392,3 +392,11 @@ def test_the_evaluation_refuses_empty_metric_names():
 
     with pytest.raises(TypeError, match="non-empty"):
         metric_terms({"": (1.0, 2)})
+
+
+@pytest.mark.timeout(120)
+def test_a_monitor_the_loss_does_not_return_fails_as_an_after_step_error(tmp_path):
+    with pytest.raises(AfterStepError) as info:
+        _run(tmp_path, _job(lr_scheduler=plateau), TrainingConfig(scheduler_monitor="accuracy"),
+             [(2, 2, None)])
+    assert info.value.step == 0 and "'accuracy' is neither 'loss' nor a metric" in str(info.value)
