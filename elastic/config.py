@@ -274,8 +274,9 @@ class FailureConfig(_Frozen):
     )
     hang_timeout: timedelta = Field(
         default=timedelta(minutes=5), gt=timedelta(0),
-        description="A chunk of steps that makes no progress for this long is treated as hung: "
-        "the workers that are not waiting in a collective are killed.",
+        description="A worker that stays this long in one phase of a step (or on one evaluation "
+        "batch) while no worker answers is treated as hung and killed, unless it is waiting in a "
+        "collective. A long chunk or evaluation that keeps moving is never killed.",
     )
 
 

@@ -3,6 +3,8 @@ single-process evaluation (no project code) to hold distributed evaluations to."
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -26,9 +28,15 @@ def eval_step(model: nn.Module, batch) -> dict:
     return {"mse": ((err ** 2).sum(), err.numel()), "mae": LossSum(err.abs().sum(), len(x))}
 
 
-def eval_job() -> TrainJob:
+def slow_eval_step(model: nn.Module, batch) -> dict:
+    """`eval_step` that takes half a second a batch (a slow evaluation, not a hung one)."""
+    time.sleep(0.5)
+    return eval_step(model, batch)
+
+
+def eval_job(step=eval_step) -> TrainJob:
     return TrainJob(model=make_model, optimizer=make_optimizer, loss=mse, dataset=make_dataset,
-                    eval_dataset=make_eval_dataset, eval_step=eval_step)
+                    eval_dataset=make_eval_dataset, eval_step=step)
 
 
 def reference_metrics(state: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import threading
+import time
 from typing import Any
 
 import ray
@@ -206,9 +207,10 @@ class WorkerActor:
             comm.abort()
 
     def progress(self) -> dict[str, Any]:
-        """Step and phase, for the hang watchdog."""
+        """Step, phase and seconds in it, for the hang watchdog."""
         p = self.replica.progress
-        return {"step": p.step, "phase": p.phase, "since": p.since}
+        return {"step": p.step, "phase": p.phase, "since": p.since,
+                "age": time.monotonic() - p.since}
 
     def dataset_size(self) -> int:
         """Samples in the data set."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from elastic.adapt.lr import LrRamp
 from elastic.adapt.plan import BatchPlan
 from elastic.collective import RendezvousServer
 from elastic.config import ChaosEvent, FitConfig
-from elastic.control.port import ChunkReport, EvalReport, Gathered, Member, Started
+from elastic.control.port import ChunkReport, EvalReport, Gathered, Hung, Member, Started
 from elastic.errors import CollectiveError, ConfigError, ElasticError, WorkerLostError
 from elastic.job import TrainJob
 
@@ -192,21 +192,21 @@ class RayWorkers:
 
     def run_chunk(self, ids: Sequence[int], plan: BatchPlan, num_steps: int,
                   chaos: list[ChaosEvent], lr_ramp: LrRamp | None, hang_timeout: float,
-                  hung: Callable[[dict[int, str]], list[int]]) -> ChunkReport:
+                  hung: Hung) -> ChunkReport:
         refs = {self.actors[w].run_chunk.remote(plan, num_steps, chaos, lr_ramp): r
                 for r, w in enumerate(ids)}
         answers = self._answers(ids, refs, hang_timeout, hung)
         return ChunkReport(answers.outcomes, answers.lost, answers.detected, answers.hung)
 
     def evaluate(self, ids: Sequence[int], shares: Sequence[int], chaos: list[ChaosEvent],
-                 hang_timeout: float, hung: Callable[[dict[int, str]], list[int]]) -> EvalReport:
+                 hang_timeout: float, hung: Hung) -> EvalReport:
         refs = {self.actors[w].evaluate_share.remote(tuple(shares), chaos): r
                 for r, w in enumerate(ids)}
         answers = self._answers(ids, refs, hang_timeout, hung)
         return EvalReport(answers.outcomes, answers.lost, answers.detected, answers.hung)
 
     def _answers(self, ids: Sequence[int], refs: dict[Any, int], hang_timeout: float,
-                 hung: Callable[[dict[int, str]], list[int]]) -> _Answers:
+                 hung: Hung) -> _Answers:
         """Waits for every rank's answer to one call on the generation (`refs`: ref -> rank).
         At the first loss every survivor is aborted, so that none waits in a collective for
         the dead; ranks silent for `hang_timeout` are asked where they are and those `hung`
@@ -233,16 +233,16 @@ class RayWorkers:
         return _Answers(outcomes, lost, detected, killed)
 
     def _kill_hung(self, ids: Sequence[int], ranks: list[int],
-                   hung: Callable[[dict[int, str]], list[int]]) -> list[tuple[int, str]]:
+                   hung: Hung) -> list[tuple[int, str]]:
         """Asks the silent ranks where they are; kills the ones `hung` names."""
         refs = {r: self.actors[ids[r]].progress.remote() for r in ranks}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=5.0)
-        phases = {rank: _phase(ref) if ref in ready else "unresponsive"
-                  for rank, ref in refs.items()}
-        killed = hung(phases)
+        where = {rank: _where(ref) if ref in ready else ("unresponsive", float("inf"))
+                 for rank, ref in refs.items()}
+        killed = hung(where)
         for rank in killed:
             self.kill(ids[rank])
-        return [(rank, phases[rank]) for rank in killed]
+        return [(rank, where[rank][0]) for rank in killed]
 
     # --- single calls --------------------------------------------------------------------------
 
@@ -274,12 +274,14 @@ class _Answers:
     hung: list[tuple[int, str]]
 
 
-def _phase(ref: Any) -> str:
-    """The phase a worker's `progress` answer names ("dead" if it died meanwhile)."""
+def _where(ref: Any) -> tuple[str, float]:
+    """The phase a worker's `progress` answer names and how long it has been in it ("dead",
+    for ever, if it died meanwhile)."""
     try:
-        return ray.get(ref).get("phase")
+        answer = ray.get(ref)
     except RayActorError:
-        return "dead"
+        return "dead", float("inf")
+    return answer["phase"], answer["age"]
 
 
 def _death_reason(e: RayActorError) -> str:

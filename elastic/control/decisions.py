@@ -123,10 +123,14 @@ def restore_source(steps: Sequence[int], global_step: int) -> RestoreSource:
     return RestoreSource(src, steps[src] < global_step)
 
 
-def hung_ranks(phases: Mapping[int, str]) -> list[int]:
-    """Of the ranks that made no progress for the hang timeout, the ones to kill: those not
-    waiting in a collective (they are the ones the others wait for)."""
-    return [rank for rank, phase in phases.items() if phase != "allreduce"]
+def hung_ranks(where: Mapping[int, tuple[str, float]], timeout: float) -> list[int]:
+    """Of the ranks that did not answer within the hang timeout, the ones to kill: those that
+    have been in one phase for at least `timeout` seconds (`where`: rank -> (phase, seconds in
+    it); a rank that does not say is in it for ever) and are not waiting in a collective (they
+    are the ones the others wait for). A long step or evaluation that still moves from phase to
+    phase, or from batch to batch, is left alone."""
+    return [rank for rank, (phase, age) in where.items()
+            if phase != "allreduce" and age >= timeout]
 
 
 def weights(rates: Mapping[int, float], ids: Sequence[int]) -> list[float] | None:

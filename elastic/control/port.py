@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from elastic.adapt.plan import BatchPlan
     from elastic.config import ChaosEvent
 
+# The hang watchdog's verdict: rank -> (phase, seconds in it) of the ranks that did not answer
+# within the hang timeout, to the ranks to kill (`decisions.hung_ranks`).
+Hung = Callable[[dict[int, tuple[str, float]]], list[int]]
+
 T = TypeVar("T")
 
 
@@ -227,14 +231,14 @@ class Workers(Protocol):
 
     def run_chunk(self, ids: Sequence[int], plan: BatchPlan, num_steps: int,
                   chaos: list[ChaosEvent], lr_ramp: LrRamp | None, hang_timeout: float,
-                  hung: Callable[[dict[int, str]], list[int]]) -> ChunkReport:
+                  hung: Hung) -> ChunkReport:
         """Runs `num_steps` steps on every member. When no member answers for `hang_timeout`
         seconds, asks the waiting ones where they are and kills the ranks that `hung(phases)`
         names (the normal loss path follows)."""
         ...
 
     def evaluate(self, ids: Sequence[int], shares: Sequence[int], chaos: list[ChaosEvent],
-                 hang_timeout: float, hung: Callable[[dict[int, str]], list[int]]) -> EvalReport:
+                 hang_timeout: float, hung: Hung) -> EvalReport:
         """Evaluates the committed model on every member, each over its slice of the
         evaluation set (in proportion to `shares`); hangs are handled as in `run_chunk`."""
         ...

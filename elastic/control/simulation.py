@@ -30,6 +30,7 @@ from elastic.control.port import (
     EvalReport,
     EvalVotedDown,
     Gathered,
+    Hung,
     Member,
     Started,
 )
@@ -151,7 +152,7 @@ class SimulatedWorkers:
 
     def run_chunk(self, ids: Sequence[int], plan: BatchPlan, num_steps: int,
                   chaos: list[ChaosEvent], lr_ramp: LrRamp | None, hang_timeout: float,
-                  hung: Callable[[dict[int, str]], list[int]]) -> ChunkReport:
+                  hung: Hung) -> ChunkReport:
         if self.before_chunk is not None:
             self.before_chunk(self.workers[ids[0]].step)
         self.chunks += 1
@@ -203,7 +204,7 @@ class SimulatedWorkers:
         return ChunkReport(outcomes, {r: "simulated kill" for r in sorted(kills)}, self.clock)
 
     def evaluate(self, ids: Sequence[int], shares: Sequence[int], chaos: list[ChaosEvent],
-                 hang_timeout: float, hung: Callable[[dict[int, str]], list[int]]) -> EvalReport:
+                 hang_timeout: float, hung: Hung) -> EvalReport:
         """Every member evaluates (`metrics` of the committed step); scheduled kills of phase
         'evaluate' make their ranks die in it and 'raise' fails it on every rank."""
         step = self.workers[ids[0]].step

@@ -31,7 +31,14 @@ from elastic.control.batching import Batching
 from elastic.control.context import Context
 from elastic.control.group import admit, drop, form, on_any_member, top_up
 from elastic.control.policy import BackOff, Fail, Reconfigure, Recover, Retry
-from elastic.control.port import ChunkInterrupted, ChunkReport, EvalDone, EvalReport, EvalVotedDown
+from elastic.control.port import (
+    ChunkInterrupted,
+    ChunkReport,
+    EvalDone,
+    EvalReport,
+    EvalVotedDown,
+    Hung,
+)
 from elastic.control.run_state import RunState
 from elastic.errors import (
     CollectiveError,
@@ -211,7 +218,7 @@ class Running(State):
             ctx.log.emit(Chaos(**event.model_dump()))
         report = ctx.workers.run_chunk(ids, plan, num, chaos, ctx.batch.lr_ramp,
                                        ctx.config.failure.hang_timeout.total_seconds(),
-                                       decisions.hung_ranks)
+                                       _hung(ctx))
         for rank, phase in report.hung:
             ctx.log.emit(WorkerHung(rank=rank, phase=phase, worker_id=ids[rank]))
         records = {rank: o.records for rank, o in report.outcomes.items()}
@@ -279,6 +286,12 @@ class Running(State):
         return self
 
 
+def _hung(ctx: Context) -> Hung:
+    """The hang watchdog's verdict under the run's `failure.hang_timeout`."""
+    timeout = ctx.config.failure.hang_timeout.total_seconds()
+    return lambda where: decisions.hung_ranks(where, timeout)
+
+
 def _evaluation_due(ctx: Context, ending: bool, after_chunk: bool = False) -> bool:
     """Whether the committed model is evaluated now (`decisions.evaluation_due`): `ending`, the
     run ends here; `after_chunk`, a chunk just completed (so an epoch may have ended)."""
@@ -338,7 +351,7 @@ class Evaluating(State):
         shares = plan_batch(ctx.batch.batch_now, len(ids), None, ctx.batch.weights(ids)).shares
         report = ctx.workers.evaluate(ids, shares, chaos,
                                       ctx.config.failure.hang_timeout.total_seconds(),
-                                      decisions.hung_ranks)
+                                      _hung(ctx))
         for rank, phase in report.hung:
             ctx.log.emit(WorkerHung(rank=rank, phase=phase, worker_id=ids[rank]))
         return report

@@ -194,11 +194,12 @@ def metric_terms(out: Any) -> dict[str, tuple[float, float]]:
 
 def evaluate_slice(model: torch.nn.Module, dataset: Any, collate: Callable[[list[Any]], Any],
                    eval_step: Callable[[Any, Any], Any], indices: range, batch_size: int,
-                   seed: int) -> dict[str, list[float]]:
+                   seed: int, tick: Callable[[], None] | None = None) -> dict[str, list[float]]:
     """Runs `eval_step` over `indices` of `dataset` in batches of `batch_size`; returns
     {name: [sum, count]} accumulated in float64 (empty for an empty slice). The model is in
     eval mode under `torch.no_grad()`; the generators are seeded before each batch from
     (`seed`, position of its first sample) and restored afterwards, as are the modules' modes.
+    `tick` is called before each batch (the hang watchdog sees a slice that moves on).
 
     Raises:
         whatever user code raised; TypeError for a malformed result, ValueError when batches
@@ -207,6 +208,8 @@ def evaluate_slice(model: torch.nn.Module, dataset: Any, collate: Callable[[list
     sums: dict[str, list[float]] = {}
     with preserved_generators(), eval_mode(model):
         for start in range(indices.start, indices.stop, batch_size):
+            if tick is not None:
+                tick()
             batch_indices = list(range(start, min(start + batch_size, indices.stop)))
             batch = load_piece(dataset, collate, batch_indices,
                                forward_seed(seed, _EVAL_STREAM, start))
@@ -304,7 +307,8 @@ def _enter(progress: Any, phase: str) -> None:
 
 def _local(dataset: LazyDataset, model: torch.nn.Module, collate: Callable[[list[Any]], Any],
            eval_step: Callable[[Any, Any], Any], shares: Sequence[int], rank: int,
-           batch_size: int, seed: int, before: Callable[[], None] | None) -> Partial:
+           batch_size: int, seed: int, before: Callable[[], None] | None,
+           progress: Any = None) -> Partial:
     """This rank's part; an exception from user code is latched with its traceback, never
     raised, so that this rank still joins the reduce."""
     partial = Partial()
@@ -314,7 +318,8 @@ def _local(dataset: LazyDataset, model: torch.nn.Module, collate: Callable[[list
         data = dataset.get()
         partial.size = len(data)
         mine = eval_slices(partial.size, shares)[rank]
-        partial.sums = evaluate_slice(model, data, collate, eval_step, mine, batch_size, seed)
+        partial.sums = evaluate_slice(model, data, collate, eval_step, mine, batch_size, seed,
+                                      tick=lambda: _enter(progress, "evaluate"))
     except Exception:
         partial.sums, partial.error = {}, traceback.format_exc()
     return partial
@@ -350,7 +355,7 @@ def evaluate_share(comm: Communicator, model: torch.nn.Module, dataset: LazyData
     """
     _enter(progress, "evaluate")
     partial = _local(dataset, model, collate, eval_step, shares, comm.rank, batch_size, seed,
-                     before)
+                     before, progress)
     _enter(progress, "allreduce")
     try:
         return reduce_partial(comm, partial)

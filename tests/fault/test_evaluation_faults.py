@@ -11,7 +11,7 @@ import elastic
 from elastic import BatchConfig, ChaosEvent, FailureConfig, FitConfig, ScalingConfig
 from elastic.config import EvaluationConfig
 from elastic.events import Evaluate, Recovered, StateChanged, WorkerFailure, WorkerHung
-from tests.eval_jobs import eval_job, reference_metrics_at
+from tests.eval_jobs import eval_job, reference_metrics_at, slow_eval_step
 from tests.events import of_kind
 from tests.jobs import reference_weights
 
@@ -51,3 +51,19 @@ def test_a_worker_lost_in_an_evaluation_is_recovered_and_the_evaluation_rerun_at
     assert {m["world_size"] for m in result.metrics if m["step"] >= 4} <= {2, 3}
     (recovered,) = of_kind(result.events, Recovered)
     assert (recovered.world_before, recovered.world_after, recovered.work_lost_steps) == (3, 2, 0)
+
+
+def test_an_evaluation_longer_than_the_hang_timeout_that_moves_on_is_not_killed(ray_cluster, tmp_path):
+    # 37 samples over 2 ranks in batches of 4: 5 batches of half a second each on a rank, so
+    # every evaluation outlasts the 2 s hang timeout; each batch tells the watchdog it moved on.
+    config = FitConfig(
+        scaling=ScalingConfig(num_workers=2, min_workers=1, max_workers=2),
+        batch=BatchConfig(global_batch_size=B, max_micro_batch=4), max_steps=3,
+        evaluation=EvaluationConfig(every_steps=3, at_end=False, batch_size=4),
+        failure=FailureConfig(hang_timeout=timedelta(seconds=2)), run_dir=str(tmp_path / "run"))
+    result = elastic.fit(eval_job(slow_eval_step), config)
+    assert of_kind(result.events, WorkerHung) == []
+    assert of_kind(result.events, WorkerFailure) == []
+    [evaluation] = of_kind(result.events, Evaluate)
+    assert evaluation.step == 3
+    assert evaluation.metrics == pytest.approx(reference_metrics_at(0, B, 3), rel=1e-9, abs=1e-12)

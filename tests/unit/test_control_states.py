@@ -408,7 +408,16 @@ def test_restore_source_is_the_newest_lowest_rank_else_a_checkpoint():
 
 
 def test_hung_ranks_spare_the_ones_waiting_in_a_collective():
-    assert decisions.hung_ranks({0: "allreduce", 2: "forward", 3: "unresponsive"}) == [2, 3]
+    inf = float("inf")
+    where = {0: ("allreduce", 400.0), 2: ("forward", 301.0), 3: ("unresponsive", inf)}
+    assert decisions.hung_ranks(where, 300.0) == [2, 3]
+
+
+def test_hung_ranks_spare_a_rank_that_moved_on_within_the_timeout():
+    # A long evaluation or step that is still moving from batch to batch (or phase to phase)
+    # entered its phase less than the timeout ago: it is not hung, however long the call.
+    where = {0: ("evaluate", 12.0), 1: ("forward", 299.9), 2: ("evaluate", 300.0)}
+    assert decisions.hung_ranks(where, 300.0) == [2]
 
 
 def test_a_chunk_error_prefers_a_loss_then_a_vote_then_a_collective_error():
