@@ -14,10 +14,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Backend = Literal["gloo", "nccl"]
-Algorithm = Literal["ring", "tree", "halving_doubling", "native"]
+Algorithm = Literal["auto", "direct", "hierarchical", "ring", "tree", "halving_doubling", "native"]
 ReduceOp = Literal["sum", "avg", "max"]
 
-ALGORITHMS: tuple[Algorithm, ...] = ("ring", "tree", "halving_doubling", "native")
+ALGORITHMS: tuple[Algorithm, ...] = (
+    "auto", "direct", "hierarchical", "ring", "tree", "halving_doubling", "native",
+)
 
 HOME_ENV = "ELASTIC_HOME"
 """Storage root of the run index (`<root>/runs/NAME.json`); default `~/.elastic`."""
@@ -41,10 +43,14 @@ class CollectiveConfig(_Frozen):
         "needs the `gpu` extra).",
     )
     algorithm: Algorithm = Field(
-        default="ring",
-        description="Allreduce algorithm: 'ring' (bandwidth-optimal, any world size), 'tree' "
-        "(binomial reduce + broadcast), 'halving_doubling' (Rabenseifner), or 'native' (the "
-        "backend's own).",
+        default="auto",
+        description="Allreduce algorithm: 'auto' ('direct' wherever ranks share a host through "
+        "shared memory, else 'ring'), 'direct' (every rank of a host reduces its slice straight "
+        "from its peers' shared-memory buffers), 'hierarchical' (direct inside each host, the "
+        "network between hosts; on one host the same as 'direct', and 'direct' runs this way "
+        "when the ranks span hosts; both fall back to 'ring' without shared memory), 'ring' "
+        "(bandwidth-optimal, any world size), 'tree' (binomial reduce + broadcast), "
+        "'halving_doubling' (Rabenseifner), or 'native' (the backend's own).",
     )
     timeout: timedelta = Field(
         default=timedelta(minutes=5),
@@ -98,6 +104,19 @@ class CollectiveConfig(_Frozen):
         description="Bytes of each shared-memory ring (one per ordered pair of ranks on a "
         "host; each rank's segment holds world_size - 1 of them). Larger rings let a sender "
         "run further ahead of its receiver.",
+    )
+    shm_chunk_bytes: int = Field(
+        default=4 << 20, ge=4096,
+        description="Bytes of each of the two shared-memory buffers every rank of a host holds "
+        "for the 'direct' and 'hierarchical' allreduce; larger messages go through them in "
+        "chunks of this size.",
+    )
+    simulated_hosts: int | None = Field(
+        default=None, ge=1,
+        description="For tests and benchmarks only: treat the ranks of a generation as spread "
+        "over this many hosts (contiguous blocks of ranks of near-equal size), so that shared "
+        "memory is used only inside a block and the network between blocks, as on a real "
+        "cluster. None: ranks are grouped by the host they really run on.",
     )
 
 

@@ -23,7 +23,7 @@ from elastic.adapt.lr import LrRamp
 from elastic.adapt.plan import BatchPlan
 from elastic.collective import RendezvousServer
 from elastic.config import ChaosEvent, FitConfig
-from elastic.control.port import ChunkReport, EvalReport, Gathered, Hung, Member, Started
+from elastic.control.port import ChunkFailed, ChunkReport, EvalReport, Gathered, Hung, Member, Started
 from elastic.errors import CollectiveError, ConfigError, ElasticError, WorkerLostError
 from elastic.job import TrainJob
 
@@ -208,8 +208,8 @@ class RayWorkers:
     def _answers(self, ids: Sequence[int], refs: dict[Any, int], hang_timeout: float,
                  hung: Hung) -> _Answers:
         """Waits for every rank's answer to one call on the generation (`refs`: ref -> rank).
-        At the first loss every survivor is aborted, so that none waits in a collective for
-        the dead; ranks silent for `hang_timeout` are asked where they are and those `hung`
+        At the first loss, or when a rank leaves on its own (`ChunkFailed`), every other rank
+        is aborted, so that none waits in a collective for it; ranks silent for `hang_timeout` are asked where they are and those `hung`
         names are killed."""
         outcomes: dict[int, Any] = {}
         lost: dict[int, str] = {}
@@ -224,6 +224,10 @@ class RayWorkers:
             rank = refs[ready[0]]
             try:
                 outcomes[rank] = ray.get(ready[0])
+                if isinstance(outcomes[rank], ChunkFailed) and remaining:
+                    # It left the generation on its own (user code after a step raised):
+                    # the others would wait for it in the next step's collective.
+                    self._abort_all_but(ids, rank)
             except RayActorError as e:
                 lost[rank] = _death_reason(e)
                 if len(lost) == 1:

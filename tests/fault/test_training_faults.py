@@ -5,14 +5,16 @@ metrics; a scheduler that raises fails the run at once, without a retry."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from datetime import timedelta
 
 import pytest
 import torch
 
 import elastic
-from elastic import BatchConfig, ChaosEvent, FitConfig, ScalingConfig
+from elastic import BatchConfig, ChaosEvent, CollectiveConfig, FitConfig, ScalingConfig
 from elastic.config import TrainingConfig
 from elastic.errors import AfterStepError
 from elastic.events import Failed, UserError
@@ -81,3 +83,48 @@ def test_a_scheduler_error_fails_the_run_once_without_a_retry(ray_cluster, tmp_p
     assert user.attempt == 1 and user.ranks == [0, 1, 2] and user.step == 1
     steps = [m["step"] for m in read_jsonl(os.path.join(tmp_path, "run", "metrics.jsonl"))]
     assert steps == [0]  # step 1 applied, but its chunk ended in the error
+
+
+class RaisesOnOneRank:
+    """Extra state whose `after_step` raises after the second step in the one process that
+    claims `marker` first: user code failing on one rank only."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker, self.steps = marker, 0
+
+    def after_step(self, model) -> None:
+        self.steps += 1
+        if self.steps == 2:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return
+            raise RuntimeError("after_step failed on this rank only")
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state) -> None:
+        self.steps = state["steps"]
+
+
+def _raises_on_one_rank(model, optimizer, marker):
+    return {"flaky": RaisesOnOneRank(marker)}
+
+
+@pytest.mark.timeout(120)
+def test_an_after_step_error_on_one_rank_releases_the_others_at_once(ray_cluster, tmp_path):
+    # The other ranks go on into step 2's allreduce, where the failed rank never comes: they
+    # are aborted as soon as its failure is reported, not after the 10-minute collective
+    # timeout (which would outlast this test's timeout).
+    marker = str(tmp_path / "claimed")
+    job = _job(extra_state=functools.partial(_raises_on_one_rank, marker=marker))
+    config = _config(tmp_path, TrainingConfig(), collective=CollectiveConfig(
+        timeout=timedelta(minutes=10))).model_copy(update={"steps_per_chunk": 4})
+    with pytest.raises(AfterStepError) as info:
+        elastic.fit(job, config)
+    assert info.value.step == 1 and "this rank only" in info.value.traceback
+    events = read_jsonl(os.path.join(tmp_path, "run", "events.jsonl"))
+    [user] = of_kind(events, UserError)
+    assert user.attempt == 1 and len(user.ranks) == 1 and user.step == 1
+    assert len(of_kind(events, Failed)) == 1
