@@ -209,8 +209,8 @@ class RayWorkers:
                  hung: Hung) -> _Answers:
         """Waits for every rank's answer to one call on the generation (`refs`: ref -> rank).
         At the first loss, or when a rank leaves on its own (`ChunkFailed`), every other rank
-        is aborted, so that none waits in a collective for it; ranks silent for `hang_timeout` are asked where they are and those `hung`
-        names are killed."""
+        is aborted, so that none waits in a collective for it; ranks silent for `hang_timeout`
+        are asked where they are and those `hung` names are killed."""
         outcomes: dict[int, Any] = {}
         lost: dict[int, str] = {}
         killed: list[tuple[int, str]] = []

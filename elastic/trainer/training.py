@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import math
 import traceback
 from collections.abc import Iterator, Mapping
@@ -197,7 +198,29 @@ def build_extra_state(job: Any, model: torch.nn.Module, optimizer: Any) -> dict[
                 and callable(getattr(obj, "load_state_dict", None))):
             raise ConfigError(f"TrainJob.extra_state[{name!r}] ({type(obj).__name__}) needs "
                               "state_dict() and load_state_dict()")
+        _check_loadable(name, obj)
     return dict(extra)
+
+
+def _check_loadable(name: str, obj: Any) -> None:
+    """Peer restore and checkpoints load the committed state with `torch.load(weights_only=
+    True)`, which refuses arbitrary objects: an extra state whose state_dict holds one would
+    break the first recovery, so it is refused up front.
+
+    Raises:
+        ConfigError: `obj.state_dict()` does not survive a weights-only save and load.
+    """
+    buffer = io.BytesIO()
+    try:
+        torch.save(obj.state_dict(), buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"TrainJob.extra_state[{name!r}].state_dict() ({type(obj).__name__}) cannot be "
+            f"loaded with torch.load(weights_only=True) ({first}); return tensors, numbers, "
+            "strings and lists/dicts of them") from e
 
 
 def load_extra_state(extra: Mapping[str, Any], saved: Mapping[str, Any] | None) -> None:

@@ -5,6 +5,7 @@ Ranks are threads of the test process (no Ray)."""
 
 from __future__ import annotations
 
+import datetime
 import io
 import math
 
@@ -348,6 +349,23 @@ def test_extra_state_travels_with_peer_restore_and_matches_the_plain_loop(tmp_pa
     _close(replica.extra["ema"].shadow, ema.shadow)
     saved = torch.load(io.BytesIO(replica.state_bytes()), weights_only=True)
     assert saved["extra"]["ema"]["updates"] == 8
+
+
+class HoldsAnObject:
+    """Extra state whose state_dict holds something weights-only loading refuses."""
+
+    def state_dict(self):
+        return {"when": datetime.timedelta(seconds=1)}
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+
+def test_extra_state_that_weights_only_loading_refuses_is_refused_up_front(tmp_path):
+    config = FitConfig(scaling=ScalingConfig(num_workers=1), batch=BatchConfig(global_batch_size=B),
+                       run_dir=str(tmp_path), max_steps=2)
+    with pytest.raises(ConfigError, match=r"extra_state\['odd'\].*weights_only=True"):
+        _SerialReplica(_job(extra_state=lambda m, o: {"odd": HoldsAnObject()}), config, str(tmp_path))
 
 
 def test_extra_state_without_state_dict_is_refused(tmp_path):
