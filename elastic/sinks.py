@@ -16,7 +16,7 @@ from typing import Any
 from elastic.callbacks import CallbackSink
 from elastic.config import LoggingConfig
 from elastic.control.states import Failed, Machine, State
-from elastic.errors import ConfigError
+from elastic.errors import ElasticError
 from elastic.loggers import LoggerSink, open_loggers
 from elastic.runlog import RunLog
 
@@ -43,15 +43,16 @@ class RunSinks:
     def start(self) -> None:
         """Opens the loggers and hands them and the callbacks every record from now on, on
         this thread. A missing logger package fails the run (the machine enters `Failed`
-        with the ConfigError, so that its `run` returns at once). A run with neither adds
-        nothing to its log."""
+        with the ConfigError, so that its `run` returns at once), as does a callback that raises
+        on the `logger_failed` event of a logger that could not open (its CallbackError).
+        A run with neither adds nothing to its log."""
         config = self.config
         if not self.callbacks.callbacks and config.csv is config.tensorboard is config.mlflow is None:
             return
         self.log.add_sinks(self.loggers, self.callbacks)
         try:
             self.loggers.loggers = open_loggers(self.config, self.machine.ctx.name, self.log)
-        except ConfigError as e:
+        except ElasticError as e:  # a missing package, or a callback raising on a logger's failure
             self.machine.enter(Failed(e))
 
     def end(self) -> State:
@@ -72,11 +73,13 @@ class RunSinks:
         """Closes the loggers (after the run's last record) and stops feeding the sinks.
         Never raises: the run's end is decided by now."""
         try:
-            self.log.deliver()
-            self.loggers.close(self._summary()["state"])
-            self.log.deliver()  # a `logger_failed` event of a failing close
-        except Exception:  # only a callback after an error of ours that skipped `end`
-            logger.exception("closing the loggers and callbacks of run %s", self.machine.ctx.name)
+            for step in (self.log.deliver, lambda: self.loggers.close(self._summary()["state"]),
+                         self.log.deliver):  # the last: a `logger_failed` event of a failing close
+                try:
+                    step()
+                except Exception:  # a callback after an error of ours that skipped `end`
+                    logger.exception("closing the loggers and callbacks of run %s",
+                                     self.machine.ctx.name)
         finally:
             self.log.remove_sinks()
 

@@ -14,7 +14,7 @@ from typing import TypeVar
 from elastic.control import decisions
 from elastic.control.context import Context
 from elastic.control.policy import Fail
-from elastic.errors import RendezvousError, WorkerLostError
+from elastic.errors import CallbackError, RendezvousError, WorkerLostError
 from elastic.events import (
     CheckpointFailed,
     Generation,
@@ -116,6 +116,10 @@ def save_before_failing(ctx: Context) -> None:
     for member in ctx.members:
         try:
             ctx.checkpoints.maybe_write(member.worker_id, ctx.step, len(ctx.members), final=True)
+            return
+        except CallbackError:
+            # The checkpoint was written; an `on_checkpoint` hook raised on its event. The run
+            # fails of its own error, and the sinks report the callback's at the end.
             return
         except Exception as e:  # best effort on the way to failing: try the next member
             ctx.log.emit(CheckpointFailed(step=ctx.step, error=first_line(e)))

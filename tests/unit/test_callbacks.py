@@ -280,3 +280,71 @@ def test_the_error_of_another_threads_record_waits_for_a_record_of_the_run_itsel
     assert sink.error is not None
     with pytest.raises(CallbackError, match=r"Recorder.on_event raised ValueError: boom \(step 4\)"):
         log.metric(step=4)
+
+
+def test_a_callback_raising_on_a_logger_that_cannot_open_fails_the_run_and_still_finishes(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    recorder = _raises_on("on_event", "logger_failed")
+    cfg = FitConfig(run_dir=str(tmp_path / "run"), max_steps=4, scaling=ScalingConfig(num_workers=2),
+                    batch=BatchConfig(global_batch_size=8))
+    sim = SimulatedWorkers(dataset_size=8000, capacity=2)
+    machine = Machine(Context(cfg, "sim", RunLog(str(tmp_path / "run")), sim))
+    sinks = RunSinks(LoggingConfig(csv=str(tmp_path / "file" / "steps.csv")), [recorder], machine)
+    sinks.start()  # the CallbackError does not escape: it fails the machine
+    end = machine.run()
+    assert sinks.end() is end and type(end.error) is CallbackError
+    assert end.error.args[0] == "callback Recorder.on_event raised ValueError: boom"
+    assert sim.workers == {}  # no worker was started
+    sinks.close()
+    assert recorder.calls[-1][0] == "on_finish" and recorder.calls[-1][1]["state"] == "failed"
+
+
+def test_close_closes_the_loggers_even_when_the_records_left_cannot_be_delivered(tmp_path):
+    class Logger:
+        name = "fake"
+        closed: list[str] = []
+
+        def close(self, state):
+            self.closed.append(state)
+
+    cfg = FitConfig(run_dir=str(tmp_path), max_steps=4, scaling=ScalingConfig(num_workers=2),
+                    batch=BatchConfig(global_batch_size=8))
+    machine = Machine(Context(cfg, "sim", RunLog(str(tmp_path)),
+                              SimulatedWorkers(dataset_size=8000, capacity=2)))
+    sinks = RunSinks(LoggingConfig(), [Recorder()], machine)
+    sinks.start()
+    machine.run()
+    sinks.end()
+    fake = Logger()
+    sinks.loggers.loggers = [fake]
+
+    def broken():
+        raise ValueError("a sink broke")
+
+    sinks.log.deliver = broken
+    sinks.close()  # never raises
+    assert fake.closed == ["finished"]
+    assert sinks.log._sinks == []
+
+
+def test_a_final_checkpoint_whose_on_checkpoint_hook_raised_is_not_a_failed_checkpoint(tmp_path):
+    """`save_before_failing`: the checkpoint was written; the hook's CallbackError is not a
+    CheckpointFailed event, and no other member writes it again."""
+    from types import SimpleNamespace
+
+    from elastic.control.group import save_before_failing
+
+    writes = []
+
+    def maybe_write(worker_id, step, world, final):
+        writes.append(worker_id)
+        raise CallbackError("callback Recorder.on_checkpoint raised ValueError: boom", rank=-1,
+                            step=step, traceback="Traceback ...")
+
+    log = RunLog(str(tmp_path))
+    ctx = SimpleNamespace(checkpoints=SimpleNamespace(enabled=True, maybe_write=maybe_write),
+                          members=[SimpleNamespace(worker_id=3), SimpleNamespace(worker_id=4)],
+                          step=7, log=log)
+    save_before_failing(ctx)
+    assert writes == [3]
+    assert [e["event"] for e in log.events] == []
