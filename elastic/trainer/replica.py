@@ -303,7 +303,7 @@ class Replica:
             if not 0 < announced <= limit:
                 raise CollectiveError(
                     f"rank {src} announced a committed state of {announced} bytes; this rank "
-                    f"expects at most {limit} for its model and optimizer; refused",
+                    f"expects at most {limit} for its model, optimizer and extra state; refused",
                     rank=comm.rank)
         data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if comm.rank == src
                 else torch.empty(announced, dtype=torch.uint8))
@@ -756,19 +756,25 @@ def _first_with_share(plan: BatchPlan) -> int:
 # not a tensor of the model's size (cursor, RNG state, scheduler, pickling).
 _OPTIMIZER_SLOTS = 3
 _STATE_SLACK_BYTES = 16 << 20
+# Each extra state object may hold this many copies of the model's state on the peer that
+# sends it, whatever it holds here: an EMA allocated at its first update is empty on a fresh
+# replica (two: an EMA of the weights and one of their squares, say).
+_EXTRA_SLOTS = 2
 
 
 def max_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     extra: dict[str, Any] | None = None) -> int:
     """An upper bound of the serialised committed state of a replica of `model`: its own
     parameters and buffers plus up to `_OPTIMIZER_SLOTS` tensors per parameter in the
-    optimizer (or what the optimizer already holds, if more), the job's extra state as this
-    replica holds it (an EMA is as large on every rank), plus a fixed slack."""
+    optimizer (or what the optimizer already holds, if more), per extra state object
+    `_EXTRA_SLOTS` copies of the model's state (or what it holds here, if more), plus a fixed
+    slack."""
     tensors = list(model.state_dict().values())
     model_bytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     held = sum(_tensor_bytes(v) for st in optimizer.state.values() for v in st.values())
-    extra_bytes = sum(_tensor_bytes(obj.state_dict()) for obj in (extra or {}).values())
+    extra_bytes = sum(max(_tensor_bytes(obj.state_dict()), _EXTRA_SLOTS * model_bytes)
+                      for obj in (extra or {}).values())
     return model_bytes + max(_OPTIMIZER_SLOTS * params, held) + extra_bytes + _STATE_SLACK_BYTES
 
 

@@ -391,7 +391,39 @@ def test_the_peer_state_bound_counts_the_extra_state():
     opt = torch.optim.SGD(big.parameters(), lr=0.1)
     extra = {"ema": Ema(big), "ema2": Ema(big)}
     model_bytes = sum(v.numel() * 4 for v in big.state_dict().values())
-    assert max_state_bytes(big, opt, extra) - max_state_bytes(big, opt) == 2 * model_bytes
+    assert max_state_bytes(big, opt, extra) - max_state_bytes(big, opt) == 2 * 2 * model_bytes
+
+
+class LazyEma(Ema):
+    """An EMA whose shadow weights exist only from its first update on."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.shadow, self.updates = {}, 0
+
+    def after_step(self, model: nn.Module) -> None:
+        if not self.shadow:
+            self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        super().after_step(model)
+
+
+def test_the_peer_state_bound_of_a_fresh_replica_admits_a_trained_peers_lazy_extra_state():
+    # amsgrad holds three tensors per parameter: with the EMA the sender's state is five times
+    # the model's, more than a fresh replica's own (empty) EMA would allow for.
+    from elastic.trainer.replica import max_state_bytes
+
+    def replica():
+        torch.manual_seed(0)
+        model = nn.Linear(4096, 2048)
+        return model, torch.optim.Adam(model.parameters(), amsgrad=True), {"ema": LazyEma(model)}
+
+    peer, peer_opt, peer_extra = replica()
+    peer(torch.randn(2, 4096)).sum().backward()
+    peer_opt.step()
+    peer_extra["ema"].after_step(peer)
+    buffer = io.BytesIO()
+    torch.save({"model": peer.state_dict(), "optimizer": peer_opt.state_dict(),
+                "extra": {"ema": peer_extra["ema"].state_dict()}}, buffer)
+    assert len(buffer.getvalue()) <= max_state_bytes(*replica())
 
 
 def test_a_state_written_without_fp16_keeps_the_init_scale():
