@@ -460,17 +460,36 @@ class TrainingConfig(_Frozen):
         default=None, gt=0,
         description="Clip every summed gradient element to [-v, v] (after the allreduce).",
     )
-    scheduler_interval: Literal["step", "epoch"] = Field(
+    scheduler_interval: Literal["step", "epoch", "evaluation"] = Field(
         default="step",
         description="When TrainJob.lr_scheduler steps: after every committed optimizer step, "
-        "or once when an epoch's last step is committed.",
+        "once when an epoch's last step is committed, or once after each evaluation of "
+        "TrainJob.eval_dataset (FitConfig.evaluation says when).",
     )
     scheduler_monitor: str | None = Field(
         default=None,
         description="For a metric-driven scheduler (ReduceLROnPlateau): the value passed to "
         "scheduler.step(value): 'loss' or a metric TrainJob.loss returns; with "
-        "scheduler_interval 'epoch', its mean over the epoch's steps. None: scheduler.step().",
+        "scheduler_interval 'epoch', its mean over the epoch's steps; with 'evaluation', "
+        "'eval/<name>', a metric TrainJob.eval_step returns. None: scheduler.step().",
     )
+
+    @model_validator(mode="after")
+    def _check_monitor(self) -> TrainingConfig:
+        monitor = self.scheduler_monitor
+        on_eval = monitor is not None and monitor.startswith("eval/")
+        if on_eval and self.scheduler_interval != "evaluation":
+            raise ValueError(f"training.scheduler_monitor {monitor!r} is an evaluation metric: "
+                             "set training.scheduler_interval='evaluation' (the scheduler then "
+                             "steps after each evaluation)")
+        if self.scheduler_interval == "evaluation" and monitor is not None and not on_eval:
+            raise ValueError(f"training.scheduler_interval 'evaluation' steps the scheduler on "
+                             f"an evaluation metric: name it 'eval/<name>' in "
+                             f"training.scheduler_monitor (not {monitor!r})")
+        if on_eval and not monitor[len("eval/"):]:
+            raise ValueError("training.scheduler_monitor 'eval/' names no metric: use "
+                             "'eval/<name>', a metric TrainJob.eval_step returns")
+        return self
 
 
 class EvaluationConfig(_Frozen):

@@ -83,6 +83,10 @@ def _rebalance_judged(e: RebalanceJudged) -> str | None:
             f"watched for {e.window} chunks")
 
 
+def _number(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, (int, float)) else str(value)
+
+
 def _batch_planned(e: BatchPlanned) -> str:
     return (f"global batch {e.global_batch_size} for {e.world_size} workers, learning-rate factor "
             f"{e.lr_factor_from:.3g} -> {e.lr_factor_to:.3g} over {e.warmup_steps} steps")
@@ -94,7 +98,8 @@ _RENDERERS: dict[type[Event], Callable[[Any], str | None]] = {
     WorkerJoined: lambda e: f"worker {e.worker_id} joined",
     Resized: lambda e: f"resized to {e.world_size} workers (generation {e.generation})",
     UserError: lambda e: f"user code raised at step {e.step} on ranks {e.ranks}: {e.error}",
-    Evaluate: lambda e: f"epoch {e.epoch} evaluation: {e.metrics}",
+    Evaluate: lambda e: (f"evaluation at step {e.step} ({e.epoch} epochs done): "
+                         + ", ".join(f"{k} {_number(v)}" for k, v in sorted(e.metrics.items()))),
     MicroBatchTuned: _micro_batch_tuned,
     OomBackoff: lambda e: (f"out of memory on rank {e.rank} at step {e.step}: micro-batch "
                            f"{e.micro_batch_before} -> {e.micro_batch_after}, step redone"),

@@ -10,7 +10,15 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from elastic import LossSum, TrainJob
-from tests.jobs import N_FEATURES, make_dataset, make_model, make_optimizer, mse, reference_weights
+from tests.jobs import (
+    N_FEATURES,
+    N_SAMPLES,
+    make_dataset,
+    make_model,
+    make_optimizer,
+    mse,
+    reference_weights,
+)
 
 N_EVAL = 37  # not a multiple of any batch or world size in the tests
 
@@ -34,9 +42,43 @@ def slow_eval_step(model: nn.Module, batch) -> dict:
     return eval_step(model, batch)
 
 
-def eval_job(step=eval_step) -> TrainJob:
+def eval_job(step=eval_step, lr_scheduler=None) -> TrainJob:
     return TrainJob(model=make_model, optimizer=make_optimizer, loss=mse, dataset=make_dataset,
-                    eval_dataset=make_eval_dataset, eval_step=step)
+                    eval_dataset=make_eval_dataset, eval_step=step, lr_scheduler=lr_scheduler)
+
+
+def halving_plateau(optimizer) -> torch.optim.lr_scheduler.ReduceLROnPlateau:
+    """A plateau scheduler that halves the rate at every evaluation whose mse is not below the
+    best so far (with this job's rate the mse at step 8 is above step 4's: the rate halves)."""
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.5,
+                                                      patience=0)
+
+
+def reference_with_eval_plateau(seed: int, global_batch: int, steps: int,
+                                every: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The plain loop of `reference_weights` with `halving_plateau` stepped on the whole
+    evaluation set's mse after every `every` steps; returns the weights and each step's rate.
+    Written without project code."""
+    torch.manual_seed(seed)
+    model = make_model()
+    opt = make_optimizer(model.parameters())
+    scheduler = halving_plateau(opt)
+    x, y = make_dataset().tensors
+    ex, ey = make_eval_dataset().tensors
+    per_epoch = N_SAMPLES // global_batch
+    lrs = []
+    for step in range(steps):
+        epoch, s = divmod(step, per_epoch)
+        perm = torch.randperm(N_SAMPLES, generator=torch.Generator().manual_seed(seed + epoch))
+        idx = perm[s * global_batch : (s + 1) * global_batch]
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+        opt.step()
+        if (step + 1) % every == 0:
+            with torch.no_grad():
+                scheduler.step(float(((model(ex) - ey) ** 2).mean()))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, lrs
 
 
 def reference_metrics(state: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -30,6 +30,7 @@ from elastic.control.port import (
     ChunkOutcome,
     ChunkVotedDown,
     EvalDone,
+    EvalFailed,
     EvalInterrupted,
     EvalOutcome,
     EvalVotedDown,
@@ -160,7 +161,13 @@ class WorkerActor:
                                     self.config.seed, lambda: self._fire(mine), replica.progress)
         except CollectiveError as e:
             return EvalInterrupted(str(e))
-        return EvalVotedDown(result) if isinstance(result, EvalFailure) else EvalDone(result)
+        if isinstance(result, EvalFailure):
+            return EvalVotedDown(result)
+        try:
+            replica.training.after_evaluation(replica.global_step, comm.rank, result)
+        except AfterStepError as e:
+            return EvalFailed(e)
+        return EvalDone(result)
 
     def _fire(self, events: list[ChaosEvent]) -> None:
         """Chaos during an evaluation: 'kill' SIGKILLs this worker, 'hang' blocks it for

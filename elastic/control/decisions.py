@@ -18,6 +18,7 @@ from elastic.control.port import (
     ChunkOutcome,
     ChunkVotedDown,
     EvalDone,
+    EvalFailed,
     EvalInterrupted,
     EvalOutcome,
     EvalVotedDown,
@@ -74,11 +75,15 @@ def evaluation_error(lost: Sequence[int], outcomes: Mapping[int, EvalOutcome], h
                      step: int) -> ElasticError | None:
     """What went wrong in an evaluation at step `step`, as the typed error the failure policy
     acts on; None when every rank finished it. As for a chunk: a lost worker first (a
-    `WorkerHangError` when the hang watchdog killed it), then an error of user code (every rank
-    reports it; the traceback is the first rank's that has one), then a collective error."""
+    `WorkerHangError` when the hang watchdog killed it), then the scheduler's error after the
+    evaluation (`EvalFailed`), then an error of user code (every rank reports it; the traceback
+    is the first rank's that has one), then a collective error."""
     if lost:
         kind = WorkerHangError if set(lost) & set(hung) else WorkerLostError
         return kind(f"ranks {sorted(lost)} lost during the evaluation", rank=min(lost), step=step)
+    failed = [o for rank, o in sorted(outcomes.items()) if isinstance(o, EvalFailed)]
+    if failed:  # the scheduler after the evaluation: the run cannot go on
+        return failed[0].error
     voted = [o.failure for o in outcomes.values() if isinstance(o, EvalVotedDown)]
     if voted:
         trace = next((f.traceback for f in voted if f.traceback), None)

@@ -156,7 +156,16 @@ class EvalInterrupted:
     error: str
 
 
-EvalOutcome = Union[EvalDone, EvalVotedDown, EvalInterrupted]  # noqa: UP007 (runtime alias)
+@dataclass(frozen=True)
+class EvalFailed:
+    """The evaluation finished, but the scheduler stepped after it raised
+    (`elastic.errors.AfterStepError`, `training.scheduler_interval` 'evaluation'): the run
+    cannot go on."""
+
+    error: Any
+
+
+EvalOutcome = Union[EvalDone, EvalVotedDown, EvalInterrupted, EvalFailed]  # noqa: UP007
 
 
 @dataclass(frozen=True)

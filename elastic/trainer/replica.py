@@ -175,6 +175,10 @@ class Replica:
             )
         self.scheduler = job.lr_scheduler(self.optimizer) if job.lr_scheduler else None
         self.training = Training(self.config.training, self.scheduler)
+        if self.config.training.scheduler_interval == "evaluation" and job.eval_step is None:
+            raise ConfigError("training.scheduler_interval 'evaluation' steps the scheduler "
+                              "after each evaluation, but the job has no TrainJob.eval_step "
+                              "and eval_dataset to evaluate")
         self.extra = build_extra_state(job, self.model, self.optimizer)
 
     def close(self) -> None:

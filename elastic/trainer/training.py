@@ -44,6 +44,7 @@ class Training:
         self.scale = config.init_scale if config.precision == "fp16-mixed" else 1.0
         self.growth_tracker = 0
         self.monitor_sum, self.monitor_steps = 0.0, 0  # the epoch's mean, for 'epoch' + monitor
+        self.evaluated_step: int | None = None  # 'evaluation': the step it last stepped after
         plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         if plateau and config.scheduler_monitor is None:
             raise ConfigError("TrainJob.lr_scheduler is a ReduceLROnPlateau, which steps on a "
@@ -58,7 +59,8 @@ class Training:
     def state_dict(self) -> dict[str, Any]:
         return {"precision": self.config.precision, "scale": self.scale,
                 "growth_tracker": self.growth_tracker, "monitor_sum": self.monitor_sum,
-                "monitor_steps": self.monitor_steps}
+                "monitor_steps": self.monitor_steps,
+                "evaluated_step": -1 if self.evaluated_step is None else self.evaluated_step}
 
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         """Takes a committed state (None: one written before these fields existed)."""
@@ -70,6 +72,8 @@ class Training:
             self.growth_tracker = int(state.get("growth_tracker", 0))
         self.monitor_sum = float(state.get("monitor_sum", 0.0))
         self.monitor_steps = int(state.get("monitor_steps", 0))
+        evaluated = int(state.get("evaluated_step", -1))
+        self.evaluated_step = None if evaluated < 0 else evaluated
 
     # --- the step ------------------------------------------------------------------------
 
@@ -116,16 +120,38 @@ class Training:
         """
         if self.config.precision == "fp16-mixed":
             self._update_scale(applied)
-        if self.scheduler is None:
+        if self.scheduler is None or self.config.scheduler_interval == "evaluation":
             return
-        try:
+        with _as_after_step_error(f"after step {step} was applied", step, rank):
             self._step_scheduler(applied, loss, metrics, epoch_over)
-        except ConfigError as e:  # a monitor the loss does not return: no traceback to show
-            raise AfterStepError(f"after step {step} was applied: {e}", rank=rank, step=step,
-                                 traceback=f"ConfigError: {e}") from None
-        except Exception:
-            raise AfterStepError(f"TrainJob.lr_scheduler raised after step {step} was applied",
-                                 rank=rank, step=step, traceback=traceback.format_exc()) from None
+
+    def after_evaluation(self, step: int, rank: int, metrics: Mapping[str, float]) -> None:
+        """With `scheduler_interval` 'evaluation': steps the scheduler once after the
+        evaluation at committed step `step` (`metrics`: its results, the same on every rank),
+        with the `eval/<name>` metric `scheduler_monitor` names. An evaluation run again at the
+        same step (after a recovery) does not step it again: the committed state says whether
+        it already did.
+
+        Raises:
+            AfterStepError: the scheduler raised, or the evaluation has no such metric.
+        """
+        config = self.config
+        if self.scheduler is None or config.scheduler_interval != "evaluation" \
+                or self.evaluated_step == step:
+            return
+        with _as_after_step_error(f"after the evaluation at step {step}", step, rank):
+            name = config.scheduler_monitor
+            if name is None:
+                self.scheduler.step()
+            else:
+                value = metrics.get(name[len("eval/"):])
+                if value is None:
+                    raise ConfigError(f"training.scheduler_monitor {name!r} is not a metric "
+                                      f"TrainJob.eval_step returns (it returns "
+                                      f"{sorted(metrics)})")
+                if math.isfinite(value):
+                    self.scheduler.step(value)
+        self.evaluated_step = step
 
     def _update_scale(self, applied: bool) -> None:
         if not applied:
@@ -162,6 +188,19 @@ class Training:
             scheduler.step()
         elif value is not None and math.isfinite(value):  # a skipped step has no value
             scheduler.step(value)
+
+
+@contextlib.contextmanager
+def _as_after_step_error(when: str, step: int, rank: int) -> Iterator[None]:
+    """What the scheduler raises in the block, as the run's `AfterStepError`."""
+    try:
+        yield
+    except ConfigError as e:  # a monitor the run does not have: no traceback to show
+        raise AfterStepError(f"{when}: {e}", rank=rank, step=step,
+                             traceback=f"ConfigError: {e}") from None
+    except Exception:
+        raise AfterStepError(f"TrainJob.lr_scheduler raised {when}", rank=rank, step=step,
+                             traceback=traceback.format_exc()) from None
 
 
 def wants_model(factory: Any) -> bool:

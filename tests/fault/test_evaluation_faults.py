@@ -9,9 +9,15 @@ import torch
 
 import elastic
 from elastic import BatchConfig, ChaosEvent, FailureConfig, FitConfig, ScalingConfig
-from elastic.config import EvaluationConfig
+from elastic.config import EvaluationConfig, TrainingConfig
 from elastic.events import Evaluate, Recovered, StateChanged, WorkerFailure, WorkerHung
-from tests.eval_jobs import eval_job, reference_metrics_at, slow_eval_step
+from tests.eval_jobs import (
+    eval_job,
+    halving_plateau,
+    reference_metrics_at,
+    reference_with_eval_plateau,
+    slow_eval_step,
+)
 from tests.events import of_kind
 from tests.jobs import reference_weights
 
@@ -67,3 +73,23 @@ def test_an_evaluation_longer_than_the_hang_timeout_that_moves_on_is_not_killed(
     [evaluation] = of_kind(result.events, Evaluate)
     assert evaluation.step == 3
     assert evaluation.metrics == pytest.approx(reference_metrics_at(0, B, 3), rel=1e-9, abs=1e-12)
+
+
+def test_a_plateau_scheduler_on_an_evaluation_metric_steps_once_per_evaluation_through_a_kill(
+        ray_cluster, tmp_path):
+    # The evaluation at step 4 loses rank 1 and runs again on the survivors: the scheduler
+    # steps once for it, as in the plain loop, and every step's rate is the plain loop's.
+    config = FitConfig(
+        scaling=ScalingConfig(num_workers=3, min_workers=1, max_workers=3),
+        batch=BatchConfig(global_batch_size=B, max_micro_batch=4), max_steps=12,
+        evaluation=EvaluationConfig(every_steps=4, batch_size=4),
+        training=TrainingConfig(scheduler_interval="evaluation", scheduler_monitor="eval/mse"),
+        chaos=(ChaosEvent(step=4, rank=1, action="kill", phase="evaluate"),),
+        run_dir=str(tmp_path / "run"))
+    result = elastic.fit(eval_job(lr_scheduler=halving_plateau), config)
+    expected, lrs = reference_with_eval_plateau(0, B, 12, every=4)
+    assert lrs[0] > lrs[8] > 0 and lrs[4] > lrs[8]  # the rate did change (so the test can fail)
+    assert [m["lr"] for m in result.metrics] == pytest.approx(lrs, rel=1e-12)
+    torch.testing.assert_close(result.model_state, expected, rtol=1e-9, atol=1e-10)
+    assert [e.step for e in of_kind(result.events, Evaluate)] == [4, 8, 12]
+    assert len(of_kind(result.events, WorkerFailure)) == 1

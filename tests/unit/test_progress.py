@@ -58,3 +58,11 @@ def test_the_bar_ends_with_every_step_done_and_the_last_event(tmp_path):
     assert "event killed rank 1 on purpose at step 12" in text
     final = text.rsplit("\r", 1)[-1]  # the bar as last drawn
     assert "20/20" in final and "3 workers" in final and "killed rank 1" in final
+
+
+def test_an_evaluation_line_names_its_step_not_an_epoch_it_may_not_have_ended():
+    from elastic.events import Evaluate
+    from elastic.progress import describe
+
+    line = describe(Evaluate(step=20, epoch=0, metrics={"mse": 0.123456789, "acc": 1}))
+    assert line == "evaluation at step 20 (0 epochs done): acc 1, mse 0.123457"

@@ -450,3 +450,42 @@ def test_a_monitor_the_loss_does_not_return_fails_as_an_after_step_error(tmp_pat
         _run(tmp_path, _job(lr_scheduler=plateau), TrainingConfig(scheduler_monitor="accuracy"),
              [(2, 2, None)])
     assert info.value.step == 0 and "'accuracy' is neither 'loss' nor a metric" in str(info.value)
+
+
+def test_an_evaluation_scheduler_steps_once_per_evaluated_step_and_the_state_remembers_it():
+    from elastic.trainer.training import Training
+
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", factor=0.5, patience=0)
+    config = TrainingConfig(scheduler_interval="evaluation", scheduler_monitor="eval/mse")
+    training = Training(config, plateau)
+    training.after_step(3, 0, True, 0.5, {}, epoch_over=True)  # training steps leave it alone
+    training.after_evaluation(4, 0, {"mse": 2.0})
+    training.after_evaluation(8, 0, {"mse": 1.0})  # not better in 'max' mode: halves
+    assert opt.param_groups[0]["lr"] == 0.5
+    saved = training.state_dict()
+    training.after_evaluation(8, 0, {"mse": 1.0})  # the same evaluation run again: no step
+    assert opt.param_groups[0]["lr"] == 0.5
+    again = Training(config, plateau)
+    again.load_state_dict(saved)
+    again.after_evaluation(8, 0, {"mse": 1.0})  # a replica restored from that state: no step
+    assert opt.param_groups[0]["lr"] == 0.5 and again.evaluated_step == 8
+    with pytest.raises(AfterStepError, match=r"'eval/mse' is not a metric .* returns") as info:
+        again.after_evaluation(12, 1, {"acc": 1.0})
+    assert (info.value.rank, info.value.step) == (1, 12)
+
+
+def test_an_evaluation_scheduler_is_configured_consistently(tmp_path):
+    with pytest.raises(ValueError, match="scheduler_interval='evaluation'"):
+        TrainingConfig(scheduler_monitor="eval/mse")
+    with pytest.raises(ValueError, match="name it 'eval/<name>'"):
+        TrainingConfig(scheduler_interval="evaluation", scheduler_monitor="loss")
+    with pytest.raises(ValueError, match="names no metric"):
+        TrainingConfig(scheduler_interval="evaluation", scheduler_monitor="eval/")
+    config = FitConfig(scaling=ScalingConfig(num_workers=1), batch=BatchConfig(global_batch_size=B),
+                       run_dir=str(tmp_path), max_steps=2,
+                       training=TrainingConfig(scheduler_interval="evaluation"))
+    with pytest.raises(ConfigError, match=r"no TrainJob\.eval_step"):
+        _SerialReplica(_job(lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1)), config,
+                       str(tmp_path))
