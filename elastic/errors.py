@@ -149,6 +149,17 @@ class AfterStepError(UserCodeError):
     """
 
 
+class EvaluationError(UserCodeError):
+    """User code of a distributed evaluation (`TrainJob.eval_step`, `eval_dataset`) raised, or
+    the ranks disagreed on its metric names or set size; `step` is the committed step it
+    evaluated.
+
+    Recovery: the evaluation runs again at the same step, up to
+    `FailureConfig.max_user_retries` times (counted apart from the training steps' retries);
+    then the run fails with the traceback.
+    """
+
+
 class CallbackError(UserCodeError):
     """A hook of a `TrainJob.callbacks` object raised; callbacks run in the controller
     process, so the error has no rank (`rank` is -1). The message names the callback's class

@@ -26,6 +26,7 @@ from elastic.control.port import (
 from elastic.errors import (
     CollectiveError,
     ElasticError,
+    EvaluationError,
     NonFiniteLossError,
     UserCodeError,
     WorkerHangError,
@@ -87,8 +88,8 @@ def evaluation_error(lost: Sequence[int], outcomes: Mapping[int, EvalOutcome], h
     voted = [o.failure for o in outcomes.values() if isinstance(o, EvalVotedDown)]
     if voted:
         trace = next((f.traceback for f in voted if f.traceback), None)
-        return UserCodeError(f"the evaluation at step {step} failed", rank=voted[0].ranks[0],
-                             step=step, traceback=trace or "")
+        return EvaluationError(f"the evaluation at step {step} failed", rank=voted[0].ranks[0],
+                               step=step, traceback=trace or "")
     broken = [o for o in outcomes.values() if isinstance(o, EvalInterrupted)]
     if broken:
         return CollectiveError(broken[0].error)

@@ -13,6 +13,7 @@ recovery each error class documents:
 | `MembershipChanged`                   | `Reconfigure` (re-form, no restore needed)        |
 | `UserCodeError`                       | `Retry` the step; `Fail` past `max_user_retries`  |
 | `AfterStepError` (a `UserCodeError`)  | `Fail`: the step was applied                      |
+| `EvaluationError` (a `UserCodeError`) | `Retry` the evaluation (own count); `Fail` past `max_user_retries` |
 | `WorkerOutOfMemoryError`              | `BackOff` (halve the rank's micro-batch); `Fail` at 1 |
 | `NonFiniteLossError`                  | `Fail` (policy 'stop'; 'skip' never reaches here) |
 | anything else                         | `Fail`                                            |
@@ -30,6 +31,7 @@ from elastic.errors import (
     AfterStepError,
     CollectiveError,
     ElasticError,
+    EvaluationError,
     InsufficientWorkersError,
     MembershipChanged,
     NonFiniteLossError,
@@ -90,6 +92,7 @@ class FailurePolicy:
     config: FailureConfig
     workers_lost: int = 0
     user_retries: dict[int, int] = field(default_factory=dict)
+    evaluation_retries: dict[int, int] = field(default_factory=dict)
     generation_attempts: int = 0
     unit: int = 1  # the group size with groups on: the smallest micro-batch
 
@@ -120,8 +123,11 @@ class FailurePolicy:
             case AfterStepError():  # the step is applied: a retry would apply it again
                 self.user_retries[error.step] = self.user_retries.get(error.step, 0) + 1
                 return Fail(error)
+            case EvaluationError():  # its own count: a step's retries are the step's
+                return self._user_error(error, self.evaluation_retries,
+                                        "the evaluation at step {step} failed")
             case UserCodeError():
-                return self._user_error(error)
+                return self._user_error(error, self.user_retries, "user code raised at step {step}")
             case WorkerOutOfMemoryError():
                 return self._out_of_memory(error, micro_batches or {})
             case NonFiniteLossError():
@@ -150,11 +156,11 @@ class FailurePolicy:
                 f"attempts: {error}", step=step))
         return Recover()
 
-    def _user_error(self, error: UserCodeError) -> Action:
-        attempt = self.user_retries[error.step] = self.user_retries.get(error.step, 0) + 1
+    def _user_error(self, error: UserCodeError, retries: dict[int, int], what: str) -> Action:
+        attempt = retries[error.step] = retries.get(error.step, 0) + 1
         if attempt > self.config.max_user_retries:
-            return Fail(UserCodeError(
-                f"user code raised at step {error.step} on {attempt} attempts "
+            return Fail(type(error)(
+                f"{what.format(step=error.step)} on {attempt} attempts "
                 f"(failure.max_user_retries = {self.config.max_user_retries})",
                 rank=error.rank, step=error.step, traceback=error.traceback))
         return Retry(attempt)

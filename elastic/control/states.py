@@ -379,7 +379,7 @@ class Evaluating(State):
             ranks = next(list(o.failure.ranks) for o in report.outcomes.values()
                          if isinstance(o, EvalVotedDown))
             ctx.log.emit(UserError(step=error.step, ranks=ranks,
-                          attempt=ctx.policy.user_retries[error.step],
+                          attempt=ctx.policy.evaluation_retries[error.step],
                           error=trace[-1] if trace else ""))
             return Running()
         assert isinstance(action, Recover)

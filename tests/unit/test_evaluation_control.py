@@ -21,8 +21,9 @@ from elastic.control import decisions
 from elastic.control.context import Context
 from elastic.control.simulation import SimulatedWorkers
 from elastic.control.states import Failed, Finished, Machine
-from elastic.errors import ConfigError, UserCodeError
+from elastic.errors import ConfigError, EvaluationError, UserCodeError
 from elastic.runlog import RunLog
+from elastic.trainer.replica import UserFailure
 
 B = 16
 PER_EPOCH = 6  # steps per epoch of the simulated data set
@@ -256,3 +257,19 @@ def test_a_checkpoint_written_before_the_evaluation_of_its_step_is_written_again
     assert [(step, "monitor" in meta) for step, meta in sim.written] == [
         (1, False), (2, False), (3, False), (4, True), (5, False), (5, True)]
     assert _evaluated(ctx) == [(4, 4.0), (5, 5.0)]
+
+
+def test_an_evaluations_retries_are_counted_apart_from_the_next_steps(tmp_path):
+    # The evaluation at step 4 raises once and is retried; then training step 4 (the next one)
+    # raises once: with one retry allowed, each has its own, and the run finishes.
+    chaos = (ChaosEvent(step=4, rank=2, action="raise", phase="evaluate"),)
+    sim = SimulatedWorkers(dataset_size=B * PER_EPOCH, capacity=4, start_delay_s=0.01,
+                           votes={4: [UserFailure(4, (1,), "Traceback\nKeyError: 'x'")]})
+    end, ctx, _ = _run(tmp_path, chaos=chaos, sim=sim, failure=FailureConfig(max_user_retries=1))
+    assert isinstance(end, Finished)
+    assert [(e["step"], e["ranks"], e["attempt"]) for e in _events(ctx, "user_error")] == [
+        (4, [2], 1), (4, [1], 1)]
+
+    end, ctx, _ = _run(tmp_path / "b", chaos=chaos, failure=FailureConfig(max_user_retries=0))
+    assert type(end.error) is EvaluationError
+    assert str(end.error).startswith("the evaluation at step 4 failed on 1 attempts")
