@@ -187,6 +187,30 @@ def test_fp16_skips_the_overflowing_steps_and_moves_the_scale_as_grad_scaler(tmp
     _close(final, expected, tol=1e-4)
 
 
+def half_loss(model: nn.Module, batch):
+    """An mse that stays float16 under fp16 autocast (the target is cast to the output's
+    dtype), so that scaling it can overflow where a float32 loss would not."""
+    x, y = batch
+    out = model(x)
+    return ((out - y.to(out.dtype)) ** 2).mean()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("init_scale", [2.0**16, 2.0**10])
+def test_fp16_with_a_float16_loss_skips_where_grad_scaler_skips(tmp_path, init_scale):
+    # At 2**16 the scaled gradient of a float16 loss overflows: GradScaler skips those steps
+    # too, and both settle at the same scale.
+    job = _job(loss=half_loss)
+    training = TrainingConfig(precision="fp16-mixed", init_scale=init_scale, growth_interval=2)
+    final, records, _ = _run(tmp_path, job, training)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2)
+    expected, log, _ = _reference(job, 8, precision="fp16-mixed", scaler=scaler)
+    assert [bool(r.skipped_ranks) for r in records] == [e["skipped"] for e in log]
+    assert [r.scale for r in records] == [e["scale"] for e in log]
+    assert any(e["skipped"] for e in log) == (init_scale == 2.0**16)
+    _close(final, expected, tol=1e-3)
+
+
 # --- clipping, parameter groups ----------------------------------------------------------------
 
 
