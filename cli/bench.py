@@ -31,7 +31,8 @@ def _human(size: int) -> str:
 def bench_allreduce(
     world_size: Annotated[int, typer.Option(help="Number of ranks (processes).")] = 4,
     sizes: Annotated[str, typer.Option(help="Comma-separated message sizes.")] = "4KB,64KB,1MB,16MB,64MB",
-    algorithms: Annotated[str, typer.Option(help="Comma-separated algorithms.")] = ",".join(ALGORITHMS),
+    algorithms: Annotated[str, typer.Option(help="Comma-separated algorithms.")] = ",".join(
+        a for a in ALGORITHMS if a != "auto"),
     json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
     plot: Annotated[pathlib.Path | None, typer.Option(help="Write a busbw plot (PNG) here.")] = None,
     shared_memory: Annotated[bool, typer.Option(
@@ -39,6 +40,8 @@ def bench_allreduce(
              "one host); off: through gloo's TCP send/recv. 'native' is gloo's own allreduce "
              "either way.")] = True,
     segment_bytes: Annotated[str, typer.Option(help="Ring segment size.")] = "16MB",
+    hosts: Annotated[int, typer.Option(help="Simulated hosts: the ranks act as this many hosts "
+                                            "(shared memory inside each, TCP between).")] = 1,
 ) -> None:
     """Time every allreduce algorithm at every size, check results, fit alpha-beta."""
     from elastic.bench.allreduce import parse_size, plot_allreduce, run_allreduce_bench
@@ -57,27 +60,30 @@ def bench_allreduce(
         raise fail(f"--algorithms: unknown {', '.join(unknown)}; choose from {', '.join(ALGORITHMS)}")
     try:
         result = run_allreduce_bench(world_size, size_list, algorithm_list,  # type: ignore[arg-type]
-                                     segment_bytes=segment, shared_memory=shared_memory)
+                                     segment_bytes=segment, shared_memory=shared_memory,
+                                     hosts=hosts)
     except ValueError as e:
         raise fail(str(e)) from None
-    _print_allreduce(result, world_size)
+    _print_allreduce(result, world_size, hosts)
     save_json(json_path, result.to_json())
     save(plot, lambda path: plot_allreduce(result, str(path)))
     if not all(r.correct for r in result.records):
         raise fail("some results were wrong (see the 'correct' column)")
 
 
-def _print_allreduce(result: AllreduceBenchResult, world_size: int) -> None:
+def _print_allreduce(result: AllreduceBenchResult, world_size: int, hosts: int) -> None:
     """The measurements, the alpha-beta fits and where ring overtakes tree."""
-    table = Table(title=f"allreduce, {world_size} ranks (memcpy {result.memcpy_gbps:.2f} GB/s, "
-                        f"loopback TCP {result.loopback_tcp_gbps:.2f} GB/s)")
+    where = f"{hosts} simulated hosts" if hosts > 1 else "one host"
+    table = Table(title=f"allreduce, {world_size} ranks on {where} (memcpy "
+                        f"{result.memcpy_gbps:.2f} GB/s, loopback TCP {result.loopback_tcp_gbps:.2f} GB/s)")
     for column in ("algorithm", "transport", "size", "median ms", "algbw GB/s", "busbw GB/s",
-                   "busbw / TCP", "correct"):
+                   "busbw / TCP", "busbw / memcpy", "correct"):
         table.add_column(column, justify="right")
     for r in result.records:
         table.add_row(r.algorithm, r.transport, _human(r.size_bytes), f"{r.median_s * 1e3:.3f}",
                       f"{r.algbw_gbps:.3f}", f"{r.busbw_gbps:.3f}",
-                      f"{r.busbw_gbps / result.loopback_tcp_gbps:.0%}", "yes" if r.correct else "NO")
+                      f"{r.busbw_gbps / result.loopback_tcp_gbps:.0%}",
+                      f"{result.memcpy_fraction(r):.0%}", "yes" if r.correct else "NO")
     console.print(table)
     fits = Table(title="alpha-beta fit: t = alpha + beta * bytes")
     for column in ("algorithm", "alpha us", "1/beta GB/s", "R^2"):

@@ -37,26 +37,28 @@ def _listen(conn: Connection, comm_box: dict, orders: queue.SimpleQueue) -> None
 
 
 def rank_main(rank: int, world_size: int, endpoint: str, secret: bytes, scenario: str,
-              conn: Connection, timeout_s: float = 300.0, shared_memory: bool = True) -> None:
+              conn: Connection, timeout_s: float = 300.0, shared_memory: bool = True,
+              algorithm: str = "ring", hosts: int | None = None) -> None:
     """Child entry point. Reports ("error", type name) when an operation fails.
 
     Ends with `os._exit`: a process that abandoned gloo operations must not run interpreter
     finalization while gloo may still wake their waiter threads (see `elastic.collective.gloo`).
     """
     try:
-        _scenario(rank, world_size, endpoint, secret, scenario, conn, timeout_s, shared_memory)
+        config = CollectiveConfig(timeout=timedelta(seconds=timeout_s), segment_bytes=1 << 18,
+                                  shared_memory=shared_memory, shm_chunk_bytes=1 << 18,
+                                  simulated_hosts=hosts)
+        _scenario(rank, world_size, endpoint, secret, scenario, conn, config, algorithm)
     finally:
         conn.close()
         os._exit(0)
 
 
 def _scenario(rank: int, world_size: int, endpoint: str, secret: bytes, scenario: str,
-              conn: Connection, timeout_s: float, shared_memory: bool) -> None:
+              conn: Connection, config: CollectiveConfig, algorithm: str) -> None:
     comm_box: dict = {"signal": threading.Event()}
     orders: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_listen, args=(conn, comm_box, orders), daemon=True).start()
-    config = CollectiveConfig(timeout=timedelta(seconds=timeout_s), segment_bytes=1 << 18,
-                              shared_memory=shared_memory)
     ep = Endpoint.parse(endpoint)
 
     def report_failure(e: BaseException) -> None:
@@ -77,11 +79,21 @@ def _scenario(rank: int, world_size: int, endpoint: str, secret: bytes, scenario
             else:
                 orders.get()  # never sends; waits to be told to exit
                 return
+        elif scenario == "allreduce_alone":
+            if rank == 0:
+                orders.get()  # never joins; waits to be told to exit
+                return
+            data = torch.full((1 << 16,), 7.0)
+            try:
+                comm.allreduce(data, "sum", algorithm)  # type: ignore[arg-type]
+            finally:
+                # Whether the failed allreduce left the caller's tensor as it was.
+                conn.send(("untouched", bool(torch.all(data == 7.0))))
         elif scenario == "allreduce_forever":
             data = torch.full((1 << 20,), float(rank + 1))
             first = True
             while True:
-                comm.allreduce(data.clone(), "sum", "ring")
+                comm.allreduce(data.clone(), "sum", algorithm)  # type: ignore[arg-type]
                 if first:
                     conn.send(("running", rank))
                     first = False
@@ -94,7 +106,7 @@ def _scenario(rank: int, world_size: int, endpoint: str, secret: bytes, scenario
     if message[0] == "regen":
         _, new_rank, new_world, generation = message
         comm = Communicator(new_rank, new_world, ep, generation, config, secret=secret)
-        result = comm.allreduce(torch.full((1001,), float(new_rank + 1)), "sum", "ring")
+        result = comm.allreduce(torch.full((1001,), float(new_rank + 1)), "sum", algorithm)  # type: ignore[arg-type]
         conn.send(("regen_result", new_rank, result.tolist()))
         comm.close()
 
@@ -104,7 +116,8 @@ class Ranks:
 
     def __init__(self, world_size: int, server: RendezvousServer, scenario: str,
                  start: list[int] | None = None, timeout_s: float = 300.0,
-                 shared_memory: bool = True) -> None:
+                 shared_memory: bool = True, algorithm: str = "ring",
+                 hosts: int | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.procs: dict[int, mp.process.BaseProcess] = {}
         self.pipes: dict[int, Connection] = {}
@@ -113,7 +126,7 @@ class Ranks:
             # The secret goes through the spawn pipe, as it goes through Ray calls in a run.
             proc = ctx.Process(target=rank_main, args=(rank, world_size, str(server.endpoint),
                                                        server.secret, scenario, child, timeout_s,
-                                                       shared_memory),
+                                                       shared_memory, algorithm, hosts),
                                daemon=True)
             proc.start()
             self.procs[rank] = proc

@@ -52,7 +52,8 @@ class AllreduceRecord:
     busbw_gbps: float
     correct: bool
     iterations: int
-    transport: str  # "shm" (shared memory), "tcp" (gloo send/recv) or "gloo" (gloo's allreduce)
+    transport: str  # "shm" (shared memory), "tcp" (gloo send/recv), "shm+tcp" (shared memory
+    # inside each simulated host, gloo send/recv between them) or "gloo" (gloo's allreduce)
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,18 @@ class AllreduceBenchResult:
     loopback_tcp_gbps: float
     fits: dict[str, AlphaBetaFit] = field(default_factory=dict)
     ring_beats_tree_from_bytes: int | None = None
+    hosts: int = 1
+
+    def memcpy_fraction(self, record: AllreduceRecord) -> float:
+        """busbw as a fraction of the single-thread memcpy bandwidth of the same run."""
+        return record.busbw_gbps / self.memcpy_gbps
 
     def to_json(self) -> dict:
         return {
             "world_size": self.world_size,
-            "records": [asdict(r) for r in self.records],
+            "hosts": self.hosts,
+            "records": [asdict(r) | {"memcpy_fraction": self.memcpy_fraction(r)}
+                        for r in self.records],
             "ceilings": {"memcpy_gbps": self.memcpy_gbps,
                          "loopback_tcp_gbps": self.loopback_tcp_gbps},
             "fits": {k: asdict(v) for k, v in self.fits.items()},
@@ -94,15 +102,17 @@ def _iterations(size_bytes: int) -> int:
 def _transport_name(comm: Communicator, algorithm: str) -> str:
     if algorithm == "native":
         return "gloo"
+    if comm.transport == "shared_memory+gloo":
+        # Only the shared-memory algorithms use shared memory when the ranks span hosts.
+        return "shm+tcp" if algorithm in ("auto", "direct", "hierarchical") else "tcp"
     return "shm" if comm.transport == "shared_memory" else "tcp"
 
 
 def _rank_main(rank: int, world_size: int, endpoint: str, secret: bytes, sizes: list[int],
-               algorithms: list[str], segment_bytes: int, shared_memory: bool,
-               conn: Connection) -> None:
+               algorithms: list[str], config_json: str, conn: Connection) -> None:
     try:
         torch.set_num_threads(1)
-        config = CollectiveConfig(segment_bytes=segment_bytes, shared_memory=shared_memory)
+        config = CollectiveConfig.model_validate_json(config_json)
         comm = Communicator(rank, world_size, Endpoint.parse(endpoint), 0, config, secret=secret)
         results = []
         expected_factor = world_size * (world_size + 1) / 2
@@ -208,12 +218,15 @@ def crossover(records: list[AllreduceRecord]) -> int | None:
 
 def run_allreduce_bench(world_size: int, sizes: list[int], algorithms: list[Algorithm],
                         segment_bytes: int = CollectiveConfig().segment_bytes,
-                        shared_memory: bool = True,
+                        shared_memory: bool = True, hosts: int = 1,
+                        chunk_bytes: int = CollectiveConfig().shm_chunk_bytes,
                         timeout_s: float = 1800.0) -> AllreduceBenchResult:
     """Runs the benchmark with `world_size` processes on this machine.
 
     With `shared_memory` (the default, as in training) the point-to-point algorithms move
     their bytes through shared memory; `native` is always gloo's own allreduce over TCP.
+    With `hosts` > 1 the ranks act as that many hosts (`CollectiveConfig.simulated_hosts`):
+    shared memory inside each, TCP between them.
 
     Raises:
         ValueError: bad arguments.
@@ -225,6 +238,11 @@ def run_allreduce_bench(world_size: int, sizes: list[int], algorithms: list[Algo
         raise ValueError("--sizes needs at least one size")
     if segment_bytes < 1024:
         raise ValueError(f"--segment-bytes must be at least 1KB, got {segment_bytes}")
+    if not 1 <= hosts <= world_size:
+        raise ValueError(f"--hosts must be between 1 and --world-size ({world_size}), got {hosts}")
+    config = CollectiveConfig(segment_bytes=segment_bytes, shared_memory=shared_memory,
+                              shm_chunk_bytes=chunk_bytes,
+                              simulated_hosts=hosts if hosts > 1 else None)
     memcpy = measure_memcpy_gbps()
     tcp = measure_loopback_tcp_gbps()
     server = RendezvousServer()
@@ -234,7 +252,7 @@ def run_allreduce_bench(world_size: int, sizes: list[int], algorithms: list[Algo
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_rank_main, daemon=True,
                            args=(rank, world_size, str(server.endpoint), server.secret, sizes,
-                                 list(algorithms), segment_bytes, shared_memory, child))
+                                 list(algorithms), config.model_dump_json(), child))
         proc.start()
         pipes.append(parent)
         procs.append(proc)
@@ -269,7 +287,7 @@ def run_allreduce_bench(world_size: int, sizes: list[int], algorithms: list[Algo
     fits = {a: fit_alpha_beta([(r.size_bytes, r.median_s) for r in records if r.algorithm == a])
             for a in algorithms}
     return AllreduceBenchResult(world_size=world_size, records=records, memcpy_gbps=memcpy,
-                                loopback_tcp_gbps=tcp, fits=fits,
+                                loopback_tcp_gbps=tcp, fits=fits, hosts=hosts,
                                 ring_beats_tree_from_bytes=crossover(records))
 
 

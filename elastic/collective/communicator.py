@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from elastic.collective import algorithms
+from elastic.collective import algorithms, direct
 from elastic.collective.rendezvous import Endpoint, generation_store, local_address_towards
 from elastic.collective.transport import Pending, Transport
 from elastic.config import Algorithm, CollectiveConfig, ReduceOp
@@ -159,7 +159,9 @@ class Communicator:
     @property
     def transport(self) -> str:
         """What carries this communicator's point-to-point transfers: "gloo" (TCP),
-        "shared_memory" (every rank on one host) or "nccl"."""
+        "shared_memory" (every rank on one host), "shared_memory+gloo" (ranks on several
+        hosts: shared memory for the direct allreduce inside each, TCP for the rest) or
+        "nccl"."""
         return self._transport.name
 
     @property
@@ -177,6 +179,7 @@ class Communicator:
     def _fail(self, error: CollectiveError) -> CollectiveError:
         if self._broken is None:
             self._broken = error
+            self._transport.fail()
         return error
 
     def _check_usable(self) -> None:
@@ -256,8 +259,14 @@ class Communicator:
         if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
             raise ValueError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}")
         algorithm = algorithm or self.config.algorithm
+        host = self._transport.host_group()
         run: Callable[[Communicator, torch.Tensor, ReduceOp], None]
         match algorithm:
+            case "auto" if host is None:
+                run = algorithms.ring_allreduce
+            case "auto" | "direct" | "hierarchical":
+                def run(comm: Communicator, flat: torch.Tensor, op: ReduceOp) -> None:
+                    direct.allreduce(comm, host, flat, op)
             case "ring":
                 run = algorithms.ring_allreduce
             case "tree":
@@ -361,7 +370,8 @@ def _make_transport(
             from elastic.collective import shm
 
             try:
-                links = shm.connect(rank, world_size, store, config.shm_channel_bytes)  # type: ignore[arg-type]
+                links = shm.connect(rank, world_size, store, config.shm_channel_bytes,  # type: ignore[arg-type]
+                                    config.shm_chunk_bytes, config.simulated_hosts)
             except BaseException:
                 gloo.close()
                 raise

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from elastic.config import ReduceOp
+
+if TYPE_CHECKING:
+    from elastic.collective.shm import SharedMemoryTransport
 
 
 class Pending(Protocol):
@@ -68,3 +71,13 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Releases the backend after normal use."""
+
+    def fail(self) -> None:
+        """Called once when an operation of this rank failed (timeout, error): tells peers
+        that wait on this rank through a side channel to give up as well. Default: nothing."""
+        return
+
+    def host_group(self) -> SharedMemoryTransport | None:
+        """The shared memory of the ranks on this host, for the direct and hierarchical
+        allreduce; None when this transport has none."""
+        return None

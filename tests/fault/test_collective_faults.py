@@ -61,9 +61,65 @@ def test_abort_cuts_a_rendezvous_short_when_a_member_never_comes(server):
         ranks.close()
 
 
-@TRANSPORTS
-def test_survivors_of_a_killed_peer_fail_cleanly_and_regroup(server, shared_memory, transport):
-    ranks = Ranks(4, server, "allreduce_forever", shared_memory=shared_memory)
+# (shared_memory, algorithm, simulated hosts, transport): the byte-ring transport, the direct
+# allreduce on one host, the hierarchical one on 2 hosts x 2 ranks, gloo alone.
+ALLREDUCES = pytest.mark.parametrize(
+    ("shared_memory", "algorithm", "hosts", "transport"),
+    [(True, "ring", None, "shared_memory"), (True, "direct", None, "shared_memory"),
+     (True, "hierarchical", 2, "shared_memory+gloo"), (False, "ring", None, "gloo")],
+    ids=["shm-ring", "shm-direct", "hierarchical", "gloo"],
+)
+SHARED_ALLREDUCES = pytest.mark.parametrize(
+    ("algorithm", "hosts", "transport"),
+    [("direct", None, "shared_memory"), ("hierarchical", 2, "shared_memory+gloo")],
+    ids=["direct", "hierarchical"],
+)
+
+
+@SHARED_ALLREDUCES
+def test_abort_wakes_an_allreduce_that_waits_for_an_absent_peer(server, algorithm, hosts,
+                                                                 transport):
+    # Rank 0 never joins; the others wait for it (rank 1 through shared memory). Aborted,
+    # each fails; rank 1 never had its tensor written.
+    ranks = Ranks(4, server, "allreduce_alone", algorithm=algorithm, hosts=hosts)
+    try:
+        for rank in range(4):
+            assert ranks.expect(rank, "connected")[2] == transport
+        for rank in (1, 2, 3):
+            ranks.send(rank, "abort")
+        assert ranks.expect(1, "untouched")[1] is True
+        assert ranks.expect(1, "error")[1:] == ("CollectiveAbortedError", True)
+        for rank in (2, 3):
+            ranks.expect(rank, "untouched")
+            _, kind, is_collective_error = ranks.expect(rank, "error")
+            assert is_collective_error, kind
+    finally:
+        ranks.send(0, ("exit",))
+        ranks.close()
+
+
+@SHARED_ALLREDUCES
+def test_allreduce_past_its_timeout_raises_collective_timeout(server, algorithm, hosts, transport):
+    ranks = Ranks(4, server, "allreduce_alone", timeout_s=0.5, algorithm=algorithm, hosts=hosts)
+    try:
+        for rank in range(4):
+            ranks.expect(rank, "connected")
+        assert ranks.expect(1, "untouched")[1] is True
+        assert ranks.expect(1, "error")[1:] == ("CollectiveTimeoutError", True)
+        for rank in (2, 3):
+            ranks.expect(rank, "untouched")
+            _, kind, is_collective_error = ranks.expect(rank, "error")
+            assert is_collective_error, kind
+    finally:
+        ranks.send(0, ("exit",))
+        ranks.close()
+
+
+@ALLREDUCES
+def test_survivors_of_a_killed_peer_fail_cleanly_and_regroup(server, shared_memory, algorithm,
+                                                             hosts, transport):
+    ranks = Ranks(4, server, "allreduce_forever", shared_memory=shared_memory,
+                  algorithm=algorithm, hosts=hosts)
     try:
         for rank in range(4):
             assert ranks.expect(rank, "connected")[2] == transport
@@ -94,13 +150,21 @@ def test_survivors_of_a_killed_peer_fail_cleanly_and_regroup(server, shared_memo
         ranks.close()
 
 
-def test_shared_memory_survivors_notice_a_killed_peer_without_being_aborted(server):
+@pytest.mark.parametrize(("algorithm", "hosts", "transport"), [
+    ("ring", None, "shared_memory"), ("direct", None, "shared_memory"),
+    ("hierarchical", 2, "shared_memory+gloo"),
+], ids=["ring", "direct", "hierarchical"])
+def test_shared_memory_survivors_notice_a_killed_peer_without_being_aborted(server, algorithm,
+                                                                            hosts, transport):
     # Nobody plays the controller here: every survivor (neighbours of the dead rank or not)
     # must fail on its own with a CollectiveError that is not the 300 s collective timeout.
-    ranks = Ranks(4, server, "allreduce_forever", shared_memory=True)
+    # Hierarchical (ranks 0-1 and 2-3 as two hosts): rank 0 sees its host peer die, rank 3
+    # loses its network partner, and each host's failure reaches the other rank of the host.
+    ranks = Ranks(4, server, "allreduce_forever", shared_memory=True, algorithm=algorithm,
+                  hosts=hosts)
     try:
         for rank in range(4):
-            assert ranks.expect(rank, "connected")[2] == "shared_memory"
+            assert ranks.expect(rank, "connected")[2] == transport
         for rank in range(4):
             ranks.expect(rank, "running")
         os.kill(ranks.procs[1].pid, signal.SIGKILL)

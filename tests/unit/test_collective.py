@@ -1,7 +1,7 @@
 """Correctness of every collective and algorithm against a locally computed reference.
 
-Ranks run as threads with real gloo transports; hypothesis draws world sizes, lengths, dtypes
-and algorithms."""
+Ranks run as threads with real gloo transports; hypothesis draws world sizes, lengths, dtypes,
+algorithms, the transport (shared memory or not) and how many hosts the ranks act as."""
 
 import pytest
 import torch
@@ -62,25 +62,33 @@ def _assert_matches(result: torch.Tensor, expected: torch.Tensor, world_size: in
     op=st.sampled_from(["sum", "max", "avg"]),
     seed=st.integers(0, 2**31),
     shared_memory=st.booleans(),
+    hosts=st.sampled_from([None, 2, 3]),
 )
 def test_allreduce_matches_reference(server, world_size, length, dtype, algorithm, op, seed,
-                                     shared_memory):
+                                     shared_memory, hosts):
     if op == "avg" and not dtype.is_floating_point:
         op = "sum"
     if algorithm == "native" and dtype == torch.bfloat16 and op == "avg":
         op = "sum"
     inputs = _inputs(world_size, length, dtype, seed)
     # A small segment size makes the ring pipeline many segments even on short inputs; a
-    # shared-memory ring of 4 KiB wraps around inside messages and message headers.
+    # shared-memory ring of 4 KiB wraps around inside messages and message headers; 4 KiB
+    # direct-allreduce buffers take long inputs in many chunks, alternating buffers.
     config = CollectiveConfig(segment_bytes=4096, shared_memory=shared_memory,
-                              shm_channel_bytes=4096)
+                              shm_channel_bytes=4096, shm_chunk_bytes=4096,
+                              simulated_hosts=hosts)
 
     def body(comm: Communicator) -> torch.Tensor:
         return comm.allreduce(inputs[comm.rank].clone(), op, algorithm)
 
     expected = _reference(inputs, op)
-    for result in run_ranks(server, world_size, body, config):
+    results = run_ranks(server, world_size, body, config)
+    for result in results:
         _assert_matches(result, expected, world_size)
+    # Replicas stay identical: every element is reduced by one rank, and all copy its bits.
+    if algorithm != "native":
+        for result in results[1:]:
+            assert torch.equal(result.view(torch.uint8), results[0].view(torch.uint8))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -91,6 +99,19 @@ def test_every_algorithm_sums_exactly_on_integers(server, algorithm, world_size)
         server, world_size, lambda c: c.allreduce(inputs[c.rank].clone(), "sum", algorithm)
     )
     for result in results:
+        assert torch.equal(result, torch.stack(inputs).sum(0))
+
+
+@pytest.mark.parametrize(("world_size", "hosts"), [(4, 2), (5, 2), (6, 3), (5, 3), (4, 4)])
+def test_hierarchical_sums_exactly_on_hosts_of_any_size(server, world_size, hosts):
+    # Hosts of unequal size (5 ranks on 2 hosts: 3 + 2) give ranks of the smaller host several
+    # slices; 3 hosts allreduce each slice in a ring; 4 hosts of one rank use no shared memory.
+    inputs = _inputs(world_size, 50_003, torch.int64, seed=world_size * hosts)
+    config = CollectiveConfig(shm_chunk_bytes=8192, simulated_hosts=hosts)
+    results = run_ranks(server, world_size, lambda c: (
+        c.transport, c.allreduce(inputs[c.rank].clone(), "sum", "hierarchical")), config)
+    for transport, result in results:
+        assert transport == ("gloo" if hosts == world_size else "shared_memory+gloo")
         assert torch.equal(result, torch.stack(inputs).sum(0))
 
 

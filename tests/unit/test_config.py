@@ -6,10 +6,10 @@ import pytest
 from elastic.config import CollectiveConfig
 
 
-def test_collective_config_defaults_are_gloo_ring():
+def test_collective_config_defaults_are_gloo_auto():
     config = CollectiveConfig()
     assert config.backend == "gloo"
-    assert config.algorithm == "ring"
+    assert config.algorithm == "auto"
 
 
 @pytest.mark.parametrize(

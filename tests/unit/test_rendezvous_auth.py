@@ -129,7 +129,7 @@ def test_a_forged_shared_memory_offer_is_refused_before_anything_is_mapped(tmp_p
     server = RendezvousServer()
     try:
         generation, capacity = 3, 1 << 16
-        size = shm._Segment.size(2, capacity)
+        size = shm._Segment.size(1, capacity, 4 << 20)
         name = f"elastic-shm-{os.getpid()}-{'ab' * 16}"
         target = os.path.join("/dev/shm", name)
         fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -140,12 +140,14 @@ def test_a_forged_shared_memory_offer_is_refused_before_anything_is_mapped(tmp_p
         try:
             before = open(target, "rb").read()
             nonce = before[:16]
-            offer = (f'{{"host": "{shm._host_identity()}", "name": "{name}", '
-                     f'"nonce": "{nonce.hex()}", "pid": {os.getpid()}, "size": {size}}}').encode()
+            offer = (f'{{"name": "{name}", "nonce": "{nonce.hex()}", "pid": {os.getpid()}, '
+                     f'"size": {size}}}').encode()
             attacker = _outsider(server)
             attacker.set(generation_prefix(server.secret, generation) + "shm/offer/1",
                          _forge("shm/offer/1", offer, generation, os.urandom(32)))
             store = AuthenticatedStore(_outsider(server), server.secret, generation)
+            # An honest rank 1 on this host said so; only its offer is forged.
+            store.set("shm/host/1", f'{{"host": "{shm._host_identity()}"}}')
             with pytest.raises(RendezvousError, match="shm/offer/1"):
                 shm.connect(0, 2, store, capacity)
             assert open(target, "rb").read() == before

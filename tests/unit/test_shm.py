@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+from datetime import timedelta
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from elastic.collective import RendezvousServer, shm
 from elastic.config import CollectiveConfig
-from elastic.errors import CollectiveAbortedError, CollectiveError
+from elastic.errors import CollectiveAbortedError, CollectiveError, CollectiveTimeoutError
 from tests.threads import run_ranks
 
 pytestmark = pytest.mark.skipif(shm.supported() is not None, reason=str(shm.supported()))
@@ -45,15 +46,103 @@ def test_turned_off_it_uses_gloo(server):
     assert names == ["gloo"] * 2
 
 
-@pytest.mark.parametrize("peer_offer", [
+@pytest.mark.parametrize("peer_host", [
     {"reason": "shared-memory transfers need Linux x86_64"},
-    {"host": "another-host", "name": "x", "nonce": "00", "pid": 1, "size": 0},
-], ids=["peer-cannot", "other-host"])
-def test_every_rank_falls_back_when_one_cannot_join(peer_offer):
+    {"host": "another-host"},
+    {"nonsense": 1},
+], ids=["peer-cannot", "other-host", "malformed"])
+def test_every_rank_falls_back_when_one_cannot_join(peer_host):
     store = dist.HashStore()
-    store.set("shm/offer/1", json.dumps(peer_offer))
+    store.set("shm/host/1", json.dumps(peer_host))
     assert shm.connect(0, 2, store, 4096) is None
-    assert _own_segments() == []  # its own segment is gone as well
+    assert _own_segments() == []
+
+
+def test_a_rank_that_cannot_map_its_hosts_segment_turns_shared_memory_off_everywhere():
+    # Rank 1 shares rank 0's host but offers a segment that does not exist: rank 0 cannot
+    # map it, so both (and every other rank) fall back, and nothing is left in /dev/shm.
+    store = dist.HashStore()
+    store.set("shm/host/1", json.dumps({"host": shm._host_key(0, 2, None)}))
+    store.set("shm/offer/1", json.dumps({"name": f"elastic-shm-1-{'cd' * 16}", "nonce": "00",
+                                         "pid": 1, "size": 1}))
+    store.set("shm/mapped/1", "ok")
+    assert shm.connect(0, 2, store, 4096) is None
+    assert "cannot map the segment of rank 1" in store.get("shm/mapped/0").decode()
+    assert _own_segments() == []
+
+
+def test_simulated_hosts_share_memory_only_inside_each_block(server):
+    # 5 ranks as 2 hosts: ranks 0-2 and 3-4. Each rank maps only its own host's segments and
+    # has no byte ring at all: point-to-point transfers go over gloo.
+    def body(comm):
+        transport = comm._transport
+        return (comm.transport, transport.local, len(transport._segments), transport._outbound,
+                comm.allreduce(torch.full((10,), float(comm.rank)), "sum", "direct").tolist())
+
+    results = run_ranks(server, 5, body, CollectiveConfig(simulated_hosts=2))
+    for rank, (name, local, segments, rings, total) in enumerate(results):
+        assert name == "shared_memory+gloo"
+        assert local == ([0, 1, 2] if rank < 3 else [3, 4])
+        assert segments == len(local)
+        assert rings == {}
+        assert total == [10.0] * 10
+    assert _own_segments() == []
+
+
+def _body_waiting_for(absent: threading.Event):
+    """Rank 0 stays out of the allreduce until `absent` is set; the others run it."""
+
+    def body(comm):
+        if comm.rank == 0:
+            absent.wait(30)
+            return None
+        data = torch.full((4096,), 3.0)
+        try:
+            comm.allreduce(data, "sum", "direct")
+        except CollectiveError as e:
+            return type(e), bool(torch.all(data == 3.0))
+        finally:
+            absent.set()
+        return None, True
+
+    return body
+
+
+def test_abort_from_another_thread_wakes_a_direct_allreduce(server):
+    # Rank 1 waits in stage 1 for rank 0, which never comes; another thread aborts it once
+    # the stage is posted. The caller's tensor is left as it was.
+    absent = threading.Event()
+    inner = _body_waiting_for(absent)
+
+    def body(comm):
+        if comm.rank == 1:
+            def abort_once_waiting() -> None:
+                while comm._transport._stage is None:
+                    absent.wait(0.001)
+                comm.abort()
+
+            threading.Thread(target=abort_once_waiting, daemon=True).start()
+        return inner(comm)
+
+    assert run_ranks(server, 2, body)[1] == (CollectiveAbortedError, True)
+
+
+def test_a_direct_allreduce_past_its_timeout_raises_and_fails_its_host_peers_at_once(server):
+    # Rank 1 times out waiting for rank 0 (0.2 s); rank 0 then enters the allreduce and fails
+    # at once with a plain CollectiveError (rank 1 gave up), not after its own timeout.
+    absent = threading.Event()
+    inner = _body_waiting_for(absent)
+
+    def body(comm):
+        result = inner(comm)
+        if comm.rank == 0:
+            with pytest.raises(CollectiveError) as info:
+                comm.allreduce(torch.ones(4096), "sum", "direct")
+            return type(info.value)
+        return result
+
+    config = CollectiveConfig(timeout=timedelta(seconds=0.2))
+    assert run_ranks(server, 2, body, config) == [CollectiveError, (CollectiveTimeoutError, True)]
 
 
 def test_a_receive_that_does_not_match_the_send_fails_naming_both(server):

@@ -1,0 +1,149 @@
+"""The direct shared-memory allreduce, and the hierarchical allreduce built on it.
+
+Direct, for the ranks of one host (the shared-memory allreduce of DeepSpeed and oneCCL): the
+message goes through in chunks of `CollectiveConfig.shm_chunk_bytes`, and rank i of the host
+owns slice i of each chunk. For each chunk every rank copies the slices it does not own into
+its own shared buffer; once all have (stage 1), each rank reduces its slice in place in its own
+tensor, reading the peers' parts straight from their buffers with vectorised torch ops, and
+copies the result into its buffer; once all have (stage 2), each rank copies every other slice
+from its owner's buffer. Every element is reduced once, by one rank, so every rank ends with
+the same bits. Each rank has two buffers and alternates between them: it writes one again only
+after every peer has passed stage 2 of the next chunk, that is after they all finished reading
+it. The synchronisation is the shared-memory transport's (`SharedMemoryTransport.stage`): a
+word per rank, doorbells and futexes, pidfds for liveness.
+
+Hierarchical, for ranks on several hosts: the same inside each host, and between the two
+stages the rank that reduced a slice allreduces it over the network with the ranks that
+reduced the same slice on the other hosts (one stream per slice owner, so a host's ranks use
+the network in parallel and each byte crosses it once per host pair). A host with fewer ranks
+than the largest one gives its ranks several slices each.
+
+Every wait is a communicator wait: it ends on abort, at the collective timeout, or when a rank
+of this host exited or gave up. Only the calling thread writes into the caller's tensor: its
+own slices once every peer's part is in shared memory, the others after stage 2; network
+transfers land in scratch, never in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from elastic.collective import algorithms
+from elastic.collective.algorithms import reduce_into
+from elastic.collective.transport import Pending
+from elastic.config import ReduceOp
+
+if TYPE_CHECKING:
+    from elastic.collective.communicator import Communicator
+    from elastic.collective.shm import SharedMemoryTransport
+
+
+def allreduce(comm: Communicator, host: SharedMemoryTransport | None, flat: torch.Tensor,
+              op: ReduceOp) -> None:
+    """Allreduces `flat` in place: direct inside each host, across hosts between slice owners.
+
+    Without shared memory (`host` None) this is the ring allreduce."""
+    if host is None:
+        algorithms.ring_allreduce(comm, flat, op)
+        return
+    slices = max(len(ranks) for ranks in host.hosts)
+    owned = range(host.local_rank, slices, len(host.local))
+    per = max(1, host.chunk // flat.element_size())
+    scratch = None
+    if len(host.hosts) > 1:
+        scratch = torch.empty(-(-min(per, flat.numel()) // slices), dtype=flat.dtype)
+    for start in range(0, flat.numel(), per):
+        _chunk(comm, host, flat[start : start + per], op, slices, owned, scratch)
+
+
+def _chunk(comm: Communicator, host: SharedMemoryTransport, chunk: torch.Tensor, op: ReduceOp,
+           slices: int, owned: range, scratch: torch.Tensor | None) -> None:
+    """One chunk: copy in, stage 1, reduce (and cross hosts), stage 2, copy out.
+
+    The slices this rank reduces are reduced in place in its own tensor (they need no copy in
+    or copy out: an eighth less memory traffic on 4 ranks), then copied to its buffer for the
+    peers."""
+    n = chunk.numel()
+    bounds = _bounds(n, slices)
+    if len(host.local) == 1:  # alone on its host: every slice crosses from the tensor itself
+        assert scratch is not None
+        for j in owned:
+            if bounds[j] < bounds[j + 1]:
+                _across_hosts(comm, host, j, chunk[bounds[j] : bounds[j + 1]], op, scratch)
+        return
+    sequence = host.next_sequence()
+    buffers = [b[:n] for b in host.buffers(sequence, chunk.dtype)]
+    me = host.local_rank
+    mine = buffers[me]
+    if len(owned) == 1:
+        lo, hi = bounds[me], bounds[me + 1]
+        mine[:lo].copy_(chunk[:lo])
+        mine[hi:].copy_(chunk[hi:])
+    else:
+        mine.copy_(chunk)
+    comm.wait([host.stage(2 * sequence - 1)])
+    for j in owned:
+        lo, hi = bounds[j], bounds[j + 1]
+        if lo == hi:
+            continue
+        out = chunk[lo:hi]
+        for i, peer in enumerate(buffers):
+            if i != me:
+                reduce_into(out, peer[lo:hi], op)
+        if scratch is not None:
+            _across_hosts(comm, host, j, out, op, scratch)
+        mine[lo:hi].copy_(out)
+    comm.wait([host.stage(2 * sequence)])
+    # Every check passed: the peers' slices are final.
+    local = len(buffers)
+    for j in range(slices):
+        lo, hi = bounds[j], bounds[j + 1]
+        if lo < hi and j % local != me:
+            chunk[lo:hi].copy_(buffers[j % local][lo:hi])
+
+
+def _bounds(n: int, parts: int) -> list[int]:
+    """Boundaries of `torch.tensor_split(n, parts)`: the first `n % parts` parts are longer."""
+    q, r = divmod(n, parts)
+    return [j * q + min(j, r) for j in range(parts + 1)]
+
+
+def _across_hosts(comm: Communicator, host: SharedMemoryTransport, j: int, out: torch.Tensor,
+                  op: ReduceOp, scratch: torch.Tensor) -> None:
+    """Allreduces slice `j` with its owners on the other hosts, over the network."""
+    members = [ranks[j % len(ranks)] for ranks in host.hosts]
+    part = scratch[: out.numel()]
+    if len(members) == 2:
+        # One swap: both sides compute a + b (addition and max commute exactly), in one
+        # round trip instead of the ring's two.
+        partner = members[1 - host.host]
+        comm.wait(comm.exchange([(out, partner)], [(part, partner)], tag=j))
+        reduce_into(out, part, op)
+        return
+    # The ring receives into the tensor it reduces: scratch, so that no network transfer
+    # ever lands in the caller's tensor.
+    part.copy_(out)
+    algorithms.ring_allreduce(_Subgroup(comm, members), part, op)  # type: ignore[arg-type]
+    out.copy_(part)
+
+
+class _Subgroup:
+    """The slice owners of every host, seen as a communicator of their own for the ring."""
+
+    def __init__(self, comm: Communicator, members: list[int]) -> None:
+        self._comm = comm
+        self._members = members
+        self.rank = members.index(comm.rank)
+        self.world_size = len(members)
+        self.config = comm.config
+
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]],
+                 recvs: Sequence[tuple[torch.Tensor, int]], tag: int = 0) -> list[Pending]:
+        m = self._members
+        return self._comm.exchange([(t, m[p]) for t, p in sends], [(t, m[p]) for t, p in recvs], tag)
+
+    def wait(self, pending: Sequence[Pending]) -> None:
+        self._comm.wait(pending)
