@@ -287,7 +287,9 @@ class FailureConfig(_Frozen):
     )
     replace_lost_workers: bool = Field(
         default=True,
-        description="Start a replacement for every lost worker (it joins at a step boundary). "
+        description="Start a replacement for every lost worker (it joins at a step boundary); "
+        "after a recovery, once the survivors' first step is done, so that its start does not "
+        "take CPU from the recovery (at once when the survivors are below the minimum). "
         "False: the run goes on with the survivors and grows again only when scaled "
         "(elastic scale) - for capacity that is gone for good.",
     )

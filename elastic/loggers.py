@@ -32,6 +32,7 @@ No Ray here.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import logging
 import os
@@ -325,7 +326,13 @@ def open_loggers(config: LoggingConfig, run_name: str, log: RunLog) -> list[Logg
         try:
             loggers.append(make())
         except Exception as e:
-            report_failure(log, name, e, None)
+            try:
+                report_failure(log, name, e, None)
+            except BaseException:  # a callback raised on the report: the run will not start
+                for opened in loggers:
+                    with contextlib.suppress(Exception):
+                        opened.close("failed")
+                raise
     return loggers
 
 

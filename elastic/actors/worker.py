@@ -147,10 +147,12 @@ class WorkerActor:
         run_dir = self.replica.run_dir
         return lambda _part: chaos_kill(run_dir, event)
 
-    def evaluate_share(self, shares: tuple[int, ...], chaos: list[ChaosEvent]) -> EvalOutcome:
+    def evaluate_share(self, shares: tuple[int, ...], chaos: list[ChaosEvent],
+                       scheduled: bool = True) -> EvalOutcome:
         """Evaluates this rank's slice of the evaluation set and reduces the metrics with every
         member of the generation (`elastic.trainer.evaluation.evaluate_share`); chaos faults of
-        phase 'evaluate' for this rank fire before it reads anything."""
+        phase 'evaluate' for this rank fire before it reads anything. After a `scheduled`
+        evaluation, a scheduler of `scheduler_interval` 'evaluation' steps."""
         replica = self.replica
         comm = replica.comm
         assert comm is not None and self._eval_set is not None and replica.job.eval_step
@@ -164,7 +166,8 @@ class WorkerActor:
         if isinstance(result, EvalFailure):
             return EvalVotedDown(result)
         try:
-            replica.training.after_evaluation(replica.global_step, comm.rank, result)
+            if scheduled:
+                replica.training.after_evaluation(replica.global_step, comm.rank, result)
         except AfterStepError as e:
             return EvalFailed(e)
         return EvalDone(result)

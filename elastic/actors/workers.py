@@ -199,8 +199,8 @@ class RayWorkers:
         return ChunkReport(answers.outcomes, answers.lost, answers.detected, answers.hung)
 
     def evaluate(self, ids: Sequence[int], shares: Sequence[int], chaos: list[ChaosEvent],
-                 hang_timeout: float, hung: Hung) -> EvalReport:
-        refs = {self.actors[w].evaluate_share.remote(tuple(shares), chaos): r
+                 hang_timeout: float, hung: Hung, scheduled: bool) -> EvalReport:
+        refs = {self.actors[w].evaluate_share.remote(tuple(shares), chaos, scheduled): r
                 for r, w in enumerate(ids)}
         answers = self._answers(ids, refs, hang_timeout, hung)
         return EvalReport(answers.outcomes, answers.lost, answers.detected, answers.hung)
@@ -216,10 +216,13 @@ class RayWorkers:
         killed: list[tuple[int, str]] = []
         detected = 0.0
         remaining = list(refs)
+        wait = hang_timeout
         while remaining:
-            ready, remaining = ray.wait(remaining, num_returns=1, timeout=hang_timeout)
+            ready, remaining = ray.wait(remaining, num_returns=1, timeout=wait)
+            wait = hang_timeout
             if not ready:
-                killed += self._kill_hung(ids, [refs[r] for r in remaining], hung)
+                found, wait = self._kill_hung(ids, [refs[r] for r in remaining], hung, hang_timeout)
+                killed += found
                 continue
             rank = refs[ready[0]]
             try:
@@ -236,9 +239,12 @@ class RayWorkers:
                     self._abort_all_but(ids, rank)
         return _Answers(outcomes, lost, detected, killed)
 
-    def _kill_hung(self, ids: Sequence[int], ranks: list[int],
-                   hung: Hung) -> list[tuple[int, str]]:
-        """Asks the silent ranks where they are; kills the ones `hung` names."""
+    def _kill_hung(self, ids: Sequence[int], ranks: list[int], hung: Hung,
+                   hang_timeout: float) -> tuple[list[tuple[int, str]], float]:
+        """Asks the silent ranks where they are; kills the ones `hung` names. Returns them
+        and how long to wait before asking again: until the youngest phase of a rank outside
+        a collective is `hang_timeout` old (so a hang is found within one timeout of its
+        start, not two)."""
         refs = {r: self.actors[ids[r]].progress.remote() for r in ranks}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=5.0)
         where = {rank: _where(ref) if ref in ready else ("unresponsive", float("inf"))
@@ -246,7 +252,10 @@ class RayWorkers:
         killed = hung(where)
         for rank in killed:
             self.kill(ids[rank])
-        return [(rank, where[rank][0]) for rank in killed]
+        young = [hang_timeout - age for rank, (phase, age) in where.items()
+                 if rank not in killed and phase != "allreduce" and age < hang_timeout]
+        wait = max(0.05, min(young)) if young else hang_timeout
+        return [(rank, where[rank][0]) for rank in killed], wait
 
     # --- single calls --------------------------------------------------------------------------
 

@@ -75,6 +75,9 @@ class Context:
         evaluated_at: the step of the last evaluation (None before the first).
         pending_evaluation: the step of an evaluation that is due and not yet done (a failure
             interrupted it, or a user error is retried); it runs before training goes on.
+        pending_scheduled: that evaluation is one of `FitConfig.evaluation`'s intervals (not
+            only the run's end or a stop): the scheduler of `scheduler_interval` 'evaluation'
+            steps after it.
         stopped_early: the run ended on a stop request.
     """
 
@@ -100,6 +103,7 @@ class Context:
     evaluation: dict[str, Any] = field(default_factory=dict)
     evaluated_at: int | None = None
     pending_evaluation: int | None = None
+    pending_scheduled: bool = False
     stopped_early: bool = False
 
     def __post_init__(self) -> None:

@@ -64,9 +64,10 @@ def admit(ctx: Context, timeout: float) -> bool:
     return bool(started.members)
 
 
-def drop(ctx: Context, ranks: list[int], why: str) -> None:
+def drop(ctx: Context, ranks: list[int], why: str, *, replace: bool = True) -> None:
     """Removes dead members, counts them against `max_failures`, and waits for replacements
-    while below `min_workers`.
+    while below `min_workers`. With `replace` False, replacements start only when needed to
+    reach `min_workers` (a recovery leaves the others to `Running`, after its first step).
 
     Raises:
         WorkerLostError: more than `failure.max_failures` workers lost.
@@ -86,7 +87,8 @@ def drop(ctx: Context, ranks: list[int], why: str) -> None:
                                lost=len(ranks))
     if isinstance(action, Fail):
         raise action.error
-    wait_for_capacity(ctx)
+    if replace or len(ctx.members) < ctx.config.scaling.lower:
+        wait_for_capacity(ctx)
 
 
 def wait_for_capacity(ctx: Context) -> None:
@@ -118,9 +120,16 @@ def save_before_failing(ctx: Context) -> None:
             ctx.checkpoints.maybe_write(member.worker_id, ctx.step, len(ctx.members), final=True)
             return
         except CallbackError:
-            # The checkpoint was written; an `on_checkpoint` hook raised on its event. The run
-            # fails of its own error, and the sinks report the callback's at the end.
-            return
+            # An `on_checkpoint` hook raised, on this write's event or on an earlier write's
+            # reported first. Hooks are off from now on: writing again saves the step if it is
+            # not saved yet (and does nothing if it is). The run fails of its own error; the
+            # sinks report the callback's at the end.
+            try:
+                ctx.checkpoints.maybe_write(member.worker_id, ctx.step, len(ctx.members),
+                                            final=True)
+                return
+            except Exception as e:
+                ctx.log.emit(CheckpointFailed(step=ctx.step, error=first_line(e)))
         except Exception as e:  # best effort on the way to failing: try the next member
             ctx.log.emit(CheckpointFailed(step=ctx.step, error=first_line(e)))
 
@@ -211,6 +220,10 @@ def _source(ctx: Context, steps: list[int], ids: list[int]) -> int:
         raise WorkerLostError(
             f"every worker holding the state of step {ctx.step} was lost and no checkpoint is "
             "available to restore from; the run cannot continue", step=ctx.step)
+    if ctx.evaluated_at is not None and ctx.evaluated_at > restored:
+        # The replay reaches that step again: it is evaluated again (and the scheduler that
+        # steps after evaluations, whose state went back with the checkpoint, steps again).
+        ctx.evaluated_at = None
     return 0
 
 

@@ -247,9 +247,10 @@ class Workers(Protocol):
         ...
 
     def evaluate(self, ids: Sequence[int], shares: Sequence[int], chaos: list[ChaosEvent],
-                 hang_timeout: float, hung: Hung) -> EvalReport:
+                 hang_timeout: float, hung: Hung, scheduled: bool) -> EvalReport:
         """Evaluates the committed model on every member, each over its slice of the
-        evaluation set (in proportion to `shares`); hangs are handled as in `run_chunk`."""
+        evaluation set (in proportion to `shares`); hangs are handled as in `run_chunk`.
+        `scheduled`: a scheduler of `scheduler_interval` 'evaluation' steps after it."""
         ...
 
     def call(self, worker_id: int, method: str, *args: Any) -> Any:

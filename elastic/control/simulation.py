@@ -81,6 +81,7 @@ class SimulatedWorkers:
         self.traits = traits or {"batchnorm": 0, "dropout": 0}
         self.metrics = metrics or (lambda step: {"score": float(step)})
         self.evaluations: list[tuple[int, tuple[int, ...]]] = []  # (step, shares) of each
+        self.scheduled: list[bool] = []  # whether each evaluation steps an evaluation scheduler
         self.clock = 1_000_000.0
         self.workers: dict[int, _Worker] = {}
         self._starting: list[int] = []
@@ -204,11 +205,12 @@ class SimulatedWorkers:
         return ChunkReport(outcomes, {r: "simulated kill" for r in sorted(kills)}, self.clock)
 
     def evaluate(self, ids: Sequence[int], shares: Sequence[int], chaos: list[ChaosEvent],
-                 hang_timeout: float, hung: Hung) -> EvalReport:
+                 hang_timeout: float, hung: Hung, scheduled: bool = True) -> EvalReport:
         """Every member evaluates (`metrics` of the committed step); scheduled kills of phase
         'evaluate' make their ranks die in it and 'raise' fails it on every rank."""
         step = self.workers[ids[0]].step
         self.evaluations.append((step, tuple(shares)))
+        self.scheduled.append(scheduled)
         self.clock += self.step_time_s
         kills = {e.rank for e in chaos if e.action == "kill" and e.rank < len(ids)}
         raised = tuple(sorted(e.rank for e in chaos if e.action == "raise"))

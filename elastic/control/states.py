@@ -175,7 +175,7 @@ class Running(State):
     def step(self, ctx: Context) -> State:
         if ctx.pending_evaluation is not None:
             if ctx.pending_evaluation == ctx.step:
-                return Evaluating()
+                return Evaluating(scheduled=ctx.pending_scheduled)
             ctx.pending_evaluation = None  # its step was lost (restored from an older checkpoint)
         if ctx.step >= ctx.total_steps:
             return Finishing()
@@ -188,9 +188,11 @@ class Running(State):
             if not ctx.stopped_early:
                 ctx.stopped_early = True
                 ctx.log.emit(Stopping(step=ctx.step))
-            return Evaluating() if _evaluation_due(ctx, ending=True) else Finishing()
+            return Evaluating(scheduled=False) if _evaluation_due(ctx, ending=True) else Finishing()
         shrink = len(ctx.members) > target
-        if not shrink:
+        # After a recovery, replacements start once its first step is done: a worker's start
+        # (an interpreter, torch, the job) would take CPU from the rebuild, restore and step.
+        if not shrink and ctx.recovery is None:
             top_up(ctx)
         if shrink or admit(ctx, timeout=0):
             action = ctx.policy.decide(MembershipChanged(
@@ -228,7 +230,8 @@ class Running(State):
         if error is None:
             self._completed(ctx, report, trial, records, ids)
             if _evaluation_due(ctx, ending=ctx.step >= ctx.total_steps, after_chunk=True):
-                return Evaluating()  # it writes the checkpoints due at this step after it
+                # It writes the checkpoints due at this step after it.
+                return Evaluating(scheduled=_evaluation_due(ctx, ending=False, after_chunk=True))
             on_any_member(ctx, lambda w: ctx.checkpoints.maybe_write(w, ctx.step, len(ctx.members)))
             return self
         return self._failed(ctx, error, report, chaos, plan.micro_batches, ids)
@@ -305,6 +308,7 @@ def _evaluation_due(ctx: Context, ending: bool, after_chunk: bool = False) -> bo
         epochs_done=epochs_done, at_end=evaluation.at_end, ending=ending)
 
 
+@dataclass
 class Evaluating(State):
     """Evaluates the committed model on every member (each over its slice of the evaluation
     set, in proportion to the batch plan for the current members) and with the job's
@@ -313,19 +317,25 @@ class Evaluating(State):
 
     A lost worker or a broken collective recovers as a chunk's would, and the evaluation runs
     again at the same step before training goes on (`ctx.pending_evaluation`); an error of user
-    code is retried as a step's is. A part of Running (its label), not a phase users see."""
+    code is retried as a step's is. A part of Running (its label), not a phase users see.
 
-    label = RunState.RUNNING
+    `scheduled`: due by `FitConfig.evaluation`'s intervals, not only because the run ends or
+    stops here; only then does a scheduler of `scheduler_interval` 'evaluation' step after it
+    (so that where a run ends does not change its schedule)."""
+
+    scheduled: bool = True
+    label: ClassVar[RunState] = RunState.RUNNING
 
     def step(self, ctx: Context) -> State:
         ctx.pending_evaluation = step = ctx.step
+        ctx.pending_scheduled = self.scheduled
         metrics: dict[str, Any] = {}
         if ctx.has_eval_step:
             chaos = [e for e in ctx.chaos if e.step == step and e.phase == "evaluate"]
             ctx.chaos = [e for e in ctx.chaos if e not in chaos]
             for event in chaos:
                 ctx.log.emit(Chaos(**event.model_dump()))
-            report = self._evaluate(ctx, chaos)
+            report = self._evaluate(ctx, chaos, self.scheduled)
             error = decisions.evaluation_error(list(report.lost), report.outcomes,
                                                [rank for rank, _ in report.hung], step)
             if error is not None:
@@ -346,12 +356,12 @@ class Evaluating(State):
         return Running()
 
     @staticmethod
-    def _evaluate(ctx: Context, chaos: list[ChaosEvent]) -> EvalReport:
+    def _evaluate(ctx: Context, chaos: list[ChaosEvent], scheduled: bool) -> EvalReport:
         ids = ctx.ids()
         shares = plan_batch(ctx.batch.batch_now, len(ids), None, ctx.batch.weights(ids)).shares
         report = ctx.workers.evaluate(ids, shares, chaos,
                                       ctx.config.failure.hang_timeout.total_seconds(),
-                                      _hung(ctx))
+                                      _hung(ctx), scheduled)
         for rank, phase in report.hung:
             ctx.log.emit(WorkerHung(rank=rank, phase=phase, worker_id=ids[rank]))
         return report
@@ -429,7 +439,7 @@ class Recovering(State):
                       planned=bool(self.lost) and set(self.lost) <= on_purpose,
                       reasons=[self.report.lost.get(r, "") for r in self.lost]))
         if self.lost:
-            drop(ctx, self.lost, "actor died")
+            drop(ctx, self.lost, "actor died", replace=False)
         rebuilt, restored = form(ctx, "recovery")
         ctx.recovery = PendingRecovery(
             detected=self.detected, killed_at=killed_at, aborted=aborted, rebuilt=rebuilt,

@@ -301,8 +301,8 @@ def _encode(names: Sequence[str]) -> bytes:
 def _enter(progress: Any, phase: str) -> None:
     """Tells the hang watchdog where this rank is (`Replica.progress`), when it is watched."""
     if progress is not None:
-        progress.phase = phase
-        progress.since = time.monotonic()
+        progress.since = time.monotonic()  # first: the watchdog never pairs a new phase with
+        progress.phase = phase  # an old start
 
 
 def _local(dataset: LazyDataset, model: torch.nn.Module, collate: Callable[[list[Any]], Any],

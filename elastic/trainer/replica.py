@@ -322,8 +322,8 @@ class Replica:
     # --- the step -----------------------------------------------------------------------
 
     def _enter(self, phase: str) -> None:
+        self.progress.since = time.monotonic()  # first: see evaluation._enter
         self.progress.phase = phase
-        self.progress.since = time.monotonic()
 
     def _chaos(self, events: Sequence[ChaosEvent], phase: ChaosPhase, started: float) -> None:
         for event in events:

@@ -12,6 +12,7 @@ gradients overflow (the step is skipped on every rank, its samples consumed), do
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import io
 import math
@@ -251,7 +252,7 @@ def _check_loadable(name: str, obj: Any) -> None:
     """
     buffer = io.BytesIO()
     try:
-        torch.save(obj.state_dict(), buffer)
+        torch.save(_skeleton(obj.state_dict()), buffer)
         buffer.seek(0)
         torch.load(buffer, weights_only=True)
     except Exception as e:
@@ -260,6 +261,21 @@ def _check_loadable(name: str, obj: Any) -> None:
             f"TrainJob.extra_state[{name!r}].state_dict() ({type(obj).__name__}) cannot be "
             f"loaded with torch.load(weights_only=True) ({first}); return tensors, numbers, "
             "strings and lists/dicts of them") from e
+
+
+def _skeleton(value: Any) -> Any:
+    """`value` with every tensor replaced by an empty one of its dtype: what weights-only
+    loading accepts or refuses is the same, without copying the tensors' bytes."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty(0, dtype=value.dtype)
+    if isinstance(value, dict):
+        out = copy.copy(value)  # the same mapping type, which loading may refuse
+        for key, item in value.items():
+            out[key] = _skeleton(item)
+        return out
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_skeleton(v) for v in value)
+    return value
 
 
 def load_extra_state(extra: Mapping[str, Any], saved: Mapping[str, Any] | None) -> None:

@@ -273,3 +273,14 @@ def test_an_evaluations_retries_are_counted_apart_from_the_next_steps(tmp_path):
     end, ctx, _ = _run(tmp_path / "b", chaos=chaos, failure=FailureConfig(max_user_retries=0))
     assert type(end.error) is EvaluationError
     assert str(end.error).startswith("the evaluation at step 4 failed on 1 attempts")
+
+
+def test_only_evaluations_on_the_schedule_step_an_evaluation_scheduler(tmp_path):
+    # Steps 4 and 8 are on the schedule (the one at 4 runs again after a kill); the run's end
+    # at 10 is not: where a run ends must not change its learning-rate schedule.
+    chaos = (ChaosEvent(step=4, rank=1, action="kill", phase="evaluate"),)
+    end, _ctx, sim = _run(tmp_path, chaos=chaos)
+    assert isinstance(end, Finished)
+    assert [(step, scheduled) for (step, _), scheduled in zip(sim.evaluations, sim.scheduled,
+                                                              strict=True)] == [
+        (4, True), (4, True), (8, True), (10, False)]
