@@ -83,7 +83,8 @@ def _training_options(
     name: Annotated[str | None, typer.Option(help="Run name, for status/scale/kill/stop.")] = None,
     run_dir: Annotated[str | None, typer.Option(help="Where events and metrics go.")] = None,
     backend: Annotated[str | None, typer.Option(help="gloo or nccl.")] = None,
-    algorithm: Annotated[str | None, typer.Option(help="ring, tree, halving_doubling, native.")] = None,
+    algorithm: Annotated[str | None, typer.Option(
+        help="auto (default), direct, hierarchical, ring, tree, halving_doubling, native.")] = None,
     loader_workers: Annotated[int | None, typer.Option(
         help="Loader processes per worker reading the next steps' samples ahead.")] = None,
     tensorboard: Annotated[str | None, typer.Option(
