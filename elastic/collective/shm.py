@@ -276,17 +276,13 @@ class _Ring:
             dst[first:].copy_(self.data[: dst.numel() - first])
 
 
-class _Transfer:
-    """One posted send or receive; also its `Pending` handle."""
+class _Handle:
+    """A `Pending` the transport completes: waiting on it drives the transport."""
 
-    __slots__ = ("_transport", "data", "done", "error", "moved", "started", "tag")
+    __slots__ = ("_transport", "done", "error")
 
-    def __init__(self, transport: SharedMemoryTransport, data: torch.Tensor, tag: int) -> None:
+    def __init__(self, transport: SharedMemoryTransport) -> None:
         self._transport = transport
-        self.data = data  # flat uint8 view of the caller's tensor
-        self.tag = tag
-        self.started = False  # message header written / read
-        self.moved = 0  # payload bytes copied so far
         self.done = False
         self.error: BaseException | None = None
 
@@ -301,6 +297,19 @@ class _Transfer:
     def check(self) -> None:
         if self.error is not None:
             raise self.error
+
+
+class _Transfer(_Handle):
+    """One posted send or receive; also its `Pending` handle."""
+
+    __slots__ = ("data", "moved", "started", "tag")
+
+    def __init__(self, transport: SharedMemoryTransport, data: torch.Tensor, tag: int) -> None:
+        super().__init__(transport)
+        self.data = data  # flat uint8 view of the caller's tensor
+        self.tag = tag
+        self.started = False  # message header written / read
+        self.moved = 0  # payload bytes copied so far
 
 
 @dataclass(frozen=True)
@@ -565,7 +574,7 @@ class SharedMemoryTransport(Transport):
             finally:
                 self._lock.release()
 
-    def drive(self, item: _Transfer | _Stage, timeout: float) -> bool:
+    def drive(self, item: _Handle, timeout: float) -> bool:
         """Moves bytes until `item` is done, the transport is aborted or `timeout` passes;
         returns whether it is done."""
         deadline = time.monotonic() + timeout
@@ -719,28 +728,14 @@ class SharedMemoryTransport(Transport):
             self._stage = None
 
 
-class _Stage:
+class _Stage(_Handle):
     """A handle on every local rank reaching one stage of the direct allreduce."""
 
-    __slots__ = ("_transport", "done", "error", "value")
+    __slots__ = ("value",)
 
     def __init__(self, transport: SharedMemoryTransport, value: int) -> None:
-        self._transport = transport
+        super().__init__(transport)
         self.value = value
-        self.done = False
-        self.error: BaseException | None = None
-
-    def is_done(self) -> bool:
-        if not self.done:
-            self._transport.progress_if_idle()
-        return self.done
-
-    def wait(self, timeout: float) -> bool:
-        return self._transport.drive(self, timeout)
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
 
 
 class _Watched:
