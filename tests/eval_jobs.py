@@ -12,7 +12,6 @@ from torch.utils.data import TensorDataset
 from elastic import LossSum, TrainJob
 from tests.jobs import (
     N_FEATURES,
-    N_SAMPLES,
     make_dataset,
     make_model,
     make_optimizer,
@@ -59,26 +58,19 @@ def reference_with_eval_plateau(seed: int, global_batch: int, steps: int,
     """The plain loop of `reference_weights` with `halving_plateau` stepped on the whole
     evaluation set's mse after every `every` steps; returns the weights and each step's rate.
     Written without project code."""
-    torch.manual_seed(seed)
-    model = make_model()
-    opt = make_optimizer(model.parameters())
-    scheduler = halving_plateau(opt)
-    x, y = make_dataset().tensors
     ex, ey = make_eval_dataset().tensors
-    per_epoch = N_SAMPLES // global_batch
-    lrs = []
-    for step in range(steps):
-        epoch, s = divmod(step, per_epoch)
-        perm = torch.randperm(N_SAMPLES, generator=torch.Generator().manual_seed(seed + epoch))
-        idx = perm[s * global_batch : (s + 1) * global_batch]
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
-        opt.step()
+    lrs: list[float] = []
+    schedulers: list = []
+
+    def after_step(step, model, opt):
+        if not schedulers:
+            schedulers.append(halving_plateau(opt))
+        lrs.append(opt.param_groups[0]["lr"])  # the rate this step used
         if (step + 1) % every == 0:
             with torch.no_grad():
-                scheduler.step(float(((model(ex) - ey) ** 2).mean()))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, lrs
+                schedulers[0].step(float(((model(ex) - ey) ** 2).mean()))
+
+    return reference_weights(seed, global_batch, steps, after_step), lrs
 
 
 def reference_metrics(state: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -60,8 +60,10 @@ def failing_job() -> TrainJob:
                     dataset=make_dataset)
 
 
-def reference_weights(seed: int, global_batch: int, steps: int) -> dict[str, torch.Tensor]:
-    """One process, batch B, the public sample order; written without project code."""
+def reference_weights(seed: int, global_batch: int, steps: int,
+                      after_step=None) -> dict[str, torch.Tensor]:
+    """One process, batch B, the public sample order; written without project code.
+    `after_step(step, model, optimizer)`, if given, runs after each optimizer step."""
     torch.manual_seed(seed)
     model = make_model()
     opt = make_optimizer(model.parameters())
@@ -74,6 +76,8 @@ def reference_weights(seed: int, global_batch: int, steps: int) -> dict[str, tor
         opt.zero_grad()
         nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
         opt.step()
+        if after_step is not None:
+            after_step(step, model, opt)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

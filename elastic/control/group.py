@@ -117,21 +117,22 @@ def save_before_failing(ctx: Context) -> None:
         return
     for member in ctx.members:
         try:
-            ctx.checkpoints.maybe_write(member.worker_id, ctx.step, len(ctx.members), final=True)
+            _write_final(ctx, member.worker_id)
             return
-        except CallbackError:
-            # An `on_checkpoint` hook raised, on this write's event or on an earlier write's
-            # reported first. Hooks are off from now on: writing again saves the step if it is
-            # not saved yet (and does nothing if it is). The run fails of its own error; the
-            # sinks report the callback's at the end.
-            try:
-                ctx.checkpoints.maybe_write(member.worker_id, ctx.step, len(ctx.members),
-                                            final=True)
-                return
-            except Exception as e:
-                ctx.log.emit(CheckpointFailed(step=ctx.step, error=first_line(e)))
         except Exception as e:  # best effort on the way to failing: try the next member
             ctx.log.emit(CheckpointFailed(step=ctx.step, error=first_line(e)))
+
+
+def _write_final(ctx: Context, worker_id: int) -> None:
+    """The final checkpoint from `worker_id`. An `on_checkpoint` hook that raises (on this
+    write's event, or on an earlier write's reported first) turns the hooks off: writing again
+    saves the step if it is not saved yet, and does nothing if it is. The run fails of its own
+    error; the sinks report the callback's at the end."""
+    write = ctx.checkpoints.maybe_write
+    try:
+        write(worker_id, ctx.step, len(ctx.members), final=True)
+    except CallbackError:
+        write(worker_id, ctx.step, len(ctx.members), final=True)
 
 
 def first_line(error: BaseException) -> str:
