@@ -171,24 +171,30 @@ def test_a_user_error_in_the_evaluation_is_retried_then_fails_the_run(tmp_path):
     assert (end.error.step, end.error.rank) == (4, 2)
 
 
-@pytest.mark.parametrize(("every_steps", "expected"), [(4, [(4, 4.0), (5, 5.0)]), (5, [(5, 5.0)])])
-def test_a_stopped_run_is_evaluated_where_it_stopped_once(tmp_path, every_steps, expected):
+def _stopped_at_5(tmp_path, sim_type, **config) -> tuple[Any, Context, Any]:
+    """Runs one step a chunk on 4 simulated members (a `sim_type`) with a stop asked for
+    during the chunk that ends at step 5; returns (state, ctx, sim)."""
     contexts: list[Context] = []
 
-    def stop(step):  # asked for during the chunk that ends at step 5
+    def stop(step):
         if step >= 4:
             with contexts[0].requests.lock:
                 contexts[0].requests.stop = True
 
-    sim = SimulatedWorkers(dataset_size=B * PER_EPOCH, capacity=4, start_delay_s=0.01,
-                           before_chunk=stop)
+    sim = sim_type(dataset_size=B * PER_EPOCH, capacity=4, start_delay_s=0.01, before_chunk=stop)
     cfg = FitConfig(run_dir=str(tmp_path), max_steps=100, steps_per_chunk=1,
                     scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
                     batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
-                    evaluation=EvaluationConfig(every_steps=every_steps))
+                    **config)
     ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim, has_eval_step=True)
     contexts.append(ctx)
-    end = Machine(ctx).run()
+    return Machine(ctx).run(), ctx, sim
+
+
+@pytest.mark.parametrize(("every_steps", "expected"), [(4, [(4, 4.0), (5, 5.0)]), (5, [(5, 5.0)])])
+def test_a_stopped_run_is_evaluated_where_it_stopped_once(tmp_path, every_steps, expected):
+    end, ctx, _ = _stopped_at_5(tmp_path, SimulatedWorkers,
+                                evaluation=EvaluationConfig(every_steps=every_steps))
     assert isinstance(end, Finished) and ctx.stopped_early and ctx.step == 5
     assert _evaluated(ctx) == expected
     assert len(_events(ctx, "stopping")) == 1
@@ -234,24 +240,10 @@ def test_a_monitor_without_anything_to_evaluate_fails_at_the_start(tmp_path):
 
 def test_a_checkpoint_written_before_the_evaluation_of_its_step_is_written_again_with_the_value(
         tmp_path):
-    contexts: list[Context] = []
-
-    def stop(step):
-        if step >= 4:
-            with contexts[0].requests.lock:
-                contexts[0].requests.stop = True
-
-    sim = _Checkpointing(dataset_size=B * PER_EPOCH, capacity=4, start_delay_s=0.01,
-                         before_chunk=stop)
-    cfg = FitConfig(run_dir=str(tmp_path), max_steps=100, steps_per_chunk=1,
-                    scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
-                    batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
-                    evaluation=EvaluationConfig(every_steps=4),
-                    checkpoint=CheckpointConfig(path=str(tmp_path / "ckpt"), every_steps=1,
-                                                monitor="score"))
-    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim, has_eval_step=True)
-    contexts.append(ctx)
-    assert isinstance(Machine(ctx).run(), Finished)
+    end, ctx, sim = _stopped_at_5(
+        tmp_path, _Checkpointing, evaluation=EvaluationConfig(every_steps=4),
+        checkpoint=CheckpointConfig(path=str(tmp_path / "ckpt"), every_steps=1, monitor="score"))
+    assert isinstance(end, Finished)
     # Step 5's periodic checkpoint came before the stop's evaluation at 5: it is written again
     # with the value, and the final checkpoint (the same) is not written a third time.
     assert [(step, "monitor" in meta) for step, meta in sim.written] == [
