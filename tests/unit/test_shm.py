@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.collective import RendezvousServer, shm
+from elastic.collective import RendezvousServer, shm, shm_segments
 from elastic.config import CollectiveConfig
 from elastic.errors import CollectiveAbortedError, CollectiveError, CollectiveTimeoutError
 from tests.threads import run_ranks
@@ -62,7 +62,7 @@ def test_a_rank_that_cannot_map_its_hosts_segment_turns_shared_memory_off_everyw
     # Rank 1 shares rank 0's host but offers a segment that does not exist: rank 0 cannot
     # map it, so both (and every other rank) fall back, and nothing is left in /dev/shm.
     store = dist.HashStore()
-    store.set("shm/host/1", json.dumps({"host": shm._host_key(0, 2, None)}))
+    store.set("shm/host/1", json.dumps({"host": shm_segments._host_key(0, 2, None)}))
     store.set("shm/offer/1", json.dumps({"name": f"elastic-shm-1-{'cd' * 16}", "nonce": "00",
                                          "pid": 1, "size": 1}))
     store.set("shm/mapped/1", "ok")
@@ -168,7 +168,7 @@ def test_abort_from_another_thread_wakes_a_waiting_receive(server):
         posted = threading.Event()
 
         def abort_once_posted() -> None:
-            while not comm._transport._recvs[0]:
+            while not comm._transport._inbound[0].queue:
                 posted.wait(0.001)
             comm.abort()
 
@@ -206,7 +206,7 @@ def _our_name() -> str:
 def test_a_valid_peer_segment_maps():
     path = _segment_file(_our_name(), 4096)
     try:
-        assert len(shm._map_peer_segment(os.path.basename(path), 4096)) == 4096
+        assert len(shm_segments._map_peer_segment(os.path.basename(path), 4096)) == 4096
     finally:
         os.unlink(path)
 
@@ -214,7 +214,7 @@ def test_a_valid_peer_segment_maps():
 @pytest.mark.parametrize("name", ["/usr/bin/env", "../../etc/passwd", "elastic-shm-1-../x", 42, "other-file"])
 def test_an_offer_naming_a_path_or_a_foreign_name_is_refused_before_opening(name):
     with pytest.raises(OSError, match="not a name of ours"):
-        shm._map_peer_segment(name, 4096)
+        shm_segments._map_peer_segment(name, 4096)
 
 
 def test_a_symlink_a_hard_link_a_wrong_mode_or_size_or_another_owner_is_refused(tmp_path):
@@ -226,7 +226,7 @@ def test_a_symlink_a_hard_link_a_wrong_mode_or_size_or_another_owner_is_refused(
         os.symlink(target, link)
         made.append(link)
         with pytest.raises(OSError):  # ELOOP from O_NOFOLLOW
-            shm._map_peer_segment(os.path.basename(link), 4096)
+            shm_segments._map_peer_segment(os.path.basename(link), 4096)
 
         hard = _segment_file(_our_name(), 4096)
         made.append(hard)
@@ -234,24 +234,24 @@ def test_a_symlink_a_hard_link_a_wrong_mode_or_size_or_another_owner_is_refused(
         os.link(hard, extra)
         made.append(extra)
         with pytest.raises(OSError, match="2 links"):
-            shm._map_peer_segment(os.path.basename(hard), 4096)
+            shm_segments._map_peer_segment(os.path.basename(hard), 4096)
 
         loose = _segment_file(_our_name(), 4096, mode=0o666)
         made.append(loose)
         with pytest.raises(OSError, match="mode 666"):
-            shm._map_peer_segment(os.path.basename(loose), 4096)
+            shm_segments._map_peer_segment(os.path.basename(loose), 4096)
 
         small = _segment_file(_our_name(), 1024)
         made.append(small)
         with pytest.raises(OSError, match="1024 bytes"):
-            shm._map_peer_segment(os.path.basename(small), 4096)
+            shm_segments._map_peer_segment(os.path.basename(small), 4096)
 
         if os.getuid() == 0:
             foreign = _segment_file(_our_name(), 4096)
             made.append(foreign)
             os.chown(foreign, 65534, 65534)
             with pytest.raises(OSError, match="owned by uid 65534"):
-                shm._map_peer_segment(os.path.basename(foreign), 4096)
+                shm_segments._map_peer_segment(os.path.basename(foreign), 4096)
     finally:
         for path in made:
             with contextlib.suppress(FileNotFoundError):
@@ -266,10 +266,10 @@ def test_orphan_cleanup_leaves_another_users_segment_alone():
     path = _segment_file(name, 64)
     try:
         os.chown(path, 65534, 65534)
-        shm._remove_orphans()
+        shm_segments._remove_orphans()
         assert os.path.exists(path)
         os.chown(path, os.getuid(), os.getgid())
-        shm._remove_orphans()
+        shm_segments._remove_orphans()
         assert not os.path.exists(path)
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -1,0 +1,194 @@
+"""The byte rings of the shared-memory transport (`elastic.collective.shm`), and the transfers
+that move through them.
+
+A ring is a single-producer single-consumer byte stream in a receiver's segment, one per
+sender: the sender copies a message header and then the payload in behind its tail, the
+receiver copies them out behind its head, and each publishes its position with a plain store
+after the copies (total store order on x86_64 makes the copies visible first). Transfers
+between a pair of ranks match in the order they are posted, whatever their tags; the header
+names the tag and size so that a receive that does not match fails with both named.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from elastic.collective.shm import SharedMemoryTransport
+
+# Ring layout: positions on their own cache lines, then the bytes.
+_TAIL = 0  # u64 stream position written by the sender
+_HEAD = 64  # u64 stream position written by the receiver
+CHANNEL_HEADER = 128
+_MESSAGE_HEADER = 16  # (tag: i64, nbytes: i64) in front of every payload
+
+
+class Ring:
+    """A single-producer single-consumer byte stream of `capacity` bytes."""
+
+    def __init__(self, mm: mmap.mmap, offset: int, capacity: int) -> None:
+        self.tail = ctypes.c_uint64.from_buffer(mm, offset + _TAIL)
+        self.head = ctypes.c_uint64.from_buffer(mm, offset + _HEAD)
+        self.data = torch.frombuffer(mm, dtype=torch.uint8, count=capacity,
+                                     offset=offset + CHANNEL_HEADER)
+        self.capacity = capacity
+
+    def put(self, position: int, src: torch.Tensor) -> None:
+        start = position % self.capacity
+        first = min(src.numel(), self.capacity - start)
+        self.data[start : start + first].copy_(src[:first])
+        if first < src.numel():
+            self.data[: src.numel() - first].copy_(src[first:])
+
+    def get(self, position: int, dst: torch.Tensor) -> None:
+        start = position % self.capacity
+        first = min(dst.numel(), self.capacity - start)
+        dst[:first].copy_(self.data[start : start + first])
+        if first < dst.numel():
+            dst[first:].copy_(self.data[: dst.numel() - first])
+
+
+class Handle:
+    """A `Pending` the transport completes: waiting on it drives the transport."""
+
+    __slots__ = ("_transport", "done", "error")
+
+    def __init__(self, transport: SharedMemoryTransport) -> None:
+        self._transport = transport
+        self.done = False
+        self.error: BaseException | None = None
+
+    def is_done(self) -> bool:
+        if not self.done:
+            self._transport.progress_if_idle()
+        return self.done
+
+    def wait(self, timeout: float) -> bool:
+        return self._transport.drive(self, timeout)
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class Transfer(Handle):
+    """One posted send or receive; also its `Pending` handle."""
+
+    __slots__ = ("data", "moved", "started", "tag")
+
+    def __init__(self, transport: SharedMemoryTransport, data: torch.Tensor, tag: int) -> None:
+        super().__init__(transport)
+        self.data = data  # flat uint8 view of the caller's tensor
+        self.tag = tag
+        self.started = False  # message header written / read
+        self.moved = 0  # payload bytes copied so far
+
+
+class Mismatch(Exception):
+    """A receive whose tag or size differs from the message the peer sent."""
+
+
+class _End:
+    """This rank's end of one ring: its queued transfers, in order, and its stream position."""
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+        self.queue: deque[Transfer] = deque()
+        self.position = 0
+        self._header = torch.empty(2, dtype=torch.int64)
+
+    def fail(self, error: BaseException) -> None:
+        """Ends every queued transfer with `error`."""
+        while self.queue:
+            transfer = self.queue.popleft()
+            transfer.error = error
+            transfer.done = True
+
+
+class Sender(_End):
+    """The end of a ring in a peer's segment that this rank writes."""
+
+    def push(self) -> bool:
+        """Copies what fits of the queued sends into the ring; True if anything moved."""
+        ring = self.ring
+        start = self.position
+
+        def header(transfer: Transfer, position: int) -> None:
+            self._header[0], self._header[1] = transfer.tag, transfer.data.numel()
+            ring.put(position, self._header.view(torch.uint8))
+
+        tail = _advance(self.queue, start, ring.capacity - (start - ring.head.value), header, ring.put)
+        if tail == start:
+            return False
+        self.position = tail
+        ring.tail.value = tail  # after the payload: the receiver reads up to here
+        return True
+
+
+class Receiver(_End):
+    """The end of a ring in this rank's segment that rank `peer` writes."""
+
+    def __init__(self, ring: Ring, rank: int, peer: int) -> None:
+        super().__init__(ring)
+        self._rank = rank
+        self._peer = peer
+
+    def pull(self) -> bool:
+        """Copies what has arrived into the queued receives; True if anything moved.
+
+        Raises:
+            Mismatch: the next message is not the one the next receive expects.
+        """
+        ring = self.ring
+        start = self.position
+
+        def header(transfer: Transfer, position: int) -> None:
+            ring.get(position, self._header.view(torch.uint8))
+            tag, nbytes = int(self._header[0]), int(self._header[1])
+            if tag != transfer.tag or nbytes != transfer.data.numel():
+                raise Mismatch(
+                    f"rank {self._rank} expected {transfer.data.numel()} bytes with tag "
+                    f"{transfer.tag} from rank {self._peer} but its next message has {nbytes} "
+                    f"bytes with tag {tag}; transfers between two ranks match in order"
+                )
+
+        head = _advance(self.queue, start, ring.tail.value - start, header, ring.get)
+        if head == start:
+            return False
+        self.position = head
+        ring.head.value = head  # the sender may reuse the space up to here
+        return True
+
+
+def _advance(queue: deque[Transfer], position: int, room: int,
+             header: Callable[[Transfer, int], None],
+             payload: Callable[[int, torch.Tensor], None]) -> int:
+    """Moves the queued transfers of one ring, in order, through `room` bytes from stream
+    `position` (free space for a sender, unread bytes for a receiver): each message header,
+    then as much payload as fits. Returns the new stream position."""
+    while queue:
+        transfer = queue[0]
+        if not transfer.started:
+            if room < _MESSAGE_HEADER:
+                break
+            header(transfer, position)
+            position += _MESSAGE_HEADER
+            room -= _MESSAGE_HEADER
+            transfer.started = True
+        count = min(transfer.data.numel() - transfer.moved, room)
+        if count:
+            payload(position, transfer.data[transfer.moved : transfer.moved + count])
+            position += count
+            room -= count
+            transfer.moved += count
+        if transfer.moved < transfer.data.numel():
+            break
+        transfer.done = True
+        queue.popleft()
+    return position
