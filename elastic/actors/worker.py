@@ -28,6 +28,7 @@ from elastic.control.port import (
     ChunkFailed,
     ChunkInterrupted,
     ChunkOutcome,
+    ChunkSkipped,
     ChunkVotedDown,
     EvalDone,
     EvalFailed,
@@ -65,6 +66,11 @@ class WorkerActor:
             ckpt.keep_last, ckpt.keep_best, ckpt.monitor, ckpt.mode)) if ckpt else None)
         self._eval_set = LazyDataset(job.eval_dataset, config.seed) if job.eval_dataset else None
         self._checkpoint_chaos: list[ChaosEvent] = []  # kills to fire during a checkpoint write
+        # Chunks run in the order handed out (`ticket`, from 0 in each generation), whatever
+        # the order in which this threaded actor's calls arrive; `_completed`: the last one did.
+        self._turn = threading.Condition()
+        self._next_ticket = 0
+        self._completed = True
 
     def info(self) -> dict[str, Any]:
         """Identity of this worker's process (tests check that survivors keep their pid)."""
@@ -82,6 +88,8 @@ class WorkerActor:
             old = self.replica.comm
         if old is not None:
             old.close()
+        with self._turn:
+            self._next_ticket, self._completed = 0, True
         self.replica.comm = Communicator(rank, world_size, Endpoint.parse(endpoint), generation,
                                          self.config.collective, abort_signal=signal_,
                                          secret=secret)
@@ -93,8 +101,30 @@ class WorkerActor:
         return self.replica.cursor.to_dict()
 
     def run_chunk(self, plan: BatchPlan, num_steps: int, chaos: list[ChaosEvent],
-                  lr_ramp: LrRamp | None = None) -> ChunkOutcome:
-        """Runs up to `num_steps` steps from the committed step; says how the chunk ended."""
+                  lr_ramp: LrRamp | None = None, ticket: int = 0, start: int | None = None,
+                  ahead: bool = False) -> ChunkOutcome:
+        """Runs up to `num_steps` steps from the committed step; says how the chunk ended.
+
+        Chunks run in `ticket` order. One handed out `ahead` (while the chunk before it was
+        running) is skipped unless that chunk completed at step `start`."""
+        with self._turn:
+            while self._next_ticket != ticket:
+                self._turn.wait()
+        replica = self.replica
+        try:
+            if ahead and (not self._completed or replica.global_step != start):
+                return ChunkSkipped([], replica.global_step, replica.cursor.to_dict())
+            self._completed = False
+            outcome = self._run_chunk(plan, num_steps, chaos, lr_ramp)
+            self._completed = isinstance(outcome, ChunkDone)
+            return outcome
+        finally:
+            with self._turn:
+                self._next_ticket += 1
+                self._turn.notify_all()
+
+    def _run_chunk(self, plan: BatchPlan, num_steps: int, chaos: list[ChaosEvent],
+                   lr_ramp: LrRamp | None) -> ChunkOutcome:
         records: list[StepRecord] = []
         replica = self.replica
         rank = replica.comm.rank if replica.comm else -1

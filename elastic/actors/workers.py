@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,10 @@ class RayWorkers:
         self._node_of: dict[int, str] = {}  # worker id -> Ray node id
         self._starting: dict[Any, int] = {}  # info() ref -> worker id
         self._next_id = 0
+        # Chunks handed out and not finished, oldest first: (ids, ref -> rank); and the ticket
+        # of the next one in this generation (the order in which each worker runs them).
+        self._chunks: deque[tuple[list[int], dict[Any, int]]] = deque()
+        self._ticket = 0
 
     # --- processes -----------------------------------------------------------------------------
 
@@ -62,7 +67,7 @@ class RayWorkers:
         scaling = self.config.scaling
         actor = WorkerActor.options(
             num_cpus=scaling.cpus_per_worker, num_gpus=1 if scaling.use_gpu else 0,
-            max_concurrency=4,
+            max_concurrency=6,  # a chunk, the one ahead, abort, progress
         ).remote(self.job, self.config, self.run_dir, worker_id, self._key)
         self.actors[worker_id] = actor
         self._starting[actor.info.remote()] = worker_id
@@ -126,6 +131,8 @@ class RayWorkers:
 
     def connect(self, ids: Sequence[int], generation: int) -> Gathered[tuple[int, str]]:
         endpoint = str(self.server.endpoint)
+        self._chunks.clear()  # a new generation: chunks of the old one are abandoned
+        self._ticket = 0
         refs = [self.actors[w].connect.remote(r, len(ids), endpoint, generation, self.server.secret)
                 for r, w in enumerate(ids)]
         try:
@@ -190,11 +197,17 @@ class RayWorkers:
 
     # --- chunks --------------------------------------------------------------------------------
 
-    def run_chunk(self, ids: Sequence[int], plan: BatchPlan, num_steps: int,
-                  chaos: list[ChaosEvent], lr_ramp: LrRamp | None, hang_timeout: float,
-                  hung: Hung) -> ChunkReport:
-        refs = {self.actors[w].run_chunk.remote(plan, num_steps, chaos, lr_ramp): r
+    def start_chunk(self, ids: Sequence[int], plan: BatchPlan, start: int, num_steps: int,
+                    chaos: list[ChaosEvent], lr_ramp: LrRamp | None) -> None:
+        ahead = bool(self._chunks)
+        ticket, self._ticket = self._ticket, self._ticket + 1
+        refs = {self.actors[w].run_chunk.remote(plan, num_steps, chaos, lr_ramp, ticket, start,
+                                                ahead): r
                 for r, w in enumerate(ids)}
+        self._chunks.append((list(ids), refs))
+
+    def finish_chunk(self, hang_timeout: float, hung: Hung) -> ChunkReport:
+        ids, refs = self._chunks.popleft()
         answers = self._answers(ids, refs, hang_timeout, hung)
         return ChunkReport(answers.outcomes, answers.lost, answers.detected, answers.hung)
 

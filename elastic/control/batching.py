@@ -131,9 +131,11 @@ class Batching:
     # --- after a chunk ------------------------------------------------------------------------
 
     def adapt(self, trial: int | None, records: Mapping[int, Sequence[Any]], ids: Sequence[int],
-              step: int) -> None:
-        """After a chunk that completed on every rank: the micro-batch trial's result, and a
-        rebalance of the shares if the measured throughputs call for one."""
+              step: int, plan: BatchPlan | None = None) -> None:
+        """After a chunk that completed on every rank (under `plan`; default: the last one
+        planned): the micro-batch trial's result, and a rebalance of the shares if the
+        measured throughputs call for one. A chunk handed out ahead of a re-split ran under
+        the shares before it: it neither judges the re-split nor calls for another."""
         step_times: dict[int, float] = {}  # a step lasts as long as its slowest rank
         compute_times: dict[int, float] = {}
         for rank_records in records.values():
@@ -146,6 +148,8 @@ class Batching:
             return
         if not self.config.batch.rebalance or self.grouping.pinned or len(ids) < 2 \
                 or self.plan is None or not step_times:
+            return
+        if plan is not None and plan.shares != self.plan.shares:
             return
         compute = statistics.median_low(compute_times.values())
         self._judged(compute, step)

@@ -81,7 +81,9 @@ class CheckpointCoordinator:
         self._last_step = int(info["step"])
         return self._last_step
 
-    def _due(self, step: int) -> bool:
+    def due(self, step: int) -> bool:
+        """Whether a periodic checkpoint is due at `step` (by `every_steps` since the last one
+        written, or by `every_seconds` as of now)."""
         ckpt = self.config.checkpoint
         if ckpt is None or step == self._last_step:
             return False
@@ -100,7 +102,7 @@ class CheckpointCoordinator:
             self._log_writes(self.workers.call(worker_id, "flush_checkpoints"))
             if self._current(step):
                 return
-        if final or self._due(step):
+        if final or self.due(step):
             self._write(worker_id, step, world_size)
         if final:
             self._log_writes(self.workers.call(worker_id, "flush_checkpoints"))

@@ -16,6 +16,7 @@ from elastic.control.port import (
     ChunkFailed,
     ChunkInterrupted,
     ChunkOutcome,
+    ChunkSkipped,
     ChunkVotedDown,
     EvalDone,
     EvalFailed,
@@ -53,6 +54,32 @@ def chunk_length(*, step: int, steps_per_chunk: int, total_steps: int, steps_lef
     if later:
         num = min(num, min(later) - step)
     return num
+
+
+def boundary_work(*, end: int, total_steps: int, ends_epoch: bool, tuning: bool,
+                  checkpoint_due: bool, evaluation_due: bool, recovering: bool, stop: bool,
+                  world_size: int, target: int, starting: int) -> str | None:
+    """What the chunk boundary at step `end` must do before the next chunk, or None when it
+    has nothing to do but start it: then the next chunk is handed out ahead, while the current
+    one runs, and the workers go on without waiting for the controller.
+
+    Args:
+        end: the step at which the current chunk ends.
+        total_steps: the run's last step.
+        ends_epoch: the current chunk ends an epoch (per-epoch evaluations, a new order).
+        tuning: a micro-batch trial runs (the next plan depends on its result).
+        checkpoint_due, evaluation_due: one is due at `end`.
+        recovering: the first chunk after a recovery (its timing, then replacements).
+        stop, target: the control requests (stop, the world size to reach).
+        world_size: members now.
+        starting: workers started and not yet admitted (they join at a boundary).
+    """
+    reasons = [("the run ends", end >= total_steps), ("the epoch ends", ends_epoch),
+               ("a micro-batch trial", tuning), ("a checkpoint", checkpoint_due),
+               ("an evaluation", evaluation_due), ("a recovery's first chunk", recovering),
+               ("a stop request", stop), ("a resize", world_size != target),
+               ("workers joining", starting > 0)]
+    return next((reason for reason, due in reasons if due), None)
 
 
 def evaluation_due(*, step: int, evaluated_at: int | None, every_steps: int | None,
@@ -180,6 +207,9 @@ def chunk_error(report_lost: Sequence[int], outcomes: Mapping[int, ChunkOutcome]
     broken = [o for o in outcomes.values() if isinstance(o, ChunkInterrupted)]
     if broken:
         return CollectiveError(broken[0].error)
+    skipped = sorted(rank for rank, o in outcomes.items() if isinstance(o, ChunkSkipped))
+    if skipped:  # the ranks disagree on where the chunk starts: form a new generation
+        return CollectiveError(f"ranks {skipped} skipped a chunk that others ran")
     assert all(isinstance(o, ChunkDone) for o in outcomes.values())
     return None
 

@@ -109,7 +109,17 @@ class ChunkFailed:
     error: Any
 
 
-ChunkOutcome = Union[ChunkDone, ChunkInterrupted, ChunkVotedDown, ChunkFailed]  # noqa: UP007
+@dataclass(frozen=True)
+class ChunkSkipped:
+    """A chunk handed out ahead (`Workers.start_chunk`) that this rank did not run: the chunk
+    before it did not complete, or did not end at this one's first step. `records` is empty."""
+
+    records: list[Any]
+    committed_step: int
+    cursor: dict[str, int]
+
+
+ChunkOutcome = Union[ChunkDone, ChunkInterrupted, ChunkVotedDown, ChunkFailed, ChunkSkipped]  # noqa: UP007
 
 
 @dataclass(frozen=True)
@@ -238,18 +248,25 @@ class Workers(Protocol):
         """Every member takes rank `src`'s state; each member's data cursor."""
         ...
 
-    def run_chunk(self, ids: Sequence[int], plan: BatchPlan, num_steps: int,
-                  chaos: list[ChaosEvent], lr_ramp: LrRamp | None, hang_timeout: float,
-                  hung: Hung) -> ChunkReport:
-        """Runs `num_steps` steps on every member. When no member answers for `hang_timeout`
-        seconds, asks the waiting ones where they are and kills the ranks that `hung(phases)`
-        names (the normal loss path follows)."""
+    def start_chunk(self, ids: Sequence[int], plan: BatchPlan, start: int, num_steps: int,
+                    chaos: list[ChaosEvent], lr_ramp: LrRamp | None) -> None:
+        """Hands every member `num_steps` steps from step `start`, without waiting. A member
+        runs a chunk once every chunk handed to it before in this generation has ended, and
+        only if the last of them completed at `start`; otherwise it reports `ChunkSkipped`.
+        So the next chunk can be handed out while the current one runs, and no rank idles at
+        the boundary between them."""
+        ...
+
+    def finish_chunk(self, hang_timeout: float, hung: Hung) -> ChunkReport:
+        """Waits for every member's answer to the oldest chunk handed out and not finished.
+        When no member answers for `hang_timeout` seconds, asks the waiting ones where they
+        are and kills the ranks that `hung(phases)` names (the normal loss path follows)."""
         ...
 
     def evaluate(self, ids: Sequence[int], shares: Sequence[int], chaos: list[ChaosEvent],
                  hang_timeout: float, hung: Hung, scheduled: bool) -> EvalReport:
         """Evaluates the committed model on every member, each over its slice of the
-        evaluation set (in proportion to `shares`); hangs are handled as in `run_chunk`.
+        evaluation set (in proportion to `shares`); hangs are handled as in `finish_chunk`.
         `scheduled`: a scheduler of `scheduler_interval` 'evaluation' steps after it."""
         ...
 

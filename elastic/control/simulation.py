@@ -23,6 +23,7 @@ from elastic.control.port import (
     ChunkInterrupted,
     ChunkOutcome,
     ChunkReport,
+    ChunkSkipped,
     ChunkVotedDown,
     EvalDone,
     EvalInterrupted,
@@ -47,6 +48,7 @@ class _Worker:
     step: int = 0
     cursor: Cursor = field(default_factory=Cursor)
     alive: bool = True
+    completed: bool = True  # the last chunk it ran completed (else it skips those queued)
 
 
 class SimulatedWorkers:
@@ -86,6 +88,9 @@ class SimulatedWorkers:
         self.workers: dict[int, _Worker] = {}
         self._starting: list[int] = []
         self.chunks = 0
+        # (ids, plan, start, steps, chaos, handed out while another chunk was queued)
+        self._queued: list[tuple[list[int], BatchPlan, int, int, list[ChaosEvent], bool]] = []
+        self.ahead = 0  # chunks handed out while another one was queued
 
     def now(self) -> float:
         return self.clock
@@ -151,11 +156,30 @@ class SimulatedWorkers:
 
     # --- chunks ------------------------------------------------------------------------------
 
-    def run_chunk(self, ids: Sequence[int], plan: BatchPlan, num_steps: int,
-                  chaos: list[ChaosEvent], lr_ramp: LrRamp | None, hang_timeout: float,
-                  hung: Hung) -> ChunkReport:
+    def start_chunk(self, ids: Sequence[int], plan: BatchPlan, start: int, num_steps: int,
+                    chaos: list[ChaosEvent], lr_ramp: LrRamp | None) -> None:
         if self.before_chunk is not None:
-            self.before_chunk(self.workers[ids[0]].step)
+            self.before_chunk(start)
+        self.ahead += bool(self._queued)
+        self._queued.append((list(ids), plan, start, num_steps, chaos, bool(self._queued)))
+
+    def finish_chunk(self, hang_timeout: float, hung: Hung) -> ChunkReport:
+        ids, plan, start, num_steps, chaos, ahead = self._queued.pop(0)
+        first = self.workers[ids[0]]
+        if ahead and any(not self.workers[w].completed or self.workers[w].step != start
+                         for w in ids):
+            # Behind a chunk that did not complete: every rank skips it (the dead report so).
+            lost = {r: "simulated kill" for r, w in enumerate(ids) if not self.workers[w].alive}
+            skipped = ChunkSkipped([], first.step, first.cursor.to_dict())
+            return ChunkReport({r: skipped for r in range(len(ids)) if r not in lost}, lost)
+        report = self._run(ids, plan, num_steps, chaos)
+        done = all(isinstance(o, ChunkDone) for o in report.outcomes.values()) and not report.lost
+        for w in ids:
+            self.workers[w].completed = done
+        return report
+
+    def _run(self, ids: Sequence[int], plan: BatchPlan, num_steps: int,
+             chaos: list[ChaosEvent]) -> ChunkReport:
         self.chunks += 1
         world = len(ids)
         batch = plan.global_batch_size

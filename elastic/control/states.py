@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from elastic.adapt.plan import plan_batch
+from elastic.adapt.plan import BatchPlan, plan_batch
 from elastic.config import ChaosEvent
 from elastic.control import decisions
 from elastic.control.batching import Batching
@@ -163,16 +163,37 @@ class Starting(State):
 # --- running -------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    """A chunk handed to the workers: `num` steps from step `start` under `plan` (with the
+    micro-batch `trial`, if one runs), firing the scheduled faults in `chaos`."""
+
+    start: int
+    num: int
+    plan: BatchPlan
+    trial: int | None
+    chaos: list[ChaosEvent]
+
+
 @dataclass
 class Running(State):
     """Applies control requests at the boundary, then runs one chunk of steps and acts on
     what every rank reports. Right after a resize (`resized`), the boundary was just applied:
-    the next chunk runs at the new size before any further request is looked at."""
+    the next chunk runs at the new size before any further request is looked at.
+
+    While a chunk runs, the next one is handed out `ahead` when the boundary between them has
+    nothing to do (`decisions.boundary_work`), so the workers go straight on; the controller
+    then takes the finished chunk's report while the next one runs, and a request made
+    meanwhile takes effect at the end of the chunk handed out ahead."""
 
     resized: bool = False
+    ahead: _Chunk | None = None
     label: ClassVar[RunState] = RunState.RUNNING
 
     def step(self, ctx: Context) -> State:
+        if self.ahead is not None:
+            current, self.ahead = self.ahead, None
+            return self._finish(ctx, current)
         if ctx.pending_evaluation is not None:
             if ctx.pending_evaluation == ctx.step:
                 return Evaluating(scheduled=ctx.pending_scheduled)
@@ -181,7 +202,7 @@ class Running(State):
             return Finishing()
         if self.resized:
             self.resized = False
-            return self._chunk(ctx)
+            return self._finish(ctx, self._start(ctx, ctx.cursor))
         with ctx.requests.lock:
             stop, target = ctx.requests.stop, ctx.requests.target
         if stop:
@@ -199,28 +220,62 @@ class Running(State):
                 f"{len(ctx.members)} members, target {target}"))
             assert isinstance(action, Reconfigure)
             return Resizing(world_size=len(ctx.members), target=target)
-        return self._chunk(ctx)
+        return self._finish(ctx, self._start(ctx, ctx.cursor))
 
-    def _chunk(self, ctx: Context) -> State:
+    @staticmethod
+    def _start(ctx: Context, cursor: Cursor) -> _Chunk:
+        """Plans the chunk that starts at `cursor` and hands it to the workers."""
         ids = ctx.ids()
         plan, trial = ctx.batch.next_plan(ids)
-        step = ctx.step
+        step = cursor.step
         every = ctx.config.checkpoint.every_steps if ctx.config.checkpoint else None
         num = decisions.chunk_length(
             step=step, steps_per_chunk=ctx.config.steps_per_chunk, total_steps=ctx.total_steps,
-            steps_left_in_epoch=ctx.cursor.steps_left_in_epoch(ctx.dataset_size,
-                                                               ctx.batch.batch_now),
+            steps_left_in_epoch=cursor.steps_left_in_epoch(ctx.dataset_size, ctx.batch.batch_now),
             trial_steps_left=ctx.batch.trial_steps_left(trial), checkpoint_every=every,
             chaos_steps=[e.step for e in ctx.chaos if e.phase != "evaluate"],
             evaluation_every=ctx.config.evaluation.every_steps if ctx.evaluates else None)
         # Faults of phase 'evaluate' wait for the evaluation at their step.
         chaos = [e for e in ctx.chaos if e.step == step and e.phase != "evaluate"]
         ctx.chaos = [e for e in ctx.chaos if e.step != step or e.phase == "evaluate"]
-        for event in chaos:
+        ctx.workers.start_chunk(ids, plan, step, num, chaos, ctx.batch.lr_ramp)
+        return _Chunk(step, num, plan, trial, chaos)
+
+    def _ahead(self, ctx: Context, chunk: _Chunk) -> _Chunk | None:
+        """Hands out the chunk after `chunk` now if the boundary between them has nothing to
+        do (`decisions.boundary_work`); `chunk` starts at the committed cursor."""
+        batch, size = ctx.batch.batch_now, ctx.dataset_size
+        with ctx.requests.lock:
+            stop, target = ctx.requests.stop, ctx.requests.target
+        if ctx.recovery is None and not stop and len(ctx.members) <= target:
+            top_up(ctx)  # what the boundary would do: free capacity is used at the next one
+        end = chunk.start + chunk.num
+        evaluation = ctx.config.evaluation
+        work = decisions.boundary_work(
+            end=end, total_steps=ctx.total_steps,
+            ends_epoch=chunk.num >= ctx.cursor.steps_left_in_epoch(size, batch),
+            tuning=chunk.trial is not None or ctx.batch.tuner is not None,
+            checkpoint_due=ctx.checkpoints.due(end),
+            evaluation_due=ctx.evaluates and decisions.evaluation_due(
+                step=end, evaluated_at=ctx.evaluated_at, every_steps=evaluation.every_steps,
+                every_epochs=None, epoch_ended=False, epochs_done=0, at_end=False, ending=False),
+            recovering=ctx.recovery is not None, stop=stop, world_size=len(ctx.members),
+            target=target, starting=ctx.workers.starting())
+        if work is not None:
+            return None
+        cursor = ctx.cursor
+        for _ in range(chunk.num):
+            cursor = cursor.advance(size, batch)
+        return self._start(ctx, cursor)
+
+    def _finish(self, ctx: Context, chunk: _Chunk) -> State:
+        """Waits for `chunk` (handing out the next one ahead if it can) and acts on it."""
+        for event in chunk.chaos:
             ctx.log.emit(Chaos(**event.model_dump()))
-        report = ctx.workers.run_chunk(ids, plan, num, chaos, ctx.batch.lr_ramp,
-                                       ctx.config.failure.hang_timeout.total_seconds(),
-                                       _hung(ctx))
+        self.ahead = self._ahead(ctx, chunk)
+        report = ctx.workers.finish_chunk(ctx.config.failure.hang_timeout.total_seconds(),
+                                          _hung(ctx))
+        ids = ctx.ids()
         for rank, phase in report.hung:
             ctx.log.emit(WorkerHung(rank=rank, phase=phase, worker_id=ids[rank]))
         records = {rank: o.records for rank, o in report.outcomes.items()}
@@ -228,13 +283,32 @@ class Running(State):
         error = decisions.chunk_error(list(report.lost), report.outcomes,
                                       [rank for rank, _ in report.hung])
         if error is None:
-            self._completed(ctx, report, trial, records, ids)
+            self._completed(ctx, report, chunk, records, ids)
+            if self.ahead is not None:
+                return self  # nothing to do at this boundary: the next chunk runs already
             if _evaluation_due(ctx, ending=ctx.step >= ctx.total_steps, after_chunk=True):
                 # It writes the checkpoints due at this step after it.
                 return Evaluating(scheduled=_evaluation_due(ctx, ending=False, after_chunk=True))
             on_any_member(ctx, lambda w: ctx.checkpoints.maybe_write(w, ctx.step, len(ctx.members)))
             return self
-        return self._failed(ctx, error, report, chaos, plan.micro_batches, ids)
+        if self.ahead is not None:
+            report = self._drain(ctx, report, ids)
+        return self._failed(ctx, error, report, chunk.chaos, chunk.plan.micro_batches, ids)
+
+    def _drain(self, ctx: Context, report: ChunkReport, ids: list[int]) -> ChunkReport:
+        """After a chunk that did not complete, waits out the one handed out ahead (no rank
+        commits a step of it: each skips it, or is released from its first collective) and
+        puts its faults back; returns `report` with the ranks lost meanwhile."""
+        ahead, self.ahead = self.ahead, None
+        assert ahead is not None
+        later = ctx.workers.finish_chunk(ctx.config.failure.hang_timeout.total_seconds(),
+                                         _hung(ctx))
+        ctx.chaos = sorted(ctx.chaos + ahead.chaos, key=lambda e: e.step)
+        for rank, phase in later.hung:
+            ctx.log.emit(WorkerHung(rank=rank, phase=phase, worker_id=ids[rank]))
+        lost = {**later.lost, **report.lost}
+        return replace(report, lost=lost, detected=report.detected or later.detected,
+                       hung=report.hung + [h for h in later.hung if h[0] not in report.lost])
 
     @staticmethod
     def _record(ctx: Context, records: dict[int, list[Any]], ids: list[int]) -> None:
@@ -246,11 +320,11 @@ class Running(State):
         ctx.publish()
 
     @staticmethod
-    def _completed(ctx: Context, report: ChunkReport, trial: int | None,
+    def _completed(ctx: Context, report: ChunkReport, chunk: _Chunk,
                    records: dict[int, list[Any]], ids: list[int]) -> None:
         cursors = [o.cursor for o in report.outcomes.values()]
         ctx.cursor = Cursor(**max(cursors, key=lambda c: c["step"]))
-        ctx.batch.adapt(trial, records, ids, ctx.step)
+        ctx.batch.adapt(chunk.trial, records, ids, ctx.step, chunk.plan)
 
     def _failed(self, ctx: Context, error: ElasticError, report: ChunkReport,
                 chaos: list[ChaosEvent], micro_batches: tuple[int, ...], ids: list[int]) -> State:

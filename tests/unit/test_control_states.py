@@ -518,3 +518,109 @@ def test_a_checkpoint_fingerprint_holds_the_group_size_once_groups_are_on(tmp_pa
     assert ctx.checkpoints.fingerprint() == "B=16;seed=0;G=4"
     _, plain, _ = _run(tmp_path / "plain", steps=2)
     assert plain.checkpoints.fingerprint() == "B=16;seed=0"
+
+
+# --- chunks handed out ahead -----------------------------------------------------------------
+
+
+def test_boundary_work_names_the_first_thing_a_boundary_must_do():
+    base = dict(end=8, total_steps=100, ends_epoch=False, tuning=False, checkpoint_due=False,
+                evaluation_due=False, recovering=False, stop=False, world_size=4, target=4,
+                starting=0)
+    assert decisions.boundary_work(**base) is None
+    cases = {"total_steps": 8, "ends_epoch": True, "tuning": True, "checkpoint_due": True,
+             "evaluation_due": True, "recovering": True, "stop": True, "target": 2,
+             "starting": 1}
+    reasons = {name: decisions.boundary_work(**{**base, name: value})
+               for name, value in cases.items()}
+    assert reasons == {"total_steps": "the run ends", "ends_epoch": "the epoch ends",
+                       "tuning": "a micro-batch trial", "checkpoint_due": "a checkpoint",
+                       "evaluation_due": "an evaluation", "recovering": "a recovery's first chunk",
+                       "stop": "a stop request", "target": "a resize", "starting": "workers joining"}
+    assert decisions.boundary_work(**{**base, "stop": True, "tuning": True}) == "a micro-batch trial"
+
+
+def _ahead_run(tmp_path, sim, steps=24, **batch):
+    cfg = FitConfig(run_dir=str(tmp_path), max_steps=steps, steps_per_chunk=4,
+                    scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
+                    batch=BatchConfig(global_batch_size=16, autotune=False, **batch))
+    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
+    return Machine(ctx).run(), ctx
+
+
+def test_every_chunk_but_the_first_is_handed_out_ahead_when_boundaries_have_nothing_to_do(tmp_path):
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0)
+    end, ctx = _ahead_run(tmp_path, sim)
+    assert isinstance(end, Finished)
+    assert (sim.chunks, sim.ahead) == (6, 5)  # chunks from 0, 4, ..., 20; the last boundary ends
+    assert _steps(ctx) == list(range(24))
+    assert _states(ctx) == [("starting", "running"), ("running", "finishing"),
+                            ("finishing", "finished")]
+
+
+def test_an_epoch_end_a_checkpoint_and_a_trial_are_boundaries_that_wait(tmp_path):
+    # 40 samples of 16: epochs of 2 steps, so every chunk ends an epoch.
+    sim = SimulatedWorkers(dataset_size=40, capacity=4, start_delay_s=0.0)
+    end, ctx = _ahead_run(tmp_path / "epochs", sim, steps=8)
+    assert isinstance(end, Finished) and (sim.chunks, sim.ahead) == (4, 0)
+    assert _steps(ctx) == list(range(8))
+    from elastic.config import CheckpointConfig
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0)
+    cfg = FitConfig(run_dir=str(tmp_path / "ckpt"), max_steps=16, steps_per_chunk=4,
+                    scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
+                    batch=BatchConfig(global_batch_size=16, autotune=False),
+                    checkpoint=CheckpointConfig(path=str(tmp_path / "c"), every_steps=8))
+    ctx = Context(cfg, "sim", RunLog(str(tmp_path / "ckpt")), sim)
+    ctx.checkpoints.maybe_write = lambda *args, **kwargs: None  # the simulation writes none
+    assert isinstance(Machine(ctx).run(), Finished)
+    assert (sim.chunks, sim.ahead) == (4, 2)  # not into steps 8-12 (after the checkpoint at 8)
+
+
+def test_a_kill_with_a_chunk_ahead_drains_it_and_its_faults_fire_after_the_recovery(tmp_path):
+    # The chunk from step 8 is handed out ahead and its kill fires; the chunk from 12, handed
+    # out ahead of that one, is skipped by every rank, and its own kill waits for its rerun.
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0)
+    cfg = FitConfig(run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
+                    scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
+                    batch=BatchConfig(global_batch_size=16, autotune=False),
+                    chaos=(ChaosEvent(step=8, rank=1, action="kill"),
+                           ChaosEvent(step=12, rank=0, action="kill")))
+    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
+    assert isinstance(Machine(ctx).run(), Finished)
+    assert [(e["step"], e["lost_ranks"]) for e in _events(ctx, "worker_failure")] == [
+        (8, [1]), (12, [0])]
+    assert [e["step"] for e in _events(ctx, "chaos")] == [8, 12]  # each announced once
+    assert _steps(ctx) == list(range(24))  # every step once, none lost or repeated
+    assert ctx.chaos == [] and len(ctx.members) == 4
+    assert sim.ahead >= 3
+
+
+def test_a_voted_down_step_with_a_chunk_ahead_is_redone_once(tmp_path):
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0,
+                           votes={9: [UserFailure(9, (2,), "Traceback\nValueError: bad")]})
+    end, ctx = _ahead_run(tmp_path, sim)
+    assert isinstance(end, Finished)
+    assert [(e["step"], e["ranks"]) for e in _events(ctx, "user_error")] == [(9, [2])]
+    assert _steps(ctx) == list(range(24))
+    assert _states(ctx) == [("starting", "running"), ("running", "finishing"),
+                            ("finishing", "finished")]
+    # 0-4, 4-8, 8-9 (voted down at 9), 9-12 (the redo), 12-16, ..., 20-24; the chunk from 12
+    # handed out ahead of the vote was skipped, not run.
+    assert sim.chunks == 7
+
+
+def test_a_request_made_while_a_chunk_is_ahead_applies_at_the_end_of_that_chunk(tmp_path):
+    def requests(step):
+        if step == 12:  # the chunk from 12 is handed out while the one from 8 runs
+            with ctx.requests.lock:
+                ctx.requests.target, ctx.requests.scaled_by_user = 2, True
+
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0,
+                           before_chunk=requests)
+    cfg = FitConfig(run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
+                    scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
+                    batch=BatchConfig(global_batch_size=16, autotune=False))
+    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
+    assert isinstance(Machine(ctx).run(), Finished)
+    assert [m["world_size"] for m in ctx.log.metrics] == [4] * 16 + [2] * 8
+    assert [e["world_size"] for e in _events(ctx, "resized")] == [2]
