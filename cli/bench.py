@@ -11,11 +11,12 @@ import typer
 from rich.table import Table
 
 from cli.output import console, fail, one_line, save, save_json
-from elastic.config import ALGORITHMS, CollectiveConfig
+from elastic.config import ALGORITHMS, CollectiveConfig, FitConfig
 from elastic.errors import ElasticError
 
 if TYPE_CHECKING:
     from elastic.bench.allreduce import AllreduceBenchResult
+    from elastic.bench.overhead import OverheadResult
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print a table and write JSON.")
 
@@ -155,42 +156,75 @@ def bench_adapt(
 @app.command("overhead")
 def bench_overhead(
     workers: Annotated[int, typer.Option(help="World size of both runs.")] = 2,
-    model: Annotated[str, typer.Option(help="mlp or cnn.")] = "mlp",
-    steps: Annotated[int, typer.Option(help="Steps of each run.")] = 40,
-    batch: Annotated[int, typer.Option(help="Global batch size.")] = 256,
+    model: Annotated[str, typer.Option(
+        help="mlp, cnn, lm (a small transformer language model on padded token sequences), "
+             "comma-separated; each is benchmarked in turn.")] = "mlp,cnn,lm",
+    steps: Annotated[int, typer.Option(help="Steps of each run (the first 8 are warm-up).")] = 40,
+    batch: Annotated[int, typer.Option(help="Global batch size (samples or sequences).")] = 256,
     algorithm: Annotated[str, typer.Option(help="Our allreduce algorithm.")] = CollectiveConfig().algorithm,
     overlap: Annotated[bool | None, typer.Option(
         "--overlap/--no-overlap", help="Overlap gradient buckets with backward (default: the "
         "backend's default, off for gloo).")] = None,
     rounds: Annotated[int, typer.Option(
         help="Runs of each, alternating; the ratio is the median of the per-round ratios.")] = 3,
-    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+    steps_per_chunk: Annotated[int, typer.Option(
+        help="Steps per chunk of the elastic runs (default: the run's default). As many as "
+             "--steps: chunks end only at epoch ends (as before issue 22)."),
+    ] = FitConfig.model_fields["steps_per_chunk"].default,
+    json_path: Annotated[pathlib.Path | None, typer.Option(
+        "--json", help="Write results here (a list, one object per model).")] = None,
 ) -> None:
-    """elastic.fit against a plain torch DDP loop: same model, data, batch and world size."""
-    from elastic.bench.overhead import run_overhead_bench
+    """elastic.fit against a plain torch DDP loop: same model, data, batch and world size; where
+    the time per step goes in each."""
+    from elastic.bench.overhead import MODELS, run_overhead_bench
 
-    try:
-        r = run_overhead_bench(workers, model, steps, batch, algorithm=algorithm, overlap=overlap,
-                               rounds=rounds)
-    except (ValueError, ElasticError) as e:
-        raise fail(one_line(e)) from None
-    table = Table(title=f"{model} ({r.parameters:,} parameters), {workers} workers, global batch {batch}")
-    for column in ("", "median step ms", "wall ms / step"):
+    names = [m.strip() for m in model.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown or not names:
+        raise fail(f"--model: unknown {', '.join(unknown) or 'none given'}; choose from {', '.join(MODELS)}")
+    results = []
+    for name in names:
+        try:
+            results.append(run_overhead_bench(workers, name, steps, batch, algorithm=algorithm,
+                                              overlap=overlap, rounds=rounds,
+                                              steps_per_chunk=steps_per_chunk))
+        except (ValueError, ElasticError) as e:
+            raise fail(one_line(e)) from None
+    _print_overhead(results, workers, batch, steps_per_chunk, rounds)
+    save_json(json_path, [r.to_json() for r in results])
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _print_overhead(results: list[OverheadResult], workers: int, batch: int, steps_per_chunk: int,
+                    rounds: int) -> None:
+    """One table of every model's breakdown (medians over the rounds), then the per-round ratios."""
+    table = Table(title=f"elastic.fit against torch DDP (gloo), {workers} workers, global batch {batch}, "
+                        f"chunks of {steps_per_chunk} steps; ms, medians over {rounds} round(s)")
+    for column in ("model", "run", "step", "wall / step", "data", "fwd/bwd", "exposed comm",
+                   "optimizer", "other", "idle / step", "idle in chunk", "idle at chunk start"):
         table.add_column(column, justify="right")
-    table.add_row("elastic.fit", f"{r.elastic_step_median_s * 1e3:.1f}",
-                  f"{r.elastic_wall_per_step_s * 1e3:.1f}")
-    table.add_row("torch DDP (gloo)", f"{r.ddp_step_median_s * 1e3:.1f}",
-                  f"{r.ddp_wall_per_step_s * 1e3:.1f}")
-    table.add_row("ratio", f"{r.step_ratio:.2f}x", f"{r.wall_ratio:.2f}x")
+    for r in results:
+        for label, b in (("elastic.fit", r.elastic), ("torch DDP", r.ddp)):
+            table.add_row(r.model if label == "elastic.fit" else "", label, _ms(b.step_s),
+                          _ms(b.wall_s), _ms(b.data_s), _ms(b.forward_backward_s), _ms(b.comm_s),
+                          _ms(b.optimizer_s), _ms(b.other_s), _ms(b.idle_s), _ms(b.idle_in_chunk_s),
+                          _ms(b.idle_at_boundary_s))
+        table.add_row("", "ratio", f"{r.step_ratio:.2f}x", f"{r.wall_ratio:.2f}x", *[""] * 8,
+                      end_section=True)
     console.print(table)
-    if len(r.rounds) > 1:
-        console.print("per-round step ratios: " + ", ".join(
-            f"{x['step_ratio']:.2f}x" for x in r.rounds) + " (wall: " + ", ".join(
-            f"{x['wall_ratio']:.2f}x" for x in r.rounds) + ")")
-    console.print(f"elastic medians: forward/backward {r.elastic_forward_backward_median_s * 1e3:.1f} ms, "
-                  f"exposed communication {r.elastic_comm_median_s * 1e3:.1f} ms "
-                  f"(algorithm {r.algorithm}, overlap {'on' if r.overlap else 'off'})")
-    save_json(json_path, r.to_json())
+    for r in results:
+        line = (f"{r.model}: {r.parameters:,} parameters, algorithm {r.algorithm}, overlap "
+                f"{'on' if r.overlap else 'off'}, chunk starts measured at steps {r.chunk_boundaries}")
+        if len(r.rounds) > 1:
+            line += ("; per-round step ratios " + ", ".join(f"{x['step_ratio']:.2f}x" for x in r.rounds)
+                     + " (wall: " + ", ".join(f"{x['wall_ratio']:.2f}x" for x in r.rounds) + ")")
+        console.print(line)
+    console.print("step: the slowest rank's in-step time; wall: time between step ends; idle: from "
+                  "a step's end to the next one's start (both on the last rank); DDP's fwd/bwd "
+                  "includes its allreduce, overlapped with backward")
 
 
 @app.command("scaling")

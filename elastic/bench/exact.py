@@ -20,7 +20,7 @@ import torch
 
 from elastic.api import fit
 from elastic.bench import classification_loss
-from elastic.bench.overhead import MODELS, _optimizer, make_dataset, make_model
+from elastic.bench.overhead import CLASSIFIERS, _optimizer, make_dataset, make_model
 from elastic.config import BatchConfig, FitConfig, ScalingConfig
 from elastic.job import TrainJob
 from elastic.trainer.exact import ExactSum
@@ -75,8 +75,8 @@ def run_exact_bench(models: list[str], workers: list[int], steps: int = 30,
         ValueError: an unknown model, or sizes that do not fit.
     """
     for model in models:
-        if model not in MODELS:
-            raise ValueError(f"--models must be among {', '.join(MODELS)}, got {model!r}")
+        if model not in CLASSIFIERS:
+            raise ValueError(f"--models must be among {', '.join(CLASSIFIERS)}, got {model!r}")
     if not workers or min(workers) < 1:
         raise ValueError("--workers needs world sizes of at least 1")
     if steps <= warmup + 1 or rounds < 1:

@@ -200,8 +200,15 @@ def _check(kind: str, output: str, out: pathlib.Path) -> None:
             assert all(c["calls"] == 2 for c in data["commands"])
         case "bench adapt":
             assert data["ratio"] > 0
-        case "bench overhead":
-            assert data["step_ratio"] > 0
+        case "bench overhead":  # --steps 11: steps 8 to 10 measured, a chunk starts at 8
+            assert data and len({r["model"] for r in data}) == len(data)
+            for r in data:
+                assert r["steps_per_chunk"] == 8 and r["chunk_boundaries"] == [8]
+                assert r["step_ratio"] > 0 and r["wall_ratio"] > 0
+                assert r["elastic"]["idle_at_boundary_s"] is not None
+                assert r["ddp"]["idle_at_boundary_s"] is None and r["ddp"]["comm_s"] == 0
+                assert all(run[k] > 0 for run in (r["elastic"], r["ddp"])
+                           for k in ("step_s", "wall_s", "forward_backward_s", "optimizer_s"))
         case "bench decisions":
             assert [p["members"] for p in data] == [4, 16]
             assert all(p["steps"] == 16 and p["decision_ms_per_step"] > 0 for p in data)

@@ -21,6 +21,12 @@ def test_bench_allreduce_rejects_a_bad_size_with_exit_code_2():
     assert "--sizes" in result.output
 
 
+def test_bench_overhead_rejects_an_unknown_model_before_running_any_with_exit_code_2():
+    result = runner.invoke(app, ["bench", "overhead", "--model", "mlp,gpt"])
+    assert result.exit_code == 2
+    assert "gpt" in result.output and "lm" in result.output
+
+
 def test_run_with_a_missing_target_file_exits_2_naming_it():
     result = runner.invoke(app, ["run", "nowhere/job.py:job", "--workers", "2",
                                  "--global-batch", "8", "--max-steps", "1"])
@@ -66,7 +72,7 @@ def test_the_option_surface_is_what_was_reviewed():
         "bench data": ["batch", "image_size", "json_path", "loader_workers", "rounds", "steps",
                        "workers"],
         "bench overhead": ["algorithm", "batch", "json_path", "model", "overlap", "rounds",
-                           "steps", "workers"],
+                           "steps", "steps_per_chunk", "workers"],
         "run": ["address", "algorithm", "backend", "batch_policy", "config", "csv", "debug",
                 "epochs", "exact", "global_batch",
                 "kill_at", "ledger", "loader_workers", "max_micro_batch", "max_steps",
