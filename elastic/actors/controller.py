@@ -173,7 +173,7 @@ class Controller:
             _cache_record(record)
 
     def scale(self, num_workers: int) -> None:
-        """Sets the target world size; applied at the next chunk boundary.
+        """Sets the target world size; applied after the step the workers are in.
 
         Raises:
             ConfigError: outside [min_workers, max_workers].
@@ -189,6 +189,7 @@ class Controller:
             requests.target = num_workers
             requests.scaled_by_user = True
         self.log.emit(ScaleRequested(num_workers=num_workers))
+        self.workers.yield_chunks()  # the workers end their chunk after the step they are in
 
     def kill(self, rank: int) -> None:
         """Kills the worker at `rank` now, as a failure would (for drills and tests).
@@ -208,12 +209,14 @@ class Controller:
         self.workers.kill(member.worker_id)
 
     def stop(self) -> None:
-        """Ends the run gracefully at the next chunk boundary (nothing once it has ended)."""
+        """Ends the run gracefully after the step the workers are in (nothing once it has
+        ended)."""
         if self.machine.state.label.is_terminal:
             return
         with self.ctx.requests.lock:
             self.ctx.requests.stop = True
         self.log.emit(StopRequested())
+        self.workers.yield_chunks()  # the workers end their chunk after the step they are in
 
     # --- the run -------------------------------------------------------------------------------
 

@@ -71,6 +71,10 @@ class WorkerActor:
         self._turn = threading.Condition()
         self._next_ticket = 0
         self._completed = True
+        # Chunks of `_generation` with a ticket up to `_yield_ticket` end after the step in
+        # which every rank learns of it (`yield_chunks`).
+        self._generation = -1
+        self._yield_ticket = -1
 
     def info(self) -> dict[str, Any]:
         """Identity of this worker's process (tests check that survivors keep their pid)."""
@@ -90,6 +94,7 @@ class WorkerActor:
             old.close()
         with self._turn:
             self._next_ticket, self._completed = 0, True
+            self._generation, self._yield_ticket = generation, -1
         self.replica.comm = Communicator(rank, world_size, Endpoint.parse(endpoint), generation,
                                          self.config.collective, abort_signal=signal_,
                                          secret=secret)
@@ -115,6 +120,7 @@ class WorkerActor:
             if ahead and (not self._completed or replica.global_step != start):
                 return ChunkSkipped([], replica.global_step, replica.cursor.to_dict())
             self._completed = False
+            replica.yielding = lambda: ticket <= self._yield_ticket
             outcome = self._run_chunk(plan, num_steps, chaos, lr_ramp)
             self._completed = isinstance(outcome, ChunkDone)
             return outcome
@@ -139,11 +145,21 @@ class WorkerActor:
                     return ChunkVotedDown(records, replica.global_step, replica.cursor.to_dict(),
                                           outcome)
                 records.append(outcome)
+                if outcome.yielded:  # every rank read the same flag: all end here
+                    break
         except CollectiveError as e:
             return ChunkInterrupted(records, replica.global_step, replica.cursor.to_dict(), str(e))
         except AfterStepError as e:
             return ChunkFailed(records, replica.global_step, replica.cursor.to_dict(), e)
         return ChunkDone(records, replica.global_step, replica.cursor.to_dict())
+
+    def yield_chunks(self, generation: int, ticket: int) -> None:
+        """Ends the chunks of `generation` handed out up to `ticket` early (any thread): the
+        running one after the step whose metadata first carries the request (every rank ends
+        it after that same step), and those queued behind it are then skipped."""
+        with self._turn:
+            if generation == self._generation:
+                self._yield_ticket = max(self._yield_ticket, ticket)
 
     def checkpoint(self, meta: dict[str, Any]) -> dict[str, Any]:
         """Snapshots the committed state and writes it (in the background if configured).

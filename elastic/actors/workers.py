@@ -10,6 +10,7 @@ error and its exit detail).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -56,6 +57,8 @@ class RayWorkers:
         # of the next one in this generation (the order in which each worker runs them).
         self._chunks: deque[tuple[list[int], dict[Any, int]]] = deque()
         self._ticket = 0
+        self._generation = -1
+        self._chunk_lock = threading.Lock()  # `yield_chunks` comes from request threads
 
     # --- processes -----------------------------------------------------------------------------
 
@@ -131,8 +134,9 @@ class RayWorkers:
 
     def connect(self, ids: Sequence[int], generation: int) -> Gathered[tuple[int, str]]:
         endpoint = str(self.server.endpoint)
-        self._chunks.clear()  # a new generation: chunks of the old one are abandoned
-        self._ticket = 0
+        with self._chunk_lock:
+            self._chunks.clear()  # a new generation: chunks of the old one are abandoned
+            self._ticket, self._generation = 0, generation
         refs = [self.actors[w].connect.remote(r, len(ids), endpoint, generation, self.server.secret)
                 for r, w in enumerate(ids)]
         try:
@@ -199,17 +203,27 @@ class RayWorkers:
 
     def start_chunk(self, ids: Sequence[int], plan: BatchPlan, start: int, num_steps: int,
                     chaos: list[ChaosEvent], lr_ramp: LrRamp | None) -> None:
-        ahead = bool(self._chunks)
-        ticket, self._ticket = self._ticket, self._ticket + 1
-        refs = {self.actors[w].run_chunk.remote(plan, num_steps, chaos, lr_ramp, ticket, start,
-                                                ahead): r
-                for r, w in enumerate(ids)}
-        self._chunks.append((list(ids), refs))
+        with self._chunk_lock:
+            ahead = bool(self._chunks)
+            ticket, self._ticket = self._ticket, self._ticket + 1
+            refs = {self.actors[w].run_chunk.remote(plan, num_steps, chaos, lr_ramp, ticket,
+                                                    start, ahead): r
+                    for r, w in enumerate(ids)}
+            self._chunks.append((list(ids), refs))
 
     def finish_chunk(self, hang_timeout: float, hung: Hung) -> ChunkReport:
-        ids, refs = self._chunks.popleft()
+        with self._chunk_lock:
+            ids, refs = self._chunks.popleft()
         answers = self._answers(ids, refs, hang_timeout, hung)
         return ChunkReport(answers.outcomes, answers.lost, answers.detected, answers.hung)
+
+    def yield_chunks(self) -> None:
+        with self._chunk_lock:
+            if not self._chunks:
+                return
+            ids, generation, ticket = self._chunks[-1][0], self._generation, self._ticket - 1
+        for worker_id in ids:
+            self.actors[worker_id].yield_chunks.remote(generation, ticket)
 
     def evaluate(self, ids: Sequence[int], shares: Sequence[int], chaos: list[ChaosEvent],
                  hang_timeout: float, hung: Hung, scheduled: bool) -> EvalReport:

@@ -263,6 +263,13 @@ class Workers(Protocol):
         are and kills the ranks that `hung(phases)` names (the normal loss path follows)."""
         ...
 
+    def yield_chunks(self) -> None:
+        """Ends the chunks handed out so far early, for a control request (from any thread):
+        the running one after the step whose metadata first carries the request, on every
+        rank after the same step (`ChunkDone` with fewer steps), and the ones queued behind it
+        are skipped. Nothing if no chunk is out."""
+        ...
+
     def evaluate(self, ids: Sequence[int], shares: Sequence[int], chaos: list[ChaosEvent],
                  hang_timeout: float, hung: Hung, scheduled: bool) -> EvalReport:
         """Evaluates the committed model on every member, each over its slice of the

@@ -84,12 +84,13 @@ class SimulatedWorkers:
         self.metrics = metrics or (lambda step: {"score": float(step)})
         self.evaluations: list[tuple[int, tuple[int, ...]]] = []  # (step, shares) of each
         self.scheduled: list[bool] = []  # whether each evaluation steps an evaluation scheduler
+        self.checkpoints: list[int] = []  # the step of each checkpoint written
         self.clock = 1_000_000.0
         self.workers: dict[int, _Worker] = {}
         self._starting: list[int] = []
         self.chunks = 0
-        # (ids, plan, start, steps, chaos, handed out while another chunk was queued)
-        self._queued: list[tuple[list[int], BatchPlan, int, int, list[ChaosEvent], bool]] = []
+        # [ids, plan, start, steps, chaos, handed out while another chunk was queued, yielded]
+        self._queued: list[list[Any]] = []
         self.ahead = 0  # chunks handed out while another one was queued
 
     def now(self) -> float:
@@ -161,10 +162,15 @@ class SimulatedWorkers:
         if self.before_chunk is not None:
             self.before_chunk(start)
         self.ahead += bool(self._queued)
-        self._queued.append((list(ids), plan, start, num_steps, chaos, bool(self._queued)))
+        self._queued.append([list(ids), plan, start, num_steps, chaos, bool(self._queued), False])
+
+    def yield_chunks(self) -> None:
+        """The chunks queued so far end after their first step."""
+        for entry in self._queued:
+            entry[6] = True
 
     def finish_chunk(self, hang_timeout: float, hung: Hung) -> ChunkReport:
-        ids, plan, start, num_steps, chaos, ahead = self._queued.pop(0)
+        ids, plan, start, num_steps, chaos, ahead, yielded = self._queued.pop(0)
         first = self.workers[ids[0]]
         if ahead and any(not self.workers[w].completed or self.workers[w].step != start
                          for w in ids):
@@ -172,7 +178,7 @@ class SimulatedWorkers:
             lost = {r: "simulated kill" for r, w in enumerate(ids) if not self.workers[w].alive}
             skipped = ChunkSkipped([], first.step, first.cursor.to_dict())
             return ChunkReport({r: skipped for r in range(len(ids)) if r not in lost}, lost)
-        report = self._run(ids, plan, num_steps, chaos)
+        report = self._run(ids, plan, 1 if yielded else num_steps, chaos)
         done = all(isinstance(o, ChunkDone) for o in report.outcomes.values()) and not report.lost
         for w in ids:
             self.workers[w].completed = done
@@ -262,6 +268,14 @@ class SimulatedWorkers:
             return {"step": worker.step}
         if method == "evaluate":
             return {}
+        # Checkpoints: every write is taken and none is ever found (nothing is stored).
+        if method == "checkpoint":
+            self.checkpoints.append(worker.step)
+            return {"submitted": True, "reports": []}
+        if method == "flush_checkpoints":
+            return []
+        if method == "restore_checkpoint":
+            return {"step": None, "path": None, "skipped": [], "unsigned": []}
         raise NotImplementedError(f"the simulation has no {method!r}")
 
     def fired_kill(self, step: int, rank: int) -> float | None:

@@ -284,21 +284,27 @@ class Running(State):
                                       [rank for rank, _ in report.hung])
         if error is None:
             self._completed(ctx, report, chunk, records, ids)
+            if self.ahead is not None and ctx.step < chunk.start + chunk.num:
+                # Ended early for a control request: every rank skips the chunk ahead.
+                report = self._drain(ctx, report, ids)
+                error = decisions.chunk_error(list(report.lost), {},
+                                              [rank for rank, _ in report.hung])
+        if error is not None:
             if self.ahead is not None:
-                return self  # nothing to do at this boundary: the next chunk runs already
-            if _evaluation_due(ctx, ending=ctx.step >= ctx.total_steps, after_chunk=True):
-                # It writes the checkpoints due at this step after it.
-                return Evaluating(scheduled=_evaluation_due(ctx, ending=False, after_chunk=True))
-            on_any_member(ctx, lambda w: ctx.checkpoints.maybe_write(w, ctx.step, len(ctx.members)))
-            return self
+                report = self._drain(ctx, report, ids)
+            return self._failed(ctx, error, report, chunk.chaos, chunk.plan.micro_batches, ids)
         if self.ahead is not None:
-            report = self._drain(ctx, report, ids)
-        return self._failed(ctx, error, report, chunk.chaos, chunk.plan.micro_batches, ids)
+            return self  # nothing to do at this boundary: the next chunk runs already
+        if _evaluation_due(ctx, ending=ctx.step >= ctx.total_steps, after_chunk=True):
+            # It writes the checkpoints due at this step after it.
+            return Evaluating(scheduled=_evaluation_due(ctx, ending=False, after_chunk=True))
+        on_any_member(ctx, lambda w: ctx.checkpoints.maybe_write(w, ctx.step, len(ctx.members)))
+        return self
 
     def _drain(self, ctx: Context, report: ChunkReport, ids: list[int]) -> ChunkReport:
-        """After a chunk that did not complete, waits out the one handed out ahead (no rank
-        commits a step of it: each skips it, or is released from its first collective) and
-        puts its faults back; returns `report` with the ranks lost meanwhile."""
+        """After a chunk that did not complete or was ended early, waits out the one handed
+        out ahead (no rank commits a step of it: each skips it, or is released from its first
+        collective) and puts its faults back; returns `report` with the ranks lost meanwhile."""
         ahead, self.ahead = self.ahead, None
         assert ahead is not None
         later = ctx.workers.finish_chunk(ctx.config.failure.hang_timeout.total_seconds(),

@@ -31,6 +31,7 @@ class StepRecord:
     metrics: dict[str, float] = field(default_factory=dict)  # user metrics of the global batch
     grad_norm: float | None = None  # the summed gradients' 2-norm before clipping (clipping on)
     scale: float | None = None  # 'fp16-mixed': the loss scale the step ran with
+    yielded: bool = False  # the controller asked to end the chunk: every rank ends it here
 
 
 @dataclass(frozen=True)

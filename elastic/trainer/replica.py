@@ -150,6 +150,9 @@ class Replica:
         self._slow: tuple[float, int | None] | None = None  # chaos: (factor, last step)
         self.progress = Progress()
         self.comm: Communicator | None = None
+        # Whether the controller asked this rank to end its chunk (read as a step's metadata
+        # is packed; the worker actor sets it per chunk).
+        self.yielding: Callable[[], bool] = lambda: False
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.buffers = BufferSync(self.model)
         collective = config.collective
@@ -583,7 +586,7 @@ class Replica:
                                     and (flat is None or all_finite(flat))):
             vote = Vote.NONFINITE
         meta = pack_meta(context, computed.loss_sum, vote, computed.count, computed.form,
-                         self.buffers.section(), computed.metrics)
+                         self.buffers.section(), computed.metrics, self.yielding())
         if buckets is not None:
             buckets.finish(meta)
             meta = buckets.wait()
@@ -606,7 +609,7 @@ class Replica:
         elif vote == Vote.OK and exact.nonfinite:
             vote = Vote.NONFINITE
         meta = pack_meta(context, 0.0, vote, 0.0, computed.form, self.buffers.section(),
-                         computed.metrics)
+                         computed.metrics, self.yielding())
         # The count travels whatever the vote, as in the default reduce: whether a LossSum
         # step's count is 0 must not depend on which ranks' groups were non-finite.
         joined = exact.payload(zero=vote not in (Vote.OK, Vote.RESCALE), meta=meta,
@@ -675,6 +678,7 @@ class Replica:
                       reduced.comm_s, optimizer_s),
             metrics=metrics, grad_norm=grad_norm,
             scale=context.scale if self.config.training.precision == "fp16-mixed" else None,
+            yielded=reduced.yielded,
         )
 
     def _after(self, context: StepContext, loss: float, metrics: dict[str, float],

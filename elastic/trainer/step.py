@@ -15,12 +15,14 @@
 
 Every rank runs the reduce whatever its vote, so that no rank is left waiting in a collective.
 The metadata is one float64 vector: `[loss_sum, vote of rank 0, ..., vote of rank w-1, count,
-form of rank 0, ..., form of rank w-1, ledger..., buffers..., metrics...]`; each rank writes only its own
-vote and form slots and its own part of the ledger, so the sum over ranks holds every rank's
-vote, form and index exactly (and the count: integers, exact below 2**24 even when the metadata
-rides in a float32 buffer). The buffers section is `BufferSync.section`: the BatchNorm
-running-statistic terms every rank adds, so that all ranks write the same buffers. The metrics
-section is `elastic.trainer.metrics`'s: a new-names flag, then (sum, weight) per user metric.
+form of rank 0, ..., form of rank w-1, yield, ledger..., buffers..., metrics...]`; each rank
+writes only its own vote and form slots and its own part of the ledger, so the sum over ranks
+holds every rank's vote, form and index exactly (and the count: integers, exact below 2**24
+even when the metadata rides in a float32 buffer). The buffers section is
+`BufferSync.section`: the BatchNorm running-statistic terms every rank adds, so that all ranks
+write the same buffers. `yield` counts the ranks the controller asked to end their chunk
+(`Replica.yielding`), so that all end it after the same step. The metrics section is
+`elastic.trainer.metrics`'s: a new-names flag, then (sum, weight) per user metric.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ class StepContext:
     @property
     def meta_len(self) -> int:
         """Length of the step's metadata vector."""
-        return (2 + 2 * self.world_size + (self.global_batch_size if self.ledger else 0)
+        return (3 + 2 * self.world_size + (self.global_batch_size if self.ledger else 0)
                 + self.buffers + section_length(self.metric_names))
 
     @property
@@ -146,14 +148,15 @@ class Computed:
 
 def pack_meta(context: StepContext, loss_sum: float, vote: Vote, count: float = 0.0,
               form: LossForm = LossForm.NONE, buffers: torch.Tensor | None = None,
-              metrics: MetricSums | None = None) -> torch.Tensor:
+              metrics: MetricSums | None = None, yielding: bool = False) -> torch.Tensor:
     """This rank's contribution to the step's metadata (float64, `context.meta_len` long);
     `buffers` is this rank's buffers section (`context.buffers` long), `metrics` its user
-    metric sums."""
-    flags = torch.zeros(2 * context.world_size + 1, dtype=torch.float64)
+    metric sums, `yielding` whether the controller asked this rank to end its chunk."""
+    flags = torch.zeros(2 * context.world_size + 2, dtype=torch.float64)
     flags[context.rank] = float(vote)
     flags[context.world_size] = count
     flags[context.world_size + 1 + context.rank] = float(form)
+    flags[2 * context.world_size + 1] = float(yielding)
     ledger = torch.zeros(context.global_batch_size if context.ledger else 0, dtype=torch.float64)
     if context.ledger:
         offset = context.plan.offset(context.rank)
@@ -180,6 +183,7 @@ class Reduced:
         indices: the global batch's indices, when the ledger is on.
         buffers: the summed buffers section.
         metrics: the summed metrics section (`elastic.trainer.metrics.read_section`).
+        yielded: some rank was asked to end its chunk: every rank ends it after this step.
         flat: the summed gradients of the flat reduce, one buffer per dtype; None when they
             are in the gradient buckets.
         comm_s: seconds spent in the reduce (the communication nothing overlapped).
@@ -194,26 +198,27 @@ class Reduced:
     flat: dict[torch.dtype, torch.Tensor] | None
     comm_s: float
     metrics: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.float64))
+    yielded: bool = False
 
     @classmethod
     def unpack(cls, meta: torch.Tensor, context: StepContext,
                flat: dict[torch.dtype, torch.Tensor] | None, comm_s: float) -> Reduced:
         """Reads the summed metadata `meta` (see `pack_meta`)."""
         world = context.world_size
-        ledger = 2 + 2 * world
+        ledger = 3 + 2 * world
         section = ledger + (context.global_batch_size if context.ledger else 0)
         indices = (tuple(int(i) for i in meta[ledger:section].tolist()) if context.ledger
                    else None)
         buffers = meta[section : section + context.buffers].to(torch.float64)
         user = meta[section + context.buffers :].to(torch.float64)
         count = float(meta[1 + world])
-        forms = tuple(meta[2 + world : ledger].tolist())
+        forms = tuple(meta[2 + world : 2 + 2 * world].tolist())
         loss = float(meta[0])
         if LossForm.SUM in forms and count > 0:
             loss /= count
         return cls(loss=loss, votes=tuple(meta[1 : 1 + world].tolist()), count=count,
                    forms=forms, indices=indices, buffers=buffers, flat=flat, comm_s=comm_s,
-                   metrics=user)
+                   metrics=user, yielded=float(meta[2 + 2 * world]) > 0)
 
 
 @dataclass(frozen=True)

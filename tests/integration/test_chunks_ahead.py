@@ -106,3 +106,20 @@ def test_a_kill_in_a_chunk_releases_the_survivor_and_skips_the_chunk_ahead(worke
     assert _steps(first.outcomes[0]) == [0]
     assert list(second.lost) == [1]
     assert isinstance(second.outcomes[0], ChunkSkipped) and second.outcomes[0].committed_step == 1
+
+
+def test_yield_ends_the_running_chunk_on_every_rank_after_one_step_and_skips_the_next(workers):
+    pool, ids = workers
+    plan = plan_batch(B, 2, None)
+    pool.start_chunk(ids, plan, 0, 60, [], None)
+    pool.start_chunk(ids, plan, 60, 4, [], None)
+    pool.yield_chunks()
+    first, second = _finish(pool), _finish(pool)
+    steps = [_steps(first.outcomes[r]) for r in (0, 1)]
+    assert all(isinstance(o, ChunkDone) for o in first.outcomes.values())
+    assert steps[0] == steps[1] and 1 <= len(steps[0]) < 60  # the same step on both ranks
+    end = len(steps[0])
+    assert all(isinstance(o, ChunkSkipped) and o.committed_step == end
+               for o in second.outcomes.values())
+    pool.start_chunk(ids, plan, end, 2, [], None)  # a later chunk is not ended by that request
+    assert [_steps(o) for o in _finish(pool).outcomes.values()] == [[end, end + 1]] * 2

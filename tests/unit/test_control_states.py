@@ -571,9 +571,9 @@ def test_an_epoch_end_a_checkpoint_and_a_trial_are_boundaries_that_wait(tmp_path
                     batch=BatchConfig(global_batch_size=16, autotune=False),
                     checkpoint=CheckpointConfig(path=str(tmp_path / "c"), every_steps=8))
     ctx = Context(cfg, "sim", RunLog(str(tmp_path / "ckpt")), sim)
-    ctx.checkpoints.maybe_write = lambda *args, **kwargs: None  # the simulation writes none
     assert isinstance(Machine(ctx).run(), Finished)
     assert (sim.chunks, sim.ahead) == (4, 2)  # not into steps 8-12 (after the checkpoint at 8)
+    assert sim.checkpoints == [8, 16]  # the periodic one and the final one
 
 
 def test_a_kill_with_a_chunk_ahead_drains_it_and_its_faults_fire_after_the_recovery(tmp_path):
@@ -624,3 +624,25 @@ def test_a_request_made_while_a_chunk_is_ahead_applies_at_the_end_of_that_chunk(
     assert isinstance(Machine(ctx).run(), Finished)
     assert [m["world_size"] for m in ctx.log.metrics] == [4] * 16 + [2] * 8
     assert [e["world_size"] for e in _events(ctx, "resized")] == [2]
+
+
+def test_a_stop_made_while_chunks_are_out_ends_them_after_the_step_in_flight(tmp_path):
+    # The request comes as the chunk from 12 is handed out ahead of the one from 8: the
+    # workers end that one after its first step (9), skip the one from 12, and the run stops.
+    def requests(step):
+        if step == 12:
+            with ctx.requests.lock:
+                ctx.requests.stop = True
+            sim.yield_chunks()
+
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0,
+                           before_chunk=requests)
+    cfg = FitConfig(run_dir=str(tmp_path), max_steps=100, steps_per_chunk=4,
+                    scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
+                    batch=BatchConfig(global_batch_size=16, autotune=False))
+    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
+    assert isinstance(Machine(ctx).run(), Finished) and ctx.stopped_early
+    assert _steps(ctx) == list(range(9))
+    assert [e["step"] for e in _events(ctx, "stopping")] == [9]
+    assert _states(ctx) == [("starting", "running"), ("running", "finishing"),
+                            ("finishing", "finished")]

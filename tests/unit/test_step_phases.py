@@ -15,6 +15,7 @@ from elastic.adapt.plan import BatchPlan
 from elastic.collective import RendezvousServer
 from elastic.config import CollectiveConfig
 from elastic.trainer.flat import all_finite, allreduce_flat, flatten_grads, unflatten_grads
+from elastic.trainer.loss import LossForm
 from elastic.trainer.replica import NonFinite, OutOfMemory, Replica, StepRecord, UserFailure
 from elastic.trainer.step import Commit, Reduced, StepContext, Vote, pack_meta, verdict
 from tests.jobs import reference_weights, regression_job
@@ -68,6 +69,23 @@ def test_the_summed_metadata_holds_the_loss_every_vote_and_the_whole_ledger():
     assert reduced.indices == (40, 41, 7, 8, 9)
     short = _context(0, 3, plan, [], False)
     assert Reduced.unpack(parts[0][: short.meta_len], short, None, 0.0).indices is None
+
+
+def test_one_yielding_rank_makes_every_rank_read_the_yield_and_the_rest_unchanged():
+    plan = BatchPlan(5, (2, 0, 3), (2, 1, 3))
+    shares = [[40, 41], [], [7, 8, 9]]
+    forms = [LossForm.SUM, LossForm.NONE, LossForm.SUM]
+
+    def reduced(yielding):
+        parts = [pack_meta(_context(r, 3, plan, shares[r], True), 1.0, Vote.OK, 2.0, forms[r],
+                           yielding=yielding[r]) for r in range(3)]
+        return Reduced.unpack(sum(parts), _context(1, 3, plan, [], True), None, 0.0)
+
+    calm, asked = reduced([False] * 3), reduced([False, False, True])
+    assert (calm.yielded, asked.yielded) == (False, True)
+    for r in (calm, asked):  # the yield slot moves nothing else
+        assert (r.loss, r.count, r.indices) == (3.0 / 6.0, 6.0, (40, 41, 7, 8, 9))
+        assert r.forms == tuple(float(f) for f in forms) and r.votes == (OK, OK, OK)
 
 
 class _RecordingComm:
