@@ -24,14 +24,6 @@ if TYPE_CHECKING:
     from elastic.collective.communicator import Communicator
 
 
-def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: ReduceOp) -> None:
-    """`dst = dst op src`, in place ('avg' is summed here and divided by the caller)."""
-    if op == "max":
-        torch.maximum(dst, src, out=dst)
-    else:
-        dst.add_(src)
-
-
 def _segments(tensor: torch.Tensor, segment_bytes: int) -> list[torch.Tensor]:
     per = max(1, segment_bytes // max(1, tensor.element_size()))
     return list(tensor.split(per)) if tensor.numel() else []
@@ -46,7 +38,8 @@ def ring_reduce_scatter(comm: Communicator, chunks: list[torch.Tensor] | tuple[t
 
     Step k sends chunk `r-k-1` to the right neighbour and reduces chunk `r-k-2` with what the
     left neighbour sends. Each chunk travels in segments, all posted at once, so that each
-    segment is reduced while later ones are still arriving.
+    segment is reduced while later ones are still arriving (over shared memory, straight out of
+    the byte ring as its bytes arrive; otherwise from scratch once the segment is in).
     """
     n, r = comm.world_size, comm.rank
     right, left = (r + 1) % n, (r - 1) % n
@@ -57,18 +50,18 @@ def ring_reduce_scatter(comm: Communicator, chunks: list[torch.Tensor] | tuple[t
     for k in range(n - 1):
         out_chunk = chunks[(r - k - 1) % n]
         in_chunk = chunks[(r - k - 2) % n]
-        in_segments = _segments(in_chunk, seg_bytes)
         in_scratch = _segments(scratch[: in_chunk.numel()], seg_bytes)
-        recv_handles = []
-        for tag, buf in enumerate(in_scratch):
-            recv_handles.append(comm.exchange([], [(buf, left)], tag))
+        recv_handles = [
+            comm.recv_reduce(seg, left, op, tag, buf)
+            for tag, (seg, buf) in enumerate(zip(_segments(in_chunk, seg_bytes), in_scratch, strict=True))
+        ]
         for tag, seg in enumerate(_segments(out_chunk, seg_bytes)):
             sends.extend(comm.exchange([(seg, right)], [], tag))
-        for handles, seg, buf in zip(recv_handles, in_segments, in_scratch, strict=True):
+        for handles in recv_handles:
             comm.wait(handles)
-            reduce_into(seg, buf, op)
-        # The next step sends what was just reduced and receives into the scratch buffer,
-        # which this step's sends never read, so only the receives had to finish here.
+        # The next step sends what was just reduced and reduces into a chunk that no send
+        # still outstanding reads (nor the scratch buffer), so only the receives had to
+        # finish here.
     comm.wait(sends)
 
 
@@ -111,8 +104,7 @@ def tree_allreduce(comm: Communicator, flat: torch.Tensor, op: ReduceOp) -> None
             comm.wait(comm.exchange([(flat, r - mask)], []))
             break
         if r + mask < n:
-            comm.wait(comm.exchange([], [(scratch, r + mask)]))
-            reduce_into(flat, scratch, op)
+            comm.wait(comm.recv_reduce(flat, r + mask, op, scratch=scratch))
         mask <<= 1
     # Broadcast down the same tree: receive from the parent, then feed the children,
     # largest subtree first.
@@ -150,9 +142,7 @@ def halving_doubling_allreduce(comm: Communicator, flat: torch.Tensor, op: Reduc
             comm.wait(comm.exchange([(flat, r + 1)], []))
             comm.wait(comm.exchange([], [(flat, r + 1)]))
             return
-        scratch = torch.empty_like(flat)
-        comm.wait(comm.exchange([], [(scratch, r - 1)]))
-        reduce_into(flat, scratch, op)
+        comm.wait(comm.recv_reduce(flat, r - 1, op))
         vrank = r // 2
     else:
         vrank = r - extra
@@ -179,9 +169,8 @@ def halving_doubling_allreduce(comm: Communicator, flat: torch.Tensor, op: Reduc
         else:
             keep, give = (lo, mid), (mid, hi)
         kept = span(*keep)
-        buf = scratch[: kept.numel()]
-        comm.wait(comm.exchange([(span(*give), partner)], [(buf, partner)]))
-        reduce_into(kept, buf, op)
+        received = comm.recv_reduce(kept, partner, op, scratch=scratch[: kept.numel()])
+        comm.wait([*received, *comm.exchange([(span(*give), partner)], [])])
         lo, hi = keep
         mask >>= 1
     # Now vrank holds block vrank; double the owned span each round.

@@ -230,6 +230,12 @@ class Communicator:
         """Starts a batch of sends and receives (see `Transport.exchange`)."""
         return self._post(lambda: self._transport.exchange(sends, recvs, tag))
 
+    def recv_reduce(self, tensor: torch.Tensor, src: int, op: ReduceOp, tag: int = 0,
+                    scratch: torch.Tensor | None = None) -> list[Pending]:
+        """Starts receiving from `src` and reducing into `tensor` (see `Transport.recv_reduce`);
+        the result is in place once `wait` returned on the handles."""
+        return self._post(lambda: self._transport.recv_reduce(tensor, src, op, tag, scratch))
+
     def _post(self, start: Callable[[], list[Pending]]) -> list[Pending]:
         """Starts backend operations; a peer's death can surface here (gloo raises when a
         receive is posted on a closed connection), not only when waiting."""

@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from elastic.collective import algorithms
-from elastic.collective.algorithms import reduce_into
-from elastic.collective.transport import Pending
+from elastic.collective.transport import Pending, reduce_into
 from elastic.config import ReduceOp
 
 if TYPE_CHECKING:
@@ -144,6 +143,10 @@ class _Subgroup:
                  recvs: Sequence[tuple[torch.Tensor, int]], tag: int = 0) -> list[Pending]:
         m = self._members
         return self._comm.exchange([(t, m[p]) for t, p in sends], [(t, m[p]) for t, p in recvs], tag)
+
+    def recv_reduce(self, tensor: torch.Tensor, src: int, op: ReduceOp, tag: int = 0,
+                    scratch: torch.Tensor | None = None) -> list[Pending]:
+        return self._comm.recv_reduce(tensor, self._members[src], op, tag, scratch)
 
     def wait(self, pending: Sequence[Pending]) -> None:
         self._comm.wait(pending)

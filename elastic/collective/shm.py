@@ -131,15 +131,33 @@ class SharedMemoryTransport(Transport):
         pending: list[Pending] = []
         for ends, pairs in ((self._inbound, recvs), (self._outbound, sends)):
             for tensor, peer in pairs:
-                if peer not in ends:
-                    raise ValueError(f"peer {peer} is not another rank of {self.world_size}")
-                if tensor.numel():
-                    transfer = Transfer(self, tensor.reshape(-1).view(torch.uint8), tag)
-                    ends[peer].queue.append(transfer)
-                    pending.append(transfer)
+                pending.extend(self._queue(ends, peer, Transfer(self, tensor, tag)))
         # Start copying at once, so the peer finds data when it first looks.
         self.progress_if_idle()
         return pending
+
+    def recv_reduce(self, tensor: torch.Tensor, src: int, op: ReduceOp, tag: int,
+                    scratch: torch.Tensor | None = None) -> list[Pending]:
+        """Reduces straight out of `src`'s byte ring as the bytes arrive (`scratch` unused);
+        through `native` (into scratch) when the ranks span hosts. As for every transfer here,
+        only a thread waiting on a handle of this transport moves bytes, and none does once
+        the transport is aborted."""
+        if self._broken is not None:
+            raise RuntimeError(f"shared-memory transport failed earlier: {self._broken}")
+        if not self._inbound:
+            return super().recv_reduce(tensor, src, op, tag, scratch)
+        pending = self._queue(self._inbound, src, Transfer(self, tensor, tag, op))
+        self.progress_if_idle()
+        return pending
+
+    def _queue(self, ends: dict[int, Sender] | dict[int, Receiver], peer: int,
+               transfer: Transfer) -> list[Pending]:
+        if peer not in ends:
+            raise ValueError(f"peer {peer} is not another rank of {self.world_size}")
+        if not transfer.data.numel():
+            return []
+        ends[peer].queue.append(transfer)
+        return [transfer]
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> list[Pending]:
         return self._native.allreduce(tensor, op)

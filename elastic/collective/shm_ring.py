@@ -7,6 +7,12 @@ receiver copies them out behind its head, and each publishes its position with a
 after the copies (total store order on x86_64 makes the copies visible first). Transfers
 between a pair of ranks match in the order they are posted, whatever their tags; the header
 names the tag and size so that a receive that does not match fails with both named.
+
+A reducing receive (`SharedMemoryTransport.recv_reduce`) reduces straight from the ring's
+bytes into the caller's tensor, with vectorised ops over typed views of the ring (two where a
+message wraps around the ring's end), as whole elements arrive. Where the bytes lie at an
+offset that is not a multiple of the element size (earlier messages on this ring of another
+dtype and an odd length), it copies them out to scratch first and reduces from there.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+
+from elastic.collective.transport import reduce_into
+from elastic.config import ReduceOp
 
 if TYPE_CHECKING:
     from elastic.collective.shm import SharedMemoryTransport
@@ -53,6 +62,23 @@ class Ring:
         if first < dst.numel():
             dst[first:].copy_(self.data[: dst.numel() - first])
 
+    def reduce(self, position: int, dst: torch.Tensor, op: ReduceOp) -> bool:
+        """`dst = dst op` the `dst`'s worth of bytes at stream `position`, read straight from
+        the ring as `dst`'s dtype; False (nothing done) when those bytes do not start at a
+        multiple of the element size, where no typed view of them exists."""
+        unit = dst.element_size()
+        start = position % self.capacity
+        # `connect` makes the capacity a multiple of 64, so that an aligned message also wraps
+        # between two elements.
+        if start % unit or self.capacity % unit:
+            return False
+        first = min(dst.numel(), (self.capacity - start) // unit)
+        reduce_into(dst[:first], self.data[start : start + first * unit].view(dst.dtype), op)
+        if first < dst.numel():
+            rest = dst.numel() - first
+            reduce_into(dst[first:], self.data[: rest * unit].view(dst.dtype), op)
+        return True
+
 
 class Handle:
     """A `Pending` the transport completes: waiting on it drives the transport."""
@@ -78,16 +104,22 @@ class Handle:
 
 
 class Transfer(Handle):
-    """One posted send or receive; also its `Pending` handle."""
+    """One posted send or receive, or a reducing receive (`op` set); also its `Pending`
+    handle."""
 
-    __slots__ = ("data", "moved", "started", "tag")
+    __slots__ = ("data", "moved", "op", "started", "tag", "target", "unit")
 
-    def __init__(self, transport: SharedMemoryTransport, data: torch.Tensor, tag: int) -> None:
+    def __init__(self, transport: SharedMemoryTransport, tensor: torch.Tensor, tag: int,
+                 op: ReduceOp | None = None) -> None:
         super().__init__(transport)
-        self.data = data  # flat uint8 view of the caller's tensor
+        self.target = tensor.reshape(-1)  # the caller's contiguous tensor, flat
+        self.data = self.target.view(torch.uint8)
         self.tag = tag
+        self.op = op
+        # A reducing receive takes whole elements only.
+        self.unit = 1 if op is None else tensor.element_size()
         self.started = False  # message header written / read
-        self.moved = 0  # payload bytes copied so far
+        self.moved = 0  # payload bytes copied (or reduced) so far
 
 
 class Mismatch(Exception):
@@ -123,7 +155,10 @@ class Sender(_End):
             self._header[0], self._header[1] = transfer.tag, transfer.data.numel()
             ring.put(position, self._header.view(torch.uint8))
 
-        tail = _advance(self.queue, start, ring.capacity - (start - ring.head.value), header, ring.put)
+        def payload(transfer: Transfer, position: int, count: int) -> None:
+            ring.put(position, transfer.data[transfer.moved : transfer.moved + count])
+
+        tail = _advance(self.queue, start, ring.capacity - (start - ring.head.value), header, payload)
         if tail == start:
             return False
         self.position = tail
@@ -138,6 +173,7 @@ class Receiver(_End):
         super().__init__(ring)
         self._rank = rank
         self._peer = peer
+        self._staging: torch.Tensor | None = None  # for bytes no typed view can read
 
     def pull(self) -> bool:
         """Copies what has arrived into the queued receives; True if anything moved.
@@ -158,20 +194,37 @@ class Receiver(_End):
                     f"bytes with tag {tag}; transfers between two ranks match in order"
                 )
 
-        head = _advance(self.queue, start, ring.tail.value - start, header, ring.get)
+        head = _advance(self.queue, start, ring.tail.value - start, header, self._take)
         if head == start:
             return False
         self.position = head
         ring.head.value = head  # the sender may reuse the space up to here
         return True
 
+    def _take(self, transfer: Transfer, position: int, count: int) -> None:
+        """Copies `count` payload bytes at `position` into a receive, or reduces them into a
+        reducing one."""
+        if transfer.op is None:
+            self.ring.get(position, transfer.data[transfer.moved : transfer.moved + count])
+            return
+        unit = transfer.unit
+        dst = transfer.target[transfer.moved // unit : (transfer.moved + count) // unit]
+        if not self.ring.reduce(position, dst, transfer.op):
+            if self._staging is None:
+                self._staging = torch.empty(self.ring.capacity, dtype=torch.uint8)
+            staged = self._staging[:count]
+            self.ring.get(position, staged)
+            reduce_into(dst, staged.view(dst.dtype), transfer.op)
+
 
 def _advance(queue: deque[Transfer], position: int, room: int,
              header: Callable[[Transfer, int], None],
-             payload: Callable[[int, torch.Tensor], None]) -> int:
+             payload: Callable[[Transfer, int, int], None]) -> int:
     """Moves the queued transfers of one ring, in order, through `room` bytes from stream
     `position` (free space for a sender, unread bytes for a receiver): each message header,
-    then as much payload as fits. Returns the new stream position."""
+    then as much payload as fits (whole elements for a reducing receive, which waits for the
+    rest of an element: the sender always has room for it). Returns the new stream
+    position."""
     while queue:
         transfer = queue[0]
         if not transfer.started:
@@ -182,8 +235,9 @@ def _advance(queue: deque[Transfer], position: int, room: int,
             room -= _MESSAGE_HEADER
             transfer.started = True
         count = min(transfer.data.numel() - transfer.moved, room)
+        count -= count % transfer.unit
         if count:
-            payload(position, transfer.data[transfer.moved : transfer.moved + count])
+            payload(transfer, position, count)
             position += count
             room -= count
             transfer.moved += count

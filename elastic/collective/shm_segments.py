@@ -305,8 +305,9 @@ def connect(rank: int, world_size: int, store: dist.Store, capacity: int, chunk:
     Every rank calls this with the generation's store and reaches the same answer: links when
     every rank could map the segment of every rank of its host and at least two ranks share a
     host, else None (the caller then uses the backend's own transfers). The segments carry
-    `capacity`-byte rings only when all ranks share this host (point-to-point transfers between
-    hosts go over the network), and two `chunk`-byte buffers for the direct allreduce.
+    `capacity`-byte rings (rounded down to a multiple of 64) only when all ranks share this
+    host (point-to-point transfers between hosts go over the network), and two `chunk`-byte
+    buffers for the direct allreduce.
     """
     reason = supported()
     key = _host_key(rank, world_size, simulated_hosts) if reason is None else None
@@ -317,7 +318,9 @@ def connect(rank: int, world_size: int, store: dist.Store, capacity: int, chunk:
         return None
     host = next(i for i, ranks in enumerate(hosts) if rank in ranks)
     local = hosts[host]
-    layout = (world_size - 1 if len(local) == world_size else 0, capacity, chunk & ~63)
+    # Multiples of 64 keep every buffer and ring on a cache-line boundary, and a ring's end
+    # between two elements of any dtype (a reducing receive reads typed views of it).
+    layout = (world_size - 1 if len(local) == world_size else 0, capacity & ~63, chunk & ~63)
     size = Segment.size(*layout)
     name = f"elastic-shm-{os.getpid()}-{uuid.uuid4().hex}"
     path = os.path.join(_SHM_DIR, name)
@@ -338,7 +341,7 @@ def connect(rank: int, world_size: int, store: dist.Store, capacity: int, chunk:
             logger.warning("shared-memory transfers off for this generation: %s", failed)
             return None
         return SharedMemoryLinks(rank, world_size, hosts, host, segments,
-                                 [int(o["pid"]) for o in offers], capacity, layout[2])
+                                 [int(o["pid"]) for o in offers], layout[1], layout[2])
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

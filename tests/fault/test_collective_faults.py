@@ -1,12 +1,17 @@
 """Abort and peer death with real processes: survivors always get a CollectiveError, never
 a hang or a crash, and can form a new generation on the same endpoint."""
 
+import multiprocessing as mp
 import os
 import signal
+from multiprocessing.connection import Connection
 
 import pytest
+import torch
 
-from elastic.collective import RendezvousServer
+from elastic.collective import Communicator, Endpoint, RendezvousServer
+from elastic.config import CollectiveConfig
+from elastic.errors import CollectiveError
 from tests.procs import Ranks
 
 pytestmark = pytest.mark.fault
@@ -183,3 +188,49 @@ def test_shared_memory_survivors_notice_a_killed_peer_without_being_aborted(serv
             assert (kind, is_collective_error) == ("CollectiveError", True)
     finally:
         ranks.close()
+
+
+def _send_a_ring_full_then_wait(endpoint: str, secret: bytes, conn: Connection) -> None:
+    """Rank 0 of 2 with 4 KiB rings: starts sending 16 KiB (the first 4080 bytes go into the
+    ring at once, nothing more unless it waits), reports, and waits to be killed."""
+    try:
+        config = CollectiveConfig(shm_channel_bytes=4096)
+        comm = Communicator(0, 2, Endpoint.parse(endpoint), 0, config, secret=secret)
+        comm.exchange([(torch.full((4096,), 2.0), 1)], [])
+        conn.send(("sent", comm.transport))
+        conn.recv()
+    finally:
+        os._exit(0)  # see tests.procs.rank_main
+
+
+def test_a_peer_killed_during_a_reducing_receive_fails_it_and_writes_nothing_more(server):
+    # This process is rank 1. Its reducing receive takes the 1020 floats in the ring when
+    # posted, then waits for the rest; rank 0 is killed. The wait fails through the pidfd (a
+    # plain CollectiveError, not the 300 s timeout), and the tensor keeps what was reduced.
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_send_a_ring_full_then_wait,
+                       args=(str(server.endpoint), server.secret, child), daemon=True)
+    proc.start()
+    try:
+        comm = Communicator(1, 2, server.endpoint, 0, CollectiveConfig(shm_channel_bytes=4096),
+                            secret=server.secret)
+        try:
+            assert parent.poll(60)
+            assert parent.recv() == ("sent", "shared_memory")
+            tensor = torch.ones(4096)
+            handles = comm.recv_reduce(tensor, 0, "sum")
+            reduced = tensor.clone()
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(30)
+            with pytest.raises(CollectiveError) as info:
+                comm.wait(handles)
+            assert type(info.value) is CollectiveError
+            assert torch.equal(reduced[:1020], torch.full((1020,), 3.0))
+            assert torch.equal(reduced[1020:], torch.ones(4096 - 1020))
+            assert torch.equal(tensor, reduced)
+        finally:
+            comm.close()
+    finally:
+        proc.kill()
+        proc.join(10)

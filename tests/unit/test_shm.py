@@ -274,3 +274,81 @@ def test_orphan_cleanup_leaves_another_users_segment_alone():
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+@pytest.mark.parametrize(("first", "direct"), [
+    (torch.arange(250, dtype=torch.float32), True),
+    (torch.ones(3, dtype=torch.bfloat16), False),
+], ids=["aligned", "after-an-odd-bfloat16-message"])
+def test_a_reducing_receive_that_wraps_around_the_rings_end_is_exact(server, first, direct):
+    # A 4 KiB ring. After the first message (1000 or 6 bytes), the second one's 4064 payload
+    # bytes start at stream byte 1032 (or 38) and end past 4096: one reducing receive takes
+    # them all in two pieces, straight from the ring through typed views where they start at
+    # a multiple of 4, through staging where an odd bfloat16 message left them unaligned.
+    values = torch.arange(1016, dtype=torch.float32) * 3
+    consumed, sent = threading.Event(), threading.Event()
+
+    def body(comm):
+        if comm.rank == 0:
+            comm.send(first, dst=1)
+            consumed.wait(30)  # the ring is empty again: the second message goes in whole
+            comm.send(values, dst=1)
+            sent.set()
+            return None
+        comm.recv(torch.empty_like(first), src=0)
+        consumed.set()
+        sent.wait(30)
+        total = torch.ones(1016)
+        comm.wait(comm.recv_reduce(total, 0, "sum"))
+        receiver = comm._transport._inbound[0]
+        return total, receiver.position, receiver._staging is None
+
+    total, position, unstaged = run_ranks(server, 2, body, CollectiveConfig(shm_channel_bytes=4096))[1]
+    assert torch.equal(total, values + 1)
+    assert position == 16 + first.numel() * first.element_size() + 16 + 4064 > 4096
+    assert unstaged is direct
+
+
+def test_abort_during_a_reducing_receive_stops_writing_into_the_tensor(server):
+    # Rank 0 starts a 16 KiB send into a 4 KiB ring: the first 4080 bytes go in at once, and
+    # rank 1's reducing receive reduces them into its tensor when posted, then sleeps waiting
+    # for the rest. Another thread aborts it. Rank 0 then fills the ring again: its bytes
+    # stay there, and the tensor stays as it was at the abort, however often the
+    # aborted handle is polled.
+    pushed, aborted, refilled = threading.Event(), threading.Event(), threading.Event()
+
+    def body(comm):
+        if comm.rank == 0:
+            pending = comm.exchange([(torch.full((4096,), 2.0), 1)], [])
+            pushed.set()
+            aborted.wait(30)
+            assert not pending[0].is_done()  # one pass: fills the space rank 1 freed
+            refilled.set()
+            return None
+        transport = comm._transport
+        pushed.wait(30)
+        tensor = torch.ones(4096)
+        handles = comm.recv_reduce(tensor, 0, "sum")
+
+        def abort_once_asleep() -> None:
+            while not transport._sleeping.value:
+                aborted.wait(0.001)
+            comm.abort()
+
+        threading.Thread(target=abort_once_asleep, daemon=True).start()
+        with pytest.raises(CollectiveAbortedError):
+            comm.wait(handles)
+        at_abort = tensor.clone()
+        aborted.set()
+        refilled.wait(30)
+        receiver = transport._inbound[0]
+        unread = receiver.ring.tail.value - receiver.position
+        assert not handles[0].is_done()
+        assert not handles[0].wait(0.01)
+        return at_abort, tensor, unread
+
+    at_abort, tensor, unread = run_ranks(server, 2, body, CollectiveConfig(shm_channel_bytes=4096))[1]
+    assert torch.equal(at_abort[:1020], torch.full((1020,), 3.0))
+    assert torch.equal(at_abort[1020:], torch.ones(4096 - 1020))
+    assert unread == 4096
+    assert torch.equal(tensor, at_abort)
