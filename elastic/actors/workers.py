@@ -79,6 +79,12 @@ class RayWorkers:
     def starting(self) -> int:
         return len(self._starting)
 
+    def joinable(self) -> bool:
+        if not self._starting:
+            return False
+        ready, _ = ray.wait(list(self._starting), num_returns=1, timeout=0)
+        return bool(ready)
+
     def admit(self, wanted: int | None, timeout: float) -> Started:
         if not self._starting:
             return Started([])

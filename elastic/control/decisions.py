@@ -58,7 +58,7 @@ def chunk_length(*, step: int, steps_per_chunk: int, total_steps: int, steps_lef
 
 def boundary_work(*, end: int, total_steps: int, ends_epoch: bool, tuning: bool,
                   checkpoint_due: bool, evaluation_due: bool, recovering: bool, stop: bool,
-                  world_size: int, target: int, starting: int) -> str | None:
+                  world_size: int, target: int, joining: bool) -> str | None:
     """What the chunk boundary at step `end` must do before the next chunk, or None when it
     has nothing to do but start it: then the next chunk is handed out ahead, while the current
     one runs, and the workers go on without waiting for the controller.
@@ -71,14 +71,17 @@ def boundary_work(*, end: int, total_steps: int, ends_epoch: bool, tuning: bool,
         checkpoint_due, evaluation_due: one is due at `end`.
         recovering: the first chunk after a recovery (its timing, then replacements).
         stop, target: the control requests (stop, the world size to reach).
-        world_size: members now.
-        starting: workers started and not yet admitted (they join at a boundary).
+        world_size: members now (above `target`: some leave at the boundary; below it, the
+            group grows when a started worker is up: `joining`).
+        joining: a started worker is up and waits to be admitted (at a boundary); workers
+            still starting, or waiting for capacity that may never come, do not hold
+            chunks back.
     """
     reasons = [("the run ends", end >= total_steps), ("the epoch ends", ends_epoch),
                ("a micro-batch trial", tuning), ("a checkpoint", checkpoint_due),
                ("an evaluation", evaluation_due), ("a recovery's first chunk", recovering),
-               ("a stop request", stop), ("a resize", world_size != target),
-               ("workers joining", starting > 0)]
+               ("a stop request", stop), ("a shrink", world_size > target),
+               ("a worker joins", joining)]
     return next((reason for reason, due in reasons if due), None)
 
 

@@ -218,6 +218,11 @@ class Workers(Protocol):
         """Workers started and not yet admitted or failed."""
         ...
 
+    def joinable(self) -> bool:
+        """Whether a started worker is up (or failed to start) and `admit` would hand it over
+        now; a worker still starting (or waiting for capacity) is not."""
+        ...
+
     def admit(self, wanted: int | None, timeout: float) -> Started:
         """Waits up to `timeout` for started workers (for `wanted` of them, or every one if
         None) and hands over those that are up."""

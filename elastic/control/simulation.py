@@ -110,6 +110,9 @@ class SimulatedWorkers:
     def starting(self) -> int:
         return len(self._starting)
 
+    def joinable(self) -> bool:
+        return any(self.workers[w].ready_at <= self.clock for w in self._starting)
+
     def admit(self, wanted: int | None, timeout: float) -> Started:
         by_time = sorted(self._starting, key=lambda w: self.workers[w].ready_at)
         count = len(by_time) if wanted is None else min(wanted, len(by_time))

@@ -260,7 +260,7 @@ class Running(State):
                 step=end, evaluated_at=ctx.evaluated_at, every_steps=evaluation.every_steps,
                 every_epochs=None, epoch_ended=False, epochs_done=0, at_end=False, ending=False),
             recovering=ctx.recovery is not None, stop=stop, world_size=len(ctx.members),
-            target=target, starting=ctx.workers.starting())
+            target=target, joining=ctx.workers.joinable())
         if work is not None:
             return None
         cursor = ctx.cursor

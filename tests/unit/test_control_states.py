@@ -526,18 +526,19 @@ def test_a_checkpoint_fingerprint_holds_the_group_size_once_groups_are_on(tmp_pa
 def test_boundary_work_names_the_first_thing_a_boundary_must_do():
     base = dict(end=8, total_steps=100, ends_epoch=False, tuning=False, checkpoint_due=False,
                 evaluation_due=False, recovering=False, stop=False, world_size=4, target=4,
-                starting=0)
+                joining=False)
     assert decisions.boundary_work(**base) is None
     cases = {"total_steps": 8, "ends_epoch": True, "tuning": True, "checkpoint_due": True,
              "evaluation_due": True, "recovering": True, "stop": True, "target": 2,
-             "starting": 1}
+             "joining": True}
     reasons = {name: decisions.boundary_work(**{**base, name: value})
                for name, value in cases.items()}
     assert reasons == {"total_steps": "the run ends", "ends_epoch": "the epoch ends",
                        "tuning": "a micro-batch trial", "checkpoint_due": "a checkpoint",
                        "evaluation_due": "an evaluation", "recovering": "a recovery's first chunk",
-                       "stop": "a stop request", "target": "a resize", "starting": "workers joining"}
+                       "stop": "a stop request", "target": "a shrink", "joining": "a worker joins"}
     assert decisions.boundary_work(**{**base, "stop": True, "tuning": True}) == "a micro-batch trial"
+    assert decisions.boundary_work(**{**base, "target": 6}) is None  # growth waits for a worker
 
 
 def _ahead_run(tmp_path, sim, steps=24, **batch):
@@ -646,3 +647,28 @@ def test_a_stop_made_while_chunks_are_out_ends_them_after_the_step_in_flight(tmp
     assert [e["step"] for e in _events(ctx, "stopping")] == [9]
     assert _states(ctx) == [("starting", "running"), ("running", "finishing"),
                             ("finishing", "finished")]
+
+
+def test_a_replacement_that_cannot_start_does_not_hold_chunks_back(tmp_path):
+    # After the kill at 8 the replacement never comes up (no capacity for it in time): the
+    # run goes on at 3 with chunks handed out ahead again from the second chunk after the
+    # recovery (the first one after it records the recovery and starts the replacement).
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0)
+    spawn = sim.spawn
+
+    def late_spawn():
+        if len(sim.workers) >= 4:  # the first four start at once, later ones never in time
+            sim.start_delay_s = 1e6
+        return spawn()
+
+    sim.spawn = late_spawn
+    cfg = FitConfig(run_dir=str(tmp_path), max_steps=40, steps_per_chunk=4,
+                    scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
+                    batch=BatchConfig(global_batch_size=16, autotune=False),
+                    chaos=(ChaosEvent(step=8, rank=1, action="kill"),))
+    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
+    assert isinstance(Machine(ctx).run(), Finished)
+    assert _steps(ctx) == list(range(40)) and len(ctx.members) == 3
+    assert sim.starting() == 1
+    # Ahead: 4-8, 8-12, 12-16 (drained after the kill), then 16-20, ..., 36-40.
+    assert sim.ahead == 9
