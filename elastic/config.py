@@ -607,9 +607,9 @@ class FitConfig(_Frozen):
         default=8, ge=1,
         description="Steps a worker runs per call from the controller (the unit of its reports). "
         "The next chunk is handed out while one runs unless the boundary between them has work "
-        "(a checkpoint, an evaluation, an epoch's end, a micro-batch trial, a resize), so workers "
-        "do not wait for the controller; scale and stop end the chunks out after the step in "
-        "flight on every rank.",
+        "(a checkpoint, an evaluation, an epoch's end, a micro-batch trial, a recovery, a worker "
+        "joining, a stop or a shrink), so workers do not wait for the controller; stop and a "
+        "scale down end the chunks out after the step in flight on every rank.",
     )
     ledger: bool = Field(
         default=False,

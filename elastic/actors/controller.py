@@ -173,7 +173,8 @@ class Controller:
             _cache_record(record)
 
     def scale(self, num_workers: int) -> None:
-        """Sets the target world size; applied after the step the workers are in.
+        """Sets the target world size: a shrink applies after the step in flight, growth at
+        the first chunk boundary after a started worker is up.
 
         Raises:
             ConfigError: outside [min_workers, max_workers].
@@ -189,7 +190,9 @@ class Controller:
             requests.target = num_workers
             requests.scaled_by_user = True
         self.log.emit(ScaleRequested(num_workers=num_workers))
-        self.workers.yield_chunks()  # the workers end their chunk after the step they are in
+        if num_workers < len(self.ctx.members):
+            # Workers leave after the step in flight; growth waits for a started one to be up.
+            self.workers.yield_chunks()
 
     def kill(self, rank: int) -> None:
         """Kills the worker at `rank` now, as a failure would (for drills and tests).

@@ -95,6 +95,7 @@ class WorkerActor:
         with self._turn:
             self._next_ticket, self._completed = 0, True
             self._generation, self._yield_ticket = generation, -1
+            self._turn.notify_all()  # a chunk of the old generation still waiting: skipped
         self.replica.comm = Communicator(rank, world_size, Endpoint.parse(endpoint), generation,
                                          self.config.collective, abort_signal=signal_,
                                          secret=secret)
@@ -107,15 +108,18 @@ class WorkerActor:
 
     def run_chunk(self, plan: BatchPlan, num_steps: int, chaos: list[ChaosEvent],
                   lr_ramp: LrRamp | None = None, ticket: int = 0, start: int | None = None,
-                  ahead: bool = False) -> ChunkOutcome:
+                  ahead: bool = False, generation: int | None = None) -> ChunkOutcome:
         """Runs up to `num_steps` steps from the committed step; says how the chunk ended.
 
-        Chunks run in `ticket` order. One handed out `ahead` (while the chunk before it was
-        running) is skipped unless that chunk completed at step `start`."""
-        with self._turn:
-            while self._next_ticket != ticket:
-                self._turn.wait()
+        Chunks of a generation run in `ticket` order. One handed out `ahead` (while the chunk
+        before it was running) is skipped unless that chunk completed at step `start`; so is
+        one of a generation this worker has left."""
         replica = self.replica
+        with self._turn:
+            while self._next_ticket != ticket and generation in (None, self._generation):
+                self._turn.wait()
+            if generation not in (None, self._generation):
+                return ChunkSkipped([], replica.global_step, replica.cursor.to_dict())
         try:
             if ahead and (not self._completed or replica.global_step != start):
                 return ChunkSkipped([], replica.global_step, replica.cursor.to_dict())

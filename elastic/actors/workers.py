@@ -25,7 +25,16 @@ from elastic.adapt.lr import LrRamp
 from elastic.adapt.plan import BatchPlan
 from elastic.collective import RendezvousServer
 from elastic.config import ChaosEvent, FitConfig
-from elastic.control.port import ChunkFailed, ChunkReport, EvalReport, Gathered, Hung, Member, Started
+from elastic.control.port import (
+    ChunkDone,
+    ChunkFailed,
+    ChunkReport,
+    EvalReport,
+    Gathered,
+    Hung,
+    Member,
+    Started,
+)
 from elastic.errors import CollectiveError, ConfigError, ElasticError, WorkerLostError
 from elastic.job import TrainJob
 
@@ -213,14 +222,24 @@ class RayWorkers:
             ahead = bool(self._chunks)
             ticket, self._ticket = self._ticket, self._ticket + 1
             refs = {self.actors[w].run_chunk.remote(plan, num_steps, chaos, lr_ramp, ticket,
-                                                    start, ahead): r
+                                                    start, ahead, self._generation): r
                     for r, w in enumerate(ids)}
             self._chunks.append((list(ids), refs))
 
     def finish_chunk(self, hang_timeout: float, hung: Hung) -> ChunkReport:
         with self._chunk_lock:
-            ids, refs = self._chunks.popleft()
-        answers = self._answers(ids, refs, hang_timeout, hung)
+            ids, refs = self._chunks[0]  # out until answered: `yield_chunks` may end it
+        try:
+            answers = self._answers(ids, refs, hang_timeout, hung)
+        finally:
+            with self._chunk_lock:
+                self._chunks.popleft()
+                behind = bool(self._chunks)
+        done = [isinstance(o, ChunkDone) for o in answers.outcomes.values()]
+        if behind and any(done) and not all(done) and not answers.lost:
+            # Some ranks completed it and went on into the chunk behind, which the others
+            # skip: release them from its first collective (a loss has done so already).
+            self._abort_all_but(ids, -1)
         return ChunkReport(answers.outcomes, answers.lost, answers.detected, answers.hung)
 
     def yield_chunks(self) -> None:

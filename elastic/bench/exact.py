@@ -59,7 +59,7 @@ def payload_bytes(model: torch.nn.Module, workers: int, exact: bool) -> int:
     metadata (loss, votes, count, forms, buffer flags); exact mode's integers as float64
     (gradients, loss, count), per-slot sums and overflows, and the same metadata."""
     sizes = [p.numel() for p in model.parameters() if p.requires_grad]
-    meta = 2 + 2 * workers + 1  # no BatchNorm layers in these models
+    meta = 3 + 2 * workers + 1  # no BatchNorm layers in these models
     if not exact:
         return (sum(sizes) + meta) * 4
     return (ExactSum([*sizes, 1, 1], groups=1).payload_length + meta) * 8

@@ -183,8 +183,9 @@ class Running(State):
 
     While a chunk runs, the next one is handed out `ahead` when the boundary between them has
     nothing to do (`decisions.boundary_work`), so the workers go straight on; the controller
-    then takes the finished chunk's report while the next one runs, and a request made
-    meanwhile takes effect at the end of the chunk handed out ahead."""
+    then takes the finished chunk's report while the next one runs. A stop or a scale down
+    ends the chunks out after the step in flight (`Workers.yield_chunks`, from the request's
+    thread); the one ahead is then drained."""
 
     resized: bool = False
     ahead: _Chunk | None = None
@@ -266,7 +267,12 @@ class Running(State):
         cursor = ctx.cursor
         for _ in range(chunk.num):
             cursor = cursor.advance(size, batch)
-        return self._start(ctx, cursor)
+        ahead = self._start(ctx, cursor)
+        with ctx.requests.lock:  # one that came meanwhile ends both chunks early
+            late = ctx.requests.stop or len(ctx.members) > ctx.requests.target
+        if late:
+            ctx.workers.yield_chunks()
+        return ahead
 
     def _finish(self, ctx: Context, chunk: _Chunk) -> State:
         """Waits for `chunk` (handing out the next one ahead if it can) and acts on it."""
@@ -292,6 +298,9 @@ class Running(State):
         if error is not None:
             if self.ahead is not None:
                 report = self._drain(ctx, report, ids)
+                if report.lost:  # a rank died meanwhile: that comes first
+                    error = decisions.chunk_error(list(report.lost), report.outcomes,
+                                                  [rank for rank, _ in report.hung])
             return self._failed(ctx, error, report, chunk.chaos, chunk.plan.micro_batches, ids)
         if self.ahead is not None:
             return self  # nothing to do at this boundary: the next chunk runs already

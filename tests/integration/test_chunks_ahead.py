@@ -4,6 +4,8 @@ and a chunk handed out behind one that did not complete is skipped by every rank
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -111,15 +113,40 @@ def test_a_kill_in_a_chunk_releases_the_survivor_and_skips_the_chunk_ahead(worke
 def test_yield_ends_the_running_chunk_on_every_rank_after_one_step_and_skips_the_next(workers):
     pool, ids = workers
     plan = plan_batch(B, 2, None)
-    pool.start_chunk(ids, plan, 0, 60, [], None)
-    pool.start_chunk(ids, plan, 60, 4, [], None)
+    pool.start_chunk(ids, plan, 0, 2000, [], None)
+    pool.start_chunk(ids, plan, 2000, 4, [], None)
     pool.yield_chunks()
     first, second = _finish(pool), _finish(pool)
     steps = [_steps(first.outcomes[r]) for r in (0, 1)]
     assert all(isinstance(o, ChunkDone) for o in first.outcomes.values())
-    assert steps[0] == steps[1] and 1 <= len(steps[0]) < 60  # the same step on both ranks
+    assert steps[0] == steps[1] and 1 <= len(steps[0]) < 2000  # the same step on both ranks
     end = len(steps[0])
     assert all(isinstance(o, ChunkSkipped) and o.committed_step == end
                for o in second.outcomes.values())
     pool.start_chunk(ids, plan, end, 2, [], None)  # a later chunk is not ended by that request
     assert [_steps(o) for o in _finish(pool).outcomes.values()] == [[end, end + 1]] * 2
+
+
+def test_yield_reaches_the_chunk_the_controller_is_waiting_for(workers):
+    # No chunk ahead: the controller is already waiting for the only one out when the
+    # request comes (from another thread, as the controller actor's request handlers do).
+    pool, ids = workers
+    plan = plan_batch(B, 2, None)
+    pool.start_chunk(ids, plan, 0, 2000, [], None)
+    waiting, answers = threading.Event(), pool._answers
+
+    def answers_after_signal(*args):
+        waiting.set()
+        return answers(*args)
+
+    pool._answers = answers_after_signal
+    reports = []
+    thread = threading.Thread(target=lambda: reports.append(_finish(pool)))
+    thread.start()
+    assert waiting.wait(60)
+    pool.yield_chunks()
+    thread.join(120)
+    [report] = reports
+    steps = [_steps(report.outcomes[r]) for r in (0, 1)]
+    assert all(isinstance(o, ChunkDone) for o in report.outcomes.values())
+    assert steps[0] == steps[1] and 1 <= len(steps[0]) < 2000

@@ -94,11 +94,18 @@ def test_a_lost_worker_recovers_in_place_and_its_replacement_joins(tmp_path):
 
 
 def test_scale_down_then_up_resizes_at_boundaries(tmp_path):
+    # `before_chunk` runs as a chunk is handed out, ahead, while the one before runs: the
+    # scale down ends that one after the step in flight (the simulation's first step); the
+    # scale up applies at the first boundary after the new workers are up.
+    made = []
+
     def requests(step):
         with ctx.requests.lock:
-            if step == 8:
+            if step >= 8 and not made:
+                made.append(step)
                 ctx.requests.target, ctx.requests.scaled_by_user = 2, True
-            if step == 16:
+            elif step >= 16 and len(made) == 1:
+                made.append(step)
                 ctx.requests.target = 4
 
     sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0,
@@ -110,13 +117,16 @@ def test_scale_down_then_up_resizes_at_boundaries(tmp_path):
     end = Machine(ctx).run()
     assert isinstance(end, Finished)
     sizes = [m["world_size"] for m in ctx.log.metrics]
-    assert sizes == [4] * 12 + [2] * 8 + [4] * 4  # a request made during a chunk applies after it
+    # Made as the chunk from 8 went out (the one from 4 at its first step) and as the one from
+    # 17 went out (a growth: the chunk runs on; the workers are up at its end).
+    assert made == [8, 17]
+    assert sizes == [4] * 5 + [2] * 16 + [4] * 3
     assert [e["world_size"] for e in _events(ctx, "resized")] == [2, 4]
     assert _states(ctx).count(("running", "resizing")) == 2
     assert _steps(ctx) == list(range(24))
 
 
-def test_a_stop_request_finishes_at_the_next_boundary(tmp_path):
+def test_a_stop_request_finishes_after_the_step_in_flight(tmp_path):
     def stop(step):
         if step >= 8:
             with ctx.requests.lock:
@@ -129,8 +139,10 @@ def test_a_stop_request_finishes_at_the_next_boundary(tmp_path):
     ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
     end = Machine(ctx).run()
     assert isinstance(end, Finished) and ctx.stopped_early
-    assert ctx.step == 12  # the chunk that saw the request finished; no further one ran
-    assert [e["step"] for e in _events(ctx, "stopping")] == [12]
+    # Made as the chunk from 8 went out ahead while the one from 4 ran its first step: that
+    # one ended after it, the one from 8 was skipped, and no further one ran.
+    assert ctx.step == 5 and _steps(ctx) == list(range(5))
+    assert [e["step"] for e in _events(ctx, "stopping")] == [5]
     assert _states(ctx)[-2:] == [("running", "finishing"), ("finishing", "finished")]
 
 
@@ -482,9 +494,16 @@ def test_a_loss_while_resizing_fails_the_run_past_max_failures(tmp_path):
         if step >= 8:
             with ctx.requests.lock:
                 ctx.requests.target, ctx.requests.scaled_by_user = 3, True
-            sim.workers[ctx.members[0].worker_id].alive = False  # dies right after this chunk
 
     sim = SimulatedWorkers(dataset_size=16000, capacity=4, before_chunk=requests)
+    connect = sim.connect
+
+    def dying_connect(ids, generation):
+        if generation > 0:  # the resize's generation: a member died since the last chunk
+            sim.workers[ids[0]].alive = False
+        return connect(ids, generation)
+
+    sim.connect = dying_connect
     cfg = FitConfig(run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
                     scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
                     batch=BatchConfig(global_batch_size=16, autotune=False),
@@ -610,7 +629,7 @@ def test_a_voted_down_step_with_a_chunk_ahead_is_redone_once(tmp_path):
     assert sim.chunks == 7
 
 
-def test_a_request_made_while_a_chunk_is_ahead_applies_at_the_end_of_that_chunk(tmp_path):
+def test_a_scale_down_made_while_a_chunk_is_ahead_ends_both_after_the_step_in_flight(tmp_path):
     def requests(step):
         if step == 12:  # the chunk from 12 is handed out while the one from 8 runs
             with ctx.requests.lock:
@@ -623,8 +642,9 @@ def test_a_request_made_while_a_chunk_is_ahead_applies_at_the_end_of_that_chunk(
                     batch=BatchConfig(global_batch_size=16, autotune=False))
     ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
     assert isinstance(Machine(ctx).run(), Finished)
-    assert [m["world_size"] for m in ctx.log.metrics] == [4] * 16 + [2] * 8
+    assert [m["world_size"] for m in ctx.log.metrics] == [4] * 9 + [2] * 15
     assert [e["world_size"] for e in _events(ctx, "resized")] == [2]
+    assert _steps(ctx) == list(range(24))
 
 
 def test_a_stop_made_while_chunks_are_out_ends_them_after_the_step_in_flight(tmp_path):
