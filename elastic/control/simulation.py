@@ -85,6 +85,7 @@ class SimulatedWorkers:
         self.evaluations: list[tuple[int, tuple[int, ...]]] = []  # (step, shares) of each
         self.scheduled: list[bool] = []  # whether each evaluation steps an evaluation scheduler
         self.checkpoints: list[int] = []  # the step of each checkpoint written
+        self.fired: set[tuple[int, int]] = set()  # (step, rank) of each kill that fired
         self.clock = 1_000_000.0
         self.workers: dict[int, _Worker] = {}
         self._starting: list[int] = []
@@ -231,6 +232,7 @@ class SimulatedWorkers:
         """Ranks in `kills` die in the chunk's first step; the others report it interrupted."""
         for rank in kills:
             self.workers[ids[rank]].alive = False
+            self.fired.add((step, rank))
         self.clock += self.step_time_s / 2
         interrupted = ChunkInterrupted([], step, cursor.to_dict(), "simulated peer loss")
         outcomes: dict[int, ChunkOutcome] = {
@@ -250,6 +252,7 @@ class SimulatedWorkers:
         if kills:
             for rank in kills:
                 self.workers[ids[rank]].alive = False
+                self.fired.add((step, rank))
             survivors: dict[int, EvalOutcome] = {
                 r: EvalInterrupted("simulated peer loss") for r in range(len(ids)) if r not in kills}
             return EvalReport(survivors, {r: "simulated kill" for r in sorted(kills)}, self.clock)
@@ -282,4 +285,4 @@ class SimulatedWorkers:
         raise NotImplementedError(f"the simulation has no {method!r}")
 
     def fired_kill(self, step: int, rank: int) -> float | None:
-        return self.clock
+        return self.clock if (step, rank) in self.fired else None

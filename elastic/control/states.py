@@ -288,20 +288,22 @@ class Running(State):
         self._record(ctx, records, ids)
         error = decisions.chunk_error(list(report.lost), report.outcomes,
                                       [rank for rank, _ in report.hung])
+        fired: list[ChaosEvent] = []  # kills of the chunk ahead that fired before its drain
         if error is None:
             self._completed(ctx, report, chunk, records, ids)
             if self.ahead is not None and ctx.step < chunk.start + chunk.num:
                 # Ended early for a control request: every rank skips the chunk ahead.
-                report = self._drain(ctx, report, ids)
+                report, fired = self._drain(ctx, report, ids)
                 error = decisions.chunk_error(list(report.lost), {},
                                               [rank for rank, _ in report.hung])
         if error is not None:
             if self.ahead is not None:
-                report = self._drain(ctx, report, ids)
+                report, fired = self._drain(ctx, report, ids)
                 if report.lost:  # a rank died meanwhile: that comes first
                     error = decisions.chunk_error(list(report.lost), report.outcomes,
                                                   [rank for rank, _ in report.hung])
-            return self._failed(ctx, error, report, chunk.chaos, chunk.plan.micro_batches, ids)
+            return self._failed(ctx, error, report, chunk.chaos + fired, chunk.plan.micro_batches,
+                                ids)
         if self.ahead is not None:
             return self  # nothing to do at this boundary: the next chunk runs already
         if _evaluation_due(ctx, ending=ctx.step >= ctx.total_steps, after_chunk=True):
@@ -310,20 +312,28 @@ class Running(State):
         on_any_member(ctx, lambda w: ctx.checkpoints.maybe_write(w, ctx.step, len(ctx.members)))
         return self
 
-    def _drain(self, ctx: Context, report: ChunkReport, ids: list[int]) -> ChunkReport:
+    def _drain(self, ctx: Context, report: ChunkReport,
+               ids: list[int]) -> tuple[ChunkReport, list[ChaosEvent]]:
         """After a chunk that did not complete or was ended early, waits out the one handed
         out ahead (no rank commits a step of it: each skips it, or is released from its first
-        collective) and puts its faults back; returns `report` with the ranks lost meanwhile."""
+        collective) and puts back its faults that did not fire. Returns `report` with the
+        ranks lost meanwhile, and the kills that fired (a rank that finished the chunk went
+        on into the one ahead and died in it before the chunk's answers were in)."""
         ahead, self.ahead = self.ahead, None
         assert ahead is not None
         later = ctx.workers.finish_chunk(ctx.config.failure.hang_timeout.total_seconds(),
                                          _hung(ctx))
-        ctx.chaos = sorted(ctx.chaos + ahead.chaos, key=lambda e: e.step)
+        fired = [e for e in ahead.chaos
+                 if e.action == "kill" and ctx.workers.fired_kill(e.step, e.rank) is not None]
+        for event in fired:
+            ctx.log.emit(Chaos(**event.model_dump()))
+        ctx.chaos = sorted(ctx.chaos + [e for e in ahead.chaos if e not in fired],
+                           key=lambda e: e.step)
         for rank, phase in later.hung:
             ctx.log.emit(WorkerHung(rank=rank, phase=phase, worker_id=ids[rank]))
         lost = {**later.lost, **report.lost}
         return replace(report, lost=lost, detected=report.detected or later.detected,
-                       hung=report.hung + [h for h in later.hung if h[0] not in report.lost])
+                       hung=report.hung + [h for h in later.hung if h[0] not in report.lost]), fired
 
     @staticmethod
     def _record(ctx: Context, records: dict[int, list[Any]], ids: list[int]) -> None:
