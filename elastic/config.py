@@ -611,6 +611,13 @@ class FitConfig(_Frozen):
         "joining, a stop or a shrink), so workers do not wait for the controller; stop and a "
         "scale down end the chunks out after the step in flight on every rank.",
     )
+    chunks_ahead: bool = Field(
+        default=False,
+        description="Hand the next chunk out while one runs when the boundary between them has "
+        "nothing to do, so workers do not wait for the controller there (experimental: a rank "
+        "killed right after a chunk can take its report of that chunk with it, and the ledger "
+        "then misses those steps; off until that is fixed).",
+    )
     ledger: bool = Field(
         default=False,
         description="Record the data set indices every committed step consumed (ledger.jsonl).",

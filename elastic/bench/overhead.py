@@ -330,7 +330,7 @@ def run_overhead_bench(workers: int = 2, model: str = "mlp", steps: int = 40,
         config = FitConfig(
             scaling=ScalingConfig(num_workers=workers),
             batch=BatchConfig(global_batch_size=global_batch_size, autotune=False, rebalance=False),
-            collective=collective, max_steps=steps, steps_per_chunk=steps_per_chunk,
+            collective=collective, max_steps=steps, steps_per_chunk=steps_per_chunk, chunks_ahead=True,
             run_dir=tempfile.mkdtemp(prefix="elastic-bench-overhead-"),
         )
         ours.append(breakdown(elastic_rows(fit(job, config).metrics), warmup, starts))

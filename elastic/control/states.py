@@ -245,6 +245,8 @@ class Running(State):
     def _ahead(self, ctx: Context, chunk: _Chunk) -> _Chunk | None:
         """Hands out the chunk after `chunk` now if the boundary between them has nothing to
         do (`decisions.boundary_work`); `chunk` starts at the committed cursor."""
+        if not ctx.config.chunks_ahead:
+            return None
         batch, size = ctx.batch.batch_now, ctx.dataset_size
         with ctx.requests.lock:
             stop, target = ctx.requests.stop, ctx.requests.target

@@ -43,7 +43,8 @@ def _run(tmp_path, world=4, *, steps=24, chunk=4, sim=None, **config):
     """Runs the machine to its end; returns (final state, context, simulation)."""
     config.setdefault("scaling", ScalingConfig(num_workers=world, min_workers=1, max_workers=world))
     config.setdefault("batch", BatchConfig(global_batch_size=world * PER_RANK))
-    cfg = FitConfig(run_dir=str(tmp_path), max_steps=steps, steps_per_chunk=chunk, **config)
+    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=steps,
+                    steps_per_chunk=chunk, **config)
     sim = sim or SimulatedWorkers(dataset_size=world * PER_RANK * 1000, capacity=world,
                                   start_delay_s=0.02)
     ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
@@ -110,7 +111,7 @@ def test_scale_down_then_up_resizes_at_boundaries(tmp_path):
 
     sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0,
                            before_chunk=lambda step: requests(step))
-    cfg = FitConfig(run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
+    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
                     scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
                     batch=BatchConfig(global_batch_size=16, autotune=False))
     ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
@@ -133,7 +134,7 @@ def test_a_stop_request_finishes_after_the_step_in_flight(tmp_path):
                 ctx.requests.stop = True
 
     sim = SimulatedWorkers(dataset_size=16000, capacity=4, before_chunk=stop)
-    cfg = FitConfig(run_dir=str(tmp_path), max_steps=100, steps_per_chunk=4,
+    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=100, steps_per_chunk=4,
                     scaling=ScalingConfig(num_workers=4),
                     batch=BatchConfig(global_batch_size=16, autotune=False))
     ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
@@ -297,7 +298,7 @@ def test_256_members_through_failures_joins_and_resizes(tmp_path):
              ChaosEvent(step=14, rank=0, action="kill"), ChaosEvent(step=40, rank=150, action="kill"))
     sim = SimulatedWorkers(dataset_size=world * PER_RANK * 100, capacity=world,
                            start_delay_s=0.01, before_chunk=lambda step: requests(step))
-    cfg = FitConfig(run_dir=str(tmp_path), max_steps=48, steps_per_chunk=4, chaos=kills,
+    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=48, steps_per_chunk=4, chaos=kills,
                     scaling=ScalingConfig(num_workers=world, min_workers=128, max_workers=world),
                     batch=BatchConfig(global_batch_size=world * PER_RANK))
     ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
@@ -322,7 +323,7 @@ def test_256_members_through_failures_joins_and_resizes(tmp_path):
 def _control_calls(tmp_path, world: int) -> int:
     """Python calls made by the control loop (not the simulation) in a 40-step run."""
     sim = SimulatedWorkers(dataset_size=world * PER_RANK * 100, capacity=world)
-    cfg = FitConfig(run_dir=str(tmp_path / str(world)), max_steps=40, steps_per_chunk=4,
+    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path / str(world)), max_steps=40, steps_per_chunk=4,
                     scaling=ScalingConfig(num_workers=world),
                     batch=BatchConfig(global_batch_size=world * PER_RANK))
     ctx = Context(cfg, "sim", RunLog(cfg.run_dir), sim)
@@ -481,7 +482,8 @@ def test_a_failure_to_write_a_state_change_still_ends_the_run(tmp_path):
             raise OSError("disk full")
 
     sim = SimulatedWorkers(dataset_size=16000, capacity=4)
-    cfg = FitConfig(run_dir=str(tmp_path), max_steps=8, scaling=ScalingConfig(num_workers=4),
+    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=8,
+                    scaling=ScalingConfig(num_workers=4),
                     batch=BatchConfig(global_batch_size=16))
     ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim, publish=publish)
     end = Machine(ctx).run()
@@ -504,7 +506,7 @@ def test_a_loss_while_resizing_fails_the_run_past_max_failures(tmp_path):
         return connect(ids, generation)
 
     sim.connect = dying_connect
-    cfg = FitConfig(run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
+    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
                     scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
                     batch=BatchConfig(global_batch_size=16, autotune=False),
                     failure=FailureConfig(max_failures=0))
@@ -561,7 +563,7 @@ def test_boundary_work_names_the_first_thing_a_boundary_must_do():
 
 
 def _ahead_run(tmp_path, sim, steps=24, **batch):
-    cfg = FitConfig(run_dir=str(tmp_path), max_steps=steps, steps_per_chunk=4,
+    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=steps, steps_per_chunk=4,
                     scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
                     batch=BatchConfig(global_batch_size=16, autotune=False, **batch))
     ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
@@ -586,7 +588,7 @@ def test_an_epoch_end_a_checkpoint_and_a_trial_are_boundaries_that_wait(tmp_path
     assert _steps(ctx) == list(range(8))
     from elastic.config import CheckpointConfig
     sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0)
-    cfg = FitConfig(run_dir=str(tmp_path / "ckpt"), max_steps=16, steps_per_chunk=4,
+    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path / "ckpt"), max_steps=16, steps_per_chunk=4,
                     scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
                     batch=BatchConfig(global_batch_size=16, autotune=False),
                     checkpoint=CheckpointConfig(path=str(tmp_path / "c"), every_steps=8))
@@ -600,7 +602,7 @@ def test_a_kill_with_a_chunk_ahead_drains_it_and_its_faults_fire_after_the_recov
     # The chunk from step 8 is handed out ahead and its kill fires; the chunk from 12, handed
     # out ahead of that one, is skipped by every rank, and its own kill waits for its rerun.
     sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0)
-    cfg = FitConfig(run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
+    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
                     scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
                     batch=BatchConfig(global_batch_size=16, autotune=False),
                     chaos=(ChaosEvent(step=8, rank=1, action="kill"),
@@ -637,7 +639,7 @@ def test_a_scale_down_made_while_a_chunk_is_ahead_ends_both_after_the_step_in_fl
 
     sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0,
                            before_chunk=requests)
-    cfg = FitConfig(run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
+    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
                     scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
                     batch=BatchConfig(global_batch_size=16, autotune=False))
     ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
@@ -658,7 +660,7 @@ def test_a_stop_made_while_chunks_are_out_ends_them_after_the_step_in_flight(tmp
 
     sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0,
                            before_chunk=requests)
-    cfg = FitConfig(run_dir=str(tmp_path), max_steps=100, steps_per_chunk=4,
+    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=100, steps_per_chunk=4,
                     scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
                     batch=BatchConfig(global_batch_size=16, autotune=False))
     ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
@@ -682,7 +684,7 @@ def test_a_replacement_that_cannot_start_does_not_hold_chunks_back(tmp_path):
         return spawn()
 
     sim.spawn = late_spawn
-    cfg = FitConfig(run_dir=str(tmp_path), max_steps=40, steps_per_chunk=4,
+    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=40, steps_per_chunk=4,
                     scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
                     batch=BatchConfig(global_batch_size=16, autotune=False),
                     chaos=(ChaosEvent(step=8, rank=1, action="kill"),))
