@@ -562,11 +562,17 @@ def test_boundary_work_names_the_first_thing_a_boundary_must_do():
     assert decisions.boundary_work(**{**base, "target": 6}) is None  # growth waits for a worker
 
 
-def _ahead_run(tmp_path, sim, steps=24, **batch):
+def _ahead_context(tmp_path, sim, steps=24, **config):
+    """A run of 4 simulated workers (chunks of 4 steps, global batch 16, no autotuning) with
+    chunks handed out ahead; `config`: further `FitConfig` fields."""
     cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=steps, steps_per_chunk=4,
                     scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
-                    batch=BatchConfig(global_batch_size=16, autotune=False, **batch))
-    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
+                    batch=BatchConfig(global_batch_size=16, autotune=False), **config)
+    return Context(cfg, "sim", RunLog(str(tmp_path)), sim)
+
+
+def _ahead_run(tmp_path, sim, steps=24, **config):
+    ctx = _ahead_context(tmp_path, sim, steps, **config)
     return Machine(ctx).run(), ctx
 
 
@@ -588,12 +594,9 @@ def test_an_epoch_end_a_checkpoint_and_a_trial_are_boundaries_that_wait(tmp_path
     assert _steps(ctx) == list(range(8))
     from elastic.config import CheckpointConfig
     sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0)
-    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path / "ckpt"), max_steps=16, steps_per_chunk=4,
-                    scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
-                    batch=BatchConfig(global_batch_size=16, autotune=False),
-                    checkpoint=CheckpointConfig(path=str(tmp_path / "c"), every_steps=8))
-    ctx = Context(cfg, "sim", RunLog(str(tmp_path / "ckpt")), sim)
-    assert isinstance(Machine(ctx).run(), Finished)
+    end, ctx = _ahead_run(tmp_path / "ckpt", sim, steps=16,
+                          checkpoint=CheckpointConfig(path=str(tmp_path / "c"), every_steps=8))
+    assert isinstance(end, Finished)
     assert (sim.chunks, sim.ahead) == (4, 2)  # not into steps 8-12 (after the checkpoint at 8)
     assert sim.checkpoints == [8, 16]  # the periodic one and the final one
 
@@ -602,13 +605,9 @@ def test_a_kill_with_a_chunk_ahead_drains_it_and_its_faults_fire_after_the_recov
     # The chunk from step 8 is handed out ahead and its kill fires; the chunk from 12, handed
     # out ahead of that one, is skipped by every rank, and its own kill waits for its rerun.
     sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0)
-    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
-                    scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
-                    batch=BatchConfig(global_batch_size=16, autotune=False),
-                    chaos=(ChaosEvent(step=8, rank=1, action="kill"),
-                           ChaosEvent(step=12, rank=0, action="kill")))
-    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
-    assert isinstance(Machine(ctx).run(), Finished)
+    end, ctx = _ahead_run(tmp_path, sim, chaos=(ChaosEvent(step=8, rank=1, action="kill"),
+                                                ChaosEvent(step=12, rank=0, action="kill")))
+    assert isinstance(end, Finished)
     assert [(e["step"], e["lost_ranks"]) for e in _events(ctx, "worker_failure")] == [
         (8, [1]), (12, [0])]
     assert [e["step"] for e in _events(ctx, "chaos")] == [8, 12]  # each announced once
@@ -639,10 +638,7 @@ def test_a_scale_down_made_while_a_chunk_is_ahead_ends_both_after_the_step_in_fl
 
     sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0,
                            before_chunk=requests)
-    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
-                    scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
-                    batch=BatchConfig(global_batch_size=16, autotune=False))
-    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
+    ctx = _ahead_context(tmp_path, sim)
     assert isinstance(Machine(ctx).run(), Finished)
     assert [m["world_size"] for m in ctx.log.metrics] == [4] * 9 + [2] * 15
     assert [e["world_size"] for e in _events(ctx, "resized")] == [2]
@@ -660,10 +656,7 @@ def test_a_stop_made_while_chunks_are_out_ends_them_after_the_step_in_flight(tmp
 
     sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.0,
                            before_chunk=requests)
-    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=100, steps_per_chunk=4,
-                    scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
-                    batch=BatchConfig(global_batch_size=16, autotune=False))
-    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
+    ctx = _ahead_context(tmp_path, sim, steps=100)
     assert isinstance(Machine(ctx).run(), Finished) and ctx.stopped_early
     assert _steps(ctx) == list(range(9))
     assert [e["step"] for e in _events(ctx, "stopping")] == [9]
@@ -684,12 +677,8 @@ def test_a_replacement_that_cannot_start_does_not_hold_chunks_back(tmp_path):
         return spawn()
 
     sim.spawn = late_spawn
-    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=40, steps_per_chunk=4,
-                    scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
-                    batch=BatchConfig(global_batch_size=16, autotune=False),
-                    chaos=(ChaosEvent(step=8, rank=1, action="kill"),))
-    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
-    assert isinstance(Machine(ctx).run(), Finished)
+    end, ctx = _ahead_run(tmp_path, sim, steps=40, chaos=(ChaosEvent(step=8, rank=1, action="kill"),))
+    assert isinstance(end, Finished)
     assert _steps(ctx) == list(range(40)) and len(ctx.members) == 3
     assert sim.starting() == 1
     # Ahead: 4-8, 8-12, 12-16 (drained after the kill), then 16-20, ..., 36-40.
