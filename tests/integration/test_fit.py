@@ -112,11 +112,7 @@ def test_two_kills_in_different_phases_end_with_the_reference_weights(ray_cluste
     trace = json.loads(trace_path.read_text())["traceEvents"]
     assert len(trace) == count
     spans = [e for e in trace if e["ph"] == "X"]
-    # A rank killed right after it completed a chunk (it went straight on into the chunk
-    # handed out ahead) may leave no report of that chunk: its spans are missing, not wrong.
-    reported = sum(row is not None for m in result.metrics for row in m["timeline"])
-    assert len(spans) == 4 * reported
-    assert reported >= sum(m["world_size"] for m in result.metrics) - 8
+    assert len(spans) == 4 * sum(m["world_size"] for m in result.metrics)
     assert {e["tid"] for e in spans} == {0, 1, 2, 3}
     by_rank_step: dict = {}
     for e in spans:
