@@ -605,16 +605,16 @@ class FitConfig(_Frozen):
     )
     steps_per_chunk: int = Field(
         default=8, ge=1,
-        description="Steps a worker runs per call from the controller (the unit of its reports). "
-        "The next chunk is handed out while one runs unless the boundary between them has work "
-        "(a checkpoint, an evaluation, an epoch's end, a micro-batch trial, a recovery, a worker "
-        "joining, a stop or a shrink), so workers do not wait for the controller; stop and a "
-        "scale down end the chunks out after the step in flight on every rank.",
+        description="Steps a worker runs per call from the controller (the unit of its reports); "
+        "stop and a scale down end the chunk out after the step in flight on every rank, a "
+        "scale up applies at the next chunk boundary (see chunks_ahead).",
     )
     chunks_ahead: bool = Field(
         default=False,
         description="Hand the next chunk out while one runs when the boundary between them has "
-        "nothing to do, so workers do not wait for the controller there (experimental: a rank "
+        "nothing to do (no checkpoint, evaluation, epoch's end, micro-batch trial, recovery, "
+        "worker joining, stop or shrink), so workers do not wait for the controller there "
+        "(experimental: a rank "
         "killed right after a chunk can take its report of that chunk with it, and the ledger "
         "then misses those steps; off until that is fixed).",
     )
