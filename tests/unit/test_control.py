@@ -87,10 +87,10 @@ def test_another_user_gets_no_answer(server, tmp_path):
         import socket
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect("\\0{srv.address}")
-        s.sendall(b'{{"method": "scale", "args": [4]}}\\n')
-        try:
+        try:  # the server may have hung up before the request is even written
+            s.sendall(b'{{"method": "scale", "args": [4]}}\\n')
             print(repr(s.recv(1000)))
-        except ConnectionResetError:
+        except (BrokenPipeError, ConnectionResetError):
             print(repr(b""))
     """)
     done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
