@@ -10,6 +10,8 @@ def ray_cluster():
     import ray
 
     # No PYTHONPATH for the workers: the test jobs travel by value (client.ship_job_code).
-    ray.init(num_cpus=4, namespace="elastic", include_dashboard=False, log_to_driver=False)
+    # address="local": always a cluster of this session's own, even where the machine has another
+    # Ray running or a stale /tmp/ray/ray_current_cluster (a killed Cluster leaves one; CI hit it).
+    ray.init(address="local", num_cpus=4, namespace="elastic", include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

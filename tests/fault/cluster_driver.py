@@ -50,9 +50,17 @@ def wait_for(name: str, predicate, what: str) -> dict:
     raise TimeoutError(f"{what}: not reached in {LIMIT_S}s; last status {last}")
 
 
+def _cluster() -> Cluster:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": HEALTH})
+    # Cluster writes its address to /tmp/ray/ray_current_cluster, where any later `ray.init()` on
+    # this machine would look; a driver killed by its timeout would leave it behind, stale.
+    ray._common.utils.reset_ray_address()
+    return cluster
+
+
 def nodes(out_path: str) -> None:
     run_dir = tempfile.mkdtemp(prefix="elastic-nodes-")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": HEALTH})
+    cluster = _cluster()
     summary: dict = {"run_dir": run_dir}
     try:
         node_a = cluster.add_node(num_cpus=2)
@@ -103,7 +111,7 @@ def chaos(out_path: str) -> None:
     run with the ledger on; then the run is stopped."""
     rng = random.Random(7)
     run_dir = tempfile.mkdtemp(prefix="elastic-chaos-")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": HEALTH})
+    cluster = _cluster()
     summary: dict = {"run_dir": run_dir, "faults": []}
     try:
         nodes_ = [cluster.add_node(num_cpus=2) for _ in range(3)]
