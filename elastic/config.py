@@ -610,13 +610,12 @@ class FitConfig(_Frozen):
         "scale up applies at the next chunk boundary (see chunks_ahead).",
     )
     chunks_ahead: bool = Field(
-        default=False,
+        default=True,
         description="Hand the next chunk out while one runs when the boundary between them has "
         "nothing to do (no checkpoint, evaluation, epoch's end, micro-batch trial, recovery, "
-        "worker joining, stop or shrink), so workers do not wait for the controller there "
-        "(experimental: a rank "
-        "killed right after a chunk can take its report of that chunk with it, and the ledger "
-        "then misses those steps; off until that is fixed).",
+        "worker joining, stop or shrink), so that workers do not wait for the controller to "
+        "plan it: each rank starts it as soon as the controller has its answer to the chunk "
+        "before. False: every chunk is planned and handed out after the one before ended.",
     )
     ledger: bool = Field(
         default=False,
