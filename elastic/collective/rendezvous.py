@@ -196,14 +196,16 @@ class _ClientPool:
         self._lock = threading.Lock()
         self._idle: dict[Endpoint, list[dist.TCPStore]] = {}
 
-    def acquire(self, endpoint: Endpoint, timeout: timedelta) -> dist.TCPStore:
+    def acquire(self, endpoint: Endpoint, timeout: timedelta,
+                fresh: bool = False) -> tuple[dist.TCPStore, bool]:
+        """A client of `endpoint` and whether it was pooled (`fresh`: never a pooled one)."""
         with self._lock:
             idle = self._idle.get(endpoint)
-            if idle:
-                return idle.pop()
+            if idle and not fresh:
+                return idle.pop(), True
         return dist.TCPStore(
             endpoint.host, endpoint.port, is_master=False, wait_for_workers=False, timeout=timeout
-        )
+        ), False
 
     def release(self, endpoint: Endpoint, client: dist.TCPStore) -> None:
         with self._lock:
@@ -222,16 +224,24 @@ def generation_store(
     Raises:
         RendezvousError: the store cannot be reached within `timeout`.
     """
-    try:
-        client = _POOL.acquire(endpoint, timeout)
-        client.set_timeout(timeout)
-        # A cheap round trip: a pooled client whose server went away fails here, not later.
-        client.add(generation_prefix(secret, generation) + _CONNECTED, 1)
-    except (RuntimeError, OSError) as e:
-        raise RendezvousError(
-            f"cannot reach the rendezvous store at {endpoint} within {timeout}: {e}",
-            generation=generation,
-        ) from e
+    fresh = False
+    while True:
+        pooled = False
+        try:
+            client, pooled = _POOL.acquire(endpoint, timeout, fresh)
+            client.set_timeout(timeout)
+            # A cheap round trip: a pooled client whose server went away (or was replaced by
+            # another one on the same port) fails here, and a fresh connection is tried once.
+            client.add(generation_prefix(secret, generation) + _CONNECTED, 1)
+            break
+        except (RuntimeError, OSError) as e:
+            if pooled and not fresh:
+                fresh = True
+                continue
+            raise RendezvousError(
+                f"cannot reach the rendezvous store at {endpoint} within {timeout}: {e}",
+                generation=generation,
+            ) from e
     ok = False
     try:
         yield AuthenticatedStore(client, secret, generation)

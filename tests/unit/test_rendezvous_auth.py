@@ -195,3 +195,23 @@ def test_the_secret_is_not_in_the_servers_repr():
         assert len(server.secret) == 32
     finally:
         server.close()
+
+
+def test_a_pooled_connection_to_a_server_that_went_away_is_replaced():
+    """Store connections are pooled by address; a new server on a port an old one used (the
+    OS hands ports out again, as CI saw) must not inherit the old server's dead connection."""
+    from elastic.collective import rendezvous
+
+    old, new = RendezvousServer(), RendezvousServer()
+    try:
+        with rendezvous.generation_store(old.endpoint, 1, timedelta(seconds=30), old.secret):
+            pass
+        stale = rendezvous._POOL._idle.pop(old.endpoint)
+        old.close()
+        rendezvous._POOL._idle[new.endpoint] = stale  # as if `new` had taken old's port
+        with rendezvous.generation_store(new.endpoint, 1, timedelta(seconds=30), new.secret) as s:
+            s.set("k", b"v")
+            assert s.get("k") == b"v"
+        assert run_ranks(new, 2, lambda c: c.world_size) == [2, 2]
+    finally:
+        new.close()
