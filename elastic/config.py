@@ -360,8 +360,10 @@ class CheckpointConfig(_Frozen):
         default=None, ge=1, description="Write a checkpoint every this many steps."
     )
     every_seconds: float | None = Field(
-        default=None, gt=0, description="Write a checkpoint when this many seconds have passed "
-        "since the last one."
+        default=None, gt=0, description="Write a checkpoint at the first chunk boundary after "
+        "this many seconds have passed since the last one (with chunks_ahead, a boundary whose "
+        "chunk was already handed out when the time came counts as passed: up to one chunk "
+        "later)."
     )
     keep_last: int = Field(default=3, ge=1, description="Valid checkpoints retention keeps.")
     async_write: bool = Field(
