@@ -388,11 +388,11 @@ def bench_data(
     steps: Annotated[int, typer.Option(help="Steps of each run (the first third is warm-up).")] = 60,
     batch: Annotated[int, typer.Option(help="Global batch size.")] = 64,
     rounds: Annotated[int, typer.Option(
-        help="Runs of each, alternating; medians are reported.")] = 1,
+        help="Runs of each, alternating in a rotated order; medians are reported.")] = 3,
     json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """Decoding images: step time with and without loader processes, against the bound
-    max(compute, data / k) and DDP with DataLoader(num_workers=k)."""
+    max(compute, data / k) and DDP with DataLoader(num_workers=0) and (num_workers=k)."""
     from elastic.bench.data import run_data_bench
 
     try:
@@ -404,16 +404,14 @@ def bench_data(
                   f"max(compute, data/{loader_workers}) = {r.bound_s * 1e3:.1f} ms, "
                   f"compute + data = {r.serial_s * 1e3:.1f} ms")
     table = Table(title=f"{workers} workers, global batch {batch}, {loader_workers} loader "
-                        "processes per worker")
+                        f"processes per worker, medians of {rounds} rounds")
     for column in ("", "median step ms", "wall ms / step", "vs bound"):
         table.add_column(column, justify="right")
-    table.add_row("elastic.fit, no loader processes", f"{r.no_loaders_step_s * 1e3:.1f}",
-                  f"{r.no_loaders_wall_s * 1e3:.1f}", f"{r.no_loaders_step_s / r.bound_s:.2f}x")
-    table.add_row(f"elastic.fit, loader_workers={loader_workers}", f"{r.loaders_step_s * 1e3:.1f}",
-                  f"{r.loaders_wall_s * 1e3:.1f}", f"{r.bound_ratio:.2f}x")
-    table.add_row(f"torch DDP, DataLoader(num_workers={loader_workers})", f"{r.ddp_step_s * 1e3:.1f}",
-                  f"{r.ddp_wall_s * 1e3:.1f}", f"{r.ddp_step_s / r.bound_s:.2f}x")
+    for name, step_s, wall_s in r.rows():
+        table.add_row(name, f"{step_s * 1e3:.1f}", f"{wall_s * 1e3:.1f}", f"{step_s / r.bound_s:.2f}x")
     console.print(table)
-    console.print(f"elastic with loaders / DDP: {r.ddp_ratio:.2f}x (step), "
-                  f"{r.loaders_wall_s / r.ddp_wall_s:.2f}x (wall)")
+    console.print(f"elastic / DDP, with loaders: {r.ddp_ratio:.2f}x (step), "
+                  f"{r.loaders_wall_s / r.ddp_wall_s:.2f}x (wall); without: "
+                  f"{r.ddp_no_loaders_ratio:.2f}x (step), "
+                  f"{r.no_loaders_wall_s / r.ddp_no_loaders_wall_s:.2f}x (wall)")
     save_json(json_path, r.to_json())

@@ -8,9 +8,12 @@ image size. Measured in this process, on one thread: the time to read one rank's
 step (data) and the time of its forward/backward and optimizer step on decoded tensors
 (compute). The bound for a rank with k loader processes is max(compute, data / k); without
 them a step costs compute + data. Then `elastic.fit` with 0 and with k loader processes, and
-DDP (gloo, one process per rank) whose `DataLoader(num_workers=k, prefetch_factor=2,
-persistent_workers=True)` yields each rank's share of the same public order, all with the
-same model, global batch and world size. Reported: median step time (elastic: from each
+DDP (gloo, one process per rank) whose `DataLoader` yields each rank's share of the same public
+order, with `num_workers=0` (read in the training process) and with `num_workers=k,
+prefetch_factor=2, persistent_workers=True`, all with the same model, global batch and world
+size: elastic and DDP each without and with loader processes. With `rounds` > 1 the four runs
+alternate, in an order rotated every round so that none always runs first (on a machine with
+few cores one run's leftovers slow the next). Reported: median step time (elastic: from each
 step's start to its end, waiting for data included; DDP: from one step's end to the next's)
 and wall-clock per step.
 """
@@ -100,10 +103,12 @@ class DataBenchResult:
     serial_s: float  # compute + data
     no_loaders_step_s: float
     loaders_step_s: float
-    ddp_step_s: float
+    ddp_step_s: float  # DDP with DataLoader(num_workers=loader_workers)
     no_loaders_wall_s: float
     loaders_wall_s: float
     ddp_wall_s: float
+    ddp_no_loaders_step_s: float  # DDP with DataLoader(num_workers=0)
+    ddp_no_loaders_wall_s: float
     rounds: list[dict] = field(default_factory=list)
 
     @property
@@ -112,10 +117,27 @@ class DataBenchResult:
 
     @property
     def ddp_ratio(self) -> float:
+        """elastic with loader processes against DDP with as many `DataLoader` workers."""
         return self.loaders_step_s / self.ddp_step_s
 
+    @property
+    def ddp_no_loaders_ratio(self) -> float:
+        """elastic against DDP, both reading in the training process."""
+        return self.no_loaders_step_s / self.ddp_no_loaders_step_s
+
+    def rows(self) -> list[tuple[str, float, float]]:
+        """(run, median step s, wall s per step): elastic and DDP, without then with loader
+        processes, for a table."""
+        k = self.loader_workers
+        return [("elastic.fit, no loader processes", self.no_loaders_step_s, self.no_loaders_wall_s),
+                ("torch DDP, DataLoader(num_workers=0)", self.ddp_no_loaders_step_s,
+                 self.ddp_no_loaders_wall_s),
+                (f"elastic.fit, loader_workers={k}", self.loaders_step_s, self.loaders_wall_s),
+                (f"torch DDP, DataLoader(num_workers={k})", self.ddp_step_s, self.ddp_wall_s)]
+
     def to_json(self) -> dict:
-        return {**asdict(self), "bound_ratio": self.bound_ratio, "ddp_ratio": self.ddp_ratio}
+        return {**asdict(self), "bound_ratio": self.bound_ratio, "ddp_ratio": self.ddp_ratio,
+                "ddp_no_loaders_ratio": self.ddp_no_loaders_ratio}
 
 
 def _measure_parts(samples: int, size: int, share: int, repeats: int = 5) -> tuple[float, float]:
@@ -217,7 +239,7 @@ def _ddp(samples: int, size: int, workers: int, batch: int, steps: int, loaders:
 def run_data_bench(workers: int = 2, loader_workers: int = 2, global_batch_size: int = 64,
                    image_size: int = 96, steps: int = 60, warmup: int | None = None,
                    rounds: int = 1, samples: int = 512) -> DataBenchResult:
-    """See the module docstring; `rounds` runs of the three, alternating (medians reported);
+    """See the module docstring; `rounds` runs of the four, alternating (medians reported);
     the first `warmup` steps of each (default a third: loader processes start and import
     torch then, competing for the cores) are left out.
 
@@ -233,14 +255,17 @@ def run_data_bench(workers: int = 2, loader_workers: int = 2, global_batch_size:
     if samples < global_batch_size:
         raise ValueError("the data set must hold at least one global batch")
     data_s, compute_s = _measure_parts(samples, image_size, global_batch_size // workers)
+    runs = {"no_loaders": (_elastic, 0), "loaders": (_elastic, loader_workers),
+            "ddp_no_loaders": (_ddp, 0), "ddp": (_ddp, loader_workers)}
+    names = list(runs)
     per_round = []
-    for _ in range(rounds):
-        serial = _elastic(samples, image_size, workers, global_batch_size, steps, 0, warmup)
-        loaders = _elastic(samples, image_size, workers, global_batch_size, steps, loader_workers, warmup)
-        ddp = _ddp(samples, image_size, workers, global_batch_size, steps, loader_workers, warmup)
-        per_round.append({"no_loaders_step_s": serial[0], "no_loaders_wall_s": serial[1],
-                          "loaders_step_s": loaders[0], "loaders_wall_s": loaders[1],
-                          "ddp_step_s": ddp[0], "ddp_wall_s": ddp[1]})
+    for r in range(rounds):
+        measured = {}
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            run, loaders = runs[name]
+            step, wall = run(samples, image_size, workers, global_batch_size, steps, loaders, warmup)
+            measured |= {f"{name}_step_s": step, f"{name}_wall_s": wall}
+        per_round.append(measured)
 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in per_round)
@@ -252,4 +277,5 @@ def run_data_bench(workers: int = 2, loader_workers: int = 2, global_batch_size:
         no_loaders_step_s=median("no_loaders_step_s"), loaders_step_s=median("loaders_step_s"),
         ddp_step_s=median("ddp_step_s"), no_loaders_wall_s=median("no_loaders_wall_s"),
         loaders_wall_s=median("loaders_wall_s"), ddp_wall_s=median("ddp_wall_s"),
-        rounds=per_round)
+        ddp_no_loaders_step_s=median("ddp_no_loaders_step_s"),
+        ddp_no_loaders_wall_s=median("ddp_no_loaders_wall_s"), rounds=per_round)

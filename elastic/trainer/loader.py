@@ -15,6 +15,12 @@ steps, predicted from the cursor and the plan); anything read ahead for another 
 dropped, never trained on, so exactly-once is a property of the indices the step asks for, as
 without loader processes. Loader processes exit when the worker closes them and, through a
 pipe only the worker holds, when the worker process dies for any reason (SIGKILL included).
+
+The worker runs no thread of its own for them (as `DataLoader`): each loader process has a pipe
+to the worker, requests go out and batches come in only inside `want` and `take`, on the
+training thread, so nothing wakes during forward and backward to compete for the GIL. Every
+batch a loader sends is received, those dropped included: a tensor's shared memory stays
+open in the loader until the worker takes its handle.
 """
 
 from __future__ import annotations
@@ -24,19 +30,26 @@ import os
 import random
 import threading
 import traceback
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import cloudpickle
 import numpy as np
 import torch
+import torch.multiprocessing  # registers the shared-memory reductions of tensors
 from torch.utils.data import default_collate
 
 __all__ = ["LoadError", "Piece", "Prefetcher", "generator_state", "load_piece",
            "seed_generators", "set_generator_state"]
+
+# Requests a loader process holds unanswered (the one it reads and those queued behind it);
+# the rest of the wanted pieces wait in the worker, so a replan wastes at most these reads.
+_QUEUED_PER_LOADER = 2
 
 
 class LoadError(Exception):
@@ -89,14 +102,10 @@ def load_piece(dataset: Any, collate: Callable[[list[Any]], Any], indices: Seque
 
 # --- the loader process side ------------------------------------------------------------
 
-_dataset: Any = None
-_collate: Callable[[list[Any]], Any] = default_collate
-_init_error: str | None = None
 
-
-def _watch_parent(alive: Any) -> None:
+def _watch_parent(alive: Connection) -> None:
     """Exits this process when the worker's end of `alive` closes (the worker closed its
-    loaders, or died)."""
+    loaders, or died), even while the main thread is in user code."""
     try:
         alive.recv()
     except (EOFError, OSError):
@@ -104,37 +113,68 @@ def _watch_parent(alive: Any) -> None:
     os._exit(0)
 
 
-def _init_loader(alive: Any, job_bytes: bytes, rng_state: torch.Tensor) -> None:
-    """Runs once in each loader process: builds the data set as the worker did (the factory
-    called with the torch generator in the worker's state at that moment)."""
-    global _dataset, _collate, _init_error
+def _serve(conn: Connection, alive: Connection, job_bytes: bytes, rng_state: bytes) -> None:
+    """A loader process: builds the data set as the worker did (the factory called with the
+    torch generator in the worker's state at that moment), then answers each request
+    `(indices, seed)` on `conn`, in order, with `(True, batch, packed generator state)` or
+    `(False, traceback, None)`."""
     threading.Thread(target=_watch_parent, args=(alive,), daemon=True,
                      name="elastic-loader-parent").start()
     torch.set_num_threads(1)
+    dataset: Any = None
+    collate: Callable[[list[Any]], Any] = default_collate
+    init_error: str | None = None
     try:
         job = cloudpickle.loads(job_bytes)
-        torch.set_rng_state(rng_state)
-        _dataset = job.dataset()
-        _collate = job.collate_fn or default_collate
+        torch.set_rng_state(torch.frombuffer(bytearray(rng_state), dtype=torch.uint8))
+        dataset = job.dataset()
+        collate = job.collate_fn or default_collate
     except Exception:
-        _init_error = "building the data set in a loader process failed:\n" + traceback.format_exc()
+        init_error = "building the data set in a loader process failed:\n" + traceback.format_exc()
+    while True:
+        try:
+            indices, seed = conn.recv()
+        except (EOFError, OSError):
+            os._exit(0)
+        reply: tuple[bool, Any, Any] = (False, init_error, None)
+        if init_error is None:
+            try:
+                reply = (True, load_piece(dataset, collate, indices, seed),
+                         _pack_state(generator_state()))
+            except Exception:
+                reply = (False, traceback.format_exc(), None)
+        try:
+            message = ForkingPickler.dumps(reply)
+        except Exception:  # a batch that cannot be sent: the user's error, as one that cannot be read
+            message = ForkingPickler.dumps(
+                (False, "sending the batch to the worker failed:\n" + traceback.format_exc(), None))
+        del reply  # the batch's shared memory lives on in `message` until the worker takes it
+        conn.send_bytes(message)
 
 
-def _load(indices: tuple[int, ...], seed: int) -> tuple[bool, Any, Any]:
-    """(True, batch, generator state after reading) or (False, traceback, None)."""
-    if _init_error is not None:
-        return False, _init_error, None
-    try:
-        return True, load_piece(_dataset, _collate, indices, seed), generator_state()
-    except Exception:
-        return False, traceback.format_exc(), None
+def _pack_state(state: tuple[torch.Tensor, Any, Any]) -> tuple[bytes, Any, Any]:
+    """The generators' state with torch's as bytes: sent inline, not as one more tensor in
+    shared memory."""
+    torch_state, python_state, numpy_state = state
+    return torch_state.numpy().tobytes(), python_state, numpy_state
 
 
-def _ready() -> int:
-    return os.getpid()
+def _unpack_state(packed: tuple[bytes, Any, Any]) -> tuple[torch.Tensor, Any, Any]:
+    torch_state, python_state, numpy_state = packed
+    return torch.frombuffer(bytearray(torch_state), dtype=torch.uint8), python_state, numpy_state
 
 
 # --- the worker side ----------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Loader:
+    """A loader process, the worker's end of its pipe, and the pieces it was asked for and has
+    not answered yet, in order (it answers in order)."""
+
+    process: BaseProcess
+    conn: Connection
+    asked: deque[Piece] = field(default_factory=deque)
 
 
 class Prefetcher:
@@ -151,53 +191,55 @@ class Prefetcher:
     def __init__(self, job: Any, workers: int, start_method: str, rng_state: torch.Tensor,
                  pin_memory: bool = False) -> None:
         self._job_bytes = cloudpickle.dumps(job)
-        self._workers = workers
         self._context = multiprocessing.get_context(start_method)
-        self._rng_state = rng_state.clone()
+        self._rng_state = rng_state.numpy().tobytes()
         self._pin = pin_memory
-        self._futures: dict[Piece, Future] = {}
+        self._wanted: dict[Piece, None] = {}  # in the order they will be taken
+        self._ready: dict[Piece, tuple[bool, Any, Any]] = {}  # received, still wanted
+        self._lost: set[Piece] = set()  # were being read when their loader died
+        self._loaders: list[_Loader] = []
+        self._closed = False
         self.served = 0  # pieces handed out read ahead (diagnostics, tests)
-        self.submitted = 0  # pieces given to the loader processes
-        self._pool: ProcessPoolExecutor | None = None
-        self._alive: Any = None
-        self._start()
+        self.submitted = 0  # pieces queued for the loader processes
+        # Loader processes get the reading end (a replacement for one that died too); only the
+        # worker holds the writing end.
+        self._alive = self._context.Pipe(duplex=False)
+        try:
+            for _ in range(workers):
+                self._loaders.append(self._spawn())
+        except BaseException:
+            self.close()
+            raise
 
-    def _start(self) -> None:
-        reader, writer = self._context.Pipe(duplex=False)
-        self._pool = ProcessPoolExecutor(self._workers, mp_context=self._context,
-                                         initializer=_init_loader,
-                                         initargs=(reader, self._job_bytes, self._rng_state))
-        # Loader processes get the reading end (processes start on demand, so the worker keeps
-        # one to hand out); only the worker holds the writing end.
-        self._alive = (reader, writer)
-        for _ in range(self._workers):  # starts the processes now, not at the first step
-            self._pool.submit(_ready)
+    def _spawn(self) -> _Loader:
+        conn, theirs = self._context.Pipe()
+        process = self._context.Process(
+            target=_serve, args=(theirs, self._alive[0], self._job_bytes, self._rng_state),
+            name="elastic-loader", daemon=True)
+        try:
+            process.start()
+        finally:
+            theirs.close()
+        return _Loader(process, conn)
 
     def pids(self) -> list[int]:
         """The loader processes' ids (for tests and diagnostics)."""
-        pool = self._pool
-        return [] if pool is None else [p.pid for p in list(pool._processes.values())
-                                        if p.pid is not None]
+        return [loader.process.pid for loader in self._loaders if loader.process.pid is not None]
 
     def want(self, pieces: Sequence[Piece]) -> None:
         """Reads `pieces` in this order (those not already read or being read) and drops every
         other piece read or queued so far."""
-        wanted = set(pieces)
-        for piece in [p for p in self._futures if p not in wanted]:
-            self._futures.pop(piece).cancel()
-        for piece in pieces:
-            if piece not in self._futures:
-                self._futures[piece] = self._submit(piece)
-
-    def _submit(self, piece: Piece) -> Future:
-        assert self._pool is not None
-        self.submitted += 1
-        try:
-            return self._pool.submit(_load, piece.indices, piece.seed)
-        except BrokenProcessPool:
-            self._restart()
-            assert self._pool is not None
-            return self._pool.submit(_load, piece.indices, piece.seed)
+        if self._closed:
+            return
+        wanted = dict.fromkeys(p for p in pieces if p not in self._lost)
+        asked = self._asked()
+        self.submitted += sum(1 for p in wanted if p not in self._wanted
+                              and p not in self._ready and p not in asked)
+        self._wanted = wanted
+        for piece in [p for p in self._ready if p not in wanted]:
+            del self._ready[piece]  # its shared memory goes with it
+        self._receive_sent()
+        self._send()
 
     def take(self, piece: Piece) -> tuple[Any, Any] | None:
         """The batch of `piece` and the generators' state after reading it, or None when it
@@ -205,41 +247,105 @@ class Prefetcher:
 
         Raises:
             LoadError: the data set or collate function raised in the loader process (its
-                traceback in the message), or a loader process died.
+                traceback in the message), or a loader process died with the piece.
         """
-        future = self._futures.pop(piece, None)
-        if future is None:
+        if piece not in self._wanted:
             return None
-        try:
-            ok, value, state = future.result()
-        except BrokenProcessPool:
-            self._restart()
-            raise LoadError(
-                f"a loader process of this worker died (killed, or crashed in native code) "
-                f"while reading step {piece.step}'s samples; its loaders were restarted") from None
+        while piece not in self._ready:
+            self._send()
+            waiting = [loader for loader in self._loaders if loader.asked]
+            ready = set(wait([loader.conn for loader in waiting]
+                             + [loader.process.sentinel for loader in self._loaders]))
+            dead = {loader for loader in waiting
+                    if loader.conn in ready and not self._receive(loader)}
+            dead |= {loader for loader in self._loaders if loader.process.sentinel in ready}
+            for loader in dead:
+                if piece in self._bury(loader):
+                    raise LoadError(
+                        f"a loader process of this worker died (killed, or crashed in native "
+                        f"code) while reading step {piece.step}'s samples; it was restarted")
+        del self._wanted[piece]
+        ok, value, state = self._ready.pop(piece)
+        self._send()
         if not ok:
             raise LoadError(f"in a loader process (step {piece.step}):\n{value}")
         self.served += 1
-        return (_pin(value) if self._pin else value), state
+        return (_pin(value) if self._pin else value), _unpack_state(state)
 
-    def _restart(self) -> None:
-        self._shutdown()
-        self._futures.clear()
-        self._start()
+    def _asked(self) -> set[Piece]:
+        return {piece for loader in self._loaders for piece in loader.asked}
 
-    def _shutdown(self) -> None:
-        pool, alive = self._pool, self._alive
-        self._pool = self._alive = None
-        if alive is not None:
-            for end in alive:
-                end.close()  # every loader exits, even one stuck in user code
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+    def _send(self) -> None:
+        """Asks the least busy loaders for the wanted pieces nobody has read or is reading,
+        in order, up to `_QUEUED_PER_LOADER` each."""
+        asked = self._asked()
+        for piece in self._wanted:
+            if piece in self._ready or piece in asked:
+                continue
+            loader = min(self._loaders, key=lambda lo: len(lo.asked))
+            if len(loader.asked) >= _QUEUED_PER_LOADER:
+                return
+            try:
+                loader.conn.send((piece.indices, piece.seed))
+            except OSError:  # it died
+                self._bury(loader)
+                return self._send()
+            loader.asked.append(piece)
+            asked.add(piece)
+
+    def _receive_sent(self) -> None:
+        """Receives, without waiting, what the loaders have sent; replaces any that died."""
+        dead = set(wait([loader.process.sentinel for loader in self._loaders], timeout=0))
+        for loader in list(self._loaders):
+            if not self._receive(loader) or loader.process.sentinel in dead:
+                self._bury(loader)
+
+    def _receive(self, loader: _Loader) -> bool:
+        """Receives every answer `loader` has sent, keeping those still wanted: a dropped one
+        is unpickled too, which takes its shared memory from the loader and frees it here.
+        False when its pipe closed: it died."""
+        try:
+            while loader.asked and loader.conn.poll():
+                reply = loader.conn.recv()
+                piece = loader.asked.popleft()
+                if piece in self._wanted:
+                    self._ready[piece] = reply
+        except (EOFError, OSError):
+            return False
+        return True
+
+    def _bury(self, loader: _Loader) -> set[Piece]:
+        """Replaces `loader`, which died, and returns the wanted pieces it took with it: they
+        are dropped for good (the worker reads them itself), so that a piece that crashes its
+        loader cannot crash one after another."""
+        self._receive(loader)  # what it sent before it died
+        lost = {piece for piece in loader.asked if piece in self._wanted}
+        for piece in lost:
+            del self._wanted[piece]
+        self._lost |= lost
+        self._stop([loader])
+        self._loaders[self._loaders.index(loader)] = self._spawn()
+        return lost
+
+    def _stop(self, loaders: list[_Loader]) -> None:
+        for loader in loaders:
+            loader.conn.close()  # a loader waiting for a request exits
+            loader.asked.clear()
+        for loader in loaders:
+            loader.process.join(timeout=5)
+            if loader.process.exitcode is None:  # in user code that ignores its closed pipe
+                loader.process.kill()
+                loader.process.join()
 
     def close(self) -> None:
         """Stops the loader processes and waits for them to exit."""
-        self._futures.clear()
-        self._shutdown()
+        self._closed = True
+        self._wanted.clear()
+        self._ready.clear()
+        for end in self._alive:
+            end.close()  # every loader exits, even one stuck in user code
+        loaders, self._loaders = self._loaders, []
+        self._stop(loaders)
 
 
 def _pin(batch: Any) -> Any:

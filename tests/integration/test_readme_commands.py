@@ -59,7 +59,7 @@ EXTRA = {
     "bench decisions": ["--steps", "16"],
     "bench exact": ["--steps", "8", "--batch", "64"],
     "demo": ["--workers", "2", "--epochs", "2"],
-    "bench data": ["--steps", "9", "--batch", "16", "--image-size", "24"],
+    "bench data": ["--steps", "9", "--batch", "16", "--image-size", "24", "--rounds", "1"],
 }
 
 
@@ -214,7 +214,8 @@ def _check(kind: str, output: str, out: pathlib.Path) -> None:
             assert all(p["steps"] == 16 and p["decision_ms_per_step"] > 0 for p in data)
         case "bench data":
             assert data["loader_workers"] == 1 and data["warmup"] == 3
-            assert min(data["loaders_step_s"], data["no_loaders_step_s"], data["ddp_step_s"]) > 0
+            assert min(data["loaders_step_s"], data["no_loaders_step_s"], data["ddp_step_s"],
+                       data["ddp_no_loaders_step_s"]) > 0
             assert data["bound_s"] == max(data["compute_s"], data["data_s"])
         case "bench exact":
             assert [(r["model"], r["workers"]) for r in data["rows"]] == [("mlp", 1), ("mlp", 2)]

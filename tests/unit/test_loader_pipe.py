@@ -1,0 +1,120 @@
+"""The pipes between a worker and its loader processes (no Ray): a batch read for a piece that
+was dropped is still received, so its shared memory does not pile up in the loader; a loader
+that dies while reading is reported, not waited on; a batch that cannot be sent is the user's
+error; closing with reads under way leaves no process."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from elastic import TrainJob
+from elastic.trainer.loader import LoadError, Piece, Prefetcher
+from tests import fidelity, jobs
+from tests.procs import wait_gone
+
+pytestmark = pytest.mark.timeout(120)
+
+CRASH = 13  # the sample whose read kills its process
+
+
+class CrashingSample(torch.utils.data.Dataset):
+    """32 samples; reading sample 13 kills the process reading it (a crash in native code)."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int):
+        if i == CRASH:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.full((jobs.N_FEATURES,), float(i)), torch.zeros(1)
+
+
+def crashing_job() -> TrainJob:
+    return TrainJob(model=jobs.make_model, optimizer=jobs.make_optimizer, loss=jobs.mse,
+                    dataset=CrashingSample)
+
+
+def unsendable_job() -> TrainJob:
+    """A collate function whose batch cannot be pickled."""
+    return TrainJob(model=jobs.make_model, optimizer=jobs.make_optimizer, loss=jobs.mse,
+                    dataset=fidelity.Augmented, collate_fn=lambda samples: (lambda: samples))
+
+
+@pytest.fixture
+def prefetcher():
+    made: list[Prefetcher] = []
+
+    def make(job, workers: int = 1) -> Prefetcher:
+        p = Prefetcher(job, workers, "spawn", torch.get_rng_state())
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def _open_files(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+def test_a_dropped_batch_is_received_and_its_shared_memory_released(prefetcher):
+    """One loader reads in order: by the time the kept piece is taken, the dropped one before
+    it has been received (and freed). Were it left in the pipe, the loader would hold a file
+    per tensor of each dropped batch."""
+    loader = prefetcher(fidelity.augmented_job())
+    assert loader.take(Piece(0, 0, (0,))) is None  # not asked for
+    loader.want([Piece(0, 0, (0,))])
+    assert loader.take(Piece(0, 0, (0,))) is not None
+    [pid] = loader.pids()
+    before = _open_files(pid)
+    for step in range(1, 21):
+        dropped, kept = Piece(step, 1, (1, 2)), Piece(step, 2, (3, 4))
+        loader.want([dropped, kept])
+        loader.want([kept])  # a replan: `dropped` is being read, and is never handed out
+        assert loader.take(dropped) is None
+        assert loader.take(kept) is not None
+    assert _open_files(pid) <= before + 2  # 40 more (2 tensors x 20) if they were left there
+    assert loader.served == 21 and loader.pids() == [pid]
+
+
+def test_a_loader_that_dies_reading_the_piece_taken_is_an_error_not_a_hang(prefetcher):
+    loader = prefetcher(crashing_job())
+    loader.want([Piece(0, 1, (1,))])
+    assert loader.take(Piece(0, 1, (1,))) is not None
+    [pid] = loader.pids()
+    crash = Piece(1, 2, (2, CRASH))
+    loader.want([crash])
+    with pytest.raises(LoadError, match="died"):
+        loader.take(crash)
+    assert wait_gone([pid]) == [] and loader.pids() and pid not in loader.pids()
+    # Asked again (a redo of the step), it is not given to a loader: the worker reads it
+    # itself, so a piece that crashes its loader does not crash one after another.
+    loader.want([crash, Piece(1, 3, (4,))])
+    assert loader.take(crash) is None
+    assert loader.take(Piece(1, 3, (4,))) is not None  # the new loader reads
+
+
+def test_a_batch_that_cannot_be_sent_is_the_users_error(prefetcher):
+    loader = prefetcher(unsendable_job())
+    loader.want([Piece(5, 1, (1, 2)), Piece(5, 2, (3,))])
+    for seed in (1, 2):
+        with pytest.raises(LoadError, match="sending the batch to the worker failed"):
+            loader.take(Piece(5, seed, (1, 2) if seed == 1 else (3,)))
+
+
+def test_closing_with_reads_under_way_leaves_no_loader_process(prefetcher):
+    loader = prefetcher(fidelity.augmented_job(), workers=2)
+    loader.want([Piece(s, s, tuple(range(s, s + 8))) for s in range(8)])
+    pids = loader.pids()
+    assert len(pids) == 2
+    loader.close()
+    assert wait_gone(pids, timeout=10) == []
+    assert loader.take(Piece(0, 0, tuple(range(8)))) is None
+    loader.want([Piece(9, 9, (1,))])  # closed: nothing is started again
+    assert loader.pids() == []
