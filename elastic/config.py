@@ -361,9 +361,8 @@ class CheckpointConfig(_Frozen):
     )
     every_seconds: float | None = Field(
         default=None, gt=0, description="Write a checkpoint at the first chunk boundary after "
-        "this many seconds have passed since the last one (with chunks_ahead, a boundary whose "
-        "chunk was already handed out when the time came counts as passed: up to one chunk "
-        "later)."
+        "this many seconds have passed since the last one (with chunks_ahead, up to one chunk "
+        "later: a boundary whose next chunk was handed out before the time came is passed over)."
     )
     keep_last: int = Field(default=3, ge=1, description="Valid checkpoints retention keeps.")
     async_write: bool = Field(
@@ -616,8 +615,7 @@ class FitConfig(_Frozen):
         description="Hand the next chunk out while one runs when the boundary between them has "
         "nothing to do (no checkpoint, evaluation, epoch's end, micro-batch trial, recovery, "
         "worker joining, stop or shrink), so that workers do not wait for the controller to "
-        "plan it: each rank starts it as soon as the controller has its answer to the chunk "
-        "before. False: every chunk is planned and handed out after the one before ended.",
+        "plan it. False: every chunk is planned and handed out after the one before ended.",
     )
     ledger: bool = Field(
         default=False,

@@ -75,10 +75,6 @@ class WorkerActor:
         # which every rank learns of it (`yield_chunks`).
         self._generation = -1
         self._yield_ticket = -1
-        # The newest ticket whose answer from this worker reached the controller (`release`):
-        # a chunk handed out ahead starts only after the one before it was answered, so that a
-        # worker killed in it cannot take its answer for the chunk before with it.
-        self._released = -1
 
     def info(self) -> dict[str, Any]:
         """Identity of this worker's process (tests check that survivors keep their pid)."""
@@ -98,7 +94,7 @@ class WorkerActor:
             old.close()
         with self._turn:
             self._next_ticket, self._completed = 0, True
-            self._generation, self._yield_ticket, self._released = generation, -1, -1
+            self._generation, self._yield_ticket = generation, -1
             self._turn.notify_all()  # a chunk of the old generation still waiting: skipped
         self.replica.comm = Communicator(rank, world_size, Endpoint.parse(endpoint), generation,
                                          self.config.collective, abort_signal=signal_,
@@ -116,13 +112,11 @@ class WorkerActor:
         """Runs up to `num_steps` steps from the committed step; says how the chunk ended.
 
         Chunks of a generation run in `ticket` order. One handed out `ahead` (while the chunk
-        before it was running) starts once the controller has this worker's answer to that
-        chunk (`release`), and is skipped unless that chunk completed at step `start`; so is
+        before it was running) is skipped unless that chunk completed at step `start`; so is
         one of a generation this worker has left."""
         replica = self.replica
         with self._turn:
-            while generation in (None, self._generation) and (
-                    self._next_ticket != ticket or (ahead and self._released < ticket - 1)):
+            while self._next_ticket != ticket and generation in (None, self._generation):
                 self._turn.wait()
             if generation not in (None, self._generation):
                 return ChunkSkipped([], replica.global_step, replica.cursor.to_dict())
@@ -162,14 +156,6 @@ class WorkerActor:
         except AfterStepError as e:
             return ChunkFailed(records, replica.global_step, replica.cursor.to_dict(), e)
         return ChunkDone(records, replica.global_step, replica.cursor.to_dict())
-
-    def release(self, generation: int, ticket: int) -> None:
-        """The controller has this worker's answer to chunk `ticket` of `generation` (any
-        thread): the chunk handed out behind it may start."""
-        with self._turn:
-            if generation == self._generation:
-                self._released = max(self._released, ticket)
-                self._turn.notify_all()
 
     def yield_chunks(self, generation: int, ticket: int) -> None:
         """Ends the chunks of `generation` handed out up to `ticket` early (any thread): the

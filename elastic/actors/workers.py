@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,9 +62,9 @@ class RayWorkers:
         self._node_of: dict[int, str] = {}  # worker id -> Ray node id
         self._starting: dict[Any, int] = {}  # info() ref -> worker id
         self._next_id = 0
-        # Chunks handed out and not finished, oldest first: (ids, ref -> rank, ticket); and the
-        # ticket of the next one in this generation (the order in which each worker runs them).
-        self._chunks: deque[tuple[list[int], dict[Any, int], int]] = deque()
+        # Chunks handed out and not finished, oldest first: (ids, ref -> rank); and the ticket
+        # of the next one in this generation (the order in which each worker runs them).
+        self._chunks: deque[tuple[list[int], dict[Any, int]]] = deque()
         self._ticket = 0
         self._generation = -1
         self._chunk_lock = threading.Lock()  # `yield_chunks` comes from request threads
@@ -79,7 +79,7 @@ class RayWorkers:
         scaling = self.config.scaling
         actor = WorkerActor.options(
             num_cpus=scaling.cpus_per_worker, num_gpus=1 if scaling.use_gpu else 0,
-            max_concurrency=8,  # a chunk, the one ahead, release, yield, abort, progress
+            max_concurrency=6,  # a chunk, the one ahead, abort, progress
         ).remote(self.job, self.config, self.run_dir, worker_id, self._key)
         self.actors[worker_id] = actor
         self._starting[actor.info.remote()] = worker_id
@@ -224,18 +224,13 @@ class RayWorkers:
             refs = {self.actors[w].run_chunk.remote(plan, num_steps, chaos, lr_ramp, ticket,
                                                     start, ahead, self._generation): r
                     for r, w in enumerate(ids)}
-            self._chunks.append((list(ids), refs, ticket))
+            self._chunks.append((list(ids), refs))
 
     def finish_chunk(self, hang_timeout: float, hung: Hung) -> ChunkReport:
         with self._chunk_lock:
-            ids, refs, ticket = self._chunks[0]  # out until answered: `yield_chunks` may end it
-            generation = self._generation
-        # Each rank's answer, once here, lets that rank start the chunk handed out behind this
-        # one (`WorkerActor.release`): one killed in it then cannot take this answer with it.
-        release = ((lambda rank: self.actors[ids[rank]].release.remote(generation, ticket))
-                   if self.config.chunks_ahead else None)
+            ids, refs = self._chunks[0]  # out until answered: `yield_chunks` may end it
         try:
-            answers = self._answers(ids, refs, hang_timeout, hung, release)
+            answers = self._answers(ids, refs, hang_timeout, hung)
         finally:
             with self._chunk_lock:
                 self._chunks.popleft()
@@ -251,7 +246,7 @@ class RayWorkers:
         with self._chunk_lock:
             if not self._chunks:
                 return
-            ids, generation, ticket = self._chunks[-1][0], self._generation, self._chunks[-1][2]
+            ids, generation, ticket = self._chunks[-1][0], self._generation, self._ticket - 1
         for worker_id in ids:
             self.actors[worker_id].yield_chunks.remote(generation, ticket)
 
@@ -263,12 +258,11 @@ class RayWorkers:
         return EvalReport(answers.outcomes, answers.lost, answers.detected, answers.hung)
 
     def _answers(self, ids: Sequence[int], refs: dict[Any, int], hang_timeout: float,
-                 hung: Hung, answered: Callable[[int], Any] | None = None) -> _Answers:
-        """Waits for every rank's answer to one call on the generation (`refs`: ref -> rank),
-        calling `answered(rank)` as each comes in. At the first loss, or when a rank leaves on
-        its own (`ChunkFailed`), every other rank is aborted, so that none waits in a collective
-        for it; ranks silent for `hang_timeout` are asked where they are and those `hung` names
-        are killed."""
+                 hung: Hung) -> _Answers:
+        """Waits for every rank's answer to one call on the generation (`refs`: ref -> rank).
+        At the first loss, or when a rank leaves on its own (`ChunkFailed`), every other rank
+        is aborted, so that none waits in a collective for it; ranks silent for `hang_timeout`
+        are asked where they are and those `hung` names are killed."""
         outcomes: dict[int, Any] = {}
         lost: dict[int, str] = {}
         killed: list[tuple[int, str]] = []
@@ -285,8 +279,6 @@ class RayWorkers:
             rank = refs[ready[0]]
             try:
                 outcomes[rank] = ray.get(ready[0])
-                if answered is not None:
-                    answered(rank)
                 if isinstance(outcomes[rank], ChunkFailed) and remaining:
                     # It left the generation on its own (user code after a step raised):
                     # the others would wait for it in the next step's collective.

@@ -180,6 +180,11 @@ def run_scaling_bench(model: str, workers: list[int], batches: list[int], steps:
     nbytes = parameters * 4
     job = TrainJob(model=lambda: make_model(model), optimizer=_optimizer, loss=classification_loss,
                    dataset=lambda: make_dataset(model))
+    # A local cluster is sized by the first run that starts it: size it for the largest point,
+    # or a 4-worker point after a 1-worker one would train with the machine's cores' worth.
+    from elastic.actors.client import ensure_ray
+
+    ensure_ray(FitConfig(scaling=ScalingConfig(num_workers=max(workers))))
     points: list[ScalingPoint] = []
     for batch in batches:
         base = None
@@ -191,6 +196,10 @@ def run_scaling_bench(model: str, workers: list[int], batches: list[int], steps:
                 run_dir=tempfile.mkdtemp(prefix="elastic-bench-scaling-"),
             )
             metrics = [m for m in fit(job, config).metrics if m["step"] >= warmup]
+            sizes = {m["world_size"] for m in metrics}
+            if sizes != {n}:
+                raise ValueError(f"the {n}-worker point trained with {sorted(sizes)} workers: the "
+                                 "cluster has too few CPUs for it")
             step = statistics.median(m["step_time_s"] for m in metrics)
             rate = batch / step
             base = base if base is not None else (rate if n == 1 else None)

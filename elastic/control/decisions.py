@@ -251,3 +251,16 @@ def voted_ranks(outcomes: Mapping[int, ChunkOutcome]) -> tuple[int, ...]:
 def newest_committed(outcomes: Mapping[int, ChunkOutcome], default: int) -> int:
     """The newest step any answering rank committed."""
     return max((o.committed_step for o in outcomes.values()), default=default)
+
+
+def merge_ahead(outcomes: Mapping[int, ChunkOutcome],
+                ahead: Mapping[int, ChunkOutcome]) -> dict[int, ChunkOutcome]:
+    """Each rank's outcome of a chunk that did not complete, updated with its outcome of the
+    chunk handed out behind it (`ahead`), where the rank ran that one: a rank whose answer to
+    the chunk was lost with a peer that died in the chunk ahead may have committed steps of
+    the chunk ahead before that death (the survivors' answers to it carry them)."""
+    merged = dict(outcomes)
+    for rank, outcome in ahead.items():
+        if not isinstance(outcome, ChunkSkipped):
+            merged[rank] = outcome
+    return merged

@@ -256,11 +256,10 @@ class Workers(Protocol):
     def start_chunk(self, ids: Sequence[int], plan: BatchPlan, start: int, num_steps: int,
                     chaos: list[ChaosEvent], lr_ramp: LrRamp | None) -> None:
         """Hands every member `num_steps` steps from step `start`, without waiting. A member
-        runs a chunk once every chunk handed to it before in this generation has ended and its
-        answer to the last of them has reached the controller (so a member lost in a chunk
-        never takes its answer to the chunk before with it), and only if that chunk completed
-        at `start`; otherwise it reports `ChunkSkipped`. So the next chunk can be handed out
-        while the current one runs, and no rank waits for the controller to plan it."""
+        runs a chunk once every chunk handed to it before in this generation has ended, and
+        only if the last of them completed at `start`; otherwise it reports `ChunkSkipped`.
+        So the next chunk can be handed out while the current one runs, and no rank idles at
+        the boundary between them."""
         ...
 
     def finish_chunk(self, hang_timeout: float, hung: Hung) -> ChunkReport:

@@ -325,6 +325,11 @@ class Running(State):
         assert ahead is not None
         later = ctx.workers.finish_chunk(ctx.config.failure.hang_timeout.total_seconds(),
                                          _hung(ctx))
+        # Steps of it that committed (a rank that died in it took its answer to the chunk
+        # before with it, so that one looked failed while the rest went on): recorded, and
+        # the newest committed step and the work lost count them.
+        self._record(ctx, {rank: o.records for rank, o in later.outcomes.items()}, ids)
+        outcomes = decisions.merge_ahead(report.outcomes, later.outcomes)
         fired = [e for e in ahead.chaos
                  if e.action == "kill" and ctx.workers.fired_kill(e.step, e.rank) is not None]
         for event in fired:
@@ -334,7 +339,8 @@ class Running(State):
         for rank, phase in later.hung:
             ctx.log.emit(WorkerHung(rank=rank, phase=phase, worker_id=ids[rank]))
         lost = {**later.lost, **report.lost}
-        return replace(report, lost=lost, detected=report.detected or later.detected,
+        return replace(report, outcomes=outcomes, lost=lost,
+                       detected=report.detected or later.detected,
                        hung=report.hung + [h for h in later.hung if h[0] not in report.lost]), fired
 
     @staticmethod
@@ -541,6 +547,12 @@ class Recovering(State):
                       reasons=[self.report.lost.get(r, "") for r in self.lost]))
         if self.lost:
             drop(ctx, self.lost, "actor died", replace=False)
+        # The newest step an answer says committed (a chunk that failed may have committed
+        # some, the chunk ahead of it too): what a restore from a checkpoint counts as lost.
+        newest = max((o.cursor for o in self.report.outcomes.values()),
+                     key=lambda c: c["step"], default=None)
+        if newest is not None and newest["step"] > ctx.step:
+            ctx.cursor = Cursor(**newest)
         rebuilt, restored = form(ctx, "recovery")
         ctx.recovery = PendingRecovery(
             detected=self.detected, killed_at=killed_at, aborted=aborted, rebuilt=rebuilt,

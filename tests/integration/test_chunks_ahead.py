@@ -110,26 +110,6 @@ def test_a_kill_in_a_chunk_releases_the_survivor_and_skips_the_chunk_ahead(worke
     assert isinstance(second.outcomes[0], ChunkSkipped) and second.outcomes[0].committed_step == 1
 
 
-def test_a_chunk_ahead_waits_until_the_controller_has_the_answer_before_it(workers):
-    """A rank killed at the first step of the chunk ahead has already delivered its answer to
-    the chunk before: the controller knows every step committed before the kill."""
-    import ray
-
-    pool, ids = workers
-    plan = plan_batch(B, 2, None)
-    pool.start_chunk(ids, plan, 0, 2, [], None)
-    pool.start_chunk(ids, plan, 2, 2, [ChaosEvent(step=2, rank=1, action="kill")], None)
-    (_, first_refs, _), (_, ahead_refs, _) = pool._chunks
-    ready, _ = ray.wait(list(first_refs), num_returns=2, timeout=60)
-    assert len(ready) == 2  # the first chunk answered; nobody has read the answers yet
-    ready, _ = ray.wait(list(ahead_refs), num_returns=1, timeout=2.0)
-    assert ready == []  # so neither rank started the chunk ahead (it would end at once)
-    first, second = _finish(pool), _finish(pool)
-    assert not first.lost and [_steps(first.outcomes[r]) for r in (0, 1)] == [[0, 1], [0, 1]]
-    assert list(second.lost) == [1] and isinstance(second.outcomes[0], ChunkInterrupted)
-    assert second.outcomes[0].committed_step == 2
-
-
 def test_yield_ends_the_running_chunk_on_every_rank_after_one_step_and_skips_the_next(workers):
     pool, ids = workers
     plan = plan_batch(B, 2, None)

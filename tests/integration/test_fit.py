@@ -338,8 +338,12 @@ def test_losing_every_worker_restores_from_the_checkpoint_and_finishes_exactly(r
                      scaling=ScalingConfig(num_workers=2, min_workers=1, max_workers=2))
     result = elastic.fit(regression_job(), config)
     (restored,) = _events(result, RestoredFromCheckpoint)
+    (failure,) = _events(result, WorkerFailure)
     assert restored.step == 6
-    assert restored.work_lost_steps == 1
+    # Step 6 ran in a chunk of its own and the kills came in the chunk handed out ahead of
+    # it: work lost is what the controller knew committed past the checkpoint, step 6 when
+    # an answer for it arrived before both workers died, else nothing.
+    assert failure.step in (6, 7) and restored.work_lost_steps == failure.step - 6
     _assert_weights_equal_reference(result, 12)
 
 

@@ -15,7 +15,7 @@ from elastic.config import BatchConfig, ChaosEvent, FailureConfig, FitConfig, Sc
 from elastic.control import decisions
 from elastic.control.context import Context
 from elastic.control.policy import BackOff, Fail, FailurePolicy, Reconfigure, Recover, Retry
-from elastic.control.port import ChunkDone, ChunkInterrupted, ChunkVotedDown
+from elastic.control.port import ChunkDone, ChunkInterrupted, ChunkSkipped, ChunkVotedDown
 from elastic.control.simulation import SimulatedWorkers
 from elastic.control.states import Failed, Finished, Machine
 from elastic.errors import (
@@ -431,6 +431,19 @@ def test_hung_ranks_spare_a_rank_that_moved_on_within_the_timeout():
     # entered its phase less than the timeout ago: it is not hung, however long the call.
     where = {0: ("evaluate", 12.0), 1: ("forward", 299.9), 2: ("evaluate", 300.0)}
     assert decisions.hung_ranks(where, 300.0) == [2]
+
+
+def test_steps_committed_in_the_chunk_ahead_count_when_the_chunk_before_looked_failed():
+    # Rank 2 finished chunk [0, 4), went on into the chunk ahead, and died at step 6 before
+    # its answer to [0, 4) reached the controller; ranks 0 and 1 committed steps 4 and 5 with
+    # it, then were released from step 6's collective. Rank 3 skipped the chunk ahead.
+    done = ChunkDone([], 4, Cursor(step=4).to_dict())
+    cut = ChunkInterrupted([], 6, Cursor(step=6).to_dict(), "peer lost")
+    skipped = ChunkSkipped([], 4, Cursor(step=4).to_dict())
+    merged = decisions.merge_ahead({0: done, 1: done, 3: done}, {0: cut, 1: cut, 3: skipped})
+    assert merged == {0: cut, 1: cut, 3: done}
+    assert decisions.newest_committed(merged, 0) == 6
+    assert decisions.newest_committed(decisions.merge_ahead({0: done}, {}), 0) == 4
 
 
 def test_a_chunk_error_prefers_a_loss_then_a_vote_then_a_collective_error():
