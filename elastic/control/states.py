@@ -547,9 +547,10 @@ class Recovering(State):
                       reasons=[self.report.lost.get(r, "") for r in self.lost]))
         if self.lost:
             drop(ctx, self.lost, "actor died", replace=False)
-        # The newest step an answer says committed (a chunk that failed may have committed
-        # some, the chunk ahead of it too): what a restore from a checkpoint counts as lost.
-        newest = max((o.cursor for o in self.report.outcomes.values()),
+        # The newest step a survivor's answer says committed (a chunk that failed may have
+        # committed some, the chunk ahead of it too): survivors hold it, and a restore from a
+        # checkpoint counts it as lost.
+        newest = max((o.cursor for rank, o in self.report.outcomes.items() if rank not in self.lost),
                      key=lambda c: c["step"], default=None)
         if newest is not None and newest["step"] > ctx.step:
             ctx.cursor = Cursor(**newest)

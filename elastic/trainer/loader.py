@@ -253,6 +253,8 @@ class Prefetcher:
             return None
         while piece not in self._ready:
             self._send()
+            if piece not in self._wanted:  # its loader died as it was sent: read it here
+                return None
             waiting = [loader for loader in self._loaders if loader.asked]
             ready = set(wait([loader.conn for loader in waiting]
                              + [loader.process.sentinel for loader in self._loaders]))
@@ -306,11 +308,15 @@ class Prefetcher:
         False when its pipe closed: it died."""
         try:
             while loader.asked and loader.conn.poll():
-                reply = loader.conn.recv()
+                message = loader.conn.recv_bytes()
+                # Popped before unpickling: if that fails (no file descriptors or /dev/shm
+                # left), the loader is replaced and the piece asked again, never shifted onto
+                # the next reply.
                 piece = loader.asked.popleft()
+                reply = ForkingPickler.loads(message)
                 if piece in self._wanted:
                     self._ready[piece] = reply
-        except (EOFError, OSError):
+        except Exception:  # EOFError, OSError: it died; anything else: its reply is unusable
             return False
         return True
 

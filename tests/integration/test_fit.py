@@ -112,7 +112,14 @@ def test_two_kills_in_different_phases_end_with_the_reference_weights(ray_cluste
     trace = json.loads(trace_path.read_text())["traceEvents"]
     assert len(trace) == count
     spans = [e for e in trace if e["ph"] == "X"]
-    assert len(spans) == 4 * sum(m["world_size"] for m in result.metrics)
+    # Four spans per rank and step, but for a killed rank's last steps: with chunks handed out
+    # ahead, a rank can die in the chunk ahead before its answer to the chunk before arrives
+    # (the survivors' answers carry those steps; only the dead rank's timings are missing).
+    missing = [(m["step"], rank) for m in result.metrics
+               for rank, row in enumerate(m["timeline"]) if row is None]
+    for step, rank in missing:
+        assert any(rank in f.lost_ranks and f.step - 2 * 8 <= step < f.step for f in failures)
+    assert len(spans) == 4 * (sum(m["world_size"] for m in result.metrics) - len(missing))
     assert {e["tid"] for e in spans} == {0, 1, 2, 3}
     by_rank_step: dict = {}
     for e in spans:
