@@ -548,9 +548,11 @@ class Recovering(State):
         if self.lost:
             drop(ctx, self.lost, "actor died", replace=False)
         # The newest step a survivor's answer says committed (a chunk that failed may have
-        # committed some, the chunk ahead of it too): survivors hold it, and a restore from a
-        # checkpoint counts it as lost.
-        newest = max((o.cursor for rank, o in self.report.outcomes.items() if rank not in self.lost),
+        # committed some, the chunk ahead of it too): survivors hold it. With no survivor, the
+        # newest any answer says: a restore from a checkpoint counts it as lost.
+        answers = self.report.outcomes
+        survivors = {r: o for r, o in answers.items() if r not in self.lost}
+        newest = max((o.cursor for o in (survivors or answers).values()),
                      key=lambda c: c["step"], default=None)
         if newest is not None and newest["step"] > ctx.step:
             ctx.cursor = Cursor(**newest)
