@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic.api import fit
+from elastic.api import connect, fit
 from elastic.bench import classification_loss, sgd
 from elastic.config import BatchConfig, FitConfig, ScalingConfig
 from elastic.job import TrainJob
@@ -182,9 +182,7 @@ def run_scaling_bench(model: str, workers: list[int], batches: list[int], steps:
                    dataset=lambda: make_dataset(model))
     # A local cluster is sized by the first run that starts it: size it for the largest point,
     # or a 4-worker point after a 1-worker one would train with the machine's cores' worth.
-    from elastic.actors.client import ensure_ray
-
-    ensure_ray(FitConfig(scaling=ScalingConfig(num_workers=max(workers))))
+    connect(FitConfig(scaling=ScalingConfig(num_workers=max(workers))))
     points: list[ScalingPoint] = []
     for batch in batches:
         base = None
