@@ -182,7 +182,8 @@ def run_scaling_bench(model: str, workers: list[int], batches: list[int], steps:
                    dataset=lambda: make_dataset(model))
     # A local cluster is sized by the first run that starts it: size it for the largest point,
     # or a 4-worker point after a 1-worker one would train with the machine's cores' worth.
-    connect(FitConfig(scaling=ScalingConfig(num_workers=max(workers))))
+    connect(FitConfig(scaling=ScalingConfig(num_workers=max(workers)),
+                      batch=BatchConfig(global_batch_size=max(batches)), max_steps=steps))
     points: list[ScalingPoint] = []
     for batch in batches:
         base = None
