@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from elastic.trainer.loader import LoadError, Piece, Prefetcher, generator_state, load_piece
+from elastic.trainer.loader import LoadError, Piece, generator_state, load_piece
 from tests import fidelity, jobs
 from tests.procs import alive, wait_gone
 from tests.unit.test_split_independence import SCHEDULES, SEED, B, G, _elastic
@@ -28,20 +28,6 @@ def faulty_job():
 
 
 
-
-
-@pytest.fixture
-def prefetcher():
-    made: list[Prefetcher] = []
-
-    def make(job, workers: int = 2) -> Prefetcher:
-        p = Prefetcher(job, workers, "spawn", torch.get_rng_state())
-        made.append(p)
-        return p
-
-    yield make
-    for p in made:
-        p.close()
 
 
 def test_a_piece_read_ahead_is_the_piece_read_here_generators_included(prefetcher):

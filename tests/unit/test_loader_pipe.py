@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from elastic import TrainJob
-from elastic.trainer.loader import LoadError, Piece, Prefetcher
+from elastic.trainer.loader import LoadError, Piece
 from tests import fidelity, jobs
 from tests.procs import wait_gone
 
@@ -44,20 +44,6 @@ def unsendable_job() -> TrainJob:
                     dataset=fidelity.Augmented, collate_fn=lambda samples: (lambda: samples))
 
 
-@pytest.fixture
-def prefetcher():
-    made: list[Prefetcher] = []
-
-    def make(job, workers: int = 1) -> Prefetcher:
-        p = Prefetcher(job, workers, "spawn", torch.get_rng_state())
-        made.append(p)
-        return p
-
-    yield make
-    for p in made:
-        p.close()
-
-
 def _open_files(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
@@ -67,7 +53,7 @@ def test_a_dropped_batch_is_received_and_its_shared_memory_released(prefetcher):
     """One loader reads in order: by the time the kept piece is taken, the dropped one before
     it has been received (and freed). Were it left in the pipe, the loader would hold a file
     per tensor of each dropped batch."""
-    loader = prefetcher(fidelity.augmented_job())
+    loader = prefetcher(fidelity.augmented_job(), workers=1)
     assert loader.take(Piece(0, 0, (0,))) is None  # not asked for
     loader.want([Piece(0, 0, (0,))])
     assert loader.take(Piece(0, 0, (0,))) is not None
@@ -84,7 +70,7 @@ def test_a_dropped_batch_is_received_and_its_shared_memory_released(prefetcher):
 
 
 def test_a_loader_that_dies_reading_the_piece_taken_is_an_error_not_a_hang(prefetcher):
-    loader = prefetcher(crashing_job())
+    loader = prefetcher(crashing_job(), workers=1)
     loader.want([Piece(0, 1, (1,))])
     assert loader.take(Piece(0, 1, (1,))) is not None
     [pid] = loader.pids()
@@ -101,7 +87,7 @@ def test_a_loader_that_dies_reading_the_piece_taken_is_an_error_not_a_hang(prefe
 
 
 def test_a_batch_that_cannot_be_sent_is_the_users_error(prefetcher):
-    loader = prefetcher(unsendable_job())
+    loader = prefetcher(unsendable_job(), workers=1)
     loader.want([Piece(5, 1, (1, 2)), Piece(5, 2, (3,))])
     for seed in (1, 2):
         with pytest.raises(LoadError, match="sending the batch to the worker failed"):
