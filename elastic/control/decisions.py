@@ -253,6 +253,12 @@ def newest_committed(outcomes: Mapping[int, ChunkOutcome], default: int) -> int:
     return max((o.committed_step for o in outcomes.values()), default=default)
 
 
+def newest_cursor(outcomes: Mapping[int, ChunkOutcome]) -> Cursor | None:
+    """The data cursor of the newest step any answering rank committed (None: no answer)."""
+    cursors = [o.cursor for o in outcomes.values()]
+    return Cursor(**max(cursors, key=lambda c: c["step"])) if cursors else None
+
+
 def merge_ahead(outcomes: Mapping[int, ChunkOutcome],
                 ahead: Mapping[int, ChunkOutcome]) -> dict[int, ChunkOutcome]:
     """Each rank's outcome of a chunk that did not complete, updated with its outcome of the

@@ -355,8 +355,9 @@ class Running(State):
     @staticmethod
     def _completed(ctx: Context, report: ChunkReport, chunk: _Chunk,
                    records: dict[int, list[Any]], ids: list[int]) -> None:
-        cursors = [o.cursor for o in report.outcomes.values()]
-        ctx.cursor = Cursor(**max(cursors, key=lambda c: c["step"]))
+        cursor = decisions.newest_cursor(report.outcomes)
+        assert cursor is not None  # a completed chunk: every rank answered
+        ctx.cursor = cursor
         ctx.batch.adapt(chunk.trial, records, ids, ctx.step, chunk.plan)
 
     def _failed(self, ctx: Context, error: ElasticError, report: ChunkReport,
@@ -552,10 +553,9 @@ class Recovering(State):
         # newest any answer says: a restore from a checkpoint counts it as lost.
         answers = self.report.outcomes
         survivors = {r: o for r, o in answers.items() if r not in self.lost}
-        newest = max((o.cursor for o in (survivors or answers).values()),
-                     key=lambda c: c["step"], default=None)
-        if newest is not None and newest["step"] > ctx.step:
-            ctx.cursor = Cursor(**newest)
+        newest = decisions.newest_cursor(survivors or answers)
+        if newest is not None and newest.step > ctx.step:
+            ctx.cursor = newest
         rebuilt, restored = form(ctx, "recovery")
         ctx.recovery = PendingRecovery(
             detected=self.detected, killed_at=killed_at, aborted=aborted, rebuilt=rebuilt,

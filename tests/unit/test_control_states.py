@@ -443,6 +443,8 @@ def test_steps_committed_in_the_chunk_ahead_count_when_the_chunk_before_looked_f
     merged = decisions.merge_ahead({0: done, 1: done, 3: done}, {0: cut, 1: cut, 3: skipped})
     assert merged == {0: cut, 1: cut, 3: done}
     assert decisions.newest_committed(merged, 0) == 6
+    assert decisions.newest_cursor(merged) == Cursor(step=6)
+    assert decisions.newest_cursor({}) is None
     assert decisions.newest_committed(decisions.merge_ahead({0: done}, {}), 0) == 4
 
 
