@@ -224,8 +224,7 @@ def generation_store(
     Raises:
         RendezvousError: the store cannot be reached within `timeout`.
     """
-    fresh = False
-    while True:
+    for fresh in (False, True):
         pooled = False
         try:
             client, pooled = _POOL.acquire(endpoint, timeout, fresh)
@@ -235,8 +234,7 @@ def generation_store(
             client.add(generation_prefix(secret, generation) + _CONNECTED, 1)
             break
         except (RuntimeError, OSError) as e:
-            if pooled and not fresh:
-                fresh = True
+            if pooled:
                 continue
             raise RendezvousError(
                 f"cannot reach the rendezvous store at {endpoint} within {timeout}: {e}",
