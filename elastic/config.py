@@ -44,8 +44,9 @@ class CollectiveConfig(_Frozen):
     )
     algorithm: Algorithm = Field(
         default="auto",
-        description="Allreduce algorithm: 'auto' ('direct' wherever ranks share a host through "
-        "shared memory, else 'ring'), 'direct' (every rank of a host reduces its slice straight "
+        description="Allreduce algorithm: 'auto' ('native' with nccl; with gloo 'direct' "
+        "wherever ranks share a host through shared memory, else 'ring'), 'direct' (every "
+        "rank of a host reduces its slice straight "
         "from its peers' shared-memory buffers), 'hierarchical' (direct inside each host, the "
         "network between hosts; on one host the same as 'direct', and 'direct' runs this way "
         "when the ranks span hosts; both fall back to 'ring' without shared memory), 'ring' "
@@ -118,6 +119,20 @@ class CollectiveConfig(_Frozen):
         "memory is used only inside a block and the network between blocks, as on a real "
         "cluster. None: ranks are grouped by the host they really run on.",
     )
+    nccl_simulator: bool = Field(
+        default=False,
+        description="For tests only: run backend 'nccl' against elastic's CPU simulator of "
+        "NCCL's execution model (groups run in order per stream, blocking init, abort, result "
+        "codes) instead of cupy, on CPU tensors, so that the GPU code path can be exercised on "
+        "a machine without a GPU. Needs backend 'nccl'; scaling.use_gpu may then be False.",
+    )
+
+    @model_validator(mode="after")
+    def _check_simulator(self) -> CollectiveConfig:
+        if self.nccl_simulator and self.backend != "nccl":
+            raise ValueError("collective.nccl_simulator simulates NCCL; it needs "
+                             "collective.backend='nccl'")
+        return self
 
 
 class ScalingConfig(_Frozen):
@@ -681,6 +696,9 @@ class FitConfig(_Frozen):
                              "'fixed' (with 'scale_with_workers' the batch follows the world size)")
         if self.scaling.use_gpu and self.collective.backend != "nccl":
             raise ValueError("scaling.use_gpu needs collective.backend='nccl'")
+        if batch.exact and self.collective.backend == "nccl" and not self.scaling.use_gpu:
+            raise ValueError("batch.exact sums integers over the CPU transport; it cannot run "
+                             "with collective.backend='nccl' (set it to 'gloo')")
         if batch.exact and self.scaling.use_gpu:
             raise ValueError("batch.exact runs on CPU workers for now (its integer sums travel "
                              "through the CPU transport); set scaling.use_gpu=False")
@@ -697,7 +715,8 @@ class FitConfig(_Frozen):
         if ckpt is not None and ckpt.monitor is not None and ckpt.keep_best < 1:
             raise ValueError("checkpoint.monitor ranks checkpoints to keep the best; set "
                              "checkpoint.keep_best to 1 or more")
-        if self.collective.backend == "nccl" and not self.scaling.use_gpu:
+        if (self.collective.backend == "nccl" and not self.scaling.use_gpu
+                and not self.collective.nccl_simulator):
             raise ValueError("collective.backend='nccl' needs scaling.use_gpu=True (NCCL moves "
                              "GPU memory only); use backend 'gloo' for CPU workers")
         return self

@@ -5,6 +5,13 @@ nothing about Ray. Every operation waits on its backend handles by polling them 
 abort flag and a deadline, so `abort()` from another thread makes pending and later operations
 raise `CollectiveAbortedError` within a millisecond or so, whatever the backend is doing.
 After any failure the communicator is spent: a new generation gets a new communicator.
+
+Two planes when the backend is NCCL: the data plane (`Communicator` itself: gradient
+buckets, parameters, CUDA tensors only) runs over NCCL, and the control plane
+(`Communicator.control`: votes, loss, ledger, metric names, barriers, peer-restore sizes and
+bytes, all host tensors) over the CPU transport (shared memory on one host, gloo across
+hosts), formed in the same rendezvous. A failure or abort on either plane breaks both. With
+gloo there is one plane and `control` is the communicator itself.
 """
 
 from __future__ import annotations
@@ -79,11 +86,29 @@ class Communicator:
         self.config = config or CollectiveConfig()
         self._aborted = abort_signal if abort_signal is not None else threading.Event()
         self._broken: CollectiveError | None = None
-        self._transport = self._connect(endpoint, secret)
+        self._transport, control = self._connect(endpoint, secret)
+        self._planes: list[Communicator] = [self]
+        self.control: Communicator = self if control is None else self._plane(control)
+        """The control plane: host tensors (votes, loss, ledger, barriers, restore bytes).
+        The communicator itself unless the data plane is NCCL."""
+
+    def _plane(self, transport: Transport) -> Communicator:
+        """A second plane of this generation over `transport`, sharing the abort flag and the
+        broken state: a failure on either plane breaks both."""
+        plane = object.__new__(Communicator)
+        plane.rank, plane.world_size, plane.generation = self.rank, self.world_size, self.generation
+        plane.config = self.config.model_copy(update={"algorithm": "auto"})
+        plane._aborted = self._aborted
+        plane._broken = None
+        plane._transport = transport
+        plane._planes = self._planes
+        plane.control = plane
+        self._planes.append(plane)
+        return plane
 
     # --- construction -------------------------------------------------------------------
 
-    def _connect(self, endpoint: Endpoint, secret: bytes) -> Transport:
+    def _connect(self, endpoint: Endpoint, secret: bytes) -> tuple[Transport, Transport | None]:
         """Builds the backend in a helper thread so that `abort()` can cut a rendezvous short
         (a backend blocks inside its constructor until every rank has connected)."""
         box: dict[str, object] = {}
@@ -94,20 +119,20 @@ class Communicator:
         def build() -> None:
             try:
                 with generation_store(endpoint, self.generation, timeout, secret) as store:
-                    transport = _make_transport(
+                    transports = _make_transports(
                         self.config, self.rank, self.world_size, store,
                         local_address_towards(endpoint.host),
                     )
                     try:
                         store.formed(self.world_size)
                     except BaseException:
-                        transport.close()
+                        _close_all(transports)
                         raise
                     with handover:
                         if box.get("abandoned"):
-                            transport.close()  # nobody will ever use or close it
+                            _close_all(transports)  # nobody will ever use or close them
                         else:
-                            box["transport"] = transport
+                            box["transport"] = transports
             except BaseException as e:  # handed to the caller below
                 box["error"] = e
             finally:
@@ -152,9 +177,8 @@ class Communicator:
         """Fails every pending and later operation with `CollectiveAbortedError`. Safe to call
         from any thread, any number of times; never blocks."""
         self._aborted.set()
-        transport = getattr(self, "_transport", None)
-        if transport is not None:
-            transport.abort()
+        for plane in getattr(self, "_planes", ()):
+            plane._transport.abort()
 
     @property
     def transport(self) -> str:
@@ -172,14 +196,17 @@ class Communicator:
     def close(self) -> None:
         """Releases the backend. The communicator cannot be used afterwards."""
         self._aborted.set()
-        self._transport.close()
+        for plane in reversed(self._planes):
+            plane._transport.close()
 
     # --- waiting ------------------------------------------------------------------------
 
     def _fail(self, error: CollectiveError) -> CollectiveError:
         if self._broken is None:
-            self._broken = error
-            self._transport.fail()
+            for plane in self._planes:
+                if plane._broken is None:
+                    plane._broken = error
+                    plane._transport.fail()
         return error
 
     def _check_usable(self) -> None:
@@ -268,6 +295,8 @@ class Communicator:
         host = self._transport.host_group()
         run: Callable[[Communicator, torch.Tensor, ReduceOp], None]
         match algorithm:
+            case "auto" if self._transport.name == "nccl":
+                run = _native_allreduce
             case "auto" if host is None:
                 run = algorithms.ring_allreduce
             case "auto" | "direct" | "hierarchical":
@@ -334,10 +363,11 @@ class Communicator:
         return tensor
 
     def barrier(self) -> None:
-        """Returns once every rank has entered the barrier."""
-        self._check_usable()
+        """Returns once every rank has entered the barrier (on the control plane)."""
+        plane = self.control
+        plane._check_usable()
         if self.world_size > 1:
-            self.wait(self._post(lambda: self._transport.allreduce(torch.zeros(1), "sum")))
+            plane.wait(plane._post(lambda: plane._transport.allreduce(torch.zeros(1), "sum")))
 
 
 def _native_allreduce(comm: Communicator, flat: torch.Tensor, op: ReduceOp) -> None:
@@ -360,31 +390,53 @@ class _contiguous:
             self._tensor.copy_(self._flat.view(self._tensor.shape))
 
 
-def _make_transport(
+def _close_all(transports: tuple[Transport, Transport | None]) -> None:
+    for transport in transports:
+        if transport is not None:
+            transport.close()
+
+
+def _make_transports(
     config: CollectiveConfig, rank: int, world_size: int, store: object, address: str
-) -> Transport:
+) -> tuple[Transport, Transport | None]:
+    """The data plane's transport and, when it is NCCL, the control plane's (the CPU
+    transport the gloo backend uses on its own)."""
     match config.backend:
         case "gloo":
-            from elastic.collective.gloo import GlooTransport
-
-            # gloo applies its timeout to connecting as well as to operations; our own deadline
-            # enforces config.timeout per operation, so gloo's is only a backstop.
-            backstop = max(config.timeout, config.rendezvous_timeout)
-            gloo = GlooTransport(rank, world_size, store, address, backstop)  # type: ignore[arg-type]
-            if not config.shared_memory or world_size == 1:
-                return gloo
-            from elastic.collective import shm
-
-            try:
-                links = shm.connect(rank, world_size, store, config.shm_channel_bytes,  # type: ignore[arg-type]
-                                    config.shm_chunk_bytes, config.simulated_hosts)
-            except BaseException:
-                gloo.close()
-                raise
-            return gloo if links is None else shm.SharedMemoryTransport(links, gloo)
+            return _cpu_transport(config, rank, world_size, store, address), None
         case "nccl":
-            from elastic.collective.nccl import NcclTransport
+            control = _cpu_transport(config, rank, world_size, store, address)
+            try:
+                from elastic.collective.nccl import NcclTransport
 
-            return NcclTransport(rank, world_size, store, config.rendezvous_timeout)  # type: ignore[arg-type]
+                data = NcclTransport(rank, world_size, store,  # type: ignore[arg-type]
+                                     config.rendezvous_timeout, simulated=config.nccl_simulator)
+            except BaseException:
+                control.close()
+                raise
+            return data, control
         case _:
             raise ValueError(f"unknown backend {config.backend!r}")
+
+
+def _cpu_transport(
+    config: CollectiveConfig, rank: int, world_size: int, store: object, address: str
+) -> Transport:
+    """gloo's TCP transfers, with shared memory between the ranks of a host where it works."""
+    from elastic.collective.gloo import GlooTransport
+
+    # gloo applies its timeout to connecting as well as to operations; our own deadline
+    # enforces config.timeout per operation, so gloo's is only a backstop.
+    backstop = max(config.timeout, config.rendezvous_timeout)
+    gloo = GlooTransport(rank, world_size, store, address, backstop)  # type: ignore[arg-type]
+    if not config.shared_memory or world_size == 1:
+        return gloo
+    from elastic.collective import shm
+
+    try:
+        links = shm.connect(rank, world_size, store, config.shm_channel_bytes,  # type: ignore[arg-type]
+                            config.shm_chunk_bytes, config.simulated_hosts)
+    except BaseException:
+        gloo.close()
+        raise
+    return gloo if links is None else shm.SharedMemoryTransport(links, gloo)

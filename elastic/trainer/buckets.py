@@ -9,7 +9,9 @@ so every rank issues the same collectives in the same order whatever order its h
 
 The last bucket also carries the step's metadata (summed loss, one vote per rank, the ledger),
 so it is launched only when the backward pass has finished on this rank; a rank whose user
-code raised still launches every bucket (its content is then ignored), so nobody waits.
+code raised still launches every bucket (its content is then ignored), so nobody waits. With
+two planes (NCCL) the metadata is summed on its own over the control plane, after the last
+bucket.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class GradientBuckets:
             current.params.append(p)
             current.numel += p.numel()
         self._lock = threading.Lock()
+        self._joined = self._meta_fits_last  # the metadata rides in the last bucket
         self._armed = False
         self._state: _StepState | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="elastic-grad-comm")
@@ -79,15 +82,16 @@ class GradientBuckets:
             p.register_post_accumulate_grad_hook(self._hook)
 
     @property
-    def _meta_in_last(self) -> bool:
+    def _meta_fits_last(self) -> bool:
         return bool(self.buckets) and self.buckets[-1].dtype in (torch.float32, torch.float64)
 
     def begin(self, comm: Communicator, meta_len: int, vote_slot: int, nonfinite_vote: float) -> None:
         """Prepares this step's buffers and starts the communication thread, which waits for
         buckets to fill."""
+        self._joined = self._meta_fits_last and comm.control is comm
         buffers = []
         for i, bucket in enumerate(self.buckets):
-            extra = meta_len if (i == len(self.buckets) - 1 and self._meta_in_last) else 0
+            extra = meta_len if (i == len(self.buckets) - 1 and self._joined) else 0
             device = bucket.params[0].device
             buffers.append(torch.empty(bucket.numel + extra, dtype=bucket.dtype, device=device))
         state = _StepState(buffers=buffers, ready=[threading.Event() for _ in self.buckets],
@@ -133,7 +137,7 @@ class GradientBuckets:
                     target.copy_(p.grad.reshape(-1))
                 else:
                     target.zero_()
-            if self._meta_in_last:
+            if self._joined:
                 state.buffers[-1][-state.meta_len :].copy_(meta.to(self.buckets[-1].dtype))
             else:
                 state.meta_separate = meta.clone()
@@ -149,7 +153,7 @@ class GradientBuckets:
         state = self._state
         assert state is not None and state.future is not None
         state.future.result()
-        if self._meta_in_last:
+        if self._joined:
             return state.buffers[-1][-state.meta_len :].to("cpu", torch.float64)
         assert state.meta_separate is not None
         return state.meta_separate
@@ -171,13 +175,13 @@ class GradientBuckets:
             # A sum is not finite iff an element is not (or the sum overflows): 30x cheaper
             # than torch.isfinite(...).all() on a CPU.
             finite = finite and math.isfinite(float(buffer[: bucket.numel].sum()))
-            if i == last and self._meta_in_last:
+            if i == last and self._joined:
                 self._vote_nonfinite(buffer[bucket.numel :], state, finite)
             comm.allreduce(buffer)
-        if not self._meta_in_last:
+        if not self._joined:
             assert state.meta_separate is not None
             self._vote_nonfinite(state.meta_separate, state, finite)
-            comm.allreduce(state.meta_separate)
+            comm.control.allreduce(state.meta_separate)
 
     @staticmethod
     def _vote_nonfinite(meta: torch.Tensor, state: _StepState, finite: bool) -> None:

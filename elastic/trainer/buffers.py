@@ -210,7 +210,7 @@ class BufferSync:
         tensors = [b for _, b in self.others]
         flat = torch.cat([t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
                           for t in tensors]) if tensors else torch.empty(0, dtype=torch.uint8)
-        comm.broadcast(flat, src)
+        comm.control.broadcast(flat, src)  # host bytes: the control plane
         offset = 0
         with torch.no_grad():
             for t in tensors:

@@ -370,6 +370,7 @@ def reduce_partial(comm: Communicator, partial: Partial) -> dict[str, float] | E
     Raises:
         CollectiveError: the communication failed or was aborted.
     """
+    comm = comm.control  # host tensors only
     header = comm.allreduce(partial.header(comm.rank, comm.world_size))
     verdict = judge(header.tolist(), comm.rank, partial.error)
     if verdict.failure is not None:

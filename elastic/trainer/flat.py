@@ -47,11 +47,17 @@ def allreduce_flat(comm: Communicator, buffers: dict[torch.dtype, torch.Tensor],
                    meta: torch.Tensor) -> None:
     """Sums `buffers` and the float64 `meta` over ranks, in place, in the same collectives in
     the same order on every rank (the buffer carrying `meta` first, then the others in dtype
-    order of first appearance).
+    order of first appearance). With two planes (NCCL) `meta` is summed on its own over the
+    control plane, after the gradients.
 
     Raises:
         CollectiveError: the communication failed or was aborted.
     """
+    if comm.control is not comm:
+        for buffer in buffers.values():
+            comm.allreduce(buffer)
+        comm.control.allreduce(meta)
+        return
     if torch.float64 in buffers:
         joined = torch.cat([buffers[torch.float64], meta])
         comm.allreduce(joined)

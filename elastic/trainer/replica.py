@@ -298,8 +298,9 @@ class Replica:
                         origin="peer")
 
     def sync_from(self, src: int) -> None:
-        """Every rank of the generation calls this; afterwards all hold `src`'s state."""
-        comm = self._comm()
+        """Every rank of the generation calls this; afterwards all hold `src`'s state (sent as
+        bytes over the control plane)."""
+        comm = self._comm().control
         payload = self.state_bytes() if comm.rank == src else b""
         size = torch.tensor([len(payload)], dtype=torch.int64)
         comm.broadcast(size, src)
@@ -708,7 +709,7 @@ class Replica:
         new, _ = read_section(reduced.metrics, context.metric_names)
         if not new:
             return reduced
-        comm = context.comm
+        comm = context.comm.control
         mine = encode_names(list(computed.metrics.sums))
         names: list[list[str]] = []
         for src in range(comm.world_size):

@@ -93,6 +93,7 @@ class _RecordingComm:
 
     def __init__(self) -> None:
         self.calls: list[tuple[torch.dtype, int]] = []
+        self.control = self
 
     def allreduce(self, tensor: torch.Tensor) -> None:
         self.calls.append((tensor.dtype, tensor.numel()))
