@@ -115,8 +115,11 @@ class Communicator:
         done = threading.Event()
         handover = threading.Lock()  # the caller gives up, or the builder hands over: not both
         timeout = self.config.rendezvous_timeout
+        device = _caller_cuda_device(self.config)
 
         def build() -> None:
+            if device is not None:  # NCCL binds the communicator to the current device
+                torch.cuda.set_device(device)
             try:
                 with generation_store(endpoint, self.generation, timeout, secret) as store:
                     transports = _make_transports(
@@ -193,11 +196,37 @@ class Communicator:
         """True once `abort()` was called."""
         return self._aborted.is_set()
 
-    def close(self) -> None:
-        """Releases the backend. The communicator cannot be used afterwards."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Releases the backend. The communicator cannot be used afterwards.
+
+        Args:
+            timeout: seconds to wait for the release; None waits as long as it takes. A
+                backend that cannot release its state in time (an NCCL communicator whose
+                kernels never end) is left to a daemon thread.
+
+        Returns:
+            Whether everything was released; False only when `timeout` ran out, and then
+            the process holds state it cannot free (a worker should end and be replaced).
+        """
         self._aborted.set()
-        for plane in reversed(self._planes):
-            plane._transport.close()
+
+        def release() -> None:
+            for plane in reversed(self._planes):
+                plane._transport.close()
+
+        if timeout is None:
+            release()
+            return True
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                release()
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"elastic-close-g{self.generation}", daemon=True).start()
+        return done.wait(timeout)
 
     # --- waiting ------------------------------------------------------------------------
 
@@ -388,6 +417,14 @@ class _contiguous:
     def __exit__(self, *exc: object) -> None:
         if self._copy and exc[0] is None:
             self._tensor.copy_(self._flat.view(self._tensor.shape))
+
+
+def _caller_cuda_device(config: CollectiveConfig) -> int | None:
+    """The calling thread's CUDA device when the data plane is real NCCL (the builder thread
+    must use the same one), else None."""
+    if config.backend != "nccl" or config.nccl_simulator or not torch.cuda.is_available():
+        return None
+    return torch.cuda.current_device()
 
 
 def _close_all(transports: tuple[Transport, Transport | None]) -> None:

@@ -202,3 +202,26 @@ def test_endpoint_parse_round_trips_and_rejects_garbage():
     assert str(Endpoint("h", 1)) == "h:1"
     with pytest.raises(ValueError, match="host:port"):
         Endpoint.parse("nohost")
+
+
+def test_a_release_that_never_ends_is_reported_instead_of_waited_out(server):
+    """A backend whose state cannot be released (an NCCL kernel that never ends) must not
+    wedge the worker: `close(timeout)` says so, and the worker ends its process."""
+    import threading
+
+    comm = Communicator(0, 1, server.endpoint, 0, secret=server.secret)
+    stuck = threading.Event()
+    real_close = comm._transport.close
+
+    def hangs() -> None:
+        stuck.wait()
+        real_close()
+
+    comm._transport.close = hangs
+    try:
+        assert comm.close(timeout=0.05) is False
+        assert comm.aborted
+    finally:
+        stuck.set()
+    released = Communicator(0, 1, server.endpoint, 1, secret=server.secret)
+    assert released.close(timeout=30) is True
