@@ -50,6 +50,12 @@ class TrainJob:
             and `load_state_dict(d)`; part of peer restore and checkpoints. An object with an
             `after_step(model)` method has it called on every rank after each applied
             optimizer step.
+        move_batch: `(batch, device) -> batch`: puts a batch (as `collate_fn` made it) on the
+            worker's device (`torch.device('cuda', i)` with `scaling.use_gpu`, else the CPU)
+            before `loss` sees it. Default: every tensor in it, through dicts, lists, tuples,
+            named tuples and dataclasses, copied with `non_blocking=True` (asynchronous from
+            the pinned memory of `data.pin_memory`). Give one for a batch type that holds
+            tensors elsewhere, or to move only part of a batch. Called on CPU workers too.
     """
 
     model: Callable[[], Any]
@@ -64,6 +70,7 @@ class TrainJob:
     eval_step: Callable[[Any, Any], Any] | None = None
     callbacks: tuple[Any, ...] = ()
     extra_state: Callable[[Any, Any], Any] | None = None
+    move_batch: Callable[[Any, Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.transform is not None and not is_ray_dataset(self.dataset):
@@ -89,7 +96,7 @@ class TrainJob:
                 raise ConfigError(f"TrainJob.callbacks: {type(callback).__name__} has none of the "
                                   f"hooks {', '.join(CALLBACK_HOOKS)}")
         for name in ("lr_scheduler", "collate_fn", "evaluate", "transform", "eval_dataset",
-                     "eval_step", "extra_state"):
+                     "eval_step", "extra_state", "move_batch"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise ConfigError(f"TrainJob.{name} must be callable or None, got {type(value).__name__}")

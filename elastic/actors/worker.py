@@ -3,11 +3,15 @@
 It is a threaded actor: one thread runs chunks of steps, while others answer `abort` and
 `progress`, which is how the controller releases a worker blocked in a collective with a dead
 peer, and how the hang watchdog sees where each worker is.
+
+With `scaling.use_gpu` it computes on the GPU Ray assigned to it
+(`elastic.trainer.device.resolve_device`). CUDA's current device is per thread and Ray runs
+each call of a threaded actor on a thread of its pool, so every method that touches the
+replica's tensors binds the device first.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
 import time
@@ -38,6 +42,13 @@ from elastic.control.port import (
 )
 from elastic.errors import AfterStepError, CheckpointSignatureError, CollectiveError, InjectedFault
 from elastic.job import TrainJob
+from elastic.trainer.device import (
+    bind_thread,
+    is_out_of_memory,
+    release_cached_memory,
+    resolve_device,
+    to_host,
+)
 from elastic.trainer.evaluation import EvalFailure, LazyDataset, eval_batch_size, evaluate_share
 from elastic.trainer.replica import (
     NonFinite,
@@ -57,7 +68,12 @@ class WorkerActor:
                  checkpoint_key: bytes | None = None) -> None:
         self.worker_id = worker_id
         self.config = config
-        self.replica = Replica(job, config, run_dir)
+        use_gpu = config.scaling.use_gpu
+        self.device = resolve_device(use_gpu, ray.get_gpu_ids() if use_gpu else [],
+                                     os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                     use_gpu and torch.cuda.is_available())
+        bind_thread(self.device)  # before the replica: the model is built and moved there
+        self.replica = Replica(job, config, run_dir, self.device)
         self._abort = threading.Event()
         self._lock = threading.Lock()
         ckpt = config.checkpoint
@@ -86,6 +102,7 @@ class WorkerActor:
         """Joins generation `generation` as `rank` (`secret`: the run's rendezvous secret, which
         reaches the worker only through this call); returns this replica's committed step and
         the communicator's transport."""
+        bind_thread(self.device)  # NCCL binds its communicator to the caller's device
         with self._lock:
             self._abort = threading.Event()
             signal_ = self._abort
@@ -103,6 +120,7 @@ class WorkerActor:
 
     def sync(self, src: int) -> dict[str, int]:
         """Takes the state of rank `src` of the current generation; returns the data cursor."""
+        bind_thread(self.device)
         self.replica.sync_from(src)
         return self.replica.cursor.to_dict()
 
@@ -114,6 +132,7 @@ class WorkerActor:
         Chunks of a generation run in `ticket` order. One handed out `ahead` (while the chunk
         before it was running) is skipped unless that chunk completed at step `start`; so is
         one of a generation this worker has left."""
+        bind_thread(self.device)
         replica = self.replica
         with self._turn:
             while self._next_ticket != ticket and generation in (None, self._generation):
@@ -152,6 +171,14 @@ class WorkerActor:
                 if outcome.yielded:  # every rank read the same flag: all end here
                     break
         except CollectiveError as e:
+            if is_out_of_memory(e):
+                # This rank ran out of memory in the step's communication (NCCL's buffers, or
+                # its own past the vote): the controller backs its micro-batch off as for a
+                # vote; its peers report the broken generation, which is then re-formed.
+                release_cached_memory(self.device)
+                step = replica.global_step
+                return ChunkVotedDown(records, step, replica.cursor.to_dict(),
+                                      OutOfMemory(step=step, ranks=(rank,)))
             return ChunkInterrupted(records, replica.global_step, replica.cursor.to_dict(), str(e))
         except AfterStepError as e:
             return ChunkFailed(records, replica.global_step, replica.cursor.to_dict(), e)
@@ -172,16 +199,20 @@ class WorkerActor:
         assert ckpt is not None and self._writer is not None, "no checkpoint configured"
         if self._writer.busy():
             return {"submitted": False, "reports": self._reports()}
+        bind_thread(self.device)
         state = self.replica.state()
         meta = {**meta, "epoch": state["cursor"]["epoch"]}
         step = self.replica.global_step
         crash = self._crash_mid_write(step)
         if ckpt.async_write:
-            # The only cost on the training path: a copy of the state in host memory.
-            snapshot = {name: copy.deepcopy(value) for name, value in state.items() if value is not None}
+            # The only cost on the training path: a copy of the state in host memory (pinned
+            # for a GPU's tensors), which the writer's thread serialises while training goes on.
+            snapshot = {name: to_host(value, copy=True, pin=True) for name, value in state.items()
+                        if value is not None}
             submitted = self._writer.submit(step, snapshot, meta, after_part=crash)
-        else:
-            parts = {name: serialize(value) for name, value in state.items() if value is not None}
+        else:  # serialised at once: a GPU's tensors copied out, the others as they are
+            parts = {name: serialize(to_host(value)) for name, value in state.items()
+                     if value is not None}
             self._writer.write_now(step, parts, meta, after_part=crash)
             submitted = True
         return {"submitted": submitted, "reports": self._reports()}
@@ -203,13 +234,19 @@ class WorkerActor:
         member of the generation (`elastic.trainer.evaluation.evaluate_share`); chaos faults of
         phase 'evaluate' for this rank fire before it reads anything. After a `scheduled`
         evaluation, a scheduler of `scheduler_interval` 'evaluation' steps."""
+        bind_thread(self.device)
         replica = self.replica
         comm = replica.comm
-        assert comm is not None and self._eval_set is not None and replica.job.eval_step
+        eval_step = replica.job.eval_step
+        assert comm is not None and self._eval_set is not None and eval_step is not None
         mine = [e for e in chaos if e.rank == comm.rank and e.phase == "evaluate"]
+
+        def on_device(model: torch.nn.Module, batch: Any) -> Any:  # as the training batches
+            return eval_step(model, replica.move(batch, replica.device))
+
         try:
             result = evaluate_share(comm, replica.model, self._eval_set, replica.collate,
-                                    replica.job.eval_step, shares, eval_batch_size(self.config),
+                                    on_device, shares, eval_batch_size(self.config),
                                     self.config.seed, lambda: self._fire(mine), replica.progress)
         except CollectiveError as e:
             return EvalInterrupted(str(e))
@@ -249,6 +286,7 @@ class WorkerActor:
         """Loads the newest valid checkpoint into this replica, if there is one."""
         ckpt = self.config.checkpoint
         assert ckpt is not None, "no checkpoint configured"
+        bind_thread(self.device)
         loaded, skipped = newest_checkpoint(ckpt.path, self._key)
         if loaded is None:
             return {"step": None, "path": None, "skipped": [(d, str(e)) for d, e in skipped],
@@ -282,12 +320,14 @@ class WorkerActor:
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The model's state dict as CPU tensors."""
+        bind_thread(self.device)
         return {k: v.detach().cpu().clone() for k, v in self.replica.model.state_dict().items()}
 
     def evaluate(self) -> dict[str, float]:
         """Runs the job's `evaluate` on this replica (the controller asks rank 0)."""
         if self.replica.job.evaluate is None:
             return {}
+        bind_thread(self.device)
         self.replica.model.eval()
         with torch.no_grad():
             return dict(self.replica.job.evaluate(self.replica.model))

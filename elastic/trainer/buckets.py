@@ -12,6 +12,11 @@ so it is launched only when the backward pass has finished on this rank; a rank 
 code raised still launches every bucket (its content is then ignored), so nobody waits. With
 two planes (NCCL) the metadata is summed on its own over the control plane, after the last
 bucket.
+
+The buffers live on the parameters' device; the communication thread binds that device. The
+buffers are allocated when a step begins (`begin`), which the replica runs inside the step's
+vote: a rank whose allocation runs out of memory votes the step down and allocates again
+(with its gradients freed) to take part in the collectives.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from elastic.collective import Communicator
+from elastic.trainer.device import bind_thread
 
 
 @dataclass
@@ -77,7 +83,9 @@ class GradientBuckets:
         self._joined = self._meta_fits_last  # the metadata rides in the last bucket
         self._armed = False
         self._state: _StepState | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="elastic-grad-comm")
+        device = params[0].device if params else torch.device("cpu")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="elastic-grad-comm",
+                                        initializer=bind_thread, initargs=(device,))
         for p in params:
             p.register_post_accumulate_grad_hook(self._hook)
 
@@ -85,21 +93,37 @@ class GradientBuckets:
     def _meta_fits_last(self) -> bool:
         return bool(self.buckets) and self.buckets[-1].dtype in (torch.float32, torch.float64)
 
+    @property
+    def begun(self) -> bool:
+        """Whether the current step's buffers exist (False after a `begin` that raised)."""
+        return self._state is not None
+
     def begin(self, comm: Communicator, meta_len: int, vote_slot: int, nonfinite_vote: float) -> None:
         """Prepares this step's buffers and starts the communication thread, which waits for
-        buckets to fill."""
+        buckets to fill.
+
+        Raises:
+            torch.OutOfMemoryError: the buffers did not fit; nothing was started and `begun`
+                is False.
+        """
+        with self._lock:
+            self._state = None  # the last step's buffers go before the new ones are allocated
         self._joined = self._meta_fits_last and comm.control is comm
-        buffers = []
-        for i, bucket in enumerate(self.buckets):
-            extra = meta_len if (i == len(self.buckets) - 1 and self._joined) else 0
-            device = bucket.params[0].device
-            buffers.append(torch.empty(bucket.numel + extra, dtype=bucket.dtype, device=device))
-        state = _StepState(buffers=buffers, ready=[threading.Event() for _ in self.buckets],
+        state = _StepState(buffers=self._allocate(meta_len if self._joined else 0),
+                           ready=[threading.Event() for _ in self.buckets],
                            filled=[0] * len(self.buckets), copied=set(), meta_len=meta_len,
                            vote_slot=vote_slot, nonfinite_vote=nonfinite_vote)
         with self._lock:
             self._state = state
         state.future = self._pool.submit(self._reduce_all, comm, state)
+
+    def _allocate(self, meta_room: int) -> list[torch.Tensor]:
+        """One buffer per bucket on its parameters' device, the last with `meta_room` more
+        elements for the metadata."""
+        last = len(self.buckets) - 1
+        return [torch.empty(bucket.numel + (meta_room if i == last else 0), dtype=bucket.dtype,
+                            device=bucket.params[0].device)
+                for i, bucket in enumerate(self.buckets)]
 
     def arm(self, armed: bool) -> None:
         """Hooks copy gradients only while armed (the step's last backward pass)."""

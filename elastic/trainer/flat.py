@@ -4,26 +4,68 @@ The gradients are concatenated into one buffer per dtype and each buffer is summ
 in one allreduce. The step's metadata (summed loss, one vote per rank, the ledger) rides in the
 float64 buffer when there is one (else in the float32 one), so a typical step costs one
 allreduce. The counterpart that overlaps the backward pass is `elastic.trainer.buckets`.
+
+The buffers live on the parameters' device. `flatten_grads` is the reduce's only allocation
+(with room for the metadata in the buffer that carries it), so that the replica can run it
+inside the step's vote: a rank out of memory there votes the step down instead of leaving the
+collectives.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
 from elastic.collective import Communicator
 
 
-def flatten_grads(params: list[torch.nn.Parameter], zero: bool) -> dict[torch.dtype, torch.Tensor]:
-    """One buffer per dtype holding the gradients of `params` in order; a parameter without a
-    gradient, or every parameter when `zero` (this rank voted the step down), contributes
-    zeros, so every rank sends buffers of the same size."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+def meta_carrier(dtypes: Iterable[torch.dtype]) -> torch.dtype | None:
+    """The dtype of the gradient buffer the metadata rides in on a single plane: float64 if
+    there is one, else float32 (ledger indices < 2**24 are exact there: checked at start),
+    else None (the metadata is summed on its own)."""
+    present = set(dtypes)
+    return next((d for d in (torch.float64, torch.float32) if d in present), None)
+
+
+def flatten_grads(params: list[torch.nn.Parameter], zero: bool,
+                  meta_len: int = 0) -> dict[torch.dtype, torch.Tensor]:
+    """One buffer per dtype holding the gradients of `params` in order, on their device; a
+    parameter without a gradient, or every parameter when `zero` (this rank voted the step
+    down), contributes zeros, so every rank sends buffers of the same size. With `meta_len`,
+    the buffer of `meta_carrier` has `meta_len` more elements (zeros) at its end, for
+    `allreduce_flat(..., room=True)`.
+
+    Raises:
+        torch.OutOfMemoryError: the buffers did not fit (nothing else is allocated here).
+    """
+    sizes: dict[torch.dtype, int] = {}
+    devices: dict[torch.dtype, torch.device] = {}
     for p in params:
-        g = p.grad if (p.grad is not None and not zero) else torch.zeros_like(p)
-        groups.setdefault(p.dtype, []).append(g.reshape(-1))
-    return {dtype: torch.cat(parts) for dtype, parts in groups.items()}
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+        devices.setdefault(p.dtype, p.device)
+    carrier = meta_carrier(sizes) if meta_len else None
+    buffers = {}
+    for dtype, n in sizes.items():
+        room = meta_len if dtype == carrier else 0
+        if zero:
+            buffers[dtype] = torch.zeros(n + room, dtype=dtype, device=devices[dtype])
+            continue
+        buffers[dtype] = torch.empty(n + room, dtype=dtype, device=devices[dtype])
+        buffers[dtype][n:].zero_()
+    if zero:
+        return buffers
+    offsets = dict.fromkeys(sizes, 0)
+    for p in params:
+        start, n = offsets[p.dtype], p.numel()
+        target = buffers[p.dtype][start : start + n]
+        if p.grad is not None:
+            target.copy_(p.grad.reshape(-1))
+        else:
+            target.zero_()
+        offsets[p.dtype] = start + n
+    return buffers
 
 
 def all_finite(buffers: dict[torch.dtype, torch.Tensor]) -> bool:
@@ -34,21 +76,31 @@ def all_finite(buffers: dict[torch.dtype, torch.Tensor]) -> bool:
 
 
 def unflatten_grads(params: list[torch.nn.Parameter], buffers: dict[torch.dtype, torch.Tensor]) -> None:
-    """Sets each parameter's gradient to (a copy of) its slice of the summed buffers."""
+    """Sets each parameter's gradient to its slice of the summed buffers (a view: the apply
+    phase allocates no second copy of the gradients)."""
     offsets = dict.fromkeys(buffers, 0)
     for p in params:
         n = p.numel()
         start = offsets[p.dtype]
-        p.grad = buffers[p.dtype][start : start + n].view_as(p).clone()
+        p.grad = buffers[p.dtype][start : start + n].view_as(p)
         offsets[p.dtype] = start + n
 
 
 def allreduce_flat(comm: Communicator, buffers: dict[torch.dtype, torch.Tensor],
-                   meta: torch.Tensor) -> None:
+                   meta: torch.Tensor, room: bool = False) -> None:
     """Sums `buffers` and the float64 `meta` over ranks, in place, in the same collectives in
     the same order on every rank (the buffer carrying `meta` first, then the others in dtype
     order of first appearance). With two planes (NCCL) `meta` is summed on its own over the
     control plane, after the gradients.
+
+    Args:
+        comm: the generation's communicator.
+        buffers: from `flatten_grads`; on a single plane with `room`, flattened with
+            `meta_len=len(meta)`, so that `meta` is written into the carrier's room instead of
+            joined to it by a copy (an allocation). Afterwards the carrier is its gradients
+            only.
+        meta: the step's metadata (host memory).
+        room: whether the carrier buffer ends with room for `meta`.
 
     Raises:
         CollectiveError: the communication failed or was aborted.
@@ -58,22 +110,21 @@ def allreduce_flat(comm: Communicator, buffers: dict[torch.dtype, torch.Tensor],
             comm.allreduce(buffer)
         comm.control.allreduce(meta)
         return
-    if torch.float64 in buffers:
-        joined = torch.cat([buffers[torch.float64], meta])
-        comm.allreduce(joined)
-        n = buffers[torch.float64].numel()
-        buffers[torch.float64] = joined[:n]
-        meta.copy_(joined[n:])
-    elif torch.float32 in buffers:  # ledger indices < 2**24 are exact (checked at start)
-        joined = torch.cat([buffers[torch.float32], meta.to(torch.float32)])
-        comm.allreduce(joined)
-        n = buffers[torch.float32].numel()
-        buffers[torch.float32] = joined[:n]
-        meta.copy_(joined[n:].to(torch.float64))
-    else:
+    carrier = meta_carrier(buffers)
+    if carrier is None:
         comm.allreduce(meta)
+    else:
+        joined = buffers[carrier]
+        if room:
+            n = joined.numel() - meta.numel()
+            assert n >= 0, "the carrier buffer has no room for the metadata"
+            joined[n:].copy_(meta)
+        else:
+            n = joined.numel()
+            joined = torch.cat([joined, meta.to(carrier)])
+        comm.allreduce(joined)
+        buffers[carrier] = joined[:n]
+        meta.copy_(joined[n:])
     for dtype, buffer in buffers.items():
-        if dtype not in (torch.float64, torch.float32) or (
-            dtype == torch.float32 and torch.float64 in buffers
-        ):
+        if dtype != carrier:
             comm.allreduce(buffer)

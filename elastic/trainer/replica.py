@@ -10,6 +10,11 @@ every rank, so nobody is left waiting in the collective), and with the ledger on
 the step consumed, so that what is recorded is exactly what was committed. `run_step` drives
 the step's phases (compute, reduce, verdict, apply); `elastic.trainer.step` says what each
 one guarantees and holds what passes between them.
+
+The replica computes on its device (`elastic.trainer.device`): the model is moved there before
+the optimizer is built (so that the optimizer's state is allocated there), each batch is moved
+there after it is loaded, and the gradient buffers live there. The step's metadata stays in
+host memory (float64) and travels over the control plane.
 """
 
 from __future__ import annotations
@@ -38,6 +43,13 @@ from elastic.private import ensure_private_dir, write_private
 from elastic.trainer.buckets import GradientBuckets
 from elastic.trainer.buffers import BufferSync
 from elastic.trainer.data import Cursor, SampleOrder, steps_per_epoch
+from elastic.trainer.device import (
+    MoveBatch,
+    move_batch,
+    release_cached_memory,
+    rng_state,
+    set_rng_state,
+)
 from elastic.trainer.exact import ExactSum, environment, make_deterministic
 from elastic.trainer.flat import all_finite, allreduce_flat, flatten_grads, unflatten_grads
 from elastic.trainer.loader import Piece, Prefetcher, load_piece, set_generator_state
@@ -107,12 +119,18 @@ class Replica:
         job: the user's factories.
         config: the run's configuration.
         run_dir: where chaos kill timestamps are written (for recovery timing).
+        device: where the model, the batches and the gradients live
+            (`elastic.trainer.device.resolve_device`; the worker actor binds it as its
+            thread's current CUDA device first). Default: the CPU.
     """
 
-    def __init__(self, job: TrainJob, config: FitConfig, run_dir: str) -> None:
+    def __init__(self, job: TrainJob, config: FitConfig, run_dir: str,
+                 device: torch.device | None = None) -> None:
         self.job = job
         self.config = config
         self.run_dir = run_dir
+        self.device = device if device is not None else torch.device("cpu")
+        self.move: MoveBatch = job.move_batch or move_batch
         scaling = config.scaling
         if config.batch.exact:
             make_deterministic(scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker)))
@@ -124,6 +142,7 @@ class Replica:
             raise ConfigError(
                 f"TrainJob.model returned {type(self.model).__name__}, not a torch.nn.Module"
             )
+        self.model.to(self.device)  # before the optimizer: its state follows the parameters
         self._build_optimizer()
         self.metric_names: tuple[str, ...] = ()  # committed: the same on every rank
         data_rng = torch.get_rng_state()  # loader processes build the data set from here too
@@ -206,12 +225,15 @@ class Replica:
     # --- state --------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        """The committed state: model, optimizer, scheduler, RNG and the data cursor."""
+        """The committed state: model, optimizer, scheduler, RNG and the data cursor. The RNG
+        is 'rng', the CPU generator, and on a GPU worker 'cuda_rng', its device's generator
+        (`elastic.trainer.device.rng_state`). Tensors stay where they live (the device):
+        `elastic.trainer.device.to_host` copies them out."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            "rng": torch.get_rng_state(),
+            **rng_state(self.device),
             "cursor": {"global_step": self.cursor.step, "epoch": self.cursor.epoch,
                        "offset": self.cursor.offset, "samples": self.cursor.samples},
             "training": self.training.state_dict(),
@@ -236,7 +258,9 @@ class Replica:
         return self.cursor.step
 
     def load_state(self, state: dict[str, Any], origin: str = "checkpoint") -> None:
-        """Takes a committed state (`origin`: 'checkpoint' or 'peer').
+        """Takes a committed state (`origin`: 'checkpoint' or 'peer'), from host memory or
+        any device: the model and optimizer copy it to their device (the optimizer casts its
+        state to each parameter's). The CUDA generator is restored on a GPU worker only.
 
         Raises:
             ConfigError: exact mode, and the state was written without it or under another
@@ -250,8 +274,7 @@ class Replica:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        if state.get("rng") is not None:
-            torch.set_rng_state(state["rng"])
+        set_rng_state(state, self.device)
         self.training.load_state_dict(state.get("training"))
         self.metric_names = tuple(state.get("metric_names") or ())
         load_extra_state(self.extra, state.get("extra"))
@@ -387,10 +410,11 @@ class Replica:
             try:
                 reduced = self._reduce(context, computed)
                 reduced = self._learn_metric_names(context, computed, reduced)
-            except BaseException:  # nothing of the step may stay in the buffers
-                self.buffers.rollback()
-                if self.exact is not None:
-                    self.exact.exponents = exponents
+            except torch.OutOfMemoryError as e:  # past the allocations the vote covers
+                self._abandon(exponents)
+                raise self._left_collectives(context, e) from e
+            except BaseException:
+                self._abandon(exponents)
                 raise
             outcome = verdict(context.step, reduced.votes, self.training.nonfinite_policy(
                               self.config.failure.nonfinite),
@@ -419,8 +443,8 @@ class Replica:
         return outcome
 
     def _begin(self, plan: BatchPlan, chaos: list[ChaosEvent], lr_factor: float) -> StepContext:
-        """Fixes what the step reads, clears the gradients, and with gradient buckets starts
-        the communication thread that the last backward pass feeds."""
+        """Fixes what the step reads and clears the gradients (allocating nothing on the
+        device: the compute phase allocates, inside the step's vote)."""
         comm = self._comm()
         rank = comm.rank
         step = self.global_step
@@ -444,9 +468,17 @@ class Replica:
                 self._slow = (event.factor, None if event.steps is None else step + event.steps - 1)
         self._drop_grads()
         self.model.train()
-        if self._buckets is not None:
-            self._buckets.begin(comm, context.meta_len, rank, float(Vote.NONFINITE))
         return context
+
+    def _begin_buckets(self, context: StepContext) -> None:
+        """With gradient buckets: allocates the step's buffers and starts the communication
+        thread that the last backward pass feeds (nothing without).
+
+        Raises:
+            torch.OutOfMemoryError: the buffers did not fit (nothing was started).
+        """
+        if self._buckets is not None:
+            self._buckets.begin(context.comm, context.meta_len, context.rank, float(Vote.NONFINITE))
 
     def _ahead(self, plan: BatchPlan, rank: int) -> list[Piece]:
         """This rank's pieces of the current step and of the next `data.prefetch_steps` steps
@@ -462,9 +494,10 @@ class Replica:
         return pieces
 
     def _load(self, step: int, seed: int, samples: torch.Tensor) -> Any:
-        """One piece's batch, with the generators where reading it left them: read ahead by a
-        loader process if it was, else here (`elastic.trainer.loader` says why both are the
-        same)."""
+        """One piece's batch on this replica's device (`TrainJob.move_batch`, or every tensor
+        in it), with the generators where reading it left them: read ahead by a loader process
+        if it was (pinned with `data.pin_memory`), else here (`elastic.trainer.loader` says
+        why both are the same)."""
         indices = samples.tolist()
         if self.prefetcher is not None:
             taken = self.prefetcher.take(Piece(step, seed, tuple(indices)))
@@ -472,8 +505,8 @@ class Replica:
                 batch, state = taken
                 torch.manual_seed(seed)  # CUDA's generators; the CPU ones continue from `state`
                 set_generator_state(state)
-                return batch
-        return load_piece(self.dataset, self.collate, indices, seed)
+                return self.move(batch, self.device)
+        return self.move(load_piece(self.dataset, self.collate, indices, seed), self.device)
 
     def _compute(self, context: StepContext) -> Computed:
         """The compute phase: forward/backward over the micro-batches of this rank's share
@@ -481,22 +514,23 @@ class Replica:
         is (its count summed); the generators seeded from (seed, step, position of the first
         sample in the global batch) before each one's data is loaded, never from the rank.
 
-        Guarantees: an exception from user code (data, loss, backward) or an out-of-memory
-        error is latched into the vote with its traceback, never raised, so this rank still
-        joins the reduce. With the vote OK, the gradients are this rank's part of the global
-        batch's (in exact mode, each group's went into the exact sums instead). Chaos faults
-        of the phases data, forward and backward fire here.
+        Guarantees: an exception from user code (data, moving the batch, loss, backward) or an
+        out-of-memory error (there, or in allocating the gradient buckets first) is latched into
+        the vote with its traceback, never raised, so this rank still joins the reduce. With the
+        vote OK, the gradients are this rank's part of the global batch's (in exact mode, each
+        group's went into the exact sums instead). Chaos faults of data, forward and backward
+        fire here.
         """
         plan, chaos, started = context.plan, context.chaos, context.started
         pieces = plan.pieces(context.rank)
         buckets = self._buckets
         loss_sum = data_s = count = 0.0
-        metrics = MetricSums()
-        form = LossForm.NONE
+        metrics, form = MetricSums(), LossForm.NONE
         error, vote, exact = None, Vote.OK, self.exact
         if exact is not None:
             exact.begin(context.meta_len)  # each attempt of the step sums afresh
         try:
+            self._begin_buckets(context)
             self._enter("data")
             self._chaos(chaos, "data", started)
             base = context.plan.offset(context.rank)
@@ -529,8 +563,7 @@ class Replica:
             self._stretch(context.step, started)
         except torch.OutOfMemoryError:
             error, vote = traceback.format_exc(), Vote.OUT_OF_MEMORY
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            release_cached_memory(self.device)
         except Exception:
             error, vote = traceback.format_exc(), Vote.USER_ERROR
         return Computed(loss_sum=loss_sum, count=count, form=form, vote=vote, error=error, data_s=data_s,
@@ -569,10 +602,14 @@ class Replica:
         Guarantees: every rank issues the same collectives in the same order whatever its
         vote (a rank that voted down sends zeros or ignored content). A rank that voted OK
         but whose loss or gradients are not finite votes NONFINITE (with buckets, gradients
-        are checked as they are sent). The allreduce chaos faults fire here.
+        are checked as they are sent). A rank whose flat buffers do not fit votes
+        OUT_OF_MEMORY (a rank whose buckets did not fit already did); either then allocates
+        them again with its gradients freed. The allreduce chaos faults fire here.
 
         Raises:
-            CollectiveError: the communication failed or was aborted.
+            CollectiveError: the communication failed or was aborted, or this rank ran out of
+                memory again for the buffers it needs to take part (then it aborted its
+                communicator; the error's cause is the `torch.OutOfMemoryError`).
         """
         comm_start = time.perf_counter()
         self._enter("allreduce")
@@ -580,9 +617,13 @@ class Replica:
         if self.exact is not None:
             return self._reduce_exact(context, computed, comm_start)
         buckets = self._buckets
-        flat = None if buckets is not None else flatten_grads(
-            self._params, zero=computed.vote != Vote.OK)
-        vote = computed.vote
+        vote, flat = computed.vote, None
+        room = context.meta_len if context.comm.control is context.comm else 0
+        if buckets is None:
+            vote, flat = self._flatten(context, vote, room)
+        elif not buckets.begun:  # its buffers did not fit: the vote says out of memory
+            assert vote == Vote.OUT_OF_MEMORY
+            self._after_out_of_memory(context, lambda: self._begin_buckets(context))
         if vote == Vote.OK and not (math.isfinite(computed.loss_sum)
                                     and (flat is None or all_finite(flat))):
             vote = Vote.NONFINITE
@@ -593,9 +634,63 @@ class Replica:
             meta = buckets.wait()
         else:
             assert flat is not None
-            allreduce_flat(context.comm, flat, meta)
+            allreduce_flat(context.comm, flat, meta, room=room > 0)
         comm_s = time.perf_counter() - comm_start
         return Reduced.unpack(meta, context, flat, comm_s)
+
+    def _flatten(self, context: StepContext, vote: Vote,
+                 room: int) -> tuple[Vote, dict[torch.dtype, torch.Tensor]]:
+        """The flat gradient buffers (`flatten_grads`; zeros when this rank voted the step
+        down; `room` for the metadata) and this rank's vote: OUT_OF_MEMORY, if it was OK and
+        they did not fit (then they are zeros, allocated again with the gradients freed).
+
+        Raises:
+            CollectiveError: they did not fit even then (`_after_out_of_memory`).
+        """
+        try:
+            return vote, flatten_grads(self._params, zero=vote != Vote.OK, meta_len=room)
+        except torch.OutOfMemoryError:
+            return (Vote.OUT_OF_MEMORY if vote == Vote.OK else vote, self._after_out_of_memory(
+                context, lambda: flatten_grads(self._params, zero=True, meta_len=room)))
+
+    def _abandon(self, exponents: list[int]) -> None:
+        """A step whose reduce raised: nothing of it may stay in the buffers (or, in exact
+        mode, in the fixed-point exponents)."""
+        self.buffers.rollback()
+        if self.exact is not None:
+            self.exact.exponents = exponents
+
+    @staticmethod
+    def _left_collectives(context: StepContext, error: torch.OutOfMemoryError) -> CollectiveError:
+        """An out-of-memory error inside the reduce, past the allocations the vote covers (in
+        the communication itself): this rank may have left the step's collectives half done,
+        so it aborts its communicator and reports a collective error caused by it (which
+        `elastic.trainer.device.is_out_of_memory` classifies as out of memory)."""
+        context.comm.abort()
+        return CollectiveError(f"rank {context.rank} ran out of memory in the collectives of "
+                               f"step {context.step}: {error}", rank=context.rank)
+
+    def _after_out_of_memory(self, context: StepContext, allocate: Callable[[], Any]) -> Any:
+        """After an out-of-memory error in the step's allocations (the vote says so): frees
+        the gradients and the allocator's cache, then runs `allocate` again (the buffers this
+        rank needs to take part in the step's collectives) and returns what it returns.
+
+        Raises:
+            CollectiveError: `allocate` ran out of memory again; this rank cannot take part, so
+                it aborts its communicator (the generation is re-formed) and reports the
+                out-of-memory error as the cause (`elastic.trainer.device.is_out_of_memory`).
+        """
+        self._drop_grads()
+        release_cached_memory(self.device)
+        try:
+            return allocate()
+        except torch.OutOfMemoryError as e:
+            release_cached_memory(self.device)
+            context.comm.abort()
+            raise CollectiveError(
+                f"rank {context.rank} ran out of memory for its gradient buffers in step "
+                f"{context.step}, even with its gradients freed, so it could not take part in "
+                "the step's collectives", rank=context.rank) from e
 
     def _reduce_exact(self, context: StepContext, computed: Computed,
                       comm_start: float) -> Reduced:
