@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # `make test TORCH_SPEC=torch==2.13.0+cu128`.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test test-gpu lint demo bench clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,12 @@ lint: install
 
 test: lint
 	$(BIN)/pytest
+
+# The GPU tier (tests/gpu, marked `gpu`; skipped without CUDA): run it on a machine with a GPU
+# and a CUDA build of torch, e.g. `make test-gpu TORCH_SPEC=torch==2.13.0+cu128`; the fit tests
+# need backend 'nccl' too (pip install -e '.[gpu]'), those for two GPUs skip with fewer.
+test-gpu: lint
+	$(BIN)/pytest -m gpu
 
 # Digits MLP on 4 workers, worker 1 SIGKILLed part-way, next to an uninterrupted run.
 demo: install

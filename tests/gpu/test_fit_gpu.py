@@ -1,0 +1,88 @@
+"""`elastic.fit` with GPU workers on the local Ray cluster (which finds the machine's GPUs):
+training equal to the CPU reference, a real CUDA out-of-memory error backed off, and, with two
+GPUs, a worker killed and the run recovered by a peer restore between GPUs.
+
+Needs backend 'nccl' (`pip install 'elastic[gpu]'`: CuPy and NCCL); skipped without it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import elastic
+from elastic import BatchConfig, ChaosEvent, FitConfig, ScalingConfig, TrainJob
+from elastic.config import CollectiveConfig
+from elastic.events import OomBackoff, WorkerFailure
+from tests.events import of_kind
+from tests.jobs import make_dataset, make_model, make_optimizer, mse, reference_weights, regression_job
+
+pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+
+needs_two_gpus = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                                    reason="needs two GPUs")
+
+B = 16
+TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}  # float64, but another device's kernels
+
+
+@pytest.fixture
+def nccl():
+    pytest.importorskip("cupy", reason="backend 'nccl' needs CuPy: pip install 'elastic[gpu]'")
+
+
+def _config(tmp_path, workers: int, **kwargs) -> FitConfig:
+    base = {
+        "scaling": ScalingConfig(num_workers=workers, min_workers=1, max_workers=workers,
+                                 use_gpu=True),
+        "collective": CollectiveConfig(backend="nccl"),
+        "batch": BatchConfig(global_batch_size=B, max_micro_batch=4, autotune=False),
+        "run_dir": str(tmp_path / "run"),
+    }
+    return FitConfig(**{**base, **kwargs})
+
+
+def test_one_gpu_worker_trains_as_the_cpu_reference(ray_cluster, nccl, tmp_path):
+    result = elastic.fit(regression_job(), _config(tmp_path, 1, max_steps=12))
+    assert result.steps == 12
+    torch.testing.assert_close(result.model_state, reference_weights(0, B, 12), **TOLERANCE)
+
+
+class OutOfMemoryOnce:
+    """A loss whose first call in the run asks the GPU for more memory than it has (a real
+    CUDA out-of-memory error); `marker` says it fired, across processes."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __call__(self, model, batch) -> torch.Tensor:
+        if not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            device = batch[0].device
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.empty(2 * total, dtype=torch.uint8, device=device)
+        return mse(model, batch)
+
+
+def test_a_real_cuda_out_of_memory_error_halves_the_micro_batch_and_redoes_the_step(
+        ray_cluster, nccl, tmp_path):
+    job = TrainJob(model=make_model, optimizer=make_optimizer,
+                   loss=OutOfMemoryOnce(str(tmp_path / "fired")), dataset=make_dataset)
+    result = elastic.fit(job, _config(tmp_path, 1, max_steps=6))
+    [backoff] = of_kind(result.events, OomBackoff)
+    assert (backoff.step, backoff.rank) == (0, 0)
+    assert (backoff.micro_batch_before, backoff.micro_batch_after) == (4, 2)
+    assert not of_kind(result.events, WorkerFailure)
+    assert result.steps == 6
+    torch.testing.assert_close(result.model_state, reference_weights(0, B, 6), **TOLERANCE)
+
+
+@needs_two_gpus
+def test_two_gpu_workers_train_as_the_reference_and_recover_a_killed_one(ray_cluster, nccl,
+                                                                         tmp_path):
+    kill = (ChaosEvent(step=3, rank=1, action="kill", phase="forward"),)
+    result = elastic.fit(regression_job(), _config(tmp_path, 2, max_steps=8, chaos=kill))
+    assert result.steps == 8
+    assert of_kind(result.events, WorkerFailure)
+    torch.testing.assert_close(result.model_state, reference_weights(0, B, 8), **TOLERANCE)

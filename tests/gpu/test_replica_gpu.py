@@ -1,0 +1,226 @@
+"""A replica on a GPU, without Ray: training equal to the CPU reference, the gradients alone on
+the data plane, a real CUDA out-of-memory error voted down and redone, the CUDA generator
+through a state round trip, host copies and loaded state landing on the device.
+
+The communicator is `tests.gpu.planes.PlaneCheck` (one rank, two planes), so the tests need
+one GPU and neither NCCL nor CuPy; those needing two GPUs skip with fewer."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from elastic import BatchConfig, FitConfig, ScalingConfig, TrainJob
+from elastic.adapt.plan import BatchPlan
+from elastic.config import CollectiveConfig, DataConfig
+from elastic.errors import CollectiveError
+from elastic.trainer.buckets import GradientBuckets
+from elastic.trainer.device import is_out_of_memory, resolve_device, to_host
+from elastic.trainer.replica import OutOfMemory, Replica, StepRecord
+from tests.gpu.planes import PlaneCheck
+from tests.jobs import make_dataset, make_model, make_optimizer, mse, reference_weights, regression_job
+
+pytestmark = pytest.mark.gpu
+
+needs_two_gpus = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                                    reason="needs two GPUs")
+
+B = 16
+STEPS = 6
+N_PARAMS = 6 * 8 + 8 + 8 + 1  # tests.jobs.make_model
+PLAN = BatchPlan(B, (B,), (4,))  # four micro-batches: gradients accumulate on the GPU
+# float64 on both sides, but another device's kernels: a float32 tolerance.
+TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
+
+
+def _cuda(index: int = 0) -> torch.device:
+    return torch.device("cuda", index)
+
+
+def _config(tmp_path, overlap: bool = False, gpu: bool = True, pinned: bool = False) -> FitConfig:
+    return FitConfig(
+        scaling=ScalingConfig(num_workers=1, use_gpu=gpu),
+        collective=CollectiveConfig(backend="nccl" if gpu else "gloo", overlap=overlap,
+                                    bucket_bytes=1024, first_bucket_bytes=1024),
+        batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+        data=DataConfig(pin_memory=pinned, loader_workers=1 if pinned else 0),
+        run_dir=str(tmp_path), max_steps=STEPS, ledger=True)
+
+
+def _replica(job: TrainJob, config: FitConfig, tmp_path, device: torch.device) -> Replica:
+    """A replica built as the worker actor builds it: the device bound first."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    replica = Replica(job, config, str(tmp_path), device)
+    replica.comm = PlaneCheck(cuda=device.type == "cuda")
+    return replica
+
+
+def _host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in state.items()}
+
+
+def _train(replica: Replica, steps: int, plan: BatchPlan = PLAN) -> list:
+    try:
+        return [replica.run_step(plan, []) for _ in range(steps)]
+    finally:
+        replica.close()
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["in-process", "pinned-loader"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["flat", "buckets"])
+def test_one_gpu_replica_trains_as_the_cpu_reference(tmp_path, overlap, pinned):
+    replica = _replica(regression_job(), _config(tmp_path, overlap, pinned=pinned), tmp_path,
+                       _cuda())
+    records = _train(replica, STEPS)
+    assert all(isinstance(r, StepRecord) for r in records)
+    assert all(p.device == _cuda() for p in replica.model.parameters())
+    momentum = [t for st in replica.optimizer.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor)]
+    assert momentum and all(t.device == _cuda() for t in momentum)  # built after the move
+    comm = replica.comm
+    # The data plane carried the float64 gradients and nothing else; the control plane the
+    # metadata (PlaneCheck asserts the devices on every call).
+    assert sum(n for _, _, n in comm.calls) == STEPS * N_PARAMS
+    assert {dtype for _, dtype, _ in comm.calls} == {torch.float64}
+    assert {dtype for _, dtype, _ in comm.control.calls} == {torch.float64}
+    assert len(records[0].indices) == B  # the ledger came back through the control plane
+    torch.testing.assert_close(_host(replica.model.state_dict()), reference_weights(0, B, STEPS),
+                               **TOLERANCE)
+
+
+def batchnorm_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["flat", "buckets"])
+def test_batchnorm_statistics_on_a_gpu_match_the_same_steps_on_the_cpu(tmp_path, overlap):
+    job = TrainJob(model=batchnorm_model, optimizer=make_optimizer, loss=mse, dataset=make_dataset)
+    gpu = _replica(job, _config(tmp_path / "gpu", overlap), tmp_path / "gpu", _cuda())
+    cpu = _replica(job, _config(tmp_path / "cpu", overlap, gpu=False), tmp_path / "cpu",
+                   torch.device("cpu"))
+    _train(gpu, STEPS)
+    _train(cpu, STEPS)
+    # The running statistics' terms went to the host for the control plane and came back.
+    torch.testing.assert_close(_host(gpu.model.state_dict()), _host(cpu.model.state_dict()),
+                               **TOLERANCE)
+
+
+class OutOfMemoryOnce:
+    """A loss whose first call asks the GPU for more memory than it has (a real CUDA
+    out-of-memory error from the caching allocator)."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def __call__(self, model: nn.Module, batch) -> torch.Tensor:
+        if not self.fired:
+            self.fired = True
+            device = batch[0].device
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.empty(2 * total, dtype=torch.uint8, device=device)
+        return mse(model, batch)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["flat", "buckets"])
+def test_a_real_cuda_out_of_memory_error_is_voted_down_and_the_step_redone_smaller(tmp_path,
+                                                                                  overlap):
+    job = TrainJob(model=make_model, optimizer=make_optimizer, loss=OutOfMemoryOnce(),
+                   dataset=make_dataset)
+    replica = _replica(job, _config(tmp_path, overlap), tmp_path, _cuda())
+    first = replica.run_step(PLAN, [])
+    assert first == OutOfMemory(step=0, ranks=(0,))
+    assert replica.global_step == 0 and all(p.grad is None for p in replica.model.parameters())
+    # The controller halves the rank's micro-batch (OomBackoff); the step is redone.
+    records = _train(replica, STEPS, BatchPlan(B, (B,), (2,)))
+    assert [r.step for r in records] == list(range(STEPS))
+    torch.testing.assert_close(_host(replica.model.state_dict()), reference_weights(0, B, STEPS),
+                               **TOLERANCE)
+
+
+def test_a_real_cuda_out_of_memory_error_is_classified_as_out_of_memory():
+    total = torch.cuda.get_device_properties(_cuda()).total_memory
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        torch.empty(2 * total, dtype=torch.uint8, device=_cuda())
+    assert is_out_of_memory(raised.value)
+    try:
+        raise CollectiveError("collective failed on rank 0") from raised.value
+    except CollectiveError as e:
+        assert is_out_of_memory(e)
+
+
+def dropout_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 1)).double()
+
+
+def test_dropout_on_a_gpu_reproduces_after_the_state_round_trip(tmp_path):
+    job = TrainJob(model=dropout_model, optimizer=make_optimizer, loss=mse, dataset=make_dataset)
+    replica = _replica(job, _config(tmp_path), tmp_path, _cuda())
+    torch.cuda.manual_seed(11)
+    state = replica.state()
+    assert not state["cuda_rng"].is_cuda and state["cuda_rng"].dtype == torch.uint8
+    x = torch.randn(64, 6, dtype=torch.float64, device=_cuda())  # before: it draws too
+    saved = replica.state_bytes()  # as a peer restore sends it
+    replica.model.train()
+    first = replica.model(x)
+    assert not torch.equal(replica.model(x), first)  # the generator moved on
+    replica.load_state_bytes(saved)
+    torch.testing.assert_close(replica.model(x), first, rtol=0, atol=0)
+    # The same state on a CPU worker: the CPU generator restored, the CUDA one ignored.
+    cpu = _replica(job, _config(tmp_path / "cpu", gpu=False), tmp_path / "cpu", torch.device("cpu"))
+    cpu.load_state_bytes(saved)
+    assert torch.equal(torch.get_rng_state(), state["rng"])
+
+
+def test_host_copies_of_a_gpu_state_are_pinned_snapshots_or_plain_copies():
+    weight = torch.ones(4, device=_cuda())
+    state = {"model": {"w": weight, "tied": weight}, "cpu": torch.zeros(2), "n": 3}
+    snapshot = to_host(state, copy=True, pin=True)
+    w = snapshot["model"]["w"]
+    assert not w.is_cuda and w.is_pinned() and snapshot["model"]["tied"] is w
+    assert snapshot["cpu"] is not state["cpu"]
+    weight.add_(1.0)
+    assert torch.equal(w, torch.ones(4))  # a snapshot: the live state moved on
+    plain = to_host(state)
+    assert not plain["model"]["w"].is_cuda and plain["cpu"] is state["cpu"]
+
+
+def adam(params) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["flat", "buckets"])
+def test_a_state_loaded_from_host_memory_lands_on_the_device_and_training_goes_on_alike(
+        tmp_path, overlap):
+    job = TrainJob(model=make_model, optimizer=adam, loss=mse, dataset=make_dataset)
+    trained = _replica(job, _config(tmp_path / "a", overlap), tmp_path / "a", _cuda())
+    _train(trained, 3)
+    host = torch.load(io.BytesIO(trained.state_bytes()), weights_only=True, map_location="cpu")
+    fresh = _replica(job, _config(tmp_path / "b", overlap), tmp_path / "b", _cuda())
+    fresh.load_state(host)
+    for st in fresh.optimizer.state.values():  # Adam's moments follow their parameter
+        assert st["exp_avg"].device == _cuda() and st["exp_avg_sq"].device == _cuda()
+    assert all(p.device == _cuda() for p in fresh.model.parameters())
+    _train(trained, 2)
+    _train(fresh, 2)
+    torch.testing.assert_close(_host(fresh.model.state_dict()), _host(trained.model.state_dict()),
+                               **TOLERANCE)
+
+
+@needs_two_gpus
+def test_a_replica_on_the_second_gpu_keeps_everything_there_and_its_threads_bound(tmp_path):
+    device = resolve_device(True, ["1"], "0,1", cuda_available=True)
+    assert device == _cuda(1)
+    replica = _replica(regression_job(), _config(tmp_path, overlap=True), tmp_path, device)
+    buckets = replica._buckets
+    assert isinstance(buckets, GradientBuckets)
+    # The communication thread binds the parameters' device (a new thread starts on device 0).
+    assert buckets._pool.submit(torch.cuda.current_device).result() == 1
+    records = _train(replica, STEPS)
+    assert all(isinstance(r, StepRecord) for r in records)
+    assert all(p.device == device for p in replica.model.parameters())
+    torch.testing.assert_close(_host(replica.model.state_dict()), reference_weights(0, B, STEPS),
+                               **TOLERANCE)
