@@ -35,14 +35,16 @@ class TrainJob:
         collate_fn: turns a list of samples into a batch; default
             `torch.utils.data.default_collate`.
         evaluate: `(model) -> dict`, run on rank 0 after each epoch and at the end (the
-            simple form; `eval_dataset` with `eval_step` is the distributed one).
+            simple form; `eval_dataset` with `eval_step` is the distributed one). The model is
+            on the worker's device (a GPU with `scaling.use_gpu`): move its inputs there.
         transform: with a Ray Dataset only: `row dict -> sample`, run on the worker.
         eval_dataset: `() -> map-style Dataset` evaluated with `eval_step`, split over the
             current members (`FitConfig.evaluation` says when).
         eval_step: `(model, batch) -> {name: (sum, count)}`: per metric, the sum over the
             batch's items and their number (tensors or numbers; `elastic.LossSum` works too);
             each metric is reported as its sums over the whole evaluation set divided by its
-            counts. Runs under `torch.no_grad()` with the model in eval mode.
+            counts. Runs under `torch.no_grad()` with the model in eval mode, on batches moved
+            to the worker's device as the training batches are (`move_batch`).
         callbacks: `elastic.Callback` objects; they run in the controller process, never in a
             worker's step (see `elastic.callbacks`).
         extra_state: `(model, optimizer) -> {name: object}`: state beside the model and the

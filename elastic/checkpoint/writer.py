@@ -51,8 +51,10 @@ class CheckpointWriter:
     def submit(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any],
                after_part: Callable[[str], None] | None = None) -> bool:
         """Starts serialising and writing a snapshot (`parts`: name -> an object torch.save
-        can write, already copied off the live state by the caller); returns False (and writes
-        nothing) if the previous write is still in flight, so snapshots never pile up."""
+        can write, already copied off the live state by the caller, into host memory: this
+        thread never touches a GPU, and the files load where none is visible); returns False
+        (and writes nothing) if the previous write is still in flight, so snapshots never pile
+        up."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return False
