@@ -149,7 +149,11 @@ class ScalingConfig(_Frozen):
         description="Most workers the run may grow to (scale requests, new capacity). "
         "Default: num_workers.",
     )
-    use_gpu: bool = Field(default=False, description="Give each worker one GPU (backend nccl).")
+    use_gpu: bool = Field(
+        default=False,
+        description="Give each worker one GPU (backend nccl): the GPU Ray assigns it holds the "
+        "model, the optimizer state, the batches (moved by TrainJob.move_batch if given) and "
+        "the gradients.")
     cpus_per_worker: float = Field(default=1.0, gt=0, description="CPUs reserved per worker actor.")
     threads_per_worker: int | None = Field(
         default=None, ge=1,
@@ -439,8 +443,8 @@ class DataConfig(_Frozen):
     )
     pin_memory: bool = Field(
         default=False,
-        description="Copy loaded batches into pinned (page-locked) host memory, for faster "
-        "copies to a GPU; needs scaling.use_gpu.",
+        description="Copy loaded batches into pinned (page-locked) host memory, from where "
+        "they are copied to the GPU asynchronously (non_blocking); needs scaling.use_gpu.",
     )
     start_method: Literal["spawn", "forkserver"] = Field(
         default="spawn",

@@ -12,6 +12,7 @@ replica's tensors binds the device first.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -58,6 +59,12 @@ from elastic.trainer.replica import (
     UserFailure,
     chaos_kill,
 )
+
+logger = logging.getLogger(__name__)
+
+# Longest a worker waits for the last generation's communicator to be released before it ends
+# its process (an NCCL communicator whose kernels never end cannot be released).
+_RELEASE_S = 30.0
 
 
 @ray.remote
@@ -107,8 +114,13 @@ class WorkerActor:
             self._abort = threading.Event()
             signal_ = self._abort
             old = self.replica.comm
-        if old is not None:
-            old.close()
+        if old is not None and not old.close(timeout=_RELEASE_S):
+            # NCCL state that cannot be released (a kernel that never ends) would wedge this
+            # process; ending it lets the controller replace the worker.
+            logger.error("worker %s: the communicator of the last generation was not released "
+                         "within %.0f s; ending this worker's process so that it is replaced",
+                         self.worker_id, _RELEASE_S)
+            os._exit(1)
         with self._turn:
             self._next_ticket, self._completed = 0, True
             self._generation, self._yield_ticket = generation, -1
