@@ -1,63 +1,69 @@
-"""What of the NCCL backend can be checked without a GPU; the rest runs under the gpu mark."""
+"""The NCCL transport on CPU, against the simulator of NCCL's execution model
+(`CollectiveConfig.nccl_simulator`): every algorithm through `Communicator` with ranks as
+threads, the grouping that keeps a ring step from deadlocking (and the deadlock without it),
+the stream waits, the device guard, abort on failure, and peers that die. Real NCCL runs in
+tests/gpu/test_nccl_gpu.py."""
 
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
 import threading
+import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from elastic.collective import Communicator, RendezvousServer
 from elastic.collective import nccl as nccl_backend
+from elastic.collective import nccl_sim as sim
 from elastic.config import CollectiveConfig
-from elastic.errors import BackendUnavailableError
+from elastic.errors import (
+    BackendUnavailableError,
+    CollectiveAbortedError,
+    CollectiveError,
+    CollectiveTimeoutError,
+)
+from tests.threads import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+ALGORITHMS = ["ring", "tree", "halving_doubling", "native"]
+
+
+def _config(**kwargs) -> CollectiveConfig:
+    kwargs.setdefault("timeout", timedelta(seconds=30))
+    return CollectiveConfig(backend="nccl", nccl_simulator=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RendezvousServer()
+    yield srv
+    srv.close()
+
+
+# --- pieces that need no communicator --------------------------------------------------------
 
 
 def test_unique_id_round_trips_through_the_store_encoding():
     uid = tuple(range(-64, 64))
     assert nccl_backend.decode_unique_id(nccl_backend.encode_unique_id(uid)) == uid
+    simulated = sim.get_unique_id()
+    assert len(simulated) == 128 and all(-128 <= x <= 127 for x in simulated)
+    assert nccl_backend.decode_unique_id(nccl_backend.encode_unique_id(simulated)) == simulated
 
 
-def test_every_mapped_dtype_has_a_distinct_nccl_name():
+def test_every_mapped_dtype_has_a_distinct_nccl_name_the_simulator_knows():
     names = list(nccl_backend.NCCL_DTYPES.values())
     assert len(set(names)) == len(names)
     assert torch.float32 in nccl_backend.NCCL_DTYPES
     assert torch.bfloat16 in nccl_backend.NCCL_DTYPES
-
-
-class _Event:
-    def __init__(self, done_after: int) -> None:
-        self.polls, self.done_after = 0, done_after
-
-    def query(self) -> bool:
-        self.polls += 1
-        return self.polls > self.done_after
-
-
-class _Comm:
-    def __init__(self, error: BaseException | None = None) -> None:
-        self.error = error
-
-    def check_async_error(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
-def test_a_pending_nccl_operation_can_be_waited_on_and_times_out():
-    """`Communicator.wait` calls `wait` whenever an operation is not done at the first poll."""
-    pending = nccl_backend._CudaPending(_Event(done_after=3), _Comm())
-    assert pending.wait(5.0) is True
-    pending.check()
-    never = nccl_backend._CudaPending(_Event(done_after=10**9), _Comm())
-    assert never.wait(0.01) is False
-
-
-@pytest.mark.parametrize(("code", "name"), [(6, "ncclRemoteError"), (7, "ncclInProgress")])
-def test_result_codes_cupy_cannot_name_become_a_collective_error_naming_them(code, name):
-    from elastic.errors import CollectiveError
-
-    pending = nccl_backend._CudaPending(_Event(done_after=10**9), _Comm(KeyError(code)))
-    assert pending.wait(1.0) is True  # an async error ends the wait
-    with pytest.raises(CollectiveError, match=f"NCCL result {code} \\({name}\\)"):
-        pending.check()
+    for dtype in nccl_backend.NCCL_DTYPES:
+        assert sim._DTYPES[nccl_backend.nccl_dtype(sim, dtype)] == dtype
 
 
 def test_nccl_dtype_refuses_a_type_nccl_lacks():
@@ -69,9 +75,22 @@ def test_nccl_dtype_refuses_a_type_nccl_lacks():
         nccl_backend.nccl_dtype(FakeNccl, torch.complex64)
 
 
+@pytest.mark.parametrize(("error", "text"), [
+    (KeyError(6), "NCCL result 6 (ncclRemoteError)"),
+    (KeyError(7), "NCCL result 7 (ncclInProgress)"),
+    (KeyError(42), "NCCL result 42 (unknown to this version)"),
+])
+def test_result_codes_cupy_cannot_name_are_described_by_number(error, text):
+    assert nccl_backend.describe_nccl_error(error) == text
+
+
+def test_load_nccl_gives_the_simulator_when_simulated():
+    assert nccl_backend.load_nccl(simulated=True) is sim
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error path")
 def test_nccl_without_cuda_fails_with_a_message_naming_the_fix():
-    server = RendezvousServer()
+    server = RendezvousServer()  # its own: generation 0 of the module's server is run_ranks'
     try:
         with pytest.raises(BackendUnavailableError, match="backend='gloo'"):
             Communicator(0, 1, server.endpoint, 0, CollectiveConfig(backend="nccl"),
@@ -80,30 +99,459 @@ def test_nccl_without_cuda_fails_with_a_message_naming_the_fix():
         server.close()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("algorithm", ["ring", "tree", "halving_doubling", "native"])
-def test_nccl_allreduce_on_one_gpu_per_thread(algorithm):
-    devices = torch.cuda.device_count()
-    world = min(devices, 4) if devices > 1 else 1
-    server = RendezvousServer()
-    results = {}
+# --- every collective, every algorithm ------------------------------------------------------
 
-    def rank(r):
-        torch.cuda.set_device(r % devices)
-        comm = Communicator(r, world, server.endpoint, 0, CollectiveConfig(backend="nccl"),
-                            secret=server.secret)
-        t = torch.full((1 << 16,), float(r + 1), device="cuda")
-        comm.allreduce(t, "sum", algorithm)
-        torch.cuda.synchronize()
-        results[r] = t.cpu()
-        comm.close()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
+def _inputs(rank: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Small integers, so that float sums are exact in any order."""
+    g = torch.Generator().manual_seed(1000 * rank + length)
+    return torch.randint(-50, 50, (length,), generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_algorithm_is_exact_at_every_world_size(server, algorithm, world):
+    lengths = [0, 1, world - 1, 1001, 4099]
+    cases = [(n, dtype, op) for n in lengths for dtype, op in
+             [(torch.float32, "sum"), (torch.int64, "sum"), (torch.float64, "max"),
+              (torch.float32, "avg")]]
+
+    def body(comm: Communicator) -> list[torch.Tensor]:
+        assert comm.transport == "nccl"
+        out = []
+        for n, dtype, op in cases:
+            t = _inputs(comm.rank, n, dtype)
+            assert comm.allreduce(t, op, algorithm) is t
+            out.append(t)
+        return out
+
+    # Small segments so that the ring posts many transfers per step (one group per step).
+    results = run_ranks(server, world, body, _config(segment_bytes=1024), timeout=60)
+    for i, (n, dtype, op) in enumerate(cases):
+        stacked = torch.stack([_inputs(r, n, dtype).to(torch.float64) for r in range(world)])
+        expected = {"sum": stacked.sum(0), "max": stacked.max(0).values,
+                    "avg": stacked.sum(0).to(dtype) / world}[op].to(dtype)
+        for r in range(world):
+            assert torch.equal(results[r][i], expected), (n, dtype, op, r)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_reduce_scatter_allgather_broadcast_send_recv_and_barrier(server, world):
+    def body(comm: Communicator) -> dict:
+        r, n = comm.rank, comm.world_size
+        out: dict = {}
+        out["reduce_scatter"] = comm.reduce_scatter(torch.arange(2 * n + 1, dtype=torch.float32) * (r + 1))
+        out["allgather"] = comm.allgather(torch.full((3,), r, dtype=torch.int32))
+        out["broadcast"] = comm.broadcast(torch.full((5,), float(r)), src=n - 1)
+        out["broadcast_empty"] = comm.broadcast(torch.empty(0), src=0)
+        if r == 0:
+            comm.send(torch.arange(6, dtype=torch.float64), dst=n - 1, tag=3)
+        if r == n - 1:
+            out["recv"] = comm.recv(torch.zeros(6, dtype=torch.float64), src=0, tag=3)
+        comm.barrier()
+        return out
+
+    results = run_ranks(server, world, body, _config())
+    total = torch.arange(2 * world + 1, dtype=torch.float32) * sum(range(1, world + 1))
+    for r, out in enumerate(results):
+        assert torch.equal(out["reduce_scatter"], total.tensor_split(world)[r])
+        assert torch.equal(out["allgather"], torch.arange(world, dtype=torch.int32)[:, None].expand(world, 3))
+        assert torch.equal(out["broadcast"], torch.full((5,), float(world - 1)))
+    assert torch.equal(results[-1]["recv"], torch.arange(6, dtype=torch.float64))
+
+
+def test_non_contiguous_tensors_are_reduced_through_a_contiguous_copy(server):
+    def body(comm: Communicator) -> torch.Tensor:
+        t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * (comm.rank + 1)
+        return comm.allreduce(t, "sum", "ring")
+
+    results = run_ranks(server, 2, body, _config())
+    assert torch.equal(results[0], torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * 3)
+
+
+# --- grouping --------------------------------------------------------------------------------
+
+
+class _OneGroupPerCall(nccl_backend.NcclTransport):
+    """The old transport: every exchange (and so every receive of recv_reduce) is issued as a
+    group of its own at once."""
+
+    def exchange(self, sends, recvs, tag):
+        pending = super().exchange(sends, recvs, tag)
+        with self._lock:
+            if self._open is not None:
+                self._issue(self._open)
+        return pending
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_group_per_call_deadlocks_the_ring_against_the_simulator(server, monkeypatch, world):
+    """Each rank posts a ring step's receive before its send; issued as two groups on one
+    stream, the receive waits for a send that is queued behind it on the peer."""
+    monkeypatch.setattr(nccl_backend, "NcclTransport", _OneGroupPerCall)
+    failures: list[BaseException] = []
+
+    def body(comm: Communicator) -> None:
+        try:
+            comm.allreduce(torch.ones(100), "sum", "ring")
+        except CollectiveError as e:
+            failures.append(e)
+
+    started = time.monotonic()
+    run_ranks(server, world, body, _config(timeout=timedelta(seconds=1)))
+    assert len(failures) == world
+    assert any(isinstance(e, CollectiveTimeoutError) for e in failures)
+    assert time.monotonic() - started < 20
+
+
+def test_a_ring_step_is_issued_as_one_group(server, monkeypatch):
+    """What the transport hands NCCL: per ring step, the step's receive and its send between
+    one groupStart and groupEnd."""
+    groups: dict[int, list[list[str]]] = {0: [], 1: []}
+    real_start, real_end = sim.groupStart, sim.groupEnd
+    local = threading.local()
+
+    class Recording(sim.NcclCommunicator):
+        def send(self, *args):
+            local.ops.append((self._rank, "send"))
+            super().send(*args)
+
+        def recv(self, *args):
+            local.ops.append((self._rank, "recv"))
+            super().recv(*args)
+
+    def group_start():
+        local.ops = []
+        real_start()
+
+    def group_end():
+        real_end()
+        if local.ops:
+            groups[local.ops[0][0]].append(sorted(kind for _, kind in local.ops))
+
+    monkeypatch.setattr(sim, "NcclCommunicator", Recording)
+    monkeypatch.setattr(sim, "groupStart", group_start)
+    monkeypatch.setattr(sim, "groupEnd", group_end)
+    results = run_ranks(server, 2, lambda c: c.allreduce(torch.ones(10) * (c.rank + 1), "sum", "ring"),
+                        _config())
+    assert all(torch.equal(t, torch.full((10,), 3.0)) for t in results)
+    # One reduce-scatter step and one allgather step, each one group of a receive and a send.
+    for rank in (0, 1):
+        assert groups[rank] == [["recv", "send"], ["recv", "send"]]
+
+
+# --- streams ---------------------------------------------------------------------------------
+
+
+def _late_producer(comm: Communicator, algorithm: str) -> torch.Tensor:
+    """The tensor is written by a kernel still queued on the caller's stream when the
+    allreduce starts: only the communication stream's wait makes the result right."""
+    t = torch.zeros(64)
+    rank = comm.rank
+    sim.launch(lambda: (time.sleep(0.2), t.fill_(rank + 1)))
+    return comm.allreduce(t, "sum", algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ["native", "ring"])
+def test_the_communication_stream_waits_for_the_producer_stream(server, algorithm):
+    results = run_ranks(server, 2, lambda c: _late_producer(c, algorithm), _config())
+    assert all(torch.equal(t, torch.full((64,), 3.0)) for t in results)
+
+
+def test_without_the_producer_wait_the_late_kernel_is_missed(server, monkeypatch):
+    """The control for the test above: it fails when the communication stream does not wait."""
+    monkeypatch.setattr(sim.Stream, "wait_stream", lambda self, other: None)
+    results = run_ranks(server, 2, lambda c: _late_producer(c, "native"), _config())
+    assert not all(torch.equal(t, torch.full((64,), 3.0)) for t in results)
+
+
+def test_the_callers_stream_is_ordered_after_the_operation(server):
+    def body(comm: Communicator) -> list[float]:
+        t = torch.ones(8)
+        comm.allreduce(t, "sum", "native")
+        seen: list[float] = []
+        sim.launch(lambda: seen.append(float(t.sum())))
+        sim.current_stream().synchronize()
+        return seen
+
+    assert run_ranks(server, 2, body, _config()) == [[16.0], [16.0]]
+
+
+# --- the guard -------------------------------------------------------------------------------
+
+
+class _Spy(sim.NcclCommunicator):
+    """Records every call on the handle, per process."""
+
+    calls: list[tuple[int, str]] = []
+
+    def _record(self, name: str) -> None:
+        _Spy.calls.append((self._rank, name))
+
+    def send(self, *args):
+        self._record("send")
+        super().send(*args)
+
+    def recv(self, *args):
+        self._record("recv")
+        super().recv(*args)
+
+    def allReduce(self, *args):
+        self._record("allReduce")
+        super().allReduce(*args)
+
+    def bcast(self, *args):
+        self._record("bcast")
+        super().bcast(*args)
+
+    def abort(self):
+        self._record("abort")
+        super().abort()
+
+    def destroy(self):
+        self._record("destroy")
+        super().destroy()
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    _Spy.calls = []
+    monkeypatch.setattr(sim, "NcclCommunicator", _Spy)
+    return _Spy
+
+
+@pytest.mark.parametrize("call", ["allreduce", "broadcast", "send", "ring"])
+def test_a_tensor_on_another_device_is_refused_before_any_nccl_call(server, spy, call):
+    errors: list[BaseException] = []
+
+    def body(comm: Communicator) -> None:
+        wrong = torch.ones(4, device="meta")
+        try:
+            if call == "allreduce":
+                comm.allreduce(wrong, "sum", "native")
+            elif call == "broadcast":
+                comm.broadcast(wrong, 0)
+            elif call == "send":
+                comm.send(wrong, dst=1 - comm.rank)
+            else:
+                comm.allreduce(wrong, "sum", "ring")
+        except CollectiveError as e:
+            errors.append(e)
+
+    run_ranks(server, 2, body, _config())
+    assert len(errors) == 2
+    for e in errors:
+        assert "CUDA tensors only" in str(e) and "meta" in str(e)
+    assert not [c for c in spy.calls if c[1] not in ("abort", "destroy")]
+
+
+def test_a_non_contiguous_tensor_is_refused_by_the_transport():
+    transport = _solo_transport()
+    try:
+        with pytest.raises(CollectiveError, match="contiguous"):
+            transport.exchange([(torch.ones(4, 4).t(), 0)], [], 0)
+    finally:
+        transport.close()
+
+
+# --- failure, abort, close -------------------------------------------------------------------
+
+
+def test_a_timeout_aborts_nccl_and_close_then_never_destroys(server, spy):
+    outcome: dict[int, BaseException | None] = {}
+
+    def body(comm: Communicator) -> None:
+        try:
+            if comm.rank == 0:
+                comm.recv(torch.zeros(4), src=1)  # rank 1 never sends
+        except CollectiveError as e:
+            outcome[0] = e
+        if comm.rank == 1:
+            time.sleep(1.5)
+
+    run_ranks(server, 2, body, _config(timeout=timedelta(seconds=0.5)))
+    assert isinstance(outcome[0], CollectiveTimeoutError)
+    rank0 = [name for rank, name in spy.calls if rank == 0]
+    assert rank0 == ["recv", "abort"]  # aborted on the timeout; close did not destroy
+    rank1 = [name for rank, name in spy.calls if rank == 1]
+    assert "destroy" not in rank1  # its peer aborted: a remote error, so close aborts too
+
+
+def test_close_after_clean_use_destroys(server, spy):
+    run_ranks(server, 2, lambda c: c.allreduce(torch.ones(3), "sum", "native"), _config())
+    for rank in (0, 1):
+        assert [name for r, name in spy.calls if r == rank] == ["allReduce", "destroy"]
+
+
+def test_abort_while_waiting_wakes_the_caller_and_aborts_nccl(server, spy):
+    done: dict[str, object] = {}
+
+    def body(comm: Communicator) -> None:
+        if comm.rank == 0:
+            threading.Timer(0.3, comm.abort).start()
+            started = time.monotonic()
+            try:
+                comm.recv(torch.zeros(4), src=1)
+            except CollectiveAbortedError:
+                done["seconds"] = time.monotonic() - started
+        else:
+            time.sleep(1.0)
+
+    run_ranks(server, 2, body, _config())
+    assert float(done["seconds"]) < 2.0  # type: ignore[arg-type]
+    assert (0, "abort") in spy.calls and (0, "destroy") not in spy.calls
+
+
+def test_an_injected_in_progress_code_becomes_a_collective_error_naming_it(server):
+    errors: list[BaseException] = []
+
+    def body(comm: Communicator) -> None:
+        if comm.rank == 0:
+            comm._transport._comm.inject_error(7)
+        try:
+            comm.allreduce(torch.ones(4), "sum", "native")
+        except CollectiveError as e:
+            errors.append(e)
+
+    run_ranks(server, 2, body, _config())
+    messages = " | ".join(str(e) for e in errors)
+    assert "NCCL result 7 (ncclInProgress)" in messages, messages
+
+
+def test_a_rank_that_aborts_mid_allreduce_fails_the_others_without_waiting_out_the_timeout(server):
+    failures: dict[int, BaseException] = {}
+
+    def body(comm: Communicator) -> None:
+        started = time.monotonic()
+        if comm.rank == 2:
+            time.sleep(0.3)
+            comm._transport.abort()  # this rank's NCCL goes away as a crash would take it
+            return
+        try:
+            comm.allreduce(torch.ones(1000), "sum", "native")
+        except CollectiveError as e:
+            failures[comm.rank] = e
+            assert time.monotonic() - started < 10
+
+    run_ranks(server, 3, body, _config(timeout=timedelta(seconds=60)))
+    assert set(failures) == {0, 1}
+    for e in failures.values():
+        assert not isinstance(e, CollectiveTimeoutError)
+        assert "ncclRemoteError" in str(e)
+
+
+class _ExclusiveComm:
+    """A stand-in for CuPy's communicator that fails when two threads are inside it at once,
+    or when anything is called after abort freed the handle."""
+
+    def __init__(self) -> None:
+        self._inside = threading.Lock()
+        self.freed = False
+        self.violations: list[str] = []
+        self.calls = 0
+
+    def _enter(self, name: str) -> None:
+        if not self._inside.acquire(blocking=False):
+            self.violations.append(f"{name} entered concurrently")
+            return
+        try:
+            if self.freed:
+                self.violations.append(f"{name} after abort")
+            self.calls += 1
+            time.sleep(0.0005)
+        finally:
+            self._inside.release()
+
+    def check_async_error(self) -> None:
+        self._enter("check_async_error")
+
+    def abort(self) -> None:
+        self._enter("abort")
+        self.freed = True
+
+    def destroy(self) -> None:
+        self._enter("destroy")
+        self.freed = True
+
+    def send(self, *args) -> None:
+        self._enter("send")
+
+    def recv(self, *args) -> None:
+        self._enter("recv")
+
+
+def _solo_transport() -> nccl_backend.NcclTransport:
+    return nccl_backend.NcclTransport(0, 1, dist.HashStore(), timedelta(seconds=10), simulated=True)
+
+
+def test_abort_is_serialised_with_polling_on_the_communicator_handle():
+    transport = _solo_transport()
+    real = transport._comm
+    fake = transport._comm = _ExclusiveComm()
+    blocker = sim.Stream()
+    # The group cannot run before `gate` is set: its handle stays pending while polled.
+    gate = threading.Event()
+    sim.launch(gate.wait, blocker)
+    with sim.stream(blocker):
+        pending = transport.exchange([(torch.ones(4), 0)], [(torch.zeros(4), 0)], 0)
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            for p in pending:
+                p.is_done()
+                p.wait(0.001)
+
+    pollers = [threading.Thread(target=poll) for _ in range(2)]
+    for t in pollers:
         t.start()
-    for t in threads:
-        t.join(120)
-    server.close()
-    expected = world * (world + 1) / 2
-    for r in range(world):
-        assert torch.all(results[r] == expected)
+    time.sleep(0.1)
+    transport.abort()
+    time.sleep(0.1)
+    stop.set()
+    for t in pollers:
+        t.join(10)
+    gate.set()
+    transport.close()
+    real.abort()
+    assert fake.calls > 10
+    assert fake.violations == []
+    assert all(p.is_done() for p in pending)
+    with pytest.raises(CollectiveError, match="aborted"):
+        pending[0].check()
+
+
+def _dying_rank(endpoint: str, secret: bytes, conn) -> None:
+    from elastic.collective import Endpoint
+
+    comm = Communicator(1, 2, Endpoint.parse(endpoint), 0, _config(), secret=secret)
+    conn.send("connected")
+    comm.allreduce(torch.ones(10), "sum", "native")
+    conn.send("reduced")
+    time.sleep(600)  # killed by the test
+
+
+def test_a_peer_killed_with_sigkill_fails_the_survivor_with_a_collective_error():
+    server = RendezvousServer()
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_dying_rank, args=(str(server.endpoint), server.secret, child),
+                       daemon=True)
+    proc.start()
+    try:
+        comm = Communicator(0, 2, server.endpoint, 0, _config(), secret=server.secret)
+        assert parent.poll(60) and parent.recv() == "connected"
+        assert torch.equal(comm.allreduce(torch.ones(10), "sum", "native"), torch.full((10,), 2.0))
+        assert parent.poll(30) and parent.recv() == "reduced"
+        # The second allreduce waits for a rank that is killed meanwhile.
+        threading.Timer(0.3, os.kill, args=(proc.pid, signal.SIGKILL)).start()
+        started = time.monotonic()
+        with pytest.raises(CollectiveError, match="ncclRemoteError") as raised:
+            comm.allreduce(torch.ones(10), "sum", "native")
+        assert not isinstance(raised.value, CollectiveTimeoutError)
+        assert time.monotonic() - started < 15
+        comm.close()
+    finally:
+        proc.kill()
+        proc.join(10)
+        server.close()
