@@ -279,9 +279,12 @@ class RayWorkers:
             rank = refs[ready[0]]
             try:
                 outcomes[rank] = ray.get(ready[0])
-                if isinstance(outcomes[rank], ChunkFailed) and remaining:
-                    # It left the generation on its own (user code after a step raised):
-                    # the others would wait for it in the next step's collective.
+                left = isinstance(outcomes[rank], ChunkFailed) or getattr(
+                    outcomes[rank], "broken", False)
+                if left and remaining:
+                    # It left the generation on its own (user code after a step raised, or
+                    # out of memory in a collective): the others would wait for it in a
+                    # collective.
                     self._abort_all_but(ids, rank)
             except RayActorError as e:
                 lost[rank] = _death_reason(e)

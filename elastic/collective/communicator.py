@@ -118,9 +118,9 @@ class Communicator:
         device = _caller_cuda_device(self.config)
 
         def build() -> None:
-            if device is not None:  # NCCL binds the communicator to the current device
-                torch.cuda.set_device(device)
             try:
+                if device is not None:  # NCCL binds the communicator to the current device
+                    torch.cuda.set_device(device)
                 with generation_store(endpoint, self.generation, timeout, secret) as store:
                     transports = _make_transports(
                         self.config, self.rank, self.world_size, store,

@@ -90,12 +90,15 @@ class ChunkInterrupted:
 @dataclass(frozen=True)
 class ChunkVotedDown:
     """The ranks voted a step down (`failure` says why: `UserFailure`, `OutOfMemory` or
-    `NonFinite` from `elastic.trainer.replica`); no rank applied it."""
+    `NonFinite` from `elastic.trainer.replica`); no rank applied it. `broken`: this rank ran
+    out of memory in the step's communication itself and aborted its communicator, so the
+    generation must be re-formed (its peers are released at once)."""
 
     records: list[Any]
     committed_step: int
     cursor: dict[str, int]
     failure: Any
+    broken: bool = False
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,9 @@ class SimulatedWorkers:
         traits: what the workers report of the model (`Replica.traits`; default: no
             BatchNorm or dropout layers).
         metrics: what an evaluation of the committed step returns (default: {"score": step}).
+        oom_in_collective: an `OutOfMemory` vote happens in the step's communication: the
+            ranks it names abort their communicators (`ChunkVotedDown(broken=True)`) and the
+            others report the chunk interrupted.
     """
 
     def __init__(self, dataset_size: int, capacity: int, step_time_s: float = 0.01,
@@ -73,8 +76,10 @@ class SimulatedWorkers:
                  before_chunk: Callable[[int], None] | None = None,
                  votes: dict[int, list[Any]] | None = None,
                  traits: dict[str, int] | None = None,
-                 metrics: Callable[[int], dict[str, float]] | None = None) -> None:
+                 metrics: Callable[[int], dict[str, float]] | None = None,
+                 oom_in_collective: bool = False) -> None:
         self.dataset_size = dataset_size
+        self.oom_in_collective = oom_in_collective
         self.capacity = capacity
         self.step_time_s = step_time_s
         self.start_delay_s = start_delay_s
@@ -224,6 +229,12 @@ class SimulatedWorkers:
                cursor: Cursor, step: int) -> ChunkReport:
         """Every rank votes step `step` down with `failure`; the steps before it committed."""
         self._commit(ids, cursor)
+        if self.oom_in_collective and type(failure).__name__ == "OutOfMemory":
+            return ChunkReport({
+                rank: ChunkVotedDown(records[rank], step, cursor.to_dict(), failure, broken=True)
+                if rank in failure.ranks else
+                ChunkInterrupted(records[rank], step, cursor.to_dict(), "aborted")
+                for rank in range(len(ids))})
         return ChunkReport({rank: ChunkVotedDown(records[rank], step, cursor.to_dict(), failure)
                             for rank in range(len(ids))})
 

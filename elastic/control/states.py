@@ -394,6 +394,10 @@ class Running(State):
         if isinstance(action, Fail):
             raise action.error
         assert isinstance(action, (Retry, BackOff))
+        if any(getattr(o, "broken", False) or isinstance(o, ChunkInterrupted)
+               for o in report.outcomes.values()):
+            # Out of memory in a collective broke the generation: re-form it (nobody is lost).
+            return Recovering(lost=[], report=report, chaos=chaos, detected=ctx.workers.now())
         return self
 
 

@@ -219,6 +219,24 @@ def test_out_of_memory_halves_the_micro_batch_and_redoes_the_step(tmp_path):
     assert _steps(ctx) == list(range(24))
 
 
+def test_out_of_memory_in_a_collective_backs_off_and_re_forms_the_generation(tmp_path):
+    """The rank aborted its communicator: the micro-batch is halved as for a vote, and the
+    broken generation is re-formed at once from the same members (nobody lost)."""
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, votes={3: [OutOfMemory(3, (2,))]},
+                           oom_in_collective=True)
+    end, ctx, _ = _run(tmp_path, sim=sim, batch=BatchConfig(global_batch_size=16,
+                                                            autotune=False))
+    assert isinstance(end, Finished)
+    [backoff] = _events(ctx, "oom_backoff")
+    assert (backoff["rank"], backoff["micro_batch_after"]) == (2, 2)
+    generations = _events(ctx, "generation")
+    assert len(generations) == 2 and generations[0]["world_size"] == generations[1]["world_size"] == 4
+    [failure] = _events(ctx, "worker_failure")  # a recovery that loses nobody
+    assert (failure["lost_ranks"], failure["step"]) == ([], 3)
+    assert ctx.log.metrics[3]["micro_batches"] == [4, 4, 2, 4]
+    assert _steps(ctx) == list(range(24))
+
+
 def test_out_of_memory_at_micro_batch_one_fails(tmp_path):
     sim = SimulatedWorkers(dataset_size=16000, capacity=4, votes={3: [OutOfMemory(3, (0,))]})
     end, ctx, _ = _run(tmp_path, sim=sim, batch=BatchConfig(global_batch_size=4, autotune=False))
