@@ -14,12 +14,14 @@ when one of its handles is first polled, waited on or checked, or when a native 
 transfers and then wait, so each step is one group.
 
 Streams: every operation is enqueued on the transport's own communication stream, which first
-waits for the stream that produced the tensors (the caller's current stream when they were
-posted). Completion is an event recorded on the communication stream after the group; a
-checked handle makes the caller's current stream wait for that event, so later kernels see the
-result, and every tensor the group uses is `record_stream`-ed on the communication stream so
-that the caching allocator does not reuse its memory early. The device is captured when the
-transport is built and set on whichever thread issues, checks or aborts.
+waits for the streams that produce the tensors (the caller's current stream at each post; the
+wait, made when the group is issued, covers all work enqueued there until then, such as the
+reduction of the previous step's receive into the buffer the next one reuses). Completion is
+an event recorded on the communication stream after the group; a checked handle makes the
+caller's current stream wait for that event, so later kernels see the result, and every tensor
+the group uses is `record_stream`-ed on the communication stream so that the caching
+allocator does not reuse its memory early. The device is captured when the transport is built
+and set on whichever thread issues, checks or aborts.
 
 Failure: handles are polled (event query plus `ncclCommGetAsyncError`) against the
 communicator's abort flag, so a dead peer never leaves a caller blocked. `fail()` (a timeout or

@@ -709,10 +709,14 @@ class NcclCommunicator:
                 remaining.remove(op)
 
     def _fail_if_peer_left(self, remaining: list[_Op], others: list[int]) -> None:
-        """A peer that destroyed its communicator will never take part again. Call with `_cv`
+        """A peer that destroyed its communicator will never send again: an operation still
+        waiting for it fails. (What it sent before arrived before its goodbye.) Call with `_cv`
         held."""
         for op in remaining:
-            needed = [op.peer] if op.kind in (_SEND, _RECV) else others
+            if op.kind in (_SEND, _RECV):
+                needed = [op.peer]
+            else:  # the peers whose contribution has not arrived
+                needed = [p for p in others if (op.seq, p) not in self._coll_inbox]
             gone = [p for p in needed if p in self._bye]
             if gone:
                 self._fail(ncclRemoteError, f"rank {gone[0]} left the communicator")

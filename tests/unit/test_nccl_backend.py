@@ -243,12 +243,12 @@ def test_a_ring_step_is_issued_as_one_group(server, monkeypatch):
 # --- streams ---------------------------------------------------------------------------------
 
 
-def _late_producer(comm: Communicator, algorithm: str) -> torch.Tensor:
+def _late_producer(comm: Communicator, algorithm: str, delay: float = 0.2) -> torch.Tensor:
     """The tensor is written by a kernel still queued on the caller's stream when the
     allreduce starts: only the communication stream's wait makes the result right."""
     t = torch.zeros(64)
     rank = comm.rank
-    sim.launch(lambda: (time.sleep(0.2), t.fill_(rank + 1)))
+    sim.launch(lambda: (time.sleep(delay), t.fill_(rank + 1)))
     return comm.allreduce(t, "sum", algorithm)
 
 
@@ -261,7 +261,7 @@ def test_the_communication_stream_waits_for_the_producer_stream(server, algorith
 def test_without_the_producer_wait_the_late_kernel_is_missed(server, monkeypatch):
     """The control for the test above: it fails when the communication stream does not wait."""
     monkeypatch.setattr(sim.Stream, "wait_stream", lambda self, other: None)
-    results = run_ranks(server, 2, lambda c: _late_producer(c, "native"), _config())
+    results = run_ranks(server, 2, lambda c: _late_producer(c, "native", delay=1.0), _config())
     assert not all(torch.equal(t, torch.full((64,), 3.0)) for t in results)
 
 

@@ -251,6 +251,33 @@ def test_destroy_after_clean_use_leaves_the_peer_without_error():
     comms[1].destroy()
 
 
+def test_a_peer_that_finished_and_left_does_not_fail_a_collective_still_waiting_for_another():
+    """Rank 0 has every contribution and destroys its communicator while rank 1 still waits
+    for rank 2's (slow to arrive): rank 1's allreduce completes."""
+    comms = _communicators(3)
+    real = comms[2]._transmit
+
+    def slow_to_rank_one(peer, kind, seq, payload):
+        if peer == 1:
+            time.sleep(0.3)
+        real(peer, kind, seq, payload)
+
+    comms[2]._transmit = slow_to_rank_one
+    streams = [sim.Stream() for _ in range(3)]
+    data = [torch.full((5,), float(r + 1)) for r in range(3)]
+    for r in range(3):
+        comms[r].allReduce(data[r].data_ptr(), data[r].data_ptr(), 5, sim.NCCL_FLOAT32, sim.NCCL_SUM,
+                           streams[r].cuda_stream)
+    events = [s.record_event() for s in streams]
+    assert events[0].synchronize(5)
+    comms[0].destroy()
+    assert events[1].synchronize(5) and events[2].synchronize(5)
+    comms[1].check_async_error()
+    assert all(torch.equal(t, torch.full((5,), 6.0)) for t in data)
+    comms[1].destroy()
+    comms[2].destroy()
+
+
 def _rank_one(uid, conn) -> None:
     comm = sim.NcclCommunicator(2, uid, 1)
     conn.send(comm.rank_id())
