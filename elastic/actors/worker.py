@@ -113,7 +113,9 @@ class WorkerActor:
         with self._lock:
             self._abort = threading.Event()
             signal_ = self._abort
-            old = self.replica.comm
+            # Not left pointing at it: if the new one cannot be built, neither the next connect
+            # nor `abort` touches the closed one.
+            old, self.replica.comm = self.replica.comm, None
         if old is not None and not old.close(timeout=_RELEASE_S):
             # NCCL state that cannot be released (a kernel that never ends) would wedge this
             # process; ending it lets the controller replace the worker.
@@ -169,6 +171,7 @@ class WorkerActor:
         records: list[StepRecord] = []
         replica = self.replica
         rank = replica.comm.rank if replica.comm else -1
+        broken: ChunkVotedDown | None = None
         self._checkpoint_chaos += [e for e in chaos if e.rank == rank and e.phase == "checkpoint"]
         try:
             for _ in range(num_steps):
@@ -183,17 +186,23 @@ class WorkerActor:
                 if outcome.yielded:  # every rank read the same flag: all end here
                     break
         except CollectiveError as e:
-            if is_out_of_memory(e):
-                # This rank ran out of memory in the step's communication (NCCL's buffers, or
-                # its own past the vote): the controller backs its micro-batch off as for a
-                # vote; its peers report the broken generation, which is then re-formed.
-                release_cached_memory(self.device)
-                step = replica.global_step
-                return ChunkVotedDown(records, step, replica.cursor.to_dict(),
-                                      OutOfMemory(step=step, ranks=(rank,)))
-            return ChunkInterrupted(records, replica.global_step, replica.cursor.to_dict(), str(e))
+            if not is_out_of_memory(e):
+                return ChunkInterrupted(records, replica.global_step, replica.cursor.to_dict(),
+                                        str(e))
+            # This rank ran out of memory in the step's communication (NCCL's buffers, or its
+            # own past the vote) or in its apply phase, and aborted its communicator: the
+            # controller releases its peers, backs its micro-batch off as for a vote and
+            # re-forms the generation (restoring this rank from the newest committed step).
+            step = replica.global_step
+            broken = ChunkVotedDown(records, step, replica.cursor.to_dict(),
+                                    OutOfMemory(step=step, ranks=(rank,)), broken=True)
         except AfterStepError as e:
             return ChunkFailed(records, replica.global_step, replica.cursor.to_dict(), e)
+        if broken is not None:
+            # Out of the except block: the error's frames (the failed attempt's tensors) are
+            # gone before the allocator's cache is released.
+            release_cached_memory(self.device)
+            return broken
         return ChunkDone(records, replica.global_step, replica.cursor.to_dict())
 
     def yield_chunks(self, generation: int, ticket: int) -> None:
@@ -217,10 +226,14 @@ class WorkerActor:
         step = self.replica.global_step
         crash = self._crash_mid_write(step)
         if ckpt.async_write:
-            # The only cost on the training path: a copy of the state in host memory (pinned
-            # for a GPU's tensors), which the writer's thread serialises while training goes on.
-            snapshot = {name: to_host(value, copy=True, pin=True) for name, value in state.items()
-                        if value is not None}
+            # The only cost on the training path: a copy of the state in host memory, which the
+            # writer's thread serialises while training goes on. A GPU's tensors are copied
+            # into pinned memory up to `device.PIN_LIMIT_BYTES` (2 GiB) per snapshot, the rest
+            # (and all of it if pinning fails) into pageable memory: PyTorch's caching host
+            # allocator keeps the pinned blocks for the next snapshot, so that bound is what
+            # checkpoints hold pinned. One walk of the whole state: tied tensors copied once.
+            snapshot = to_host({name: value for name, value in state.items() if value is not None},
+                               copy=True, pin=True)
             submitted = self._writer.submit(step, snapshot, meta, after_part=crash)
         else:  # serialised at once: a GPU's tensors copied out, the others as they are
             parts = {name: serialize(to_host(value)) for name, value in state.items()

@@ -31,6 +31,8 @@ MoveBatch = Callable[[Any, torch.device], Any]
 _OUT_OF_MEMORY_TEXT = re.compile(
     r"out of memory|cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|can't allocate memory",
     re.IGNORECASE)
+# torch's CPU allocator's failure (a RuntimeError: torch raises no OutOfMemoryError for it).
+_CPU_ALLOCATOR_TEXT = re.compile(r"DefaultCPUAllocator: can't allocate memory")
 
 
 def local_gpu_index(gpu_ids: Sequence[int | str], visible: str | None) -> int:
@@ -86,103 +88,288 @@ def release_cached_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def pass_through(batch: Any, device: torch.device) -> Any:
+    """The batch as it is: how a CPU worker whose job has no `TrainJob.move_batch` "moves"
+    its batches (they are where the collate function made them; nothing is rebuilt)."""
+    return batch
+
+
+def default_move(device: torch.device) -> MoveBatch:
+    """How a worker on `device` moves a batch when its job has no `TrainJob.move_batch`:
+    `pass_through` on the CPU, `move_batch` on any other device."""
+    return pass_through if device.type == "cpu" else move_batch
+
+
 def move_batch(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
     """`batch` with every tensor in it on `device`, through dicts (and other mappings), lists,
-    tuples, named tuples and dataclass instances; anything else is left as it is. A tensor
-    already there is the same tensor (no copy: on the CPU this is an identity). A copy from
-    pinned host memory is asynchronous with `non_blocking` (the step's kernels run on the same
-    stream, after it)."""
+    tuples, named tuples and dataclass instances; anything else is left as it is.
+
+    A tensor already there is the same tensor, and a container none of whose contents changed
+    is the same container (nothing is rebuilt: with every tensor already on `device` this is
+    an identity). A container that is rebuilt keeps its type (a mapping, list or dataclass is
+    copied with `copy.copy`, so its attributes stay, and refilled; a tuple is built by its
+    type); one that cannot be rebuilt so raises a TypeError that names `TrainJob.move_batch`,
+    with which a job moves such a batch itself. A copy from pinned host memory is
+    asynchronous with `non_blocking` (the step's kernels run on the same stream, after it).
+    """
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     return _map_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
 
 
-def to_host(obj: Any, *, copy: bool = False, pin: bool = False) -> Any:
-    """`obj` with every CUDA tensor in it copied to host memory, through dicts, lists and
-    tuples (state dicts).
-
-    Args:
-        obj: a state (tensors, numbers, strings and containers of them).
-        copy: copy everything else too (CPU tensors cloned, other values deep-copied), so
-            that the live state can change while the copy is written (a background
-            checkpoint); without it, CPU tensors and other values are the same objects (for a
-            caller that serialises at once).
-        pin: the host copies of CUDA tensors in pinned memory (a faster copy; the caching
-            host allocator reuses it from one snapshot to the next). Ignored without CUDA.
-
-    A tensor that appears twice (tied weights) is copied once.
-    """
-    pin = pin and torch.cuda.is_available()
-    memo: dict[int, torch.Tensor] = {}
-
-    def host(t: torch.Tensor) -> torch.Tensor:
-        done = memo.get(id(t))
-        if done is not None:
-            return done
-        if t.device.type == "cpu":
-            out = t.detach().clone() if copy else t
-        else:
-            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-            out.copy_(t.detach())  # blocking: the caller may hand the copy to another thread
-        memo[id(t)] = out
-        return out
-
-    def walk(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return host(value)
-        if isinstance(value, Mapping):
-            return {k: walk(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [walk(v) for v in value]
-        if isinstance(value, tuple):
-            items = [walk(v) for v in value]
-            return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-        return copying.deepcopy(value) if copy else value
-
-    return walk(obj)
+def _unbuildable(value: Any, error: BaseException) -> TypeError:
+    return TypeError(
+        f"cannot move a batch holding a {type(value).__qualname__} to the device: it could not "
+        f"be rebuilt with its tensors moved ({type(error).__name__}: {error}); give the job a "
+        "TrainJob.move_batch(batch, device) that moves such a batch")
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """`value` with `fn` applied to every tensor in it (see `move_batch` for the containers);
-    containers are rebuilt, leaves that are not tensors are the same objects."""
+    """`value` with `fn` applied to every tensor in it (see `move_batch` for the containers
+    and when one is rebuilt); leaves that are not tensors are the same objects."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, Mapping):
         moved = {k: _map_tensors(v, fn) for k, v in value.items()}
+        if all(moved[k] is v for k, v in value.items()):
+            return value
         if type(value) is dict:
             return moved
-        try:  # keep the mapping's type (OrderedDict, defaultdict, a UserDict batch)
+        try:  # keep the mapping's type and attributes (OrderedDict, defaultdict, UserDict)
             clone = copying.copy(value)
             clone.update(moved)  # type: ignore[attr-defined]
             return clone
-        except (TypeError, AttributeError):
-            return moved
+        except Exception:  # (not copyable or not mutable: built from its items)
+            try:
+                return type(value)(moved)  # type: ignore[call-arg]
+            except Exception as e:
+                raise _unbuildable(value, e) from e
     if isinstance(value, tuple):
         items = [_map_tensors(v, fn) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        if type(value) is tuple:
+            return tuple(items)
+        try:
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        except Exception as e:
+            raise _unbuildable(value, e) from e
     if isinstance(value, list):
-        return [_map_tensors(v, fn) for v in value]
+        items = [_map_tensors(v, fn) for v in value]
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        if type(value) is list:
+            return items
+        try:  # a list subclass keeps its type and attributes
+            clone = copying.copy(value)
+            clone[:] = items
+            return clone
+        except Exception as e:
+            raise _unbuildable(value, e) from e
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        clone = copying.copy(value)
-        for f in dataclasses.fields(value):
-            # object.__setattr__: frozen dataclasses too
-            object.__setattr__(clone, f.name, _map_tensors(getattr(value, f.name), fn))
+        fields = {f.name: _map_tensors(getattr(value, f.name), fn)
+                  for f in dataclasses.fields(value)}
+        if all(new is getattr(value, name) for name, new in fields.items()):
+            return value
+        try:
+            clone = copying.copy(value)
+            for name, new in fields.items():
+                object.__setattr__(clone, name, new)  # frozen dataclasses too
+        except Exception as e:
+            raise _unbuildable(value, e) from e
         return clone
     return value
+
+
+_NOTHING = object()
+
+
+def to_device_like(saved: Any, template: Any, device: torch.device) -> Any:
+    """`saved` (a state loaded into host memory) with each tensor where the tensor at the same
+    place (key or index) of `template` (the live object's own state) is, and each tensor that
+    has no tensor there (state allocated lazily, say at a first update) on `device`; through
+    mappings (keeping their type and attributes), lists and tuples. What is already where it
+    belongs is not copied."""
+
+    def walk(value: Any, like: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            target = like.device if isinstance(like, torch.Tensor) else device
+            return value if value.device == target else value.to(target)
+        if isinstance(value, Mapping):
+            items = {k: walk(v, like.get(k, _NOTHING) if isinstance(like, Mapping) else _NOTHING)
+                     for k, v in value.items()}
+            try:
+                clone = copying.copy(value)
+                for k, v in items.items():
+                    clone[k] = v  # type: ignore[index]
+                return clone
+            except Exception:  # (not copyable or not mutable: a plain dict)
+                return items
+        if isinstance(value, (list, tuple)):
+            likes = (list(like) if isinstance(like, (list, tuple)) and len(like) == len(value)
+                     else [_NOTHING] * len(value))
+            items = [walk(v, lk) for v, lk in zip(value, likes, strict=True)]
+            if isinstance(value, list):
+                return items
+            return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+        return value
+
+    return walk(saved, template)
+
+
+# Most bytes of one snapshot that `to_host(..., pin=True)` copies into pinned host memory; the
+# rest goes to pageable memory. PyTorch's caching host allocator keeps pinned blocks once freed
+# (for the next snapshot), so this also bounds what snapshots hold pinned between checkpoints.
+PIN_LIMIT_BYTES = 2 << 30
+
+
+def to_host(obj: Any, *, copy: bool = False, pin: bool = False,
+            pin_limit: int = PIN_LIMIT_BYTES) -> Any:
+    """`obj` with every CUDA tensor in it copied to host memory, through mappings, lists and
+    tuples (state dicts).
+
+    Args:
+        obj: a state (tensors, numbers, strings and containers of them).
+        copy: copy everything else too (CPU tensors and other values), so that the live state
+            can change while the copy is written (a background checkpoint); without it, CPU
+            tensors and other values are the same objects (for a caller that serialises at
+            once).
+        pin: the host copies of CUDA tensors in pinned memory (a faster copy), as long as the
+            snapshot's pinned bytes stay within `pin_limit`; the rest, and any tensor whose
+            pinned allocation fails, in pageable memory. Ignored without CUDA.
+        pin_limit: see `pin` (`PIN_LIMIT_BYTES`: 2 GiB).
+
+    A state with no CUDA tensor in its mappings, lists and tuples is `copy.deepcopy(obj)` with
+    `copy` and `obj` itself without. Otherwise mappings keep their type and attributes (a
+    state dict's `OrderedDict` keeps the `_metadata` that `load_state_dict` reads for version
+    migrations), named tuples their type; storages shared by several tensors (tied weights:
+    `state_dict` gives each name its own tensor over one storage) are copied once, and each
+    tensor is rebuilt as the same view of the copy (offset, size, stride). Values that are
+    not tensors or such containers are deep-copied with `copy` (one memo for the whole state,
+    so objects shared within it stay shared).
+    """
+    if not _holds_cuda(obj):
+        return copying.deepcopy(obj) if copy else obj
+    return _HostCopy(copy, pin and torch.cuda.is_available(), pin_limit).walk(obj)
+
+
+def _holds_cuda(value: Any) -> bool:
+    """Whether a tensor in the mappings, lists and tuples of `value` is not in host memory."""
+    if isinstance(value, torch.Tensor):
+        return value.device.type != "cpu"
+    if isinstance(value, Mapping):
+        return any(_holds_cuda(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_cuda(v) for v in value)
+    return False
+
+
+class _HostCopy:
+    """One `to_host` walk: its memos and the pinned bytes so far."""
+
+    def __init__(self, copy: bool, pin: bool, pin_limit: int) -> None:
+        self.copy = copy
+        self.pin = pin
+        self.pinned_left = pin_limit
+        self.tensors: dict[int, torch.Tensor] = {}  # id(tensor) -> its copy
+        # (device, address, bytes) of a storage -> its host copy (a uint8 tensor)
+        self.storages: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.objects: dict[int, Any] = {}  # copy.deepcopy's memo, for the other values
+        self.keep: list[Any] = []  # what the memo keys' ids name stays alive during the walk
+
+    def walk(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self.tensor(value)
+        if isinstance(value, Mapping):
+            items = {k: self.walk(v) for k, v in value.items()}
+            try:  # the mapping's type and attributes (an OrderedDict's _metadata)
+                clone = copying.copy(value)
+                for k, v in items.items():
+                    clone[k] = v  # type: ignore[index]
+                attributes = getattr(clone, "__dict__", None)
+                if self.copy and attributes:
+                    attributes.update(copying.deepcopy(attributes, self.objects))
+                return clone
+            except Exception:  # (not copyable or not mutable: a plain dict)
+                return items
+        if isinstance(value, list):
+            return [self.walk(v) for v in value]
+        if isinstance(value, tuple):
+            items = [self.walk(v) for v in value]
+            if hasattr(value, "_fields"):
+                return type(value)(*items)
+            return tuple(items)
+        return copying.deepcopy(value, self.objects) if self.copy else value
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        done = self.tensors.get(id(t))
+        if done is not None:
+            return done
+        if t.device.type == "cpu" and not self.copy:
+            out = t
+        elif (t.layout != torch.strided or t.is_nested
+              or (type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter))):
+            # Not a plain view of a storage (sparse, nested, a tensor subclass): on its own.
+            out = t.detach().to("cpu", copy=True)
+        else:
+            out = self.view(t)
+        self.tensors[id(t)] = out
+        self.keep.append(t)
+        return out
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as the same view of a host copy of its storage, the storage copied once."""
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        key = (str(t.device), storage.data_ptr(), nbytes)
+        host = self.storages.get(key) if nbytes else None
+        if host is None:
+            source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            host = self.allocate(nbytes, on_cuda=t.device.type == "cuda")
+            host.copy_(source)  # blocking: the caller may hand the copy to another thread
+            if nbytes:
+                self.storages[key] = host
+                self.keep.append(storage)
+        out = torch.empty(0, dtype=t.dtype)
+        return out.set_(host.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+    def allocate(self, nbytes: int, on_cuda: bool) -> torch.Tensor:
+        """Host memory for one storage: pinned while the bound allows and pinning works."""
+        if self.pin and on_cuda and nbytes <= self.pinned_left:
+            try:
+                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            except Exception:  # (out of pinned memory, or none to be had)
+                self.pin = False  # pageable from here on: the next would fail alike
+            else:
+                self.pinned_left -= nbytes
+                return host
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def is_allocation_failure(error: BaseException) -> bool:
+    """Whether `error` is an allocation of this process that failed: a `torch.OutOfMemoryError`
+    (CUDA's caching allocator), or the RuntimeError of torch's CPU allocator
+    ("DefaultCPUAllocator: can't allocate memory"), which torch raises as no subclass of its
+    own."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return (isinstance(error, RuntimeError) and not isinstance(error, CollectiveError)
+            and _CPU_ALLOCATOR_TEXT.search(str(error)) is not None)
 
 
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether `error` means that this rank ran out of memory (so the step can be redone with
     smaller micro-batches), rather than that a peer was lost.
 
-    True for a `torch.OutOfMemoryError`, and for a `CollectiveError` that an out-of-memory
-    error caused (its cause or context chain holds one) or whose text, or its cause's, names
-    out-of-memory (NCCL and CuPy give CUDA's failure as text only: an `ncclUnhandledCudaError`
-    or `ncclSystemError` with "out of memory"). A `CollectiveAbortedError` never is: it is the
+    True for an allocation that failed (`is_allocation_failure`: a `torch.OutOfMemoryError`,
+    or the CPU allocator's RuntimeError), and for a `CollectiveError` that one caused (its
+    cause or context chain holds one) or whose text, or its cause's, names out-of-memory
+    (NCCL and CuPy give CUDA's failure as text only: an `ncclUnhandledCudaError` or
+    `ncclSystemError` with "out of memory"). A `CollectiveAbortedError` never is: it is the
     consequence of an earlier failure or an abort (its text may repeat that failure's), not
     where memory ran out.
     """
-    if isinstance(error, torch.OutOfMemoryError):
+    if is_allocation_failure(error):
         return True
     if not isinstance(error, CollectiveError) or isinstance(error, CollectiveAbortedError):
         return False
@@ -190,7 +377,7 @@ def is_out_of_memory(error: BaseException) -> bool:
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, torch.OutOfMemoryError) or _OUT_OF_MEMORY_TEXT.search(str(current)):
+        if is_allocation_failure(current) or _OUT_OF_MEMORY_TEXT.search(str(current)):
             return True
         current = current.__cause__ or current.__context__
     return False

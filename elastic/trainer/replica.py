@@ -20,6 +20,7 @@ host memory (float64) and travels over the control plane.
 from __future__ import annotations
 
 import io
+import logging
 import math
 import os
 import signal
@@ -45,10 +46,12 @@ from elastic.trainer.buffers import BufferSync
 from elastic.trainer.data import Cursor, SampleOrder, steps_per_epoch
 from elastic.trainer.device import (
     MoveBatch,
-    move_batch,
+    default_move,
+    is_allocation_failure,
     release_cached_memory,
     rng_state,
     set_rng_state,
+    to_device_like,
 )
 from elastic.trainer.exact import ExactSum, environment, make_deterministic
 from elastic.trainer.flat import all_finite, allreduce_flat, flatten_grads, unflatten_grads
@@ -85,6 +88,8 @@ from elastic.trainer.training import (
 # The outcome types are part of this module's interface (the worker actor imports them here).
 __all__ = ["NonFinite", "OutOfMemory", "Replica", "StepRecord", "UserFailure", "chaos_kill",
            "max_state_bytes"]
+
+logger = logging.getLogger(__name__)
 
 # Largest data set whose indices travel exactly in a float32 buffer.
 _FLOAT32_EXACT = 1 << 24
@@ -130,7 +135,8 @@ class Replica:
         self.config = config
         self.run_dir = run_dir
         self.device = device if device is not None else torch.device("cpu")
-        self.move: MoveBatch = job.move_batch or move_batch
+        # A CPU worker passes its batches through as the collate function made them.
+        self.move: MoveBatch = job.move_batch or default_move(self.device)
         scaling = config.scaling
         if config.batch.exact:
             make_deterministic(scaling.threads_per_worker or max(1, int(scaling.cpus_per_worker)))
@@ -260,7 +266,8 @@ class Replica:
     def load_state(self, state: dict[str, Any], origin: str = "checkpoint") -> None:
         """Takes a committed state (`origin`: 'checkpoint' or 'peer'), from host memory or
         any device: the model and optimizer copy it to their device (the optimizer casts its
-        state to each parameter's). The CUDA generator is restored on a GPU worker only.
+        state to each parameter's). The CUDA generator is restored on a GPU worker only. The
+        extra state objects get their tensors on the device (`_extra_on_device`).
 
         Raises:
             ConfigError: exact mode, and the state was written without it or under another
@@ -277,11 +284,25 @@ class Replica:
         set_rng_state(state, self.device)
         self.training.load_state_dict(state.get("training"))
         self.metric_names = tuple(state.get("metric_names") or ())
-        load_extra_state(self.extra, state.get("extra"))
+        load_extra_state(self.extra, self._extra_on_device(state.get("extra")))
         self.cursor = Cursor.from_dict(state["cursor"], self.order.dataset_size,
                                        self.config.batch.global_batch_size)
         if self.exact is not None and state.get("exact") is not None:
             self.exact.load_state_dict(state["exact"])
+
+    def _extra_on_device(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The extra state objects' saved states with their tensors where each object holds
+        them now (`elastic.trainer.device.to_device_like`: its own `state_dict()` as the
+        template), and any tensor it does not hold yet (an EMA allocated at its first update)
+        on this replica's device; a CPU replica's as they are. A state loaded from a
+        checkpoint or a peer is in host memory."""
+        if not saved or self.device.type == "cpu":
+            return saved
+        moved = dict(saved)
+        for name, obj in self.extra.items():
+            if name in moved:
+                moved[name] = to_device_like(moved[name], obj.state_dict(), self.device)
+        return moved
 
     def _check_exact(self, saved: dict[str, Any] | None, origin: str) -> None:
         assert self.exact is not None
@@ -397,7 +418,8 @@ class Replica:
             applied and the step can be redone.
 
         Raises:
-            CollectiveError: the reduce failed or was aborted; the step is not applied here.
+            CollectiveError: the reduce failed or was aborted, or this rank ran out of memory
+                in the apply phase (`_apply_out_of_memory`); the step is not committed here.
         """
         context = self._begin(plan, chaos, lr_factor)
         if self.exact is not None and context.pieces != self.exact.groups:
@@ -410,11 +432,10 @@ class Replica:
             try:
                 reduced = self._reduce(context, computed)
                 reduced = self._learn_metric_names(context, computed, reduced)
-            except torch.OutOfMemoryError as e:  # past the allocations the vote covers
+            except BaseException as e:
                 self._abandon(exponents)
-                raise self._left_collectives(context, e) from e
-            except BaseException:
-                self._abandon(exponents)
+                if is_allocation_failure(e):  # past the allocations the vote covers
+                    raise self._left_collectives(context, e) from e
                 raise
             outcome = verdict(context.step, reduced.votes, self.training.nonfinite_policy(
                               self.config.failure.nonfinite),
@@ -435,7 +456,7 @@ class Replica:
         if self.exact is not None and not (isinstance(outcome, Commit) and not outcome.skipped):
             self.exact.exponents = exponents  # only an applied step moves them for good
         if isinstance(outcome, Commit):
-            record = self._apply(context, computed, reduced, outcome)
+            record = self._commit(context, computed, reduced, outcome)
             return replace(record, rescaled=rescaled) if rescaled else record
         self.buffers.rollback()
         self._drop_grads()
@@ -515,59 +536,72 @@ class Replica:
         sample in the global batch) before each one's data is loaded, never from the rank.
 
         Guarantees: an exception from user code (data, moving the batch, loss, backward) or an
-        out-of-memory error (there, or in allocating the gradient buckets first) is latched into
-        the vote with its traceback, never raised, so this rank still joins the reduce. With the
+        out-of-memory error (there, or in allocating the gradient buckets first; torch's, or
+        the CPU allocator's RuntimeError: `is_allocation_failure`) is latched into the vote
+        with its traceback, never raised, so this rank still joins the reduce; the failed
+        attempt's tensors are released before the allocator's cache is. With the
         vote OK, the gradients are this rank's part of the global batch's (in exact mode, each
         group's went into the exact sums instead). Chaos faults of data, forward and backward
         fire here.
         """
-        plan, chaos, started = context.plan, context.chaos, context.started
-        pieces = plan.pieces(context.rank)
-        buckets = self._buckets
+        pieces = context.plan.pieces(context.rank)
         loss_sum = data_s = count = 0.0
         metrics, form = MetricSums(), LossForm.NONE
-        error, vote, exact = None, Vote.OK, self.exact
-        if exact is not None:
-            exact.begin(context.meta_len)  # each attempt of the step sums afresh
+        error, vote = None, Vote.OK
+        if self.exact is not None:
+            self.exact.begin(context.meta_len)  # each attempt of the step sums afresh
         try:
             self._begin_buckets(context)
             self._enter("data")
-            self._chaos(chaos, "data", started)
-            base = context.plan.offset(context.rank)
+            self._chaos(context.chaos, "data", context.started)
             for index, (start, length) in enumerate(pieces):
-                piece = context.first_piece + index
-                loading = time.perf_counter()
-                batch = self._load(context.step,
-                                   forward_seed(self.config.seed, context.step, base + start),
-                                   context.indices[start : start + length])
-                data_s += time.perf_counter() - loading
-                self._enter("forward")
-                self._chaos(chaos, "forward", started)
-                self.buffers.before_piece(piece)
-                loss, items, form = self._forward(batch, length / plan.global_batch_size, form,
-                                                  metrics, length)
-                # Read before backward: activation checkpointing runs the layers again there.
-                self.buffers.after_piece(piece)
-                count += items
-                if exact is not None:
-                    self._sum_loss(exact, loss, items, form)
-                self._enter("backward")
-                self._chaos(chaos, "backward", started)
-                if buckets is not None:  # gradients are complete in the last backward pass
-                    buckets.arm(index == len(pieces) - 1)
-                (loss * context.scale if context.scale != 1.0 else loss).backward()
-                loss_sum += float(loss.detach())
-                del loss
-                if exact is not None:
-                    self._sum_grads(exact)
-            self._stretch(context.step, started)
-        except torch.OutOfMemoryError:
-            error, vote = traceback.format_exc(), Vote.OUT_OF_MEMORY
-            release_cached_memory(self.device)
-        except Exception:
-            error, vote = traceback.format_exc(), Vote.USER_ERROR
+                loss, items, form, loading_s = self._piece(context, index, start, length,
+                                                           index == len(pieces) - 1, form,
+                                                           metrics)
+                loss_sum, count, data_s = loss_sum + loss, count + items, data_s + loading_s
+            self._stretch(context.step, context.started)
+        except Exception as e:  # latched into the vote
+            error = traceback.format_exc()
+            vote = Vote.OUT_OF_MEMORY if is_allocation_failure(e) else Vote.USER_ERROR
+        if vote != Vote.OK:
+            # Out of the except block, so that the failed attempt's frames (its batch,
+            # activations, half-allocated buffers) are gone; its gradients are never sent.
+            self._drop_grads()
+            if vote == Vote.OUT_OF_MEMORY:
+                release_cached_memory(self.device)
         return Computed(loss_sum=loss_sum, count=count, form=form, vote=vote, error=error, data_s=data_s,
-                        compute_s=time.perf_counter() - started, metrics=metrics)
+                        compute_s=time.perf_counter() - context.started, metrics=metrics)
+
+    def _piece(self, context: StepContext, index: int, start: int, length: int, last: bool,
+               form: LossForm, metrics: MetricSums) -> tuple[float, float, LossForm, float]:
+        """One micro-batch of the compute phase (`index` of this rank's, `length` samples from
+        `start` of its share; `last`: the step's last backward pass): loaded, forward and
+        backward. Returns its loss, item count, loss form and loading seconds."""
+        exact, started = self.exact, context.started
+        piece = context.first_piece + index
+        loading = time.perf_counter()
+        seed = forward_seed(self.config.seed, context.step, context.plan.offset(context.rank) + start)
+        batch = self._load(context.step, seed, context.indices[start : start + length])
+        loading_s = time.perf_counter() - loading
+        self._enter("forward")
+        self._chaos(context.chaos, "forward", started)
+        self.buffers.before_piece(piece)
+        loss, items, form = self._forward(batch, length / context.plan.global_batch_size, form,
+                                          metrics, length)
+        # Read before backward: activation checkpointing runs the layers again there.
+        self.buffers.after_piece(piece)
+        if exact is not None:
+            self._sum_loss(exact, loss, items, form)
+        self._enter("backward")
+        self._chaos(context.chaos, "backward", started)
+        if self._buckets is not None:  # gradients are complete in the last backward pass
+            self._buckets.arm(last)
+        (loss * context.scale if context.scale != 1.0 else loss).backward()
+        value = float(loss.detach())
+        del batch, loss
+        if exact is not None:
+            self._sum_grads(exact)
+        return value, items, form, loading_s
 
     def _forward(self, batch: Any, scale: float, form: LossForm, metrics: MetricSums,
                  samples: int) -> tuple[torch.Tensor, float, LossForm]:
@@ -602,9 +636,10 @@ class Replica:
         Guarantees: every rank issues the same collectives in the same order whatever its
         vote (a rank that voted down sends zeros or ignored content). A rank that voted OK
         but whose loss or gradients are not finite votes NONFINITE (with buckets, gradients
-        are checked as they are sent). A rank whose flat buffers do not fit votes
-        OUT_OF_MEMORY (a rank whose buckets did not fit already did); either then allocates
-        them again with its gradients freed. The allreduce chaos faults fire here.
+        are checked as they are sent). A rank whose flat buffers do not fit even after the
+        allocator's cache is released votes OUT_OF_MEMORY; it, and a rank whose buckets could
+        not be begun (its vote already says why), allocates them again with its gradients
+        freed, so that it still issues every collective. The allreduce chaos faults fire here.
 
         Raises:
             CollectiveError: the communication failed or was aborted, or this rank ran out of
@@ -621,9 +656,10 @@ class Replica:
         room = context.meta_len if context.comm.control is context.comm else 0
         if buckets is None:
             vote, flat = self._flatten(context, vote, room)
-        elif not buckets.begun:  # its buffers did not fit: the vote says out of memory
-            assert vote == Vote.OUT_OF_MEMORY
-            self._after_out_of_memory(context, lambda: self._begin_buckets(context))
+        elif not buckets.begun:
+            # Beginning them raised (the vote says why: out of memory, or an error); this rank
+            # still issues every collective, so they are begun again, their content ignored.
+            self._take_part(context, lambda: self._begin_buckets(context))
         if vote == Vote.OK and not (math.isfinite(computed.loss_sum)
                                     and (flat is None or all_finite(flat))):
             vote = Vote.NONFINITE
@@ -641,17 +677,36 @@ class Replica:
     def _flatten(self, context: StepContext, vote: Vote,
                  room: int) -> tuple[Vote, dict[torch.dtype, torch.Tensor]]:
         """The flat gradient buffers (`flatten_grads`; zeros when this rank voted the step
-        down; `room` for the metadata) and this rank's vote: OUT_OF_MEMORY, if it was OK and
-        they did not fit (then they are zeros, allocated again with the gradients freed).
+        down; `room` for the metadata) and this rank's vote. If they do not fit, the
+        allocator's cache is released and they are allocated once more; if they still do not
+        fit, the vote is OUT_OF_MEMORY (if it was OK) and they are zeros, allocated with the
+        gradients freed. Their size does not depend on the micro-batch: the backoff that the
+        vote brings frees no memory they need, which the warning logged then says.
 
         Raises:
-            CollectiveError: they did not fit even then (`_after_out_of_memory`).
+            CollectiveError: they did not fit even then (`_take_part`).
         """
-        try:
-            return vote, flatten_grads(self._params, zero=vote != Vote.OK, meta_len=room)
-        except torch.OutOfMemoryError:
-            return (Vote.OUT_OF_MEMORY if vote == Vote.OK else vote, self._after_out_of_memory(
-                context, lambda: flatten_grads(self._params, zero=True, meta_len=room)))
+        if vote != Vote.OK:
+            return vote, self._take_part(
+                context, lambda: flatten_grads(self._params, zero=True, meta_len=room))
+        for attempt in range(2):
+            failed = False
+            try:
+                return vote, flatten_grads(self._params, zero=False, meta_len=room)
+            except Exception as e:
+                if not is_allocation_failure(e):
+                    raise
+                failed = True  # retried below: out of this block, its frames released
+            if failed and attempt == 0:
+                release_cached_memory(self.device)
+        nbytes = sum(p.numel() * p.element_size() for p in self._params)
+        logger.warning(
+            "rank %d: out of memory for the flat gradient buffers of step %d (%d bytes on %s, "
+            "beside the gradients themselves); their size does not depend on the micro-batch, "
+            "so the step is voted down as out of memory, but halving the micro-batch frees "
+            "only activation memory", context.rank, context.step, nbytes, self.device)
+        return Vote.OUT_OF_MEMORY, self._take_part(
+            context, lambda: flatten_grads(self._params, zero=True, meta_len=room))
 
     def _abandon(self, exponents: list[int]) -> None:
         """A step whose reduce raised: nothing of it may stay in the buffers (or, in exact
@@ -661,36 +716,78 @@ class Replica:
             self.exact.exponents = exponents
 
     @staticmethod
-    def _left_collectives(context: StepContext, error: torch.OutOfMemoryError) -> CollectiveError:
+    def _left_collectives(context: StepContext, error: BaseException) -> CollectiveError:
         """An out-of-memory error inside the reduce, past the allocations the vote covers (in
         the communication itself): this rank may have left the step's collectives half done,
         so it aborts its communicator and reports a collective error caused by it (which
         `elastic.trainer.device.is_out_of_memory` classifies as out of memory)."""
         context.comm.abort()
+        _release_frames(error)
         return CollectiveError(f"rank {context.rank} ran out of memory in the collectives of "
                                f"step {context.step}: {error}", rank=context.rank)
 
-    def _after_out_of_memory(self, context: StepContext, allocate: Callable[[], Any]) -> Any:
-        """After an out-of-memory error in the step's allocations (the vote says so): frees
-        the gradients and the allocator's cache, then runs `allocate` again (the buffers this
-        rank needs to take part in the step's collectives) and returns what it returns.
+    def _take_part(self, context: StepContext, allocate: Callable[[], Any]) -> Any:
+        """After this rank's step was voted down (out of memory in the step's allocations, or
+        an error): frees the gradients and the allocator's cache, then runs `allocate` (the
+        buffers this rank needs to take part in the step's collectives) and returns what it
+        returns.
 
         Raises:
-            CollectiveError: `allocate` ran out of memory again; this rank cannot take part, so
-                it aborts its communicator (the generation is re-formed) and reports the
-                out-of-memory error as the cause (`elastic.trainer.device.is_out_of_memory`).
+            CollectiveError: `allocate` raised (ran out of memory again, say); this rank cannot
+                take part, so it aborts its communicator (the generation is re-formed) and
+                reports the error as the cause (out of memory is classified as such by
+                `elastic.trainer.device.is_out_of_memory`).
         """
         self._drop_grads()
         release_cached_memory(self.device)
         try:
             return allocate()
-        except torch.OutOfMemoryError as e:
-            release_cached_memory(self.device)
+        except Exception as e:
+            out_of_memory = is_allocation_failure(e)
             context.comm.abort()
-            raise CollectiveError(
-                f"rank {context.rank} ran out of memory for its gradient buffers in step "
-                f"{context.step}, even with its gradients freed, so it could not take part in "
-                "the step's collectives", rank=context.rank) from e
+            _release_frames(e)
+            what = ("ran out of memory for its gradient buffers" if out_of_memory else
+                    f"could not allocate its gradient buffers ({type(e).__name__}: {e})")
+            error = CollectiveError(
+                f"rank {context.rank} {what} in step {context.step}, even with its gradients "
+                "freed, so it could not take part in the step's collectives",
+                rank=context.rank)
+            error.__cause__ = e
+        # Out of the except block: the failed allocation's frames are gone before the cache
+        # is released.
+        release_cached_memory(self.device)
+        raise error
+
+    def _commit(self, context: StepContext, computed: Computed, reduced: Reduced,
+                commit: Commit) -> StepRecord:
+        """`_apply`, and if it runs out of memory before the step is committed here (the
+        cursor has not moved), `_apply_out_of_memory`.
+
+        Raises:
+            CollectiveError: out of memory in the apply phase (this rank left the generation).
+        """
+        try:
+            return self._apply(context, computed, reduced, commit)
+        except Exception as e:
+            if not is_allocation_failure(e) or self.cursor.step != context.step:
+                raise
+            raise self._apply_out_of_memory(context, e) from e
+
+    def _apply_out_of_memory(self, context: StepContext, error: BaseException) -> CollectiveError:
+        """Out of memory in the apply phase (the optimizer's lazily allocated state, clipping,
+        the buffers' broadcast): its peers applied the step, while this rank may be half
+        updated. It must not stay a member with that state: it aborts its communicator (its
+        peers are released, the generation is re-formed and this rank restored from a peer
+        that committed the step) and reports a collective error caused by out of memory. Its
+        cursor did not advance (the step is not committed here)."""
+        self.buffers.rollback()
+        self._drop_grads()
+        context.comm.abort()
+        _release_frames(error)
+        return CollectiveError(
+            f"rank {context.rank} ran out of memory in the apply phase of step {context.step} "
+            f"(optimizer, clipping or buffers), where its peers commit it; it left the "
+            f"generation to be restored from a peer: {error}", rank=context.rank)
 
     def _reduce_exact(self, context: StepContext, computed: Computed,
                       comm_start: float) -> Reduced:
@@ -848,6 +945,13 @@ class Replica:
             for group, lr in zip(groups, saved, strict=True):
                 group["lr"] = lr
         return applied
+
+
+def _release_frames(error: BaseException) -> None:
+    """Clears the local variables of the finished frames in `error`'s traceback (the tensors
+    of a failed attempt: activations, half-allocated buffers), so that an error that is kept
+    (as a cause, or until the caller handles it) holds no memory; the traceback stays."""
+    traceback.clear_frames(error.__traceback__)
 
 
 def _first_with_share(plan: BatchPlan) -> int:

@@ -6,17 +6,21 @@ this rank's vote instead of an exception. The same paths on a GPU: tests/gpu."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import threading
+import weakref
 from collections import OrderedDict, namedtuple
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 
 import pytest
 import torch
 
 from elastic import BatchConfig, FitConfig, ScalingConfig, TrainJob
+from elastic.actors import worker as worker_module
 from elastic.adapt.plan import BatchPlan
 from elastic.collective import RendezvousServer
 from elastic.config import CollectiveConfig
+from elastic.control.port import ChunkVotedDown
 from elastic.errors import (
     CollectiveAbortedError,
     CollectiveError,
@@ -26,15 +30,17 @@ from elastic.errors import (
 from elastic.trainer import replica as replica_module
 from elastic.trainer.buckets import GradientBuckets
 from elastic.trainer.device import (
+    _HostCopy,
     is_out_of_memory,
     local_gpu_index,
     move_batch,
     resolve_device,
     rng_state,
     set_rng_state,
+    to_device_like,
     to_host,
 )
-from elastic.trainer.replica import OutOfMemory, Replica, StepRecord
+from elastic.trainer.replica import OutOfMemory, Replica, StepRecord, UserFailure
 from tests.jobs import make_dataset, make_model, make_optimizer, mse, reference_weights, regression_job
 from tests.threads import run_ranks
 
@@ -226,9 +232,12 @@ def _config(tmp_path, world: int, overlap: bool) -> FitConfig:
         run_dir=str(tmp_path), max_steps=4, ledger=True)
 
 
-def _out_of_memory_once(monkeypatch, overlap: bool, rank: int, times: int = 1) -> threading.local:
-    """Makes the step's gradient allocation (buckets or flat buffers) raise out of memory
-    `times` times on `rank` (the rank of the calling thread: `local.rank`)."""
+def _out_of_memory_once(monkeypatch, overlap: bool, rank: int, times: int = 1,
+                        error: type[BaseException] = torch.OutOfMemoryError) -> threading.local:
+    """Makes the step's gradient allocation (buckets or flat buffers) raise out of memory (or
+    `error`) `times` times on `rank` (the rank of the calling thread: `local.rank`). The flat
+    buffers are allocated once more after the allocator's cache is released: `times` counts
+    that attempt too."""
     local = threading.local()
     left = [times]
 
@@ -236,7 +245,8 @@ def _out_of_memory_once(monkeypatch, overlap: bool, rank: int, times: int = 1) -
         def allocate(*args, **kwargs):
             if getattr(local, "rank", None) == rank and left[0] > 0:
                 left[0] -= 1
-                raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+                raise error("CUDA out of memory (injected by the test)"
+                            if error is torch.OutOfMemoryError else "injected by the test")
             return real(*args, **kwargs)
         return allocate
 
@@ -250,7 +260,8 @@ def _out_of_memory_once(monkeypatch, overlap: bool, rank: int, times: int = 1) -
 @pytest.mark.parametrize("overlap", [False, True], ids=["flat", "buckets"])
 def test_out_of_memory_in_the_gradient_buffers_votes_the_step_down_and_it_is_redone(
         tmp_path, monkeypatch, overlap):
-    local = _out_of_memory_once(monkeypatch, overlap, rank=1)
+    # The flat buffers: their first attempt and the one after the cache is released.
+    local = _out_of_memory_once(monkeypatch, overlap, rank=1, times=1 if overlap else 2)
     config = _config(tmp_path, 2, overlap)
     plan = BatchPlan(B, (9, 7), (4, 3))
     building = threading.Lock()
@@ -283,7 +294,7 @@ def test_out_of_memory_in_the_gradient_buffers_votes_the_step_down_and_it_is_red
 @pytest.mark.parametrize("overlap", [False, True], ids=["flat", "buckets"])
 def test_a_rank_out_of_memory_even_with_its_gradients_freed_leaves_the_generation(
         tmp_path, monkeypatch, overlap):
-    local = _out_of_memory_once(monkeypatch, overlap, rank=0, times=2)
+    local = _out_of_memory_once(monkeypatch, overlap, rank=0, times=2 if overlap else 3)
     local.rank = 0
     replica = Replica(regression_job(), _config(tmp_path, 1, overlap), str(tmp_path))
     replica.comm = comm = _SingleRank()
@@ -302,3 +313,376 @@ def test_a_step_on_two_planes_keeps_the_metadata_off_the_gradient_buffers(tmp_pa
     assert len(records[0].indices) == B  # the ledger came back through the control plane
     torch.testing.assert_close(replica.model.state_dict(), reference_weights(0, B, 3),
                                rtol=1e-9, atol=1e-10)
+
+
+# --- batches on a CPU worker: passed through -------------------------------------------------
+
+
+class Span(tuple):
+    """A tuple subclass whose constructor takes its fields one by one (not an iterable)."""
+
+    def __new__(cls, x, y):
+        return super().__new__(cls, (x, y))
+
+
+class Tagged(list):
+    """A list subclass with an attribute."""
+
+    tag = "class"
+
+
+def _tagged(*items) -> Tagged:
+    out = Tagged(items)
+    out.tag = "instance"
+    return out
+
+
+def test_a_cpu_replica_passes_its_batches_through_untouched(tmp_path):
+    replica = Replica(regression_job(), _config(tmp_path, 1, overlap=False), str(tmp_path))
+    x = torch.ones(2)
+    for batch in (Span(x, x), _tagged(x, 2), MappingProxyType({"x": x})):
+        assert replica.move(batch, replica.device) is batch
+
+
+def _span_collate(samples):
+    x = torch.stack([s[0] for s in samples])
+    y = torch.stack([s[1] for s in samples])
+    return Span(x, _tagged(y))
+
+
+def _span_loss(model, batch):
+    assert type(batch) is Span and batch[1].tag == "instance"
+    return mse(model, (batch[0], batch[1][0]))
+
+
+def test_a_cpu_replica_trains_on_batches_that_no_default_move_could_rebuild(tmp_path):
+    job = TrainJob(model=make_model, optimizer=make_optimizer, loss=_span_loss,
+                   dataset=make_dataset, collate_fn=_span_collate)
+    replica = Replica(job, _config(tmp_path, 1, overlap=False), str(tmp_path))
+    replica.comm = _SingleRank()
+    records = [replica.run_step(BatchPlan(B, (B,), (8,)), []) for _ in range(2)]
+    assert all(isinstance(r, StepRecord) for r in records)
+    torch.testing.assert_close(replica.model.state_dict(), reference_weights(0, B, 2),
+                               rtol=1e-9, atol=1e-10)
+
+
+def test_moving_a_batch_rebuilds_only_what_holds_a_moved_tensor_and_keeps_its_type():
+    x = torch.ones(2)
+    untouched = {"names": ["a", "b"], "span": Span(1, 2), "proxy": MappingProxyType({"n": 1})}
+    moved = move_batch({**untouched, "t": _tagged(x), "m": MappingProxyType({"x": x})},
+                       torch.device("meta"))
+    assert all(moved[k] is v for k, v in untouched.items())  # nothing in them moved
+    assert type(moved["t"]) is Tagged and moved["t"].tag == "instance"
+    assert moved["t"][0].device.type == "meta"
+    assert type(moved["m"]) is MappingProxyType and moved["m"]["x"].device.type == "meta"
+
+
+def test_a_batch_that_cannot_be_rebuilt_on_the_device_names_the_jobs_move_batch():
+    x = torch.ones(2)
+    with pytest.raises(TypeError, match=r"TrainJob\.move_batch"):
+        move_batch({"span": Span(x, x)}, torch.device("meta"))
+
+
+# --- host copies: state dicts, tied weights, pinned memory -----------------------------------
+
+
+class Tied(torch.nn.Module):
+    """Two layers sharing one weight (as an embedding and its output layer do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 3)
+        self.b = torch.nn.Linear(3, 3)
+        self.b.weight = self.a.weight
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _check_host_copy(source: dict, copied: dict) -> None:
+    """A state dict's copy: its OrderedDict and `_metadata`, tied weights sharing one copied
+    storage, a view rebuilt as the same view of the copy; loadable after serialisation."""
+    model = copied["model"]
+    assert type(model) is OrderedDict and model._metadata == source["model"]._metadata
+    assert _shares(model["a.weight"], model["b.weight"])  # copied once
+    assert not _shares(model["a.weight"], source["model"]["a.weight"])
+    assert _shares(copied["row"], model["a.weight"])
+    assert copied["row"].storage_offset() == 3 and torch.equal(copied["row"], model["a.weight"][1])
+    buffer = io.BytesIO()
+    torch.save(copied, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    assert loaded["model"]._metadata == source["model"]._metadata
+    target = Tied()
+    target.load_state_dict(loaded["model"])
+    assert torch.equal(target.a.weight, source["model"]["a.weight"])
+
+
+def test_a_snapshot_of_a_state_dict_keeps_its_metadata_and_copies_tied_weights_once():
+    model = Tied()
+    weights = model.state_dict()
+    state = {"model": weights, "row": weights["a.weight"][1]}
+    _check_host_copy(state, to_host(state, copy=True, pin=True))  # CPU state: deep-copied
+    assert to_host(state) is state  # serialised at once: nothing copied
+    # The walk a state with CUDA tensors takes, on CPU tensors.
+    _check_host_copy(state, _HostCopy(copy=True, pin=False, pin_limit=0).walk(state))
+
+
+def test_snapshot_tensors_are_pinned_up_to_the_bound_and_in_pageable_memory_after(monkeypatch):
+    pinned: list[int] = []
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            pinned.append(args[0])
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    walk = _HostCopy(copy=True, pin=True, pin_limit=100)
+    sizes = [walk.allocate(n, on_cuda=True).numel() for n in (64, 64, 32)]
+    assert sizes == [64, 64, 32] and pinned == [64, 32]  # the second would pass 100 bytes
+
+
+def test_a_failed_pinned_allocation_falls_back_to_pageable_memory(monkeypatch):
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc, injected)")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    walk = _HostCopy(copy=True, pin=True, pin_limit=1 << 30)
+    host = walk.allocate(16, on_cuda=True)
+    assert host.numel() == 16 and not walk.pin  # and the next are not tried pinned
+
+
+def test_extra_state_tensors_go_where_the_object_keeps_them_or_to_the_device():
+    saved = OrderedDict(ema=torch.ones(2), rng=torch.zeros(3, dtype=torch.uint8),
+                        lazy=[torch.ones(1)], n=4)
+    saved._metadata = {"": {"version": 2}}
+    template = {"ema": torch.zeros(2, device="meta"), "rng": torch.zeros(3, dtype=torch.uint8),
+                "lazy": None, "n": 0}
+    moved = to_device_like(saved, template, torch.device("meta"))
+    assert moved["ema"].device.type == "meta" and moved["lazy"][0].device.type == "meta"
+    assert moved["rng"] is saved["rng"] and moved["n"] == 4  # kept on the CPU, as it is now
+    assert type(moved) is OrderedDict and moved._metadata == saved._metadata
+    assert saved["ema"].device.type == "cpu"  # the loaded state itself is left as it was
+
+
+# --- the step: what else is out of memory, and what a failed attempt leaves ------------------
+
+
+def test_the_cpu_allocators_error_is_out_of_memory():
+    error = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                         "can't allocate memory: you tried to allocate 4611686018427387904 bytes.")
+    assert is_out_of_memory(error)
+    assert is_out_of_memory(_caused(CollectiveError("collective failed on rank 0"), error))
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def _cpu_allocator_fails(model, batch):
+    torch.empty(1 << 62, dtype=torch.uint8)  # more than any machine has
+    return mse(model, batch)
+
+
+def test_the_cpu_allocators_error_in_the_step_is_an_out_of_memory_vote(tmp_path):
+    job = TrainJob(model=make_model, optimizer=make_optimizer, loss=_cpu_allocator_fails,
+                   dataset=make_dataset)
+    replica = Replica(job, _config(tmp_path, 1, overlap=False), str(tmp_path))
+    replica.comm = _SingleRank()
+    assert replica.run_step(BatchPlan(B, (B,), (8,)), []) == OutOfMemory(step=0, ranks=(0,))
+
+
+class _Watch:
+    """A tensor the failed attempt allocated, and whether it was alive when the allocator's
+    cache was released."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.ref: weakref.ref | None = None
+        self.alive_at_release: list[bool] = []
+        monkeypatch.setattr(replica_module, "release_cached_memory", self.release)
+
+    def allocate(self) -> None:
+        big = torch.ones(1 << 16)
+        self.ref = weakref.ref(big)
+        raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+
+    def release(self, device) -> None:
+        self.alive_at_release.append(self.ref is not None and self.ref() is not None)
+
+
+def test_the_cache_is_released_once_the_failed_forward_passes_tensors_are_gone(tmp_path,
+                                                                                monkeypatch):
+    watch = _Watch(monkeypatch)
+
+    def loss(model, batch):
+        activations = model(batch[0])  # noqa: F841 (held by this frame when it raises)
+        watch.allocate()
+
+    job = TrainJob(model=make_model, optimizer=make_optimizer, loss=loss, dataset=make_dataset)
+    replica = Replica(job, _config(tmp_path, 1, overlap=False), str(tmp_path))
+    replica.comm = _SingleRank()
+    assert replica.run_step(BatchPlan(B, (B,), (8,)), []) == OutOfMemory(step=0, ranks=(0,))
+    assert watch.alive_at_release and not any(watch.alive_at_release)
+
+
+def test_the_flat_buffers_are_allocated_again_once_the_failed_attempts_tensors_are_gone(
+        tmp_path, monkeypatch):
+    watch = _Watch(monkeypatch)
+    real = replica_module.flatten_grads
+    calls = [0]
+
+    def flatten(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 1:
+            watch.allocate()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(replica_module, "flatten_grads", flatten)
+    replica = Replica(regression_job(), _config(tmp_path, 1, overlap=False), str(tmp_path))
+    replica.comm = _SingleRank()
+    outcome = replica.run_step(BatchPlan(B, (B,), (8,)), [])
+    assert watch.alive_at_release == [False]  # released once, out of the except block
+    assert isinstance(outcome, StepRecord)  # the second attempt fits: the step commits
+
+
+def test_an_error_beginning_the_buckets_is_voted_down_and_every_collective_still_issued(
+        tmp_path, monkeypatch):
+    local = _out_of_memory_once(monkeypatch, True, rank=1, error=ValueError)
+    config = _config(tmp_path, 2, overlap=True)
+    plan = BatchPlan(B, (9, 7), (4, 3))
+    building = threading.Lock()
+
+    def body(comm):
+        with building:
+            replica = Replica(regression_job(), config, str(tmp_path))
+        replica.comm = comm
+        replica.sync_from(0)
+        local.rank = comm.rank
+        return [replica.run_step(plan, []) for _ in range(2)], replica
+
+    server = RendezvousServer()
+    try:
+        results = run_ranks(server, 2, body, timeout=30)
+    finally:
+        server.close()
+    for outcomes, replica in results:
+        assert isinstance(outcomes[0], UserFailure) and outcomes[0].ranks == (1,)
+        assert isinstance(outcomes[1], StepRecord) and outcomes[1].step == 0
+        torch.testing.assert_close(replica.model.state_dict(), reference_weights(0, B, 1),
+                                   rtol=1e-9, atol=1e-10)
+
+
+def test_buckets_that_cannot_be_begun_even_after_an_error_leave_the_generation(tmp_path,
+                                                                               monkeypatch):
+    local = _out_of_memory_once(monkeypatch, True, rank=0, times=2, error=ValueError)
+    local.rank = 0
+    replica = Replica(regression_job(), _config(tmp_path, 1, overlap=True), str(tmp_path))
+    replica.comm = comm = _SingleRank()
+    with pytest.raises(CollectiveError, match="could not allocate") as raised:
+        replica.run_step(BatchPlan(B, (B,), (8,)), [])
+    assert isinstance(raised.value.__cause__, ValueError) and not is_out_of_memory(raised.value)
+    assert comm.aborted and replica.global_step == 0
+
+
+# --- out of memory in the apply phase --------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["flat", "buckets"])
+def test_out_of_memory_in_the_optimizer_step_makes_that_rank_leave_uncommitted(tmp_path,
+                                                                              overlap):
+    config = _config(tmp_path, 2, overlap)
+    plan = BatchPlan(B, (9, 7), (4, 3))
+    building = threading.Lock()
+
+    def body(comm):
+        with building:
+            replica = Replica(regression_job(), config, str(tmp_path))
+        replica.comm = comm
+        replica.sync_from(0)
+        assert isinstance(replica.run_step(plan, []), StepRecord)  # step 0 as usual
+        if comm.rank == 0:
+            return replica.run_step(plan, []), replica, comm.aborted
+
+        def step(*args, **kwargs):  # Adam's state, allocated at its first step, say
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+
+        replica.optimizer.step = step
+        try:
+            replica.run_step(plan, [])
+        except CollectiveError as e:
+            return e, replica, comm.aborted
+        return None, replica, comm.aborted
+
+    server = RendezvousServer()
+    try:
+        (record, peer, _), (error, replica, aborted) = run_ranks(server, 2, body, timeout=30)
+    finally:
+        server.close()
+    assert isinstance(record, StepRecord) and peer.global_step == 2  # the peer committed it
+    assert isinstance(error, CollectiveError) and "apply phase" in str(error)
+    assert is_out_of_memory(error) and isinstance(error.__cause__, torch.OutOfMemoryError)
+    assert aborted  # it left the generation: restored from the peer when it is re-formed
+    assert replica.global_step == 1 and replica.cursor.step == 1  # step 1 not committed here
+    assert all(p.grad is None for p in replica.model.parameters())
+
+
+# --- the worker actor ------------------------------------------------------------------------
+
+
+class _OldComm:
+    """The last generation's communicator: closed once, never touched after."""
+
+    def __init__(self) -> None:
+        self.closes, self.closed = 0, False
+
+    def close(self, timeout=None) -> bool:
+        self.closes += 1
+        self.closed = True
+        return True
+
+    def abort(self) -> None:
+        assert not self.closed, "abort on a closed communicator"
+
+
+def _actor(replica) -> object:
+    """A `WorkerActor` without Ray: the attributes its methods read."""
+    actor = object.__new__(worker_module.WorkerActor.__ray_metadata__.modified_class)
+    actor.worker_id, actor.device, actor.replica = 0, torch.device("cpu"), replica
+    actor.config = SimpleNamespace(collective=CollectiveConfig())
+    actor._lock, actor._abort, actor._turn = threading.Lock(), threading.Event(), threading.Condition()
+    actor._next_ticket, actor._completed, actor._generation, actor._yield_ticket = 0, True, -1, -1
+    actor._checkpoint_chaos = []
+    return actor
+
+
+def test_a_worker_whose_new_communicator_fails_no_longer_points_at_the_closed_one(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise CollectiveError("rendezvous refused (injected by the test)")
+
+    monkeypatch.setattr(worker_module, "Communicator", refuse)
+    old = _OldComm()
+    actor = _actor(SimpleNamespace(comm=old))
+    with pytest.raises(CollectiveError):
+        actor.connect(0, 2, "127.0.0.1:1", 1, b"secret")
+    assert actor.replica.comm is None and old.closes == 1
+    actor.abort()  # does not reach the closed communicator
+    with pytest.raises(CollectiveError):
+        actor.connect(0, 2, "127.0.0.1:1", 2, b"secret")
+    assert old.closes == 1  # not closed again
+
+
+def test_a_worker_out_of_memory_in_a_step_says_its_communicator_is_broken():
+    class Failing:
+        comm = SimpleNamespace(rank=1)
+        global_step = 3
+        cursor = SimpleNamespace(to_dict=lambda: {"step": 3})
+
+        def run_step(self, plan, chaos, factor):
+            raise CollectiveError("rank 1 ran out of memory in the apply phase of step 3") \
+                from torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+
+    outcome = _actor(Failing())._run_chunk(BatchPlan(B, (8, 8), (8, 8)), 2, [], None)
+    assert isinstance(outcome, ChunkVotedDown) and outcome.broken
+    assert outcome.failure == OutOfMemory(step=3, ranks=(1,)) and outcome.committed_step == 3
