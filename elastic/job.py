@@ -51,13 +51,15 @@ class TrainJob:
             optimizer (an EMA of the weights, user counters), each object with `state_dict()`
             and `load_state_dict(d)`; part of peer restore and checkpoints. An object with an
             `after_step(model)` method has it called on every rank after each applied
-            optimizer step.
+            optimizer step. Tensors of a loaded state (which is read into host memory) are
+            moved to where the object keeps them, or to the worker's device.
         move_batch: `(batch, device) -> batch`: puts a batch (as `collate_fn` made it) on the
             worker's device (`torch.device('cuda', i)` with `scaling.use_gpu`, else the CPU)
             before `loss` sees it. Default: every tensor in it, through dicts, lists, tuples,
             named tuples and dataclasses, copied with `non_blocking=True` (asynchronous from
-            the pinned memory of `data.pin_memory`). Give one for a batch type that holds
-            tensors elsewhere, or to move only part of a batch. Called on CPU workers too.
+            the pinned memory of `data.pin_memory`); on a CPU worker the batch is passed through
+            untouched. Give one for a batch type that holds tensors elsewhere, or to move only
+            part of a batch; a given one is called on CPU workers too.
     """
 
     model: Callable[[], Any]

@@ -177,7 +177,8 @@ class FailurePolicy:
                             "changes the math)")
                 return Fail(WorkerOutOfMemoryError(
                     f"rank {rank} ran out of memory at step {error.step} with {smallest}; "
-                    "use a smaller model, more memory per worker or more workers",
+                    "use a smaller model, more memory per worker or more workers (the gradient "
+                    "buffers and the optimizer state do not shrink with the micro-batch)",
                     rank=rank, step=error.step), tuple(decisions))
         return BackOff(tuple(decisions))
 
