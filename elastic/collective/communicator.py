@@ -294,10 +294,15 @@ class Communicator:
 
     def _post(self, start: Callable[[], list[Pending]]) -> list[Pending]:
         """Starts backend operations; a peer's death can surface here (gloo raises when a
-        receive is posted on a closed connection), not only when waiting."""
+        receive is posted on a closed connection), not only when waiting. A `ValueError` or
+        `TypeError` is bad input refused before anything was sent (a tensor on the wrong device
+        or of a dtype the backend lacks): every rank passes the same tensors and raises alike,
+        so it propagates as it is and the communicator stays usable."""
         self._check_usable()
         try:
             return start()
+        except (ValueError, TypeError):
+            raise
         except Exception as e:
             self._check_usable()  # aborted meanwhile: say so
             raise self._fail(CollectiveError(

@@ -225,3 +225,23 @@ def test_a_release_that_never_ends_is_reported_instead_of_waited_out(server):
         stuck.set()
     released = Communicator(0, 1, server.endpoint, 1, secret=server.secret)
     assert released.close(timeout=30) is True
+
+
+def test_bad_input_refused_by_a_transport_is_raised_as_is_and_leaves_the_communicator_usable(server):
+    """Every rank passes the same tensors, so a refusal (wrong device, a dtype the backend
+    lacks) happens on every rank alike: aborting would only break the generation."""
+    comm = Communicator(0, 1, server.endpoint, 0, secret=server.secret)
+    real = comm._transport.exchange
+
+    def refuses(sends, recvs, tag):
+        raise ValueError("the data plane takes CUDA tensors only")
+
+    comm._transport.exchange = refuses
+    try:
+        with pytest.raises(ValueError, match="CUDA tensors only"):
+            comm.send(torch.zeros(2), 0)
+        assert not comm.aborted and comm._broken is None
+        comm._transport.exchange = real
+        comm.barrier()  # still usable
+    finally:
+        comm.close()
