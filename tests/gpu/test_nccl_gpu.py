@@ -6,10 +6,13 @@ communicator on the same GPU, so the multi-rank tests need two GPUs and skip wit
 one GPU, the tests of a single rank exchange with themselves (a send to oneself and the
 matching receive in one group are legal NCCL) and run the native collectives at world size 1
 through the transport directly (`Communicator` returns before any NCCL call at world size 1).
+Bad input is a ValueError that leaves the communicator usable; the warm-up that connects every
+peer, the private communication stream and the abort on a helper thread are checked too.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -171,13 +174,33 @@ def test_a_late_producer_stream_is_waited_for(algorithm):
 
 @needs_two_gpus
 def test_a_host_tensor_is_refused_before_any_nccl_call():
-    def body(comm: Communicator) -> str:
-        with pytest.raises(CollectiveError, match="CUDA tensors only") as raised:
-            comm.allreduce(torch.ones(4), "sum", "native")
-        return str(raised.value)
+    """A ValueError on every rank alike: the communicator is not failed, the next allreduce
+    works."""
 
-    for message in _run(2, body):
+    def body(comm: Communicator) -> tuple[str, torch.Tensor]:
+        with pytest.raises(ValueError, match="CUDA tensors only") as raised:
+            comm.allreduce(torch.ones(4), "sum", "native")
+        with pytest.raises(ValueError, match="complex64"):
+            comm.allreduce(torch.ones(4, dtype=torch.complex64, device="cuda"), "sum", "native")
+        t = comm.allreduce(torch.ones(4, device="cuda"), "sum", "native")
+        return str(raised.value), t.cpu()
+
+    for message, t in _run(2, body):
         assert "cpu" in message
+        assert torch.equal(t, torch.full((4,), 2.0))
+
+
+@needs_two_gpus
+def test_every_peer_is_connected_before_the_communicator_is_returned():
+    """The warm-up ran and its stream finished while the communicator was built; NCCL was
+    asked to connect its collectives then too."""
+
+    def body(comm: Communicator) -> bool:
+        transport = comm._transport
+        return transport._last is not None and bool(transport._last.event.query())
+
+    assert _run(_world(), body) == [True] * _world()
+    assert os.environ.get("NCCL_RUNTIME_CONNECT") is not None
 
 
 @needs_two_gpus
@@ -261,15 +284,35 @@ def test_a_late_producer_stream_is_waited_for_on_one_gpu():
 def test_tensors_off_the_transports_device_are_refused_on_one_gpu():
     transport = _solo()
     try:
-        with pytest.raises(CollectiveError, match="CUDA tensors only"):
+        with pytest.raises(ValueError, match="CUDA tensors only"):
             transport.allreduce(torch.ones(4), "sum")
-        with pytest.raises(CollectiveError, match="contiguous"):
+        with pytest.raises(ValueError, match="contiguous"):
             transport.exchange([(torch.ones(4, 4, device="cuda").t(), 0)], [], 0)
+        with pytest.raises(ValueError, match="bool"):
+            transport.allreduce(torch.ones(4, dtype=torch.bool, device="cuda"), "sum")
         if _devices() > 1:
-            with pytest.raises(CollectiveError, match="cuda:1"):
+            with pytest.raises(ValueError, match="cuda:1"):
                 transport.exchange([(torch.ones(4, device="cuda:1"), 0)], [], 0)
+        _finish(transport.allreduce(torch.ones(4, device="cuda"), "sum"))  # still usable
     finally:
         transport.close()
+
+
+def test_the_communication_stream_is_private_and_outlives_its_transport():
+    """Not one of torch's pooled streams (`torch.cuda.Stream()` hands those out round-robin);
+    a later transport takes the released one's stream once it is idle."""
+    transport = _solo()
+    stream = transport._stream
+    transport.close()
+    pooled = {torch.cuda.Stream().cuda_stream for _ in range(64)}
+    assert stream.cuda_stream not in pooled
+    assert stream.query()
+    again = _solo()
+    try:
+        assert again._stream is stream
+        _finish(again.allreduce(torch.ones(8, device="cuda"), "sum"))
+    finally:
+        again.close()
 
 
 def test_abort_then_close_on_one_gpu():
@@ -281,7 +324,9 @@ def test_abort_then_close_on_one_gpu():
     torch.cuda._sleep(int(3e9))  # seconds of GPU time before the group may run
     pending = transport.exchange([(a, 0)], [(b, 0)], 0)
     assert not pending[0].wait(0.3)
-    transport.abort()
+    started = time.monotonic()
+    transport.abort()  # ncclCommAbort runs on a helper thread
+    assert time.monotonic() - started < 0.1
     assert pending[0].wait(1.0)
     with pytest.raises(CollectiveError, match="aborted"):
         pending[0].check()

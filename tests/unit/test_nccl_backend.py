@@ -1,16 +1,22 @@
 """The NCCL transport on CPU, against the simulator of NCCL's execution model
 (`CollectiveConfig.nccl_simulator`): every algorithm through `Communicator` with ranks as
-threads, the grouping that keeps a ring step from deadlocking (and the deadlock without it),
-the stream waits, the device guard, abort on failure, and peers that die. Real NCCL runs in
+threads, the warm-up that connects every peer while the communicator is built, the grouping
+that keeps a ring step from deadlocking (and the deadlock without it), the stream waits, the
+guard (bad input is a ValueError that leaves the communicator usable), abort on a helper
+thread, failure on an NCCL error, and peers that die. The GPU-only pieces (loading cupy's
+NCCL, the private CUDA stream) run here against fakes; real NCCL runs in
 tests/gpu/test_nccl_gpu.py."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
+import types
 from datetime import timedelta
 
 import pytest
@@ -26,6 +32,7 @@ from elastic.errors import (
     CollectiveAbortedError,
     CollectiveError,
     CollectiveTimeoutError,
+    RendezvousError,
 )
 from tests.threads import run_ranks
 
@@ -86,6 +93,127 @@ def test_result_codes_cupy_cannot_name_are_described_by_number(error, text):
 
 def test_load_nccl_gives_the_simulator_when_simulated():
     assert nccl_backend.load_nccl(simulated=True) is sim
+
+
+def _fake_cupy_nccl(monkeypatch, **attributes) -> types.ModuleType:
+    """Installs a stand-in for `cupy.cuda.nccl` and makes CUDA look available."""
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    for name, value in attributes.items():
+        setattr(nccl, name, value)
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.nccl = nccl  # type: ignore[attr-defined]
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return nccl
+
+
+def test_load_nccl_refuses_cupy_without_the_nccl_library(monkeypatch):
+    """cupy imports without libnccl and says so with `available = False` (its other names,
+    get_unique_id among them, are missing then)."""
+    _fake_cupy_nccl(monkeypatch, available=False)
+    with pytest.raises(BackendUnavailableError, match="could not load the NCCL library"):
+        nccl_backend.load_nccl()
+
+
+def test_load_nccl_refuses_nccl_older_than_2_7(monkeypatch):
+    _fake_cupy_nccl(monkeypatch, available=True, get_version=lambda: 2604)
+    with pytest.raises(BackendUnavailableError, match=r"NCCL 2\.7 or newer.*2604"):
+        nccl_backend.load_nccl()
+
+
+def test_load_nccl_refuses_an_nccl_that_cannot_tell_its_version(monkeypatch):
+    _fake_cupy_nccl(monkeypatch)  # neither `available` nor `get_version`
+    with pytest.raises(BackendUnavailableError, match="cannot tell the NCCL version"):
+        nccl_backend.load_nccl()
+
+
+@pytest.mark.parametrize("version", [2708, 21805, 22304])
+def test_load_nccl_takes_a_usable_nccl(monkeypatch, version):
+    nccl = _fake_cupy_nccl(monkeypatch, available=True, get_version=lambda: version)
+    assert nccl_backend.load_nccl() is nccl
+
+
+def test_a_cuda_transport_sets_nccl_runtime_connect_unless_the_environment_does(monkeypatch):
+    """The real-runtime path (here on the simulator's runtime) asks NCCL to connect its
+    collectives when the communicator is created; the simulated path leaves the variable
+    alone, and a value the user set stays."""
+    monkeypatch.setattr(nccl_backend, "load_nccl", lambda simulated=False: sim)
+    monkeypatch.setattr(nccl_backend, "_CudaRuntime", lambda: nccl_backend._SimRuntime(sim))
+    monkeypatch.delenv("NCCL_RUNTIME_CONNECT", raising=False)
+    _solo_transport().close()
+    assert "NCCL_RUNTIME_CONNECT" not in os.environ
+    nccl_backend.NcclTransport(0, 1, dist.HashStore(), timedelta(seconds=10)).close()
+    assert os.environ["NCCL_RUNTIME_CONNECT"] == "0"
+    monkeypatch.setenv("NCCL_RUNTIME_CONNECT", "1")
+    nccl_backend.NcclTransport(0, 1, dist.HashStore(), timedelta(seconds=10)).close()
+    assert os.environ["NCCL_RUNTIME_CONNECT"] == "1"
+
+
+def test_the_cuda_runtime_makes_private_streams_and_reuses_only_idle_ones(monkeypatch):
+    """Against fakes of cupy and torch.cuda.ExternalStream: each stream is a non-blocking cupy
+    stream made on the transport's device and wrapped for torch; none is ever dropped; a
+    retired stream is taken again only once idle, and only on its device."""
+    made: list[object] = []
+    devices: list[int] = []
+
+    class CupyStream:
+        def __init__(self, non_blocking: bool = False) -> None:
+            assert non_blocking
+            self.ptr = 0x1000 + len(made)
+            made.append(self)
+
+    @contextlib.contextmanager
+    def device(index: int):
+        devices.append(index)
+        yield
+
+    class ExternalStream:
+        def __init__(self, ptr: int, device: torch.device | None = None) -> None:
+            self.ptr, self.device, self.idle = ptr, device, True
+
+        def query(self) -> bool:
+            return self.idle
+
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(Stream=CupyStream, Device=device)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", ExternalStream)
+    monkeypatch.setattr(nccl_backend, "_ALL_STREAMS", [])
+    monkeypatch.setattr(nccl_backend, "_IDLE_STREAMS", {})
+
+    def runtime(index: int) -> nccl_backend._CudaRuntime:
+        rt = object.__new__(nccl_backend._CudaRuntime)
+        rt.device = torch.device("cuda", index)
+        return rt
+
+    rt, other = runtime(1), runtime(0)
+    a = rt.new_stream()
+    assert (a.ptr, a.device, devices) == (made[0].ptr, torch.device("cuda", 1), [1])  # type: ignore[attr-defined]
+    b = rt.new_stream()
+    assert b is not a
+    a.idle = False
+    rt.retire_stream(a)
+    c = rt.new_stream()
+    assert c is not a  # still busy: not taken
+    a.idle = True
+    assert rt.new_stream() is a
+    rt.retire_stream(b)
+    assert other.new_stream() is not b  # another device
+    assert rt.new_stream() is b
+    assert len(made) == 4 and [raw for raw, _ in nccl_backend._ALL_STREAMS] == made
+
+
+def test_the_cuda_runtimes_wait_is_cut_short_by_the_wake():
+    rt = object.__new__(nccl_backend._CudaRuntime)
+    wake = threading.Event()
+    threading.Timer(0.05, wake.set).start()
+    started = time.monotonic()
+    rt.wait_event(object(), 5.0, wake)
+    assert time.monotonic() - started < 2.0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error path")
@@ -169,6 +297,85 @@ def test_non_contiguous_tensors_are_reduced_through_a_contiguous_copy(server):
     assert torch.equal(results[0], torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * 3)
 
 
+# --- connecting eagerly ----------------------------------------------------------------------
+
+
+class _PeerSpy(sim.NcclCommunicator):
+    """Records (rank, call, peer, count) for every send, receive and allreduce."""
+
+    log: list[tuple] = []
+
+    def send(self, buf, count, datatype, peer, stream):
+        _PeerSpy.log.append((self._rank, "send", peer, count))
+        super().send(buf, count, datatype, peer, stream)
+
+    def recv(self, buf, count, datatype, peer, stream):
+        _PeerSpy.log.append((self._rank, "recv", peer, count))
+        super().recv(buf, count, datatype, peer, stream)
+
+    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+        _PeerSpy.log.append((self._rank, "allReduce", count))
+        super().allReduce(sendbuf, recvbuf, count, datatype, op, stream)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_every_peer_is_connected_while_the_communicator_is_built(server, monkeypatch, world):
+    """Before the communicator is handed out, each rank ran one group of a 1-byte send and
+    receive with every peer and a 1-element allreduce, and its stream finished them."""
+    _PeerSpy.log = []
+    monkeypatch.setattr(sim, "NcclCommunicator", _PeerSpy)
+
+    def body(comm: Communicator) -> tuple:
+        transport = comm._transport
+        seen = [entry for entry in _PeerSpy.log if entry[0] == comm.rank]
+        return seen, bool(transport._last.event.query()), transport._comm.busy
+
+    results = run_ranks(server, world, body, _config())
+    for rank, (seen, finished, busy) in enumerate(results):
+        peers = [p for p in range(world) if p != rank]
+        expected = [e for p in peers for e in ((rank, "send", p, 1), (rank, "recv", p, 1))]
+        assert seen == [*expected, (rank, "allReduce", 1)]
+        assert finished and not busy
+
+
+def test_a_peer_that_never_reaches_the_warm_up_fails_the_construction_in_time(spy, monkeypatch):
+    """Rank 1 is late for the warm-up: rank 0 gives up at its timeout and aborts NCCL; rank 1
+    then finds its peer gone. Both raise RendezvousError."""
+    real = nccl_backend.NcclTransport._connect_eagerly
+
+    def late(self, deadline, timeout):
+        if self.rank == 1:
+            time.sleep(2.5)
+        real(self, deadline, timeout)
+
+    monkeypatch.setattr(nccl_backend.NcclTransport, "_connect_eagerly", late)
+    store = dist.HashStore()
+    outcome: dict[int, tuple[BaseException | None, float]] = {}
+
+    def build(rank: int) -> None:
+        started = time.monotonic()
+        try:
+            nccl_backend.NcclTransport(rank, 2, store, timedelta(seconds=1), simulated=True)
+            outcome[rank] = (None, time.monotonic() - started)
+        except BaseException as e:
+            outcome[rank] = (e, time.monotonic() - started)
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    error0, seconds0 = outcome[0]
+    assert isinstance(error0, RendezvousError) and "did not connect every peer" in str(error0)
+    assert seconds0 < 2.0
+    error1, _ = outcome[1]
+    assert isinstance(error1, RendezvousError) and "ncclRemoteError" in str(error1)
+    deadline = time.monotonic() + 10
+    while (0, "abort") not in spy.calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (0, "abort") in spy.calls and (0, "destroy") not in spy.calls
+
+
 # --- grouping --------------------------------------------------------------------------------
 
 
@@ -235,9 +442,10 @@ def test_a_ring_step_is_issued_as_one_group(server, monkeypatch):
     results = run_ranks(server, 2, lambda c: c.allreduce(torch.ones(10) * (c.rank + 1), "sum", "ring"),
                         _config())
     assert all(torch.equal(t, torch.full((10,), 3.0)) for t in results)
-    # One reduce-scatter step and one allgather step, each one group of a receive and a send.
+    # The warm-up's group (a byte each way), then one reduce-scatter step and one allgather
+    # step, each one group of a receive and a send.
     for rank in (0, 1):
-        assert groups[rank] == [["recv", "send"], ["recv", "send"]]
+        assert groups[rank] == [["recv", "send"], ["recv", "send"], ["recv", "send"]]
 
 
 # --- streams ---------------------------------------------------------------------------------
@@ -320,12 +528,22 @@ def spy(monkeypatch):
     return _Spy
 
 
+def _after_warmup(spy: type[_Spy], rank: int) -> list[str]:
+    """The calls a rank made on its handle after the warm-up (its sends and receives, then
+    one allReduce, while the communicator was built)."""
+    names = [name for r, name in spy.calls if r == rank]
+    return names[names.index("allReduce") + 1:]
+
+
 @pytest.mark.parametrize("call", ["allreduce", "broadcast", "send", "ring"])
-def test_a_tensor_on_another_device_is_refused_before_any_nccl_call(server, spy, call):
+def test_a_tensor_on_another_device_is_a_value_error_before_any_nccl_call(server, spy, call):
+    """Every rank passes the same tensors and raises alike: the communicator is not failed, and
+    the next collective works."""
     errors: list[BaseException] = []
 
-    def body(comm: Communicator) -> None:
+    def body(comm: Communicator) -> torch.Tensor:
         wrong = torch.ones(4, device="meta")
+        before = _after_warmup(spy, comm.rank)
         try:
             if call == "allreduce":
                 comm.allreduce(wrong, "sum", "native")
@@ -335,21 +553,51 @@ def test_a_tensor_on_another_device_is_refused_before_any_nccl_call(server, spy,
                 comm.send(wrong, dst=1 - comm.rank)
             else:
                 comm.allreduce(wrong, "sum", "ring")
-        except CollectiveError as e:
+        except ValueError as e:
             errors.append(e)
+        assert _after_warmup(spy, comm.rank) == before  # nothing reached NCCL
+        assert not comm.aborted and comm._transport._state == "open"
+        return comm.allreduce(torch.ones(4), "sum", "native")
 
-    run_ranks(server, 2, body, _config())
+    results = run_ranks(server, 2, body, _config())
     assert len(errors) == 2
     for e in errors:
+        assert not isinstance(e, CollectiveError)
         assert "CUDA tensors only" in str(e) and "meta" in str(e)
-    assert not [c for c in spy.calls if c[1] not in ("abort", "destroy")]
+    assert all(torch.equal(t, torch.full((4,), 2.0)) for t in results)
 
 
-def test_a_non_contiguous_tensor_is_refused_by_the_transport():
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.bool, torch.uint32])
+def test_a_dtype_nccl_cannot_reduce_is_a_value_error_before_any_nccl_call(server, spy, dtype):
+    errors: list[BaseException] = []
+
+    def body(comm: Communicator) -> torch.Tensor:
+        before = _after_warmup(spy, comm.rank)
+        try:
+            comm.allreduce(torch.ones(4, dtype=dtype), "sum", "native")
+        except ValueError as e:
+            errors.append(e)
+        assert _after_warmup(spy, comm.rank) == before
+        return comm.allreduce(torch.ones(4), "sum", "native")
+
+    results = run_ranks(server, 2, body, _config())
+    assert len(errors) == 2 and all(str(dtype) in str(e) for e in errors)
+    assert all(torch.equal(t, torch.full((4,), 2.0)) for t in results)
+
+
+def test_bad_input_is_refused_by_the_transport_with_value_errors():
     transport = _solo_transport()
     try:
-        with pytest.raises(CollectiveError, match="contiguous"):
+        with pytest.raises(ValueError, match="contiguous"):
             transport.exchange([(torch.ones(4, 4).t(), 0)], [], 0)
+        with pytest.raises(ValueError, match="cannot reduce with op 'avg'"):
+            transport.allreduce(torch.ones(4), "avg")
+        with pytest.raises(ValueError, match="peer must be"):
+            transport.broadcast(torch.ones(4), 1)
+        assert transport._state == "open"
+        pending = transport.allreduce(torch.full((3,), 2.0), "sum")
+        assert pending[0].wait(10)
+        pending[0].check()
     finally:
         transport.close()
 
@@ -371,16 +619,16 @@ def test_a_timeout_aborts_nccl_and_close_then_never_destroys(server, spy):
 
     run_ranks(server, 2, body, _config(timeout=timedelta(seconds=0.5)))
     assert isinstance(outcome[0], CollectiveTimeoutError)
-    rank0 = [name for rank, name in spy.calls if rank == 0]
+    rank0 = _after_warmup(spy, 0)
     assert rank0 == ["recv", "abort"]  # aborted on the timeout; close did not destroy
-    rank1 = [name for rank, name in spy.calls if rank == 1]
+    rank1 = _after_warmup(spy, 1)
     assert "destroy" not in rank1  # its peer aborted: a remote error, so close aborts too
 
 
 def test_close_after_clean_use_destroys(server, spy):
     run_ranks(server, 2, lambda c: c.allreduce(torch.ones(3), "sum", "native"), _config())
     for rank in (0, 1):
-        assert [name for r, name in spy.calls if r == rank] == ["allReduce", "destroy"]
+        assert _after_warmup(spy, rank) == ["allReduce", "destroy"]
 
 
 def test_abort_while_waiting_wakes_the_caller_and_aborts_nccl(server, spy):
@@ -519,6 +767,180 @@ def test_abort_is_serialised_with_polling_on_the_communicator_handle():
     assert all(p.is_done() for p in pending)
     with pytest.raises(CollectiveError, match="aborted"):
         pending[0].check()
+
+
+def test_abort_returns_at_once_while_another_thread_is_inside_an_nccl_call():
+    """A thread holds the handle's lock (as one blocked in an NCCL call would): abort() sets
+    the state and wakes waiters without waiting for it, handles answer without the lock, the
+    helper aborts NCCL once the lock is free, and close() waits for that helper."""
+    transport = _solo_transport()
+    blocker = sim.Stream()
+    gate = threading.Event()
+    sim.launch(gate.wait, blocker)
+    with sim.stream(blocker):
+        pending = transport.allreduce(torch.ones(4), "sum")  # issued, queued behind the gate
+    inside, leave = threading.Event(), threading.Event()
+
+    def stuck() -> None:
+        with transport._lock:
+            inside.set()
+            leave.wait(20)
+
+    holder = threading.Thread(target=stuck)
+    holder.start()
+    assert inside.wait(5)
+    try:
+        started = time.monotonic()
+        transport.abort()
+        assert time.monotonic() - started < 0.1
+        assert pending[0].is_done() and pending[0].wait(1.0)
+        with pytest.raises(CollectiveError, match="aborted"):
+            pending[0].check()
+        with pytest.raises(CollectiveError, match="aborted"):
+            transport.allreduce(torch.ones(4), "sum")
+        assert time.monotonic() - started < 0.5
+        assert not transport._comm._gone  # the helper waits for the lock
+        closer = threading.Thread(target=transport.close)
+        closer.start()
+        closer.join(0.3)
+        assert closer.is_alive()  # close waits for the release
+    finally:
+        leave.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert transport._comm._gone and transport._comm._aborted
+    gate.set()
+    holder.join(5)
+
+
+def test_a_blocking_nccl_abort_holds_up_only_close():
+    """ncclCommAbort may wait for kernels: it runs on the helper thread, so abort() and the
+    waiters return at once and only close() waits for it."""
+    transport = _solo_transport()
+    real = transport._comm
+    release = threading.Event()
+
+    class SlowAbort:
+        def check_async_error(self) -> None:
+            pass
+
+        def abort(self) -> None:
+            release.wait(20)
+            real.abort()
+
+    transport._comm = SlowAbort()
+    started = time.monotonic()
+    transport.abort()
+    transport.fail()
+    assert time.monotonic() - started < 0.1
+    closer = threading.Thread(target=transport.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive()
+    release.set()
+    closer.join(10)
+    assert not closer.is_alive() and real._gone
+
+
+class _RefusingComm:
+    """A handle whose send raises what CuPy raises for ncclInvalidUsage."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def send(self, *args) -> None:
+        self.calls.append("send")
+        raise sim.NcclError(sim.ncclInvalidUsage)
+
+    def recv(self, *args) -> None:
+        self.calls.append("recv")
+
+    def allReduce(self, *args) -> None:
+        self.calls.append("allReduce")
+
+    def bcast(self, *args) -> None:
+        self.calls.append("bcast")
+
+    def check_async_error(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+
+    def destroy(self) -> None:
+        self.calls.append("destroy")
+
+
+@pytest.mark.parametrize("flushed_by", ["collective", "poll"])
+def test_a_group_nccl_refuses_fails_the_transport_and_nothing_is_enqueued_after_it(flushed_by):
+    """The posted group is flushed by a native collective, or by polling its handle; its send
+    is refused: the transport is failed and aborted, and the collective (or any later call)
+    is never enqueued, so no rank runs an operation its peers may not."""
+    transport = _solo_transport()
+    real = transport._comm
+    fake = transport._comm = _RefusingComm()
+    pending = transport.exchange([(torch.ones(4), 0)], [(torch.zeros(4), 0)], 0)
+    if flushed_by == "collective":
+        with pytest.raises(CollectiveError, match="NCCL refused the operation: NCCL_ERROR_INVALID_USAGE"):
+            transport.allreduce(torch.ones(4), "sum")
+    else:
+        assert pending[0].is_done()
+    with pytest.raises(CollectiveError, match="NCCL refused the operation"):
+        pending[0].check()
+    with pytest.raises(CollectiveError, match="failed"):
+        transport.broadcast(torch.ones(4), 0)
+    with pytest.raises(CollectiveError, match="failed"):
+        transport.exchange([(torch.ones(4), 0)], [], 0)
+    transport.close()
+    assert fake.calls == ["send", "abort"]  # nothing after the refused send; abort, not destroy
+    real.abort()
+
+
+class _QueryFailsRuntime(nccl_backend._SimRuntime):
+    """The simulator's runtime, counting how deep inside `bound()` each event query runs;
+    every query raises as a CUDA error would."""
+
+    def __init__(self, module) -> None:
+        super().__init__(module)
+        self.depth = 0
+        self.queries: list[int] = []
+
+    @contextlib.contextmanager
+    def bound(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+    def new_event(self):
+        runtime, real = self, super().new_event()
+
+        class Event:
+            def record(self, stream) -> None:
+                real.record(stream)
+
+            def synchronize(self, timeout=None) -> bool:
+                return real.synchronize(timeout)
+
+            def query(self) -> bool:
+                runtime.queries.append(runtime.depth)
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        return Event()
+
+
+def test_an_error_querying_an_event_fails_the_operation_and_aborts_nccl():
+    transport = _solo_transport()
+    runtime = transport._rt = _QueryFailsRuntime(sim)
+    pending = transport.allreduce(torch.ones(4), "sum")
+    assert pending[0].wait(5)
+    with pytest.raises(CollectiveError, match="illegal memory access"):
+        pending[0].check()
+    assert transport._state == "failed"
+    transport.close()
+    assert transport._comm._aborted  # aborted, not destroyed
+    assert runtime.queries and all(depth > 0 for depth in runtime.queries)  # with the device set
 
 
 def _dying_rank(endpoint: str, secret: bytes, conn) -> None:
