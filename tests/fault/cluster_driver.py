@@ -142,9 +142,7 @@ def chaos(out_path: str) -> None:
                 cluster.add_node(num_cpus=2)  # capacity comes back elsewhere
                 status = wait_for(name, lambda s, f=status["failures"]: s["failures"] > f
                                   and s["state"] == "running", "recover from the node loss")
-            step = status["step"]
-            status = wait_for(name, lambda s, step=step: s["world_size"] >= 2 and s["state"] == "running"
-                              and s["step"] >= step + 3, "progress before a kill")
+            status = wait_for(name, _settled(status["step"]), "progress before a kill")
             time.sleep(rng.uniform(0.0, 0.05))  # a random moment of a step
             rank = rng.randrange(status["world_size"])
             elastic.kill(name, rank)
@@ -165,6 +163,24 @@ def chaos(out_path: str) -> None:
             json.dump(summary, f)
         ray.shutdown()
         cluster.shutdown()
+
+
+def _settled(after: int):
+    """A status predicate: two or more workers have run three steps in one generation, past
+    step `after + 3`. A worker that just joined shows in `world_size` a moment before the
+    resize that admits it starts; killing the one state holder then would lose the state."""
+    seen: dict[str, int] = {}
+
+    def check(s: dict) -> bool:
+        if s["state"] != "running" or s["world_size"] < 2:
+            seen.clear()
+            return False
+        if seen.get("generation") != s["generation"]:
+            seen.update(generation=s["generation"], step=s["step"])
+            return False
+        return s["step"] >= max(seen["step"], after) + 3
+
+    return check
 
 
 def _ended(name: str) -> bool:
