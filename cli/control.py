@@ -81,10 +81,16 @@ def status(
     if info["state"] == "lost":
         console.print("its controller no longer answers and recorded no end: the process or the Ray "
                       "cluster stopped before the run could finish")
+    joining = info.get("joining_workers", 0)  # absent from the records of older runs
+    if not info["workers"] and not joining:
+        return
+    line = (f"{info['world_size']} workers (target {info['target_workers']}), "
+            f"generation {info['generation']}")
+    if joining:
+        line += f", {joining} joining"  # admitted, in no generation yet: no rank
+    console.print(line)
     if not info["workers"]:
         return
-    console.print(f"{info['world_size']} workers (target {info['target_workers']}), "
-                  f"generation {info['generation']}")
     table = Table()
     for column in ("rank", "worker", "pid", "node"):
         table.add_column(column)

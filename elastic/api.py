@@ -118,6 +118,10 @@ def status(name: str) -> dict[str, Any]:
     """A snapshot of run `name`, live or ended: state, step, world size, workers, start and
     end times, last loss and, for a failed run, its error's class and message.
 
+    `world_size`, `workers` and `generation` are the generation that trains (the ranks `kill`
+    takes); a worker that is up but not yet in a generation counts in `joining_workers`, one
+    still starting in `starting_workers`.
+
     Raises:
         RunNotFoundError: no such run.
     """

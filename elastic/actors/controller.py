@@ -128,7 +128,9 @@ class Controller:
         error = self.error
         batching = ctx.batching
         plan = batching.plan if batching else None
-        members = list(ctx.members)
+        # The ranks of the generation that trains; a worker admitted at a boundary counts in
+        # `world_size` only once the resize that admits it has formed its generation.
+        roster = ctx.roster()
         with self._lock:
             label = self.machine.state.label
             state = label.value
@@ -140,15 +142,16 @@ class Controller:
                 target = ctx.requests.target
             return {
                 "name": self.name, "state": state, "step": ctx.step,
-                "total_steps": ctx.total_steps, "generation": ctx.generation,
-                "world_size": len(members), "target_workers": target,
+                "total_steps": ctx.total_steps, "generation": roster.generation,
+                "world_size": len(roster.world), "target_workers": target,
                 "global_batch_size": (batching.batch_now if batching
                                       else self.config.batch.global_batch_size),
                 "shares": list(plan.shares) if plan else None,
                 "micro_batches": list(plan.micro_batches) if plan else None,
-                "starting_workers": self.workers.starting(), "failures": ctx.policy.workers_lost,
+                "starting_workers": self.workers.starting(), "joining_workers": len(roster.joining),
+                "failures": ctx.policy.workers_lost,
                 "workers": [{"rank": r, "worker_id": m.worker_id, "pid": m.pid, "node_id": m.node_id}
-                            for r, m in enumerate(members)],
+                            for r, m in enumerate(roster.world)],
                 "run_dir": self.run_dir, "started_at": self.started_at, "ended_at": self.ended_at,
                 "last_loss": last_loss, "detached": self.detached,
                 "error_type": type(error).__name__ if error is not None else None,
@@ -195,12 +198,13 @@ class Controller:
             self.workers.yield_chunks()
 
     def kill(self, rank: int) -> None:
-        """Kills the worker at `rank` now, as a failure would (for drills and tests).
+        """Kills the worker at `rank` now, as a failure would (for drills and tests). Ranks are
+        those `status` lists: of the generation that trains (a joining worker has none).
 
         Raises:
             ConfigError: no such rank.
         """
-        members = list(self.ctx.members)
+        members = self.ctx.roster().world
         if not 0 <= rank < len(members):
             raise ConfigError(f"run {self.name!r} has no rank {rank} (world size {len(members)})")
         member = members[rank]

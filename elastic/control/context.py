@@ -47,6 +47,22 @@ class Requests:
         return killed_at
 
 
+@dataclass(frozen=True)
+class Roster:
+    """Who trains and who waits to, as `status` reports it.
+
+    Attributes:
+        generation: the last generation formed (-1 before the first).
+        world: its members still in the run, in rank order: the ranks that train.
+        joining: members admitted since it formed, not yet in a generation (the resize at the
+            next boundary admits them; until then they hold no state and have no rank).
+    """
+
+    generation: int
+    world: list[Member]
+    joining: list[Member]
+
+
 @dataclass
 class Context:
     """The state every controller state reads and changes.
@@ -61,7 +77,10 @@ class Context:
         restarted: this controller is a restarted one (it must resume from a checkpoint).
         publish: writes the run's record to the index (after every state change and chunk).
         members: the current members in rank order.
-        generation: the current generation (-1 before the first).
+        generation: the current generation (-1 before the first); it counts up as a
+            generation starts to form.
+        formed: the last generation formed and its members' worker ids, set once every rank
+            holds the committed state (what `roster` reports as training).
         cursor: the committed data cursor.
         total_steps: the step at which the run ends, at the global batch in force.
         dataset_size: samples in the data set.
@@ -91,6 +110,7 @@ class Context:
     publish: Callable[[], None] = lambda: None
     members: list[Member] = field(default_factory=list)
     generation: int = -1
+    formed: tuple[int, frozenset[int]] = (-1, frozenset())
     cursor: Cursor = field(default_factory=Cursor)
     total_steps: int = 0
     dataset_size: int = 0
@@ -125,6 +145,16 @@ class Context:
     def ids(self) -> list[int]:
         """The members' worker ids in rank order."""
         return [m.worker_id for m in self.members]
+
+    def roster(self) -> Roster:
+        """The ranks of the generation that trains, and the members waiting to join it. A
+        worker admitted at a boundary is a member before the resize forms its generation: it
+        counts here only once that generation has formed. Safe from other threads (it reads
+        `formed` once and copies `members`)."""
+        generation, ids = self.formed
+        members = list(self.members)
+        return Roster(generation, [m for m in members if m.worker_id in ids],
+                      [m for m in members if m.worker_id not in ids])
 
     @property
     def batch(self) -> Batching:

@@ -182,6 +182,7 @@ def form(ctx: Context, reason: str) -> tuple[float, float]:
         assert cursor is not None
         ctx.cursor = Cursor(**cursor)
         restored = ctx.workers.now()
+        ctx.formed = (ctx.generation, frozenset(ids))
         ctx.policy.formed()
         ctx.log.emit(Generation(generation=ctx.generation, world_size=len(ids), reason=reason,
                       source_rank=src, step=ctx.step, transport=transport, workers=ids))

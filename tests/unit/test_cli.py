@@ -117,6 +117,22 @@ def test_logs_prints_each_event_kind_and_its_line_and_unknown_kinds_by_name(monk
                                           "from_a_newer_version  from_a_newer_version"]
 
 
+def test_status_lists_the_ranks_that_train_and_counts_a_joining_worker_apart(monkeypatch):
+    import elastic
+
+    info = {"name": "r", "state": "resizing", "step": 6, "total_steps": 16, "last_loss": None,
+            "started_at": None, "failures": 1, "run_dir": "/runs/r", "world_size": 1,
+            "target_workers": 2, "generation": 1, "joining_workers": 1,
+            "workers": [{"rank": 0, "worker_id": 0, "pid": 7, "node_id": "n0"}]}
+    monkeypatch.setattr(elastic, "status", lambda name: info)
+    result = runner.invoke(app, ["status", "r"])
+    assert result.exit_code == 0, result.output
+    assert "1 workers (target 2), generation 1, 1 joining" in result.output
+    del info["joining_workers"]  # the record of a run from before the field
+    result = runner.invoke(app, ["status", "r"])
+    assert result.exit_code == 0 and "joining" not in result.output, result.output
+
+
 def test_run_exact_turns_exact_mode_on_over_a_config_file(tmp_path):
     import inspect
 

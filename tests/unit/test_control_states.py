@@ -13,7 +13,7 @@ import pytest
 
 from elastic.config import BatchConfig, ChaosEvent, FailureConfig, FitConfig, ScalingConfig
 from elastic.control import decisions
-from elastic.control.context import Context
+from elastic.control.context import Context, Roster
 from elastic.control.policy import BackOff, Fail, FailurePolicy, Reconfigure, Recover, Retry
 from elastic.control.port import ChunkDone, ChunkInterrupted, ChunkSkipped, ChunkVotedDown
 from elastic.control.simulation import SimulatedWorkers
@@ -92,6 +92,36 @@ def test_a_lost_worker_recovers_in_place_and_its_replacement_joins(tmp_path):
     assert len(ctx.members) == 4 and ctx.policy.workers_lost == 1
     [recovered] = _events(ctx, "recovered")
     assert (recovered["world_before"], recovered["world_after"]) == (4, 3)
+
+
+def test_a_joined_worker_is_not_in_the_world_until_its_resize_formed_a_generation(tmp_path):
+    # World 1 after a kill; the replacement is admitted at a boundary (a member from then on)
+    # and the resize forms its generation. `status` reports `ctx.roster()`: until that
+    # generation formed, the replacement is joining, with no rank, and the world is the one
+    # rank that holds the state (a caller that saw two workers and killed rank 0 lost it).
+    cfg = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=16, steps_per_chunk=4,
+                    scaling=ScalingConfig(num_workers=2, min_workers=1, max_workers=2),
+                    batch=BatchConfig(global_batch_size=2 * PER_RANK),
+                    chaos=(ChaosEvent(step=6, rank=1, action="kill"),))
+    sim = SimulatedWorkers(dataset_size=2 * PER_RANK * 1000, capacity=2, start_delay_s=0.02)
+    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
+    seen = {}
+
+    def on_change(previous, state):
+        roster = ctx.roster()
+        seen[previous.value, state.label.value] = (
+            [m.worker_id for m in roster.world], [m.worker_id for m in roster.joining],
+            roster.generation, ctx.ids())
+
+    assert ctx.roster() == Roster(-1, [], [])
+    end = Machine(ctx, on_change=on_change).run()
+    assert isinstance(end, Finished)
+    assert [e["reason"] for e in _events(ctx, "generation")] == ["start", "recovery", "resize"]
+    assert seen["recovering", "running"] == ([0], [], 1, [0])
+    # Admitted: a member, not yet in the world.
+    assert seen["running", "resizing"] == ([0], [2], 1, [0, 2])
+    assert seen["resizing", "running"] == ([0, 2], [], 2, [0, 2])
+    assert ctx.roster().generation == _events(ctx, "generation")[-1]["generation"]
 
 
 def test_scale_down_then_up_resizes_at_boundaries(tmp_path):
