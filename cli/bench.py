@@ -43,6 +43,10 @@ def bench_allreduce(
     segment_bytes: Annotated[str, typer.Option(help="Ring segment size.")] = "16MB",
     hosts: Annotated[int, typer.Option(help="Simulated hosts: the ranks act as this many hosts "
                                             "(shared memory inside each, TCP between).")] = 1,
+    registered: Annotated[bool, typer.Option(
+        help="Also measure 'direct', 'hierarchical' and 'auto' on a registered buffer (shared "
+             "memory the communicator lends, as training's flat gradient buffers are), in rows "
+             "named '<algorithm> (registered)'.")] = True,
 ) -> None:
     """Time every allreduce algorithm at every size, check results, fit alpha-beta."""
     from elastic.bench.allreduce import parse_size, plot_allreduce, run_allreduce_bench
@@ -62,7 +66,7 @@ def bench_allreduce(
     try:
         result = run_allreduce_bench(world_size, size_list, algorithm_list,  # type: ignore[arg-type]
                                      segment_bytes=segment, shared_memory=shared_memory,
-                                     hosts=hosts)
+                                     hosts=hosts, registered=registered)
     except ValueError as e:
         raise fail(str(e)) from None
     _print_allreduce(result, world_size, hosts)

@@ -112,6 +112,14 @@ class CollectiveConfig(_Frozen):
         "for the 'direct' and 'hierarchical' allreduce; larger messages go through them in "
         "chunks of this size.",
     )
+    shm_registered_buffers: bool = Field(
+        default=True,
+        description="Keep each step's flat gradient buffers in shared memory that the ranks of "
+        "a host lend each other, so that the 'direct' allreduce reduces them where they lie "
+        "(no copy in or out of its buffers, two synchronisations per step instead of two per "
+        "chunk). Needs /dev/shm room for one copy of the gradients per rank; a rank without it "
+        "falls back to copying by itself. Off: always copy.",
+    )
     simulated_hosts: int | None = Field(
         default=None, ge=1,
         description="For tests and benchmarks only: treat the ranks of a generation as spread "

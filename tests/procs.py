@@ -39,7 +39,8 @@ def _listen(conn: Connection, comm_box: dict, orders: queue.SimpleQueue) -> None
 def rank_main(rank: int, world_size: int, endpoint: str, secret: bytes, scenario: str,
               conn: Connection, timeout_s: float = 300.0, shared_memory: bool = True,
               algorithm: str = "ring", hosts: int | None = None) -> None:
-    """Child entry point. Reports ("error", type name) when an operation fails.
+    """Child entry point. Reports ("error", type name) when an operation fails. An algorithm
+    named "<algorithm>+registered" allreduces registered buffers (`Communicator.shared_buffers`).
 
     Ends with `os._exit`: a process that abandoned gloo operations must not run interpreter
     finalization while gloo may still wake their waiter threads (see `elastic.collective.gloo`).
@@ -56,6 +57,8 @@ def rank_main(rank: int, world_size: int, endpoint: str, secret: bytes, scenario
 
 def _scenario(rank: int, world_size: int, endpoint: str, secret: bytes, scenario: str,
               conn: Connection, config: CollectiveConfig, algorithm: str) -> None:
+    algorithm, _, registered = algorithm.partition("+")
+    lend = 8 << 20 if registered else 0
     comm_box: dict = {"signal": threading.Event()}
     orders: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_listen, args=(conn, comm_box, orders), daemon=True).start()
@@ -66,8 +69,13 @@ def _scenario(rank: int, world_size: int, endpoint: str, secret: bytes, scenario
 
     try:
         comm = Communicator(rank, world_size, ep, 0, config, abort_signal=comm_box["signal"],
-                            secret=secret)
+                            secret=secret, shared_bytes=lend)
         comm_box["comm"] = comm
+
+        def tensor(numel: int) -> torch.Tensor:
+            lent = comm.shared_buffers({torch.float32: numel}) if lend else None
+            assert (lent is not None) == bool(lend), "no registered buffer was lent"
+            return torch.empty(numel) if lent is None else lent[torch.float32]
     except Exception as e:
         report_failure(e)
         return
@@ -83,17 +91,17 @@ def _scenario(rank: int, world_size: int, endpoint: str, secret: bytes, scenario
             if rank == 0:
                 orders.get()  # never joins; waits to be told to exit
                 return
-            data = torch.full((1 << 16,), 7.0)
+            data = tensor(1 << 16).fill_(7.0)
             try:
                 comm.allreduce(data, "sum", algorithm)  # type: ignore[arg-type]
             finally:
                 # Whether the failed allreduce left the caller's tensor as it was.
                 conn.send(("untouched", bool(torch.all(data == 7.0))))
         elif scenario == "allreduce_forever":
-            data = torch.full((1 << 20,), float(rank + 1))
+            data, work = torch.full((1 << 20,), float(rank + 1)), tensor(1 << 20)
             first = True
             while True:
-                comm.allreduce(data.clone(), "sum", algorithm)  # type: ignore[arg-type]
+                comm.allreduce(work.copy_(data), "sum", algorithm)  # type: ignore[arg-type]
                 if first:
                     conn.send(("running", rank))
                     first = False

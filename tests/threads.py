@@ -19,6 +19,7 @@ def run_ranks(
     fn: Callable[[Communicator], Any],
     config: CollectiveConfig | None = None,
     timeout: float = 60.0,
+    shared_bytes: int = 0,
 ) -> list[Any]:
     """Calls `fn(comm)` on every rank of a fresh generation; returns results in rank order
     and re-raises the first rank's exception."""
@@ -29,7 +30,7 @@ def run_ranks(
     def target(rank: int) -> None:
         try:
             comm = Communicator(rank, world_size, server.endpoint, generation, config,
-                                secret=server.secret)
+                                secret=server.secret, shared_bytes=shared_bytes)
             try:
                 results[rank] = fn(comm)
             finally:

@@ -129,7 +129,8 @@ class WorkerActor:
             self._turn.notify_all()  # a chunk of the old generation still waiting: skipped
         self.replica.comm = Communicator(rank, world_size, Endpoint.parse(endpoint), generation,
                                          self.config.collective, abort_signal=signal_,
-                                         secret=secret)
+                                         secret=secret,
+                                         shared_bytes=self.replica.registered_bytes())
         return self.replica.global_step, self.replica.comm.transport
 
     def sync(self, src: int) -> dict[str, int]:

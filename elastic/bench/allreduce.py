@@ -108,34 +108,31 @@ def _transport_name(comm: Communicator, algorithm: str) -> str:
     return "shm" if comm.transport == "shared_memory" else "tcp"
 
 
+# Algorithms that reduce a registered buffer where it lies (`Communicator.shared_buffers`).
+_REGISTERING = ("auto", "direct", "hierarchical")
+REGISTERED = " (registered)"  # appended to an algorithm's name for its registered-buffer rows
+
+
 def _rank_main(rank: int, world_size: int, endpoint: str, secret: bytes, sizes: list[int],
-               algorithms: list[str], config_json: str, conn: Connection) -> None:
+               algorithms: list[str], config_json: str, registered: bool,
+               conn: Connection) -> None:
     try:
         torch.set_num_threads(1)
         config = CollectiveConfig.model_validate_json(config_json)
-        comm = Communicator(rank, world_size, Endpoint.parse(endpoint), 0, config, secret=secret)
+        lend = max(sizes) + 64 if registered and any(a in _REGISTERING for a in algorithms) else 0
+        comm = Communicator(rank, world_size, Endpoint.parse(endpoint), 0, config, secret=secret,
+                            shared_bytes=lend)
         results = []
-        expected_factor = world_size * (world_size + 1) / 2
         for algorithm in algorithms:
             for size in sizes:
                 numel = max(1, size // 4)
-                # Small integers: sums are exact in float32, so correctness is checked exactly.
-                base = (torch.arange(numel, dtype=torch.float32) % 97) + 1
-                source = base * (rank + 1)
-                work = source.clone()
-                correct = True
-                times = []
-                for i in range(1 + _iterations(size)):  # the first is a warm-up
-                    work.copy_(source)
-                    comm.barrier()
-                    start = time.perf_counter()
-                    comm.allreduce(work, "sum", algorithm)  # type: ignore[arg-type]
-                    elapsed = time.perf_counter() - start
-                    if i:
-                        times.append(elapsed)
-                    if i == 1:
-                        correct = bool(torch.equal(work, base * expected_factor))
-                results.append((algorithm, size, times, correct, _transport_name(comm, algorithm)))
+                results.append((algorithm, size, *_measure(comm, algorithm, size, torch.empty(numel)),
+                                _transport_name(comm, algorithm)))
+                lent = comm.shared_buffers({torch.float32: numel}) if lend else None
+                if lent is not None and algorithm in _REGISTERING:
+                    results.append((algorithm + REGISTERED, size,
+                                    *_measure(comm, algorithm, size, lent[torch.float32]),
+                                    _transport_name(comm, algorithm)))
         conn.send(("ok", results))
         comm.close()
     except BaseException as e:
@@ -143,6 +140,28 @@ def _rank_main(rank: int, world_size: int, endpoint: str, secret: bytes, sizes: 
     finally:
         conn.close()
         os._exit(0)
+
+
+def _measure(comm: Communicator, algorithm: str, size: int,
+             work: torch.Tensor) -> tuple[list[float], bool]:
+    """Times allreduces of `work` (float32, overwritten); returns the times and whether the
+    result was exact."""
+    # Small integers: sums are exact in float32, so correctness is checked exactly.
+    base = (torch.arange(work.numel(), dtype=torch.float32) % 97) + 1
+    source = base * (comm.rank + 1)
+    expected = base * (comm.world_size * (comm.world_size + 1) / 2)
+    correct, times = True, []
+    for i in range(1 + _iterations(size)):  # the first is a warm-up
+        work.copy_(source)
+        comm.barrier()
+        start = time.perf_counter()
+        comm.allreduce(work, "sum", algorithm)  # type: ignore[arg-type]
+        elapsed = time.perf_counter() - start
+        if i:
+            times.append(elapsed)
+        if i == 1:
+            correct = bool(torch.equal(work, expected))
+    return times, correct
 
 
 def measure_memcpy_gbps(size_bytes: int = 64 << 20) -> float:
@@ -220,13 +239,16 @@ def run_allreduce_bench(world_size: int, sizes: list[int], algorithms: list[Algo
                         segment_bytes: int = CollectiveConfig().segment_bytes,
                         shared_memory: bool = True, hosts: int = 1,
                         chunk_bytes: int = CollectiveConfig().shm_chunk_bytes,
-                        timeout_s: float = 1800.0) -> AllreduceBenchResult:
+                        timeout_s: float = 1800.0, registered: bool = True) -> AllreduceBenchResult:
     """Runs the benchmark with `world_size` processes on this machine.
 
     With `shared_memory` (the default, as in training) the point-to-point algorithms move
     their bytes through shared memory; `native` is always gloo's own allreduce over TCP.
     With `hosts` > 1 the ranks act as that many hosts (`CollectiveConfig.simulated_hosts`):
-    shared memory inside each, TCP between them.
+    shared memory inside each, TCP between them. With `registered` (the default, as in
+    training, where the flat gradient buffers are the communicator's registered buffers)
+    'direct', 'hierarchical' and 'auto' are also measured on a registered buffer, in rows
+    named "<algorithm> (registered)".
 
     Raises:
         ValueError: bad arguments.
@@ -252,7 +274,8 @@ def run_allreduce_bench(world_size: int, sizes: list[int], algorithms: list[Algo
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_rank_main, daemon=True,
                            args=(rank, world_size, str(server.endpoint), server.secret, sizes,
-                                 list(algorithms), config.model_dump_json(), child))
+                                 list(algorithms), config.model_dump_json(),
+                                 registered and shared_memory, child))
         proc.start()
         pipes.append(parent)
         procs.append(proc)
@@ -285,7 +308,7 @@ def run_allreduce_bench(world_size: int, sizes: list[int], algorithms: list[Algo
             iterations=len(iteration_times), transport=transport,
         ))
     fits = {a: fit_alpha_beta([(r.size_bytes, r.median_s) for r in records if r.algorithm == a])
-            for a in algorithms}
+            for a in dict.fromkeys(r.algorithm for r in records)}
     return AllreduceBenchResult(world_size=world_size, records=records, memcpy_gbps=memcpy,
                                 loopback_tcp_gbps=tcp, fits=fits, hosts=hosts,
                                 ring_beats_tree_from_bytes=crossover(records))

@@ -56,6 +56,9 @@ class Communicator:
             wakes pending waits at once.
         secret: the run's rendezvous secret (`RendezvousServer.secret`); every value read
             from the store must be signed with it.
+        shared_bytes: bytes of shared memory this rank lends for registered buffers
+            (`shared_buffers`), when the generation's ranks share memory with a host peer and
+            `CollectiveConfig.shm_registered_buffers` is on; 0 for none.
 
     Raises:
         ValueError: rank or world size out of range.
@@ -75,6 +78,7 @@ class Communicator:
         abort_signal: threading.Event | None = None,
         *,
         secret: bytes,
+        shared_bytes: int = 0,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -86,6 +90,7 @@ class Communicator:
         self.config = config or CollectiveConfig()
         self._aborted = abort_signal if abort_signal is not None else threading.Event()
         self._broken: CollectiveError | None = None
+        self._shared_bytes = shared_bytes if self.config.shm_registered_buffers else 0
         self._transport, control = self._connect(endpoint, secret)
         self._planes: list[Communicator] = [self]
         self.control: Communicator = self if control is None else self._plane(control)
@@ -124,7 +129,7 @@ class Communicator:
                 with generation_store(endpoint, self.generation, timeout, secret) as store:
                     transports = _make_transports(
                         self.config, self.rank, self.world_size, store,
-                        local_address_towards(endpoint.host),
+                        local_address_towards(endpoint.host), self._shared_bytes,
                     )
                     try:
                         store.formed(self.world_size)
@@ -353,6 +358,19 @@ class Communicator:
                 flat.div_(self.world_size)
         return tensor
 
+    def shared_buffers(self, sizes: dict[torch.dtype, int]) -> dict[torch.dtype, torch.Tensor] | None:
+        """Host buffers of `sizes[dtype]` elements each in this rank's shared region, or None
+        (no region, or they do not fit). An allreduce of one of them, whole, with the
+        'direct', 'hierarchical' or 'auto' algorithm, reduces it where it lies instead of
+        copying it through the transport's buffers. Every rank must then allreduce its own
+        buffer taken with the same sizes (ranks that pass different buffers fail the
+        collective). The memory is lent, not given: a later call returns the same memory, and
+        after a failed allreduce the content is undefined."""
+        host = self._transport.host_group()
+        if host is None or len(host.local) < 2 or self._broken is not None:
+            return None
+        return host.shared_buffers(sizes)
+
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         """Reduces `tensor` across ranks and returns this rank's part: chunk `rank` of
         `tensor.flatten().tensor_split(world_size)` (chunks may differ in length by one).
@@ -439,13 +457,15 @@ def _close_all(transports: tuple[Transport, Transport | None]) -> None:
 
 
 def _make_transports(
-    config: CollectiveConfig, rank: int, world_size: int, store: object, address: str
+    config: CollectiveConfig, rank: int, world_size: int, store: object, address: str,
+    shared_bytes: int = 0,
 ) -> tuple[Transport, Transport | None]:
     """The data plane's transport and, when it is NCCL, the control plane's (the CPU
-    transport the gloo backend uses on its own)."""
+    transport the gloo backend uses on its own; the registered buffers' region belongs to a
+    CPU data plane only)."""
     match config.backend:
         case "gloo":
-            return _cpu_transport(config, rank, world_size, store, address), None
+            return _cpu_transport(config, rank, world_size, store, address, shared_bytes), None
         case "nccl":
             control = _cpu_transport(config, rank, world_size, store, address)
             try:
@@ -462,7 +482,8 @@ def _make_transports(
 
 
 def _cpu_transport(
-    config: CollectiveConfig, rank: int, world_size: int, store: object, address: str
+    config: CollectiveConfig, rank: int, world_size: int, store: object, address: str,
+    shared_bytes: int = 0,
 ) -> Transport:
     """gloo's TCP transfers, with shared memory between the ranks of a host where it works."""
     from elastic.collective.gloo import GlooTransport
@@ -477,7 +498,7 @@ def _cpu_transport(
 
     try:
         links = shm.connect(rank, world_size, store, config.shm_channel_bytes,  # type: ignore[arg-type]
-                            config.shm_chunk_bytes, config.simulated_hosts)
+                            config.shm_chunk_bytes, config.simulated_hosts, shared_bytes)
     except BaseException:
         gloo.close()
         raise

@@ -88,7 +88,10 @@ class SharedMemoryTransport(Transport):
         self._bell = own.doorbell
         self._bell_count = 0
         self._stage_word = own.stage
+        self._descriptor = own.descriptor
         self._failed_word = own.failed
+        self.region = links.region
+        self._regions = [s.region[: links.region] for s in links.segments]
         self._peers = [(q, s) for q, s in zip(self.local, links.segments, strict=True) if q != self.rank]
         self._peer_bells = {q: (s.doorbell, s.sleeping) for q, s in self._peers}
         self._sleeping = own.sleeping
@@ -186,6 +189,7 @@ class SharedMemoryTransport(Transport):
         # The segments are unlinked already; the mappings go with the last reference.
         self._outbound, self._inbound, self._segments, self._views = {}, {}, [], {}
         self._peers, self._peer_bells = [], {}
+        self.region, self._regions = 0, []
 
     def host_group(self) -> SharedMemoryTransport:
         return self
@@ -207,15 +211,60 @@ class SharedMemoryTransport(Transport):
         self._sequence += 1
         return self._sequence
 
-    def stage(self, value: int) -> Pending:
+    def stage(self, value: int, descriptor: tuple[int, int] | None = None) -> Pending:
         """Publishes that this rank reached `value` (which only grows) and returns a handle
-        that is done once every rank of this host has reached it."""
+        that is done once every rank of this host has reached it.
+
+        With `descriptor` (two integers saying which buffer this rank's allreduce reduces:
+        `(0, 0)` for a caller's tensor, `(offset + 1, bytes)` for a registered buffer), the
+        handle fails, and with it the transport, unless every rank of this host published the
+        same one with this stage: ranks that disagree would otherwise read and write each
+        other's memory in different patterns. Only a stage no rank can pass before every
+        rank reached the one before may carry a descriptor (the first stage of an
+        allreduce), so that what a peer's words hold when this rank checks them is theirs for
+        this stage."""
+        if descriptor is not None:
+            self._descriptor[0], self._descriptor[1] = descriptor
         self._stage_word.value = value
         for bell in self._peer_bells.values():
             self._ring(*bell)
-        stage = _Stage(self, value)
+        stage = _Stage(self, value, descriptor)
         self._stage = stage
         return stage
+
+    # --- registered buffers ---------------------------------------------------------------
+
+    def shared_buffers(self, sizes: dict[torch.dtype, int]) -> dict[torch.dtype, torch.Tensor] | None:
+        """Buffers of `sizes[dtype]` elements each, laid out in order in this rank's region
+        (each at a multiple of 64 bytes), or None when they do not fit. Every rank of the host
+        that asks for the same sizes gets the same offsets, so that an allreduce of one of
+        them reduces it where it lies (`registered`). A later call returns the same memory:
+        a caller takes buffers again only once it is done with the previous ones."""
+        offset, views = 0, {}
+        for dtype, numel in sizes.items():
+            size = numel * torch.empty(0, dtype=dtype).element_size()
+            if offset + size > self.region:
+                return None
+            views[dtype] = self._regions[self.local_rank][offset : offset + size].view(dtype)
+            offset = -(-(offset + size) // 64) * 64
+        return views
+
+    def registered(self, flat: torch.Tensor) -> int | None:
+        """The byte offset of `flat` (contiguous) in this rank's region, if it lies there."""
+        if not self.region or flat.device.type != "cpu":
+            return None
+        base = self._regions[self.local_rank].data_ptr()
+        start = flat.data_ptr() - base
+        if 0 <= start and start + flat.numel() * flat.element_size() <= self.region \
+                and start % flat.element_size() == 0:
+            return start
+        return None
+
+    def registered_views(self, offset: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every local rank's `numel` elements of `dtype` at byte `offset` of its region, in
+        local rank order (this rank's is the registered buffer itself)."""
+        size = numel * torch.empty(0, dtype=dtype).element_size()
+        return [r[offset : offset + size].view(dtype) for r in self._regions]
 
     # --- progress -----------------------------------------------------------------------
 
@@ -288,6 +337,16 @@ class SharedMemoryTransport(Transport):
         stage = self._stage
         assert stage is not None
         if all(s.stage.value >= stage.value for _, s in self._peers):
+            theirs = next(((q, tuple(s.descriptor)) for q, s in self._peers
+                           if stage.descriptor is not None
+                           and tuple(s.descriptor) != stage.descriptor), None)
+            if theirs is not None:
+                self._broken = RuntimeError(
+                    f"rank {theirs[0]} of this host allreduces another buffer than rank "
+                    f"{self.rank} (descriptors {theirs[1]} and {stage.descriptor}): every rank "
+                    "must pass a registered buffer at the same offset, or none")
+                self._fail_all(self._broken)
+                return True
             stage.done = True
             self._stage = None
             return True
@@ -341,13 +400,16 @@ class SharedMemoryTransport(Transport):
 
 
 class _Stage(Handle):
-    """A handle on every local rank reaching one stage of the direct allreduce."""
+    """A handle on every local rank reaching one stage of the direct allreduce (with the same
+    descriptor, when it carries one)."""
 
-    __slots__ = ("value",)
+    __slots__ = ("descriptor", "value")
 
-    def __init__(self, transport: SharedMemoryTransport, value: int) -> None:
+    def __init__(self, transport: SharedMemoryTransport, value: int,
+                 descriptor: tuple[int, int] | None = None) -> None:
         super().__init__(transport)
         self.value = value
+        self.descriptor = descriptor
 
 
 class _Watched:

@@ -3,8 +3,10 @@ and mapping the segments, their layout, and the kernel's means of waiting (futex
 watching peer processes (pidfds). The transport over them is `elastic.collective.shm`.
 
 Each rank maps one segment in `/dev/shm` per rank of its host. A segment holds the rank's
-doorbell, stage and failure words, two buffers for the direct allreduce and, when every rank of
-the generation is on this host, one inbound byte ring per peer (`elastic.collective.shm_ring`).
+doorbell, stage and failure words, two buffers for the direct allreduce, when every rank of
+the generation is on this host one inbound byte ring per peer (`elastic.collective.shm_ring`),
+and last a region its rank lends to the trainer for the step's flat gradient buffers (a
+registered buffer: the direct allreduce reduces it where it lies, without copying it in).
 
 Cleanup: a rank unlinks its segment as soon as every peer has mapped it, so a killed process
 leaves nothing behind; a segment orphaned between creation and that point (its creator was
@@ -45,7 +47,10 @@ _DOORBELL = 64  # u32, written by peers and by abort()
 _STAGE = 128  # u64, written by the owner: how far it is in the direct allreduce
 _FAILED = 192  # u32, written by the owner: nonzero once it gave up on the generation
 _SLEEPING = 196  # u32, written by the owner: nonzero while it sleeps on its doorbell
-_SEGMENT_HEADER = 256  # then two direct-allreduce buffers, then the rings
+_DESCRIPTOR = 200  # 2 x u64, written by the owner: the buffer its current allreduce reduces
+_SEGMENT_HEADER = 256  # then two direct-allreduce buffers, then the rings, then the region
+# The largest region a peer may offer (a bound on what a forged offer could make us map).
+MAX_REGION_BYTES = 1 << 40
 
 
 class _Timespec(ctypes.Structure):
@@ -225,24 +230,30 @@ def _map_peer_segment(name: object, size: int) -> mmap.mmap:
 
 
 class Segment:
-    """One rank's mapped segment: its doorbell, its stage and failure words, its two buffers
-    for the direct allreduce, and one inbound ring per peer that sends to it through rings."""
+    """One rank's mapped segment: its doorbell, its stage, failure and descriptor words, its two
+    buffers for the direct allreduce, one inbound ring per peer that sends to it through rings,
+    and its region for registered buffers (`region` bytes, possibly none)."""
 
-    def __init__(self, mm: mmap.mmap, channels: int, capacity: int, chunk: int) -> None:
+    def __init__(self, mm: mmap.mmap, channels: int, capacity: int, chunk: int,
+                 region: int = 0) -> None:
         self.mm = mm
         self.doorbell = ctypes.c_uint32.from_buffer(mm, _DOORBELL)
         self.stage = ctypes.c_uint64.from_buffer(mm, _STAGE)
         self.failed = ctypes.c_uint32.from_buffer(mm, _FAILED)
         self.sleeping = ctypes.c_uint32.from_buffer(mm, _SLEEPING)
+        self.descriptor = (ctypes.c_uint64 * 2).from_buffer(mm, _DESCRIPTOR)
         self.buffers = [torch.frombuffer(mm, dtype=torch.uint8, count=chunk,
                                          offset=_SEGMENT_HEADER + i * chunk) for i in (0, 1)]
         base = _SEGMENT_HEADER + 2 * chunk
         self.rings = [Ring(mm, base + i * (CHANNEL_HEADER + capacity), capacity)
                       for i in range(channels)]
+        start = base + channels * (CHANNEL_HEADER + capacity)
+        self.region = (torch.frombuffer(mm, dtype=torch.uint8, count=region, offset=start)
+                       if region else torch.empty(0, dtype=torch.uint8))
 
     @staticmethod
-    def size(channels: int, capacity: int, chunk: int) -> int:
-        return _SEGMENT_HEADER + 2 * chunk + channels * (CHANNEL_HEADER + capacity)
+    def size(channels: int, capacity: int, chunk: int, region: int = 0) -> int:
+        return _SEGMENT_HEADER + 2 * chunk + channels * (CHANNEL_HEADER + capacity) + region
 
 
 @dataclass(frozen=True)
@@ -261,6 +272,7 @@ class SharedMemoryLinks:
     pids: list[int]
     capacity: int
     chunk: int
+    region: int = 0  # bytes of the smallest region of this host's ranks: what all can lend
 
 
 def _create_segment(path: str, size: int) -> tuple[mmap.mmap | None, str | None]:
@@ -276,38 +288,56 @@ def _create_segment(path: str, size: int) -> tuple[mmap.mmap | None, str | None]
         return None, f"cannot create a {size}-byte segment in {_SHM_DIR}: {e}"
 
 
+def _offered_region(offer: dict) -> int:
+    """The region bytes a peer's offer announces (0 when it has none).
+
+    Raises:
+        ValueError: not a multiple of 64 in [0, MAX_REGION_BYTES].
+    """
+    region = offer.get("region", 0)
+    if (not isinstance(region, int) or isinstance(region, bool)
+            or not 0 <= region <= MAX_REGION_BYTES or region % 64):
+        raise ValueError(f"a malformed region size {region!r}")
+    return region
+
+
 def _map_local(rank: int, local: list[int], offers: list[dict], own: mmap.mmap,
-               layout: tuple[int, int, int]) -> tuple[list[Segment], str]:
-    """Maps the segment of every rank of this host; returns them and "ok" or what failed."""
-    size = Segment.size(*layout)
+               layout: tuple[int, int, int], region: int) -> tuple[list[Segment], str]:
+    """Maps the segment of every rank of this host (this rank's own with `region` bytes of
+    region, each peer's with the region its offer announces); returns them and "ok" or what
+    failed."""
     segments = []
     for q, offer in zip(local, offers, strict=True):
         if q == rank:
-            segments.append(Segment(own, *layout))
+            segments.append(Segment(own, *layout, region))
             continue
         if "reason" in offer:
             return segments, f"rank {q} cannot offer a segment: {offer['reason']}"
         try:
-            mm = _map_peer_segment(offer.get("name"), size)
+            theirs = _offered_region(offer)
+            mm = _map_peer_segment(offer.get("name"), Segment.size(*layout, theirs))
             if mm[:_NONCE_BYTES] != bytes.fromhex(str(offer.get("nonce"))):
                 mm.close()
                 raise OSError(f"segment of rank {q} holds another nonce")
-            segments.append(Segment(mm, *layout))
+            segments.append(Segment(mm, *layout, theirs))
         except (OSError, ValueError) as e:  # a refused segment or a malformed offer
             return segments, f"rank {rank} cannot map the segment of rank {q}: {e}"
     return segments, "ok"
 
 
 def connect(rank: int, world_size: int, store: dist.Store, capacity: int, chunk: int = 4 << 20,
-            simulated_hosts: int | None = None) -> SharedMemoryLinks | None:
+            simulated_hosts: int | None = None, region: int = 0) -> SharedMemoryLinks | None:
     """Maps the shared-memory segments of the ranks that share this host, if all ranks can.
 
     Every rank calls this with the generation's store and reaches the same answer: links when
     every rank could map the segment of every rank of its host and at least two ranks share a
     host, else None (the caller then uses the backend's own transfers). The segments carry
     `capacity`-byte rings (rounded down to a multiple of 64) only when all ranks share this
-    host (point-to-point transfers between hosts go over the network), and two `chunk`-byte
-    buffers for the direct allreduce.
+    host (point-to-point transfers between hosts go over the network), two `chunk`-byte
+    buffers for the direct allreduce, and a `region`-byte region (rounded up to a multiple of
+    64) for registered buffers. A rank whose segment does not fit in /dev/shm with its region
+    offers one without (logged), so a large region never costs the host its shared memory;
+    the links' `region` is the smallest region any rank of the host offered.
     """
     reason = supported()
     key = _host_key(rank, world_size, simulated_hosts) if reason is None else None
@@ -321,18 +351,28 @@ def connect(rank: int, world_size: int, store: dist.Store, capacity: int, chunk:
     # Multiples of 64 keep every buffer and ring on a cache-line boundary, and a ring's end
     # between two elements of any dtype (a reducing receive reads typed views of it).
     layout = (world_size - 1 if len(local) == world_size else 0, capacity & ~63, chunk & ~63)
-    size = Segment.size(*layout)
+    region = -(-max(0, region) // 64) * 64
     name = f"elastic-shm-{os.getpid()}-{uuid.uuid4().hex}"
     path = os.path.join(_SHM_DIR, name)
     try:
-        own, problem = _create_segment(path, size)
+        own, problem = _create_segment(path, Segment.size(*layout, region))
+        if own is None and region:
+            logger.warning("rank %d: no room for a %d-byte region for registered buffers in "
+                           "%s (%s); its gradient buffers are copied in and out instead",
+                           rank, region, _SHM_DIR, problem)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            region = 0
+            own, problem = _create_segment(path, Segment.size(*layout))
         nonce = os.urandom(_NONCE_BYTES)
         if own is not None:
             own[:_NONCE_BYTES] = nonce
         store.set(f"shm/offer/{rank}", json.dumps({"reason": problem} if problem else {
-            "name": name, "nonce": nonce.hex(), "pid": os.getpid(), "size": size}))
+            "name": name, "nonce": nonce.hex(), "pid": os.getpid(),
+            "size": Segment.size(*layout, region), "region": region}))
         offers = [_parse(store.get(f"shm/offer/{q}"), _OFFER_KEYS) for q in local]
-        segments, mapped = ([], problem) if own is None else _map_local(rank, local, offers, own, layout)
+        segments, mapped = (([], problem) if own is None
+                            else _map_local(rank, local, offers, own, layout, region))
         store.set(f"shm/mapped/{rank}", mapped or "?")
         # Everyone has mapped every segment of its host (or given up) once all have answered.
         answers = [store.get(f"shm/mapped/{q}").decode() for q in range(world_size)]
@@ -341,7 +381,8 @@ def connect(rank: int, world_size: int, store: dist.Store, capacity: int, chunk:
             logger.warning("shared-memory transfers off for this generation: %s", failed)
             return None
         return SharedMemoryLinks(rank, world_size, hosts, host, segments,
-                                 [int(o["pid"]) for o in offers], layout[1], layout[2])
+                                 [int(o["pid"]) for o in offers], layout[1], layout[2],
+                                 min(s.region.numel() for s in segments))
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

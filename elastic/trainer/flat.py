@@ -14,7 +14,7 @@ collectives.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -29,13 +29,18 @@ def meta_carrier(dtypes: Iterable[torch.dtype]) -> torch.dtype | None:
     return next((d for d in (torch.float64, torch.float32) if d in present), None)
 
 
-def flatten_grads(params: list[torch.nn.Parameter], zero: bool,
-                  meta_len: int = 0) -> dict[torch.dtype, torch.Tensor]:
+Lender = Callable[[dict[torch.dtype, int]], "dict[torch.dtype, torch.Tensor] | None"]
+
+
+def flatten_grads(params: list[torch.nn.Parameter], zero: bool, meta_len: int = 0,
+                  lend: Lender | None = None) -> dict[torch.dtype, torch.Tensor]:
     """One buffer per dtype holding the gradients of `params` in order, on their device; a
     parameter without a gradient, or every parameter when `zero` (this rank voted the step
     down), contributes zeros, so every rank sends buffers of the same size. With `meta_len`,
     the buffer of `meta_carrier` has `meta_len` more elements (zeros) at its end, for
-    `allreduce_flat(..., room=True)`.
+    `allreduce_flat(..., room=True)`. With `lend` (`Communicator.shared_buffers`) the buffers
+    are the communicator's registered buffers when it can lend them (host memory the
+    allreduce reduces where it lies), else allocated.
 
     Raises:
         torch.OutOfMemoryError: the buffers did not fit (nothing else is allocated here).
@@ -46,9 +51,16 @@ def flatten_grads(params: list[torch.nn.Parameter], zero: bool,
         sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
         devices.setdefault(p.dtype, p.device)
     carrier = meta_carrier(sizes) if meta_len else None
+    lent = None
+    if lend is not None and all(d.type == "cpu" for d in devices.values()):
+        lent = lend({dtype: n + (meta_len if dtype == carrier else 0) for dtype, n in sizes.items()})
     buffers = {}
     for dtype, n in sizes.items():
         room = meta_len if dtype == carrier else 0
+        if lent is not None:
+            buffers[dtype] = lent[dtype]
+            (buffers[dtype] if zero else buffers[dtype][n:]).zero_()
+            continue
         if zero:
             buffers[dtype] = torch.zeros(n + room, dtype=dtype, device=devices[dtype])
             continue

@@ -96,6 +96,10 @@ _FLOAT32_EXACT = 1 << 24
 # Exact mode: redos of one step at a wider scale before giving up (each widens by up to 50+
 # bits, so a float64 gradient from 2**8 to 2**1024 takes about 20).
 _MAX_RESCALES = 40
+# Elements of step metadata the registered gradient buffers leave room for: the votes, the
+# loss, the ledger (one per sample of the global batch) and the metrics; a step whose metadata
+# is longer copies its buffers through the transport instead (correct, a little slower).
+_META_ROOM = 1 << 16
 
 
 @dataclass
@@ -329,6 +333,18 @@ class Replica:
         raise ConfigError(f"batch.exact: the checkpoint {what}, so this run could not "
                           "reproduce it; set checkpoint.allow_environment_change=True to resume "
                           "anyway (exact from here on)")
+
+    def registered_bytes(self) -> int:
+        """Shared memory to ask the communicator to lend for the flat gradient buffers
+        (`Communicator(shared_bytes=...)`): one copy of the gradients, each dtype 64-byte
+        aligned, and room for the step's metadata up to `_META_ROOM` elements; 0 when the
+        step reduces no flat host buffers (buckets, exact mode, or gradients on a GPU)."""
+        if self._buckets is not None or self.exact is not None or self.device.type != "cpu":
+            return 0
+        sizes: dict[torch.dtype, int] = {}
+        for p in self._params:
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * p.element_size()
+        return sum(-(-n // 64) * 64 for n in sizes.values()) + _META_ROOM * 8
 
     def state_bytes(self) -> bytes:
         """The committed state, serialised for a peer."""
@@ -686,13 +702,14 @@ class Replica:
         Raises:
             CollectiveError: they did not fit even then (`_take_part`).
         """
+        lend = context.comm.shared_buffers
         if vote != Vote.OK:
             return vote, self._take_part(
-                context, lambda: flatten_grads(self._params, zero=True, meta_len=room))
+                context, lambda: flatten_grads(self._params, zero=True, meta_len=room, lend=lend))
         for attempt in range(2):
             failed = False
             try:
-                return vote, flatten_grads(self._params, zero=False, meta_len=room)
+                return vote, flatten_grads(self._params, zero=False, meta_len=room, lend=lend)
             except Exception as e:
                 if not is_allocation_failure(e):
                     raise
@@ -706,7 +723,7 @@ class Replica:
             "so the step is voted down as out of memory, but halving the micro-batch frees "
             "only activation memory", context.rank, context.step, nbytes, self.device)
         return Vote.OUT_OF_MEMORY, self._take_part(
-            context, lambda: flatten_grads(self._params, zero=True, meta_len=room))
+            context, lambda: flatten_grads(self._params, zero=True, meta_len=room, lend=lend))
 
     def _abandon(self, exponents: list[int]) -> None:
         """A step whose reduce raised: nothing of it may stay in the buffers (or, in exact

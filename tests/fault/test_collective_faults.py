@@ -71,13 +71,16 @@ def test_abort_cuts_a_rendezvous_short_when_a_member_never_comes(server):
 ALLREDUCES = pytest.mark.parametrize(
     ("shared_memory", "algorithm", "hosts", "transport"),
     [(True, "ring", None, "shared_memory"), (True, "direct", None, "shared_memory"),
+     (True, "direct+registered", None, "shared_memory"),
      (True, "hierarchical", 2, "shared_memory+gloo"), (False, "ring", None, "gloo")],
-    ids=["shm-ring", "shm-direct", "hierarchical", "gloo"],
+    ids=["shm-ring", "shm-direct", "shm-registered", "hierarchical", "gloo"],
 )
 SHARED_ALLREDUCES = pytest.mark.parametrize(
     ("algorithm", "hosts", "transport"),
-    [("direct", None, "shared_memory"), ("hierarchical", 2, "shared_memory+gloo")],
-    ids=["direct", "hierarchical"],
+    [("direct", None, "shared_memory"), ("direct+registered", None, "shared_memory"),
+     ("hierarchical", 2, "shared_memory+gloo"),
+     ("hierarchical+registered", 2, "shared_memory+gloo")],
+    ids=["direct", "registered", "hierarchical", "hierarchical-registered"],
 )
 
 
@@ -167,8 +170,9 @@ def test_survivors_of_a_killed_peer_fail_cleanly_and_regroup(server, shared_memo
 
 @pytest.mark.parametrize(("algorithm", "hosts", "transport"), [
     ("ring", None, "shared_memory"), ("direct", None, "shared_memory"),
-    ("hierarchical", 2, "shared_memory+gloo"),
-], ids=["ring", "direct", "hierarchical"])
+    ("direct+registered", None, "shared_memory"), ("hierarchical", 2, "shared_memory+gloo"),
+    ("hierarchical+registered", 2, "shared_memory+gloo"),
+], ids=["ring", "direct", "registered", "hierarchical", "hierarchical-registered"])
 def test_shared_memory_survivors_notice_a_killed_peer_without_being_aborted(server, algorithm,
                                                                             hosts, transport):
     # Nobody plays the controller here: every survivor (neighbours of the dead rank or not)

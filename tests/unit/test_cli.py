@@ -60,8 +60,8 @@ def test_the_option_surface_is_what_was_reviewed():
         else:
             surface[name] = sorted(p.name for p in sub.params)
     assert surface == {
-        "bench allreduce": ["algorithms", "hosts", "json_path", "plot", "segment_bytes",
-                            "shared_memory", "sizes", "world_size"],
+        "bench allreduce": ["algorithms", "hosts", "json_path", "plot", "registered",
+                            "segment_bytes", "shared_memory", "sizes", "world_size"],
         "bench recovery": ["json_path", "replace", "seed", "trials", "workers"],
         "bench checkpoint": ["directory", "json_path", "size_mb", "trials"],
         "bench scaling": ["batch_sizes", "json_path", "model", "plot", "steps", "workers"],

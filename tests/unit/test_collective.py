@@ -63,9 +63,10 @@ def _assert_matches(result: torch.Tensor, expected: torch.Tensor, world_size: in
     seed=st.integers(0, 2**31),
     shared_memory=st.booleans(),
     hosts=st.sampled_from([None, 2, 3]),
+    registered=st.booleans(),
 )
 def test_allreduce_matches_reference(server, world_size, length, dtype, algorithm, op, seed,
-                                     shared_memory, hosts):
+                                     shared_memory, hosts, registered):
     if op == "avg" and not dtype.is_floating_point:
         op = "sum"
     if algorithm == "native" and dtype == torch.bfloat16 and op == "avg":
@@ -79,10 +80,15 @@ def test_allreduce_matches_reference(server, world_size, length, dtype, algorith
                               simulated_hosts=hosts)
 
     def body(comm: Communicator) -> torch.Tensor:
-        return comm.allreduce(inputs[comm.rank].clone(), op, algorithm)
+        # A registered buffer (shared memory the communicator lends): 'direct' reduces it
+        # where it lies; to the other algorithms it is a tensor like any other.
+        lent = comm.shared_buffers({dtype: length}) if registered else None
+        tensor = inputs[comm.rank].clone() if lent is None else lent[dtype].copy_(inputs[comm.rank])
+        return comm.allreduce(tensor, op, algorithm).clone()
 
     expected = _reference(inputs, op)
-    results = run_ranks(server, world_size, body, config)
+    lend = length * inputs[0].element_size() + 64 if registered else 0
+    results = run_ranks(server, world_size, body, config, shared_bytes=lend)
     for result in results:
         _assert_matches(result, expected, world_size)
     # Replicas stay identical: every element is reduced by one rank, and all copy its bits.

@@ -217,6 +217,9 @@ class _SingleRank:
                                        broadcast=lambda t, src: t)
         self.aborted = False
 
+    def shared_buffers(self, sizes):
+        return None  # no shared memory to lend: the flat buffers are allocated
+
     def allreduce(self, tensor):
         return tensor
 
@@ -663,7 +666,7 @@ def test_a_worker_whose_new_communicator_fails_no_longer_points_at_the_closed_on
 
     monkeypatch.setattr(worker_module, "Communicator", refuse)
     old = _OldComm()
-    actor = _actor(SimpleNamespace(comm=old))
+    actor = _actor(SimpleNamespace(comm=old, registered_bytes=lambda: 0))
     with pytest.raises(CollectiveError):
         actor.connect(0, 2, "127.0.0.1:1", 1, b"secret")
     assert actor.replica.comm is None and old.closes == 1

@@ -71,8 +71,8 @@ def test_only_gradients_reach_the_nccl_plane(tmp_path, monkeypatch, overlap):
     logs: dict[tuple[int, str], list] = {}
     make = communicator_module._make_transports
 
-    def recording(config, rank, world_size, store, address):
-        data, control = make(config, rank, world_size, store, address)
+    def recording(config, rank, world_size, store, address, *rest):
+        data, control = make(config, rank, world_size, store, address, *rest)
         assert data.name == "nccl" and control is not None and control.name != "nccl"
         return (Recording(data, logs.setdefault((rank, "data"), [])),
                 Recording(control, logs.setdefault((rank, "control"), [])))

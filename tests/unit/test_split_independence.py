@@ -153,6 +153,9 @@ class _BrokenComm:
     def control(self):
         return self
 
+    def shared_buffers(self, sizes):
+        return None  # no shared memory to lend: the flat buffers are allocated
+
     def allreduce(self, tensor):
         raise CollectiveError("peer lost in the reduce", rank=0)
 
