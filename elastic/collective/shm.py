@@ -92,6 +92,7 @@ class SharedMemoryTransport(Transport):
         self._failed_word = own.failed
         self.region = links.region
         self._regions = [s.region[: links.region] for s in links.segments]
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._peers = [(q, s) for q, s in zip(self.local, links.segments, strict=True) if q != self.rank]
         self._peer_bells = {q: (s.doorbell, s.sleeping) for q, s in self._peers}
         self._sleeping = own.sleeping
@@ -189,7 +190,7 @@ class SharedMemoryTransport(Transport):
         # The segments are unlinked already; the mappings go with the last reference.
         self._outbound, self._inbound, self._segments, self._views = {}, {}, [], {}
         self._peers, self._peer_bells = [], {}
-        self.region, self._regions = 0, []
+        self.region, self._regions, self._scratch = 0, [], {}
 
     def host_group(self) -> SharedMemoryTransport:
         return self
@@ -248,6 +249,14 @@ class SharedMemoryTransport(Transport):
             views[dtype] = self._regions[self.local_rank][offset : offset + size].view(dtype)
             offset = -(-(offset + size) // 64) * 64
         return views
+
+    def scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A scratch tensor of `numel` elements, kept for the next call (its pages are not
+        faulted in again on every allreduce); only one user at a time."""
+        kept = self._scratch.get(dtype)
+        if kept is None or kept.numel() < numel:
+            kept = self._scratch[dtype] = torch.empty(numel, dtype=dtype)
+        return kept[:numel]
 
     def registered(self, flat: torch.Tensor) -> int | None:
         """The byte offset of `flat` (contiguous) in this rank's region, if it lies there."""
