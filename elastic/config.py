@@ -115,10 +115,11 @@ class CollectiveConfig(_Frozen):
     shm_registered_buffers: bool = Field(
         default=True,
         description="Keep each step's flat gradient buffers in shared memory that the ranks of "
-        "a host lend each other, so that the 'direct' allreduce reduces them where they lie "
-        "(no copy in or out of its buffers, two synchronisations per step instead of two per "
-        "chunk). Needs /dev/shm room for one copy of the gradients per rank; a rank without it "
-        "falls back to copying by itself. Off: always copy.",
+        "a host lend each other, so that the 'direct', 'hierarchical' and 'auto' allreduce "
+        "reduce them where they lie (no copy in or out of its buffers, two synchronisations "
+        "per allreduce instead of two per chunk). Needs /dev/shm room for one copy of the "
+        "gradients per rank: where a rank has none, or a host has a single rank, no rank of the "
+        "generation lends and the buffers are copied as with this off. Off: always copy.",
     )
     simulated_hosts: int | None = Field(
         default=None, ge=1,

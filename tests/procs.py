@@ -113,8 +113,11 @@ def _scenario(rank: int, world_size: int, endpoint: str, secret: bytes, scenario
     message = orders.get()
     if message[0] == "regen":
         _, new_rank, new_world, generation = message
-        comm = Communicator(new_rank, new_world, ep, generation, config, secret=secret)
-        result = comm.allreduce(torch.full((1001,), float(new_rank + 1)), "sum", algorithm)  # type: ignore[arg-type]
+        comm = Communicator(new_rank, new_world, ep, generation, config, secret=secret,
+                            shared_bytes=lend)
+        comm_box["comm"] = comm
+        data = tensor(1001).fill_(float(new_rank + 1))  # a region the new generation lends
+        result = comm.allreduce(data, "sum", algorithm)  # type: ignore[arg-type]
         conn.send(("regen_result", new_rank, result.tolist()))
         comm.close()
 

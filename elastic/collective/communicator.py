@@ -363,9 +363,12 @@ class Communicator:
         (no region, or they do not fit). An allreduce of one of them, whole, with the
         'direct', 'hierarchical' or 'auto' algorithm, reduces it where it lies instead of
         copying it through the transport's buffers. Every rank must then allreduce its own
-        buffer taken with the same sizes (ranks that pass different buffers fail the
-        collective). The memory is lent, not given: a later call returns the same memory, and
-        after a failed allreduce the content is undefined."""
+        buffer taken with the same sizes: ranks of one host that pass different buffers fail
+        the collective, but ranks on different hosts are not compared (their network transfers
+        then differ, as they would for tensors of different sizes). Every rank of a generation
+        lends a region of the same size, or none does. The memory is lent, not given: a later
+        call returns the same memory, and after a failed allreduce the content is
+        undefined."""
         host = self._transport.host_group()
         if host is None or len(host.local) < 2 or self._broken is not None:
             return None

@@ -72,9 +72,9 @@ def allreduce(comm: Communicator, host: SharedMemoryTransport | None, flat: torc
     owned = range(host.local_rank, slices, len(host.local))
     per = max(1, host.chunk // flat.element_size())
     scratch = None
-    if len(host.hosts) > 1:
-        scratch = torch.empty(-(-min(per, flat.numel()) // slices), dtype=flat.dtype)
     offset = host.registered(flat) if len(host.local) > 1 else None
+    if len(host.hosts) > 1 and not (offset is not None and len(host.hosts) == 2):
+        scratch = torch.empty(-(-min(per, flat.numel()) // slices), dtype=flat.dtype)
     if offset is not None:
         _registered(comm, host, flat, offset, op, slices, owned, scratch)
         return
@@ -86,9 +86,11 @@ def _registered(comm: Communicator, host: SharedMemoryTransport, flat: torch.Ten
                 op: ReduceOp, slices: int, owned: range, scratch: torch.Tensor | None) -> None:
     """The allreduce of a registered buffer: stage 1, reduce and write out, stage 2.
 
-    Between two hosts, a chunk's slices cross while the next chunk's are reduced: each swap
-    is posted once the slice is reduced inside the host, and finished (summed and written
-    out) after the next chunk's slices were reduced and posted."""
+    Between two hosts the buffer goes in pieces of at least `_CROSSING_BYTES`, and a piece's
+    slices cross while the next piece's are reduced: each swap is posted once the slice is
+    reduced inside the host, and finished (summed and written out) after the next piece's
+    slices were reduced and posted. Every host takes this path or none does (the links'
+    region is agreed over the whole generation), so the swaps' sizes and tags match."""
     n = flat.numel()
     regions = host.registered_views(offset, n, flat.dtype)
     me = host.local_rank

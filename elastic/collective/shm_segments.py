@@ -325,6 +325,34 @@ def _map_local(rank: int, local: list[int], offers: list[dict], own: mmap.mmap,
     return segments, "ok"
 
 
+def _agreed_region(store: dist.Store, world_size: int, hosts: list[list[int]]) -> int:
+    """The region every rank of the generation lends: the smallest any rank offered, and 0
+    when a host has a single rank (it reduces no registered buffer). The same on every rank,
+    so that every host reduces registered buffers or none does: the ranks of different hosts
+    swap pieces over the network in a pattern that depends on it, and a mismatch there would
+    not be caught by the descriptors, which only the ranks of a host compare. Every rank has
+    published its offer once every rank has answered `shm/mapped`."""
+    if any(len(ranks) == 1 for ranks in hosts):
+        return 0
+    smallest = MAX_REGION_BYTES
+    for q in range(world_size):
+        offer = _parse(store.get(f"shm/offer/{q}"), _OFFER_KEYS)
+        try:
+            smallest = min(smallest, 0 if "reason" in offer else _offered_region(offer))
+        except ValueError:
+            smallest = 0  # every rank reads the same malformed offer and agrees on none
+    return smallest
+
+
+def _give_back(mm: mmap.mmap, start: int, end: int) -> None:
+    """Frees the pages of `mm` between `start` (rounded up to a page) and `end` in /dev/shm;
+    nobody touches them again (best effort: they are freed with the segment otherwise)."""
+    start = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    if end > start:
+        with contextlib.suppress(OSError, AttributeError, ValueError):
+            mm.madvise(mmap.MADV_REMOVE, start, end - start)
+
+
 def connect(rank: int, world_size: int, store: dist.Store, capacity: int, chunk: int = 4 << 20,
             simulated_hosts: int | None = None, region: int = 0) -> SharedMemoryLinks | None:
     """Maps the shared-memory segments of the ranks that share this host, if all ranks can.
@@ -336,8 +364,10 @@ def connect(rank: int, world_size: int, store: dist.Store, capacity: int, chunk:
     host (point-to-point transfers between hosts go over the network), two `chunk`-byte
     buffers for the direct allreduce, and a `region`-byte region (rounded up to a multiple of
     64) for registered buffers. A rank whose segment does not fit in /dev/shm with its region
-    offers one without (logged), so a large region never costs the host its shared memory;
-    the links' `region` is the smallest region any rank of the host offered.
+    offers one without (logged), so a large region never costs the host its shared memory.
+    The links' `region` is what every rank of the generation lends (`_agreed_region`): the
+    smallest any rank offered, 0 when a host has a single rank; the part of this rank's
+    region beyond it is given back to /dev/shm.
     """
     reason = supported()
     key = _host_key(rank, world_size, simulated_hosts) if reason is None else None
@@ -351,15 +381,16 @@ def connect(rank: int, world_size: int, store: dist.Store, capacity: int, chunk:
     # Multiples of 64 keep every buffer and ring on a cache-line boundary, and a ring's end
     # between two elements of any dtype (a reducing receive reads typed views of it).
     layout = (world_size - 1 if len(local) == world_size else 0, capacity & ~63, chunk & ~63)
-    region = -(-max(0, region) // 64) * 64
+    region = -(-max(0, region) // 64) * 64 if all(len(h) > 1 for h in hosts) else 0
     name = f"elastic-shm-{os.getpid()}-{uuid.uuid4().hex}"
     path = os.path.join(_SHM_DIR, name)
     try:
         own, problem = _create_segment(path, Segment.size(*layout, region))
         if own is None and region:
             logger.warning("rank %d: no room for a %d-byte region for registered buffers in "
-                           "%s (%s); its gradient buffers are copied in and out instead",
-                           rank, region, _SHM_DIR, problem)
+                           "%s (%s); no rank of the generation lends one, and the gradient "
+                           "buffers are copied in and out instead", rank, region, _SHM_DIR,
+                           problem)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             region = 0
@@ -380,9 +411,11 @@ def connect(rank: int, world_size: int, store: dist.Store, capacity: int, chunk:
         if failed is not None:
             logger.warning("shared-memory transfers off for this generation: %s", failed)
             return None
+        agreed = _agreed_region(store, world_size, hosts)
+        if agreed < region:
+            _give_back(own, Segment.size(*layout) + agreed, Segment.size(*layout, region))
         return SharedMemoryLinks(rank, world_size, hosts, host, segments,
-                                 [int(o["pid"]) for o in offers], layout[1], layout[2],
-                                 min(s.region.numel() for s in segments))
+                                 [int(o["pid"]) for o in offers], layout[1], layout[2], agreed)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

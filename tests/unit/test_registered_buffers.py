@@ -6,6 +6,8 @@ timeout and killed peers on them are in tests/fault/test_collective_faults.py.""
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 
 import pytest
@@ -114,13 +116,56 @@ def test_a_buffer_at_another_offset_fails_too(server):
     (2, CollectiveConfig(shared_memory=False), 4096, {torch.float32: 10}),  # gloo only
     (2, CollectiveConfig(shm_registered_buffers=False), 4096, {torch.float32: 10}),  # turned off
     (1, CollectiveConfig(), 4096, {torch.float32: 10}),  # alone
-    (2, CollectiveConfig(simulated_hosts=2), 4096, {torch.float32: 10}),  # alone on its host
-], ids=["none-lent", "too-big", "second-too-big", "gloo", "off", "alone", "alone-on-host"])
+    (3, CollectiveConfig(simulated_hosts=2), 4096, {torch.float32: 10}),  # rank 2 alone on its host
+], ids=["none-lent", "too-big", "second-too-big", "gloo", "off", "alone", "one-alone-on-a-host"])
 def test_no_buffer_is_lent_where_none_can_be_reduced_in_place(server, world_size, config, lend,
                                                               sizes):
     results = run_ranks(server, world_size, lambda c: c.shared_buffers(sizes), config,
                         shared_bytes=lend)
     assert results == [None] * world_size
+
+
+@pytest.mark.parametrize(("world_size", "hosts"), [(4, 2), (5, 2)], ids=["2x2", "3+2"])
+def test_pieces_cross_between_hosts_while_the_next_is_reduced(server, registered_calls,
+                                                              monkeypatch, world_size, hosts):
+    # Small pieces (8 KiB) so that a 400 KB buffer crosses in many: the swaps of a piece are
+    # in flight while the next is reduced (both scratch halves, both tags in use). Two
+    # registered allreduces in a row, then one of a tensor of the caller's, all exact.
+    monkeypatch.setattr(direct, "_CROSSING_BYTES", 8192)
+    n = 50_003
+
+    def body(comm):
+        lent = comm.shared_buffers({torch.int64: n})
+        assert lent is not None
+        ints, results = lent[torch.int64], []
+        for factor in (1, 3):
+            ints.copy_(torch.arange(n) * (comm.rank + factor))
+            results.append(comm.allreduce(ints, "sum", "auto").clone())
+        results.append(comm.allreduce(torch.arange(n) * comm.rank, "sum", "auto"))
+        return results
+
+    config = CollectiveConfig(shm_chunk_bytes=4096, simulated_hosts=hosts)
+    total = world_size * (world_size - 1) // 2
+    for first, second, plain in run_ranks(server, world_size, body, config, shared_bytes=n * 8):
+        assert torch.equal(first, torch.arange(n) * (total + world_size))
+        assert torch.equal(second, torch.arange(n) * (total + 3 * world_size))
+        assert torch.equal(plain, torch.arange(n) * total)
+    assert sorted(registered_calls) == sorted(list(range(world_size)) * 2)
+
+
+def test_a_host_with_a_single_rank_means_no_rank_lends(server, registered_calls):
+    # Ranks 0-1 share a host, rank 2 is alone on its own: no rank lends, so both hosts cross
+    # in the same pattern (the chunked one), and an allreduce longer than a chunk is exact.
+    def body(comm):
+        lent = comm.shared_buffers({torch.float32: 100})
+        data = torch.arange(5000, dtype=torch.float32) * (comm.rank + 1)
+        return comm._transport.region, lent, comm.allreduce(data, "sum", "auto")
+
+    config = CollectiveConfig(shm_chunk_bytes=4096, simulated_hosts=2)
+    for region, lent, total in run_ranks(server, 3, body, config, shared_bytes=1 << 20):
+        assert (region, lent) == (0, None)
+        assert torch.equal(total, torch.arange(5000, dtype=torch.float32) * 6)
+    assert registered_calls == []
 
 
 def test_buffers_are_laid_out_alike_on_every_rank_and_lent_again(server):
@@ -138,10 +183,14 @@ def test_buffers_are_laid_out_alike_on_every_rank_and_lent_again(server):
         assert sizes == [3, 5, 2]
 
 
-def test_a_rank_without_room_for_its_region_keeps_shared_memory_without_one(server, monkeypatch):
+@pytest.mark.parametrize(("world_size", "hosts"), [(2, None), (4, 2)], ids=["one-host", "2x2"])
+def test_a_rank_without_room_for_its_region_keeps_shared_memory_without_one(server, monkeypatch,
+                                                                            world_size, hosts):
     # /dev/shm refuses one rank's segment with its region (the first to ask): that rank
-    # offers one without, so the host keeps shared memory, nobody lends a region, and the
-    # direct allreduce copies through its buffers.
+    # offers one without, so its host keeps shared memory, no rank of the generation lends a
+    # region (on 2 hosts, the other host neither: both cross in the same pattern), the others
+    # give theirs back, and the direct allreduce copies through its buffers, over several
+    # chunks.
     create = shm_segments._create_segment
     lock, refused = threading.Lock(), []
 
@@ -156,12 +205,33 @@ def test_a_rank_without_room_for_its_region_keeps_shared_memory_without_one(serv
 
     def body(comm):
         lent = comm.shared_buffers({torch.float32: 100})
-        data = torch.full((100,), float(comm.rank + 1))
-        return comm.transport, lent is None, comm.allreduce(data, "sum", "direct").tolist()
+        data = torch.arange(5000, dtype=torch.float32) * (comm.rank + 1)
+        return comm.transport, lent is None, comm.allreduce(data, "sum", "direct")
 
-    results = run_ranks(server, 2, body, shared_bytes=4 << 20)
+    config = CollectiveConfig(shm_chunk_bytes=4096, simulated_hosts=hosts)
+    results = run_ranks(server, world_size, body, config, shared_bytes=4 << 20)
     assert len(refused) == 1
-    assert results == [("shared_memory", True, [3.0] * 100)] * 2
+    expected = torch.arange(5000, dtype=torch.float32) * (world_size * (world_size + 1) // 2)
+    for transport, none_lent, total in results:
+        assert transport == ("shared_memory" if hosts is None else "shared_memory+gloo")
+        assert none_lent
+        assert torch.equal(total, expected)
+
+
+def test_a_region_that_is_not_lent_goes_back_to_dev_shm(tmp_path):
+    path = os.path.join("/dev/shm", f"elastic-shm-{os.getpid()}-{'ef' * 16}")
+    mm, problem = shm_segments._create_segment(path, 4 << 20)
+    try:
+        assert problem is None
+        mm[:] = b"\1" * (4 << 20)
+        before = os.stat(path).st_blocks
+        shm_segments._give_back(mm, 1000, 4 << 20)  # from the first page boundary after 1000
+        after = os.stat(path).st_blocks
+        assert after * 512 <= before * 512 - (4 << 20) + mmap.PAGESIZE
+        assert mm[:1000] == b"\1" * 1000
+    finally:
+        mm.close()
+        os.unlink(path)
 
 
 def test_training_steps_reduce_the_flat_gradients_where_they_lie(tmp_path, server, registered_calls):
