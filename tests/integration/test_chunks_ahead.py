@@ -4,7 +4,11 @@ and a chunk handed out behind one that did not complete is skipped by every rank
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,19 +28,26 @@ B = 16
 
 @pytest.fixture
 def workers(ray_cluster, tmp_path):
-    job = regression_job()
+    with _workers(regression_job(), tmp_path) as pool_and_ids:
+        yield pool_and_ids
+
+
+@contextlib.contextmanager
+def _workers(job, tmp_path):
     ship_job_code(job)
     config = FitConfig(run_dir=str(tmp_path), scaling=ScalingConfig(num_workers=2),
                        batch=BatchConfig(global_batch_size=B, autotune=False), max_steps=100)
     server = RendezvousServer()
     pool = RayWorkers(job, config, str(tmp_path), None, server)
-    ids = [pool.spawn(), pool.spawn()]
-    started = pool.admit(None, timeout=120)
-    assert not started.failed and len(started.members) == 2
-    assert pool.connect(ids, 0).ok and pool.sync(ids, 0).ok
-    yield pool, ids
-    pool.shutdown()
-    server.close()
+    try:
+        ids = [pool.spawn(), pool.spawn()]
+        started = pool.admit(None, timeout=120)
+        assert not started.failed and len(started.members) == 2
+        assert pool.connect(ids, 0).ok and pool.sync(ids, 0).ok
+        yield pool, ids
+    finally:
+        pool.shutdown()
+        server.close()
 
 
 def _hung(where):
@@ -150,3 +161,36 @@ def test_yield_reaches_the_chunk_the_controller_is_waiting_for(workers):
     steps = [_steps(report.outcomes[r]) for r in (0, 1)]
     assert all(isinstance(o, ChunkDone) for o in report.outcomes.values())
     assert steps[0] == steps[1] and 1 <= len(steps[0]) < 2000
+
+
+class _ThreadRecordingLoss:
+    """`mse`, noting the process and the thread it ran on (one line per micro-batch)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, model, batch):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()} {threading.get_native_id()}\n")
+        return mse(model, batch)
+
+
+def test_every_step_of_a_worker_runs_on_one_thread_whichever_thread_its_chunk_arrived_on(
+        ray_cluster, tmp_path):
+    # A step on a thread new to it faulted in fresh pages (a new malloc arena) and started
+    # PyTorch's per-thread caches cold: chunks handed out ahead arrive on different threads of
+    # the actor's pool, and the first step of each was up to 4x as slow as the others.
+    log = tmp_path / "threads.txt"
+    job = dataclasses.replace(regression_job(), loss=_ThreadRecordingLoss(str(log)))
+    with _workers(job, tmp_path) as (pool, ids):
+        plan = plan_batch(B, 2, None)
+        for c in range(6):  # each handed out while the one before runs
+            pool.start_chunk(ids, plan, 2 * c, 2, [], None)
+        outcomes = [_finish(pool) for _ in range(6)]
+        assert all(isinstance(o, ChunkDone) for r in outcomes for o in r.outcomes.values())
+    threads: dict[str, set[str]] = {}
+    for line in Path(log).read_text().splitlines():
+        pid, thread = line.split()
+        threads.setdefault(pid, set()).add(thread)
+    assert len(threads) == 2, threads  # both workers, 12 steps each
+    assert all(len(t) == 1 for t in threads.values()), threads
