@@ -193,6 +193,14 @@ class Replica:
         # Last: nothing above may fail after loader processes exist.
         self.prefetcher = (Prefetcher(job, data.loader_workers, data.start_method, data_rng,
                                       data.pin_memory) if data.loader_workers else None)
+        if self.prefetcher is not None:
+            # Built before the worker reports itself started: a worker that joins a running
+            # generation then holds no rank's step while its loaders build the data set.
+            try:
+                self.prefetcher.wait_started()
+            except BaseException:
+                self.prefetcher.close()
+                raise
 
     def _build_optimizer(self) -> None:
         """The optimizer (from the model's parameters, or from the model when the factory

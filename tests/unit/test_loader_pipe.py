@@ -1,10 +1,13 @@
 """The pipes between a worker and its loader processes (no Ray): a batch read for a piece that
 was dropped is still received, so its shared memory does not pile up in the loader; a loader
 that dies while reading is reported, not waited on; a batch that cannot be sent is the user's
-error; closing with reads under way leaves no process."""
+error; closing with reads under way leaves no process; a worker is built only once its loaders
+have built the data set."""
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
 import os
 import signal
 
@@ -12,7 +15,9 @@ import pytest
 import torch
 
 from elastic import TrainJob
+from elastic.config import BatchConfig, DataConfig, FitConfig, ScalingConfig
 from elastic.trainer.loader import LoadError, Piece
+from elastic.trainer.replica import Replica
 from tests import fidelity, jobs
 from tests.procs import wait_gone
 
@@ -104,3 +109,58 @@ def test_closing_with_reads_under_way_leaves_no_loader_process(prefetcher):
     assert loader.take(Piece(0, 0, tuple(range(8)))) is None
     loader.want([Piece(9, 9, (1,))])  # closed: nothing is started again
     assert loader.pids() == []
+
+
+def _marked_dataset(directory: str, fail: str | None = None):
+    """The regression data set; in a loader process, first `fail` ('raise' or 'die'), and once
+    built a file named after the process in `directory`."""
+    in_loader = multiprocessing.parent_process() is not None
+    if in_loader and fail == "raise":
+        raise RuntimeError("no data here")
+    if in_loader and fail == "die":
+        os._exit(3)
+    data = jobs.make_dataset()
+    if in_loader:
+        with open(os.path.join(directory, str(os.getpid())), "w"):
+            pass
+    return data
+
+
+def _marked_job(directory, fail: str | None = None) -> TrainJob:
+    return TrainJob(model=jobs.make_model, optimizer=jobs.make_optimizer, loss=jobs.mse,
+                    dataset=functools.partial(_marked_dataset, str(directory), fail))
+
+
+def test_wait_started_returns_once_every_loader_has_built_the_data_set(prefetcher, tmp_path):
+    loader = prefetcher(_marked_job(tmp_path), workers=3)
+    loader.wait_started()
+    # A spawned loader imports torch before it builds anything: without the wait, no file yet.
+    assert sorted(int(f) for f in os.listdir(tmp_path)) == sorted(loader.pids())
+    loader.wait_started()  # again: returns at once
+    piece = Piece(0, 1, (2, 5))
+    loader.want([piece])
+    assert loader.take(piece) is not None  # the start notices are not taken for batches
+
+
+@pytest.mark.parametrize("fail", ["raise", "die"])
+def test_a_loader_that_cannot_build_the_data_set_fails_the_first_piece_not_the_wait(
+        prefetcher, tmp_path, fail):
+    loader = prefetcher(_marked_job(tmp_path, fail), workers=1)
+    loader.wait_started()
+    piece = Piece(0, 1, (2, 5))
+    loader.want([piece])
+    with pytest.raises(LoadError, match="building the data set" if fail == "raise" else "died"):
+        loader.take(piece)
+
+
+def test_a_replica_is_built_only_once_its_loaders_have_built_the_data_set(tmp_path):
+    config = FitConfig(scaling=ScalingConfig(num_workers=1),
+                       batch=BatchConfig(global_batch_size=8, autotune=False), max_steps=2,
+                       run_dir=str(tmp_path / "run"), data=DataConfig(loader_workers=2))
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    replica = Replica(_marked_job(marks), config, str(tmp_path / "run"))
+    try:
+        assert sorted(int(f) for f in os.listdir(marks)) == sorted(replica.prefetcher.pids())
+    finally:
+        replica.prefetcher.close()
