@@ -3,12 +3,14 @@
 Ranks run as threads with real gloo transports; hypothesis draws world sizes, lengths, dtypes,
 algorithms, the transport (shared memory or not) and how many hosts the ranks act as."""
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elastic.collective import Communicator, Endpoint, RendezvousServer
+from elastic.collective import Communicator, Endpoint, RendezvousServer, direct
 from elastic.config import ALGORITHMS, CollectiveConfig
 from tests.threads import run_ranks
 
@@ -88,7 +90,22 @@ def test_allreduce_matches_reference(server, world_size, length, dtype, algorith
 
     expected = _reference(inputs, op)
     lend = length * inputs[0].element_size() + 64 if registered else 0
-    results = run_ranks(server, world_size, body, config, shared_bytes=lend)
+    took: set[int] = set()  # the ranks that reduced in place in the lent regions
+    reduce_registered = direct._registered
+
+    def spy(comm, *args, **kwargs):
+        took.add(comm.rank)
+        return reduce_registered(comm, *args, **kwargs)
+
+    with mock.patch.object(direct, "_registered", spy):
+        results = run_ranks(server, world_size, body, config, shared_bytes=lend)
+    # On one host every rank lends a region, so a buffer taken from it is reduced where it
+    # lies; a caller's own tensor never is.
+    if registered and shared_memory and hosts is None and world_size > 1 and length > 0 \
+            and algorithm in ("auto", "direct", "hierarchical"):
+        assert took == set(range(world_size))
+    elif not registered:
+        assert not took
     for result in results:
         _assert_matches(result, expected, world_size)
     # Replicas stay identical: every element is reduced by one rank, and all copy its bits.
