@@ -23,7 +23,8 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
+from queue import SimpleQueue
 from typing import Any
 
 import ray
@@ -75,6 +76,29 @@ logger = logging.getLogger(__name__)
 _RELEASE_S = 30.0
 
 
+class _StepThread:
+    """The one thread that runs a worker's steps (see the module's docstring). A daemon: a step
+    stuck in user code never holds the process at its exit."""
+
+    def __init__(self) -> None:
+        self._calls: SimpleQueue[tuple[Future, Any, tuple]] = SimpleQueue()
+        threading.Thread(target=self._serve, name="elastic-steps", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            future, fn, args = self._calls.get()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # raised again in the caller's thread
+                future.set_exception(e)
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` on this thread; its result, or its exception raised here."""
+        future: Future = Future()
+        self._calls.put((future, fn, args))
+        return future.result()
+
+
 @ray.remote
 class WorkerActor:
     """One data-parallel worker. Built in the background; joins a generation via `connect`."""
@@ -92,7 +116,7 @@ class WorkerActor:
         self._abort = threading.Event()
         self._lock = threading.Lock()
         # The one thread that runs steps (see the module's docstring).
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elastic-steps")
+        self._compute = _StepThread()
         ckpt = config.checkpoint
         self._key = checkpoint_key
         self._writer = (CheckpointWriter(ckpt.path, ckpt.keep_last, checkpoint_key, Retention(
@@ -169,8 +193,7 @@ class WorkerActor:
                 return ChunkSkipped([], replica.global_step, replica.cursor.to_dict())
             self._completed = False
             replica.yielding = lambda: ticket <= self._yield_ticket
-            outcome = self._compute.submit(self._run_chunk, plan, num_steps, chaos,
-                                           lr_ramp).result()
+            outcome = self._compute.run(self._run_chunk, plan, num_steps, chaos, lr_ramp)
             self._completed = isinstance(outcome, ChunkDone)
             return outcome
         finally:

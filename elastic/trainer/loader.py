@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import random
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -236,16 +237,23 @@ class Prefetcher:
             theirs.close()
         return _Loader(process, conn)
 
-    def wait_started(self) -> None:
+    def wait_started(self, timeout: float | None = None) -> bool:
         """Waits until every loader process has built the data set (or failed to, or died:
-        both come out at the first piece it is asked for, as without this wait)."""
+        both come out at the first piece it is asked for, as without this wait), for at most
+        `timeout` seconds; False if some loader was still building it then (the first piece
+        asked of it then waits for it, as without this wait)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         pending = [loader for loader in self._loaders if not loader.started]
         while pending:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
             ready = set(wait([loader.conn for loader in pending]
-                             + [loader.process.sentinel for loader in pending]))
+                             + [loader.process.sentinel for loader in pending], left))
             pending = [loader for loader in pending
                        if (loader.conn not in ready or self._receive(loader))
                        and loader.process.sentinel not in ready and not loader.started]
+        return True
 
     def pids(self) -> list[int]:
         """The loader processes' ids (for tests and diagnostics)."""
@@ -332,12 +340,13 @@ class Prefetcher:
         is unpickled too, which takes its shared memory from the loader and frees it here.
         False when its pipe closed: it died."""
         try:
-            while not loader.started and loader.conn.poll():
-                if ForkingPickler.loads(loader.conn.recv_bytes()) != _STARTED:
-                    return False  # not a loader of this protocol: treated as dead
-                loader.started = True
-            while loader.asked and loader.conn.poll():
+            while (loader.asked or not loader.started) and loader.conn.poll():
                 message = loader.conn.recv_bytes()
+                if not loader.started:  # its first message, whenever it comes
+                    if ForkingPickler.loads(message) != _STARTED:
+                        return False  # not a loader of this protocol: treated as dead
+                    loader.started = True
+                    continue
                 # Popped before unpickling: if that fails (no file descriptors or /dev/shm
                 # left), the loader is replaced and the piece asked again, never shifted onto
                 # the next reply.

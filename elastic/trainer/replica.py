@@ -100,6 +100,9 @@ _MAX_RESCALES = 40
 # loss, the ledger (one per sample of the global batch) and the metrics; a step whose metadata
 # is longer copies its buffers through the transport instead (correct, a little slower).
 _META_ROOM = 1 << 16
+# A worker waits for its loader processes to build the data set for at most 3x its own build
+# time, and at least this long (a spawned loader imports torch first: seconds).
+_LOADER_START_MIN_S = 30.0
 
 
 @dataclass
@@ -156,7 +159,9 @@ class Replica:
         self._build_optimizer()
         self.metric_names: tuple[str, ...] = ()  # committed: the same on every rank
         data_rng = torch.get_rng_state()  # loader processes build the data set from here too
+        building = time.monotonic()
         self.dataset = job.dataset()
+        built_in = time.monotonic() - building
         if not (hasattr(self.dataset, "__len__") and hasattr(self.dataset, "__getitem__")):
             raise ConfigError(
                 f"TrainJob.dataset returned {type(self.dataset).__name__}, not a map-style "
@@ -195,9 +200,15 @@ class Replica:
                                       data.pin_memory) if data.loader_workers else None)
         if self.prefetcher is not None:
             # Built before the worker reports itself started: a worker that joins a running
-            # generation then holds no rank's step while its loaders build the data set.
+            # generation then holds no rank's step while its loaders build the data set. Not
+            # waited on for long past what the worker's own build took (the loaders build it
+            # side by side): a loader stuck in the factory is then found at the first step
+            # (as a hung data phase), not left holding the worker's start.
             try:
-                self.prefetcher.wait_started()
+                if not self.prefetcher.wait_started(max(_LOADER_START_MIN_S, 3 * built_in)):
+                    logger.warning("the loader processes had not built the data set %.0f s "
+                                   "after the worker had; the first step waits for them",
+                                   max(_LOADER_START_MIN_S, 3 * built_in))
             except BaseException:
                 self.prefetcher.close()
                 raise

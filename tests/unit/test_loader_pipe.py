@@ -10,6 +10,7 @@ import functools
 import multiprocessing
 import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -112,13 +113,15 @@ def test_closing_with_reads_under_way_leaves_no_loader_process(prefetcher):
 
 
 def _marked_dataset(directory: str, fail: str | None = None):
-    """The regression data set; in a loader process, first `fail` ('raise' or 'die'), and once
+    """The regression data set; in a loader process, first `fail` ('raise', 'die' or 'hang'), and once
     built a file named after the process in `directory`."""
     in_loader = multiprocessing.parent_process() is not None
     if in_loader and fail == "raise":
         raise RuntimeError("no data here")
     if in_loader and fail == "die":
         os._exit(3)
+    if in_loader and fail == "hang":
+        threading.Event().wait()
     data = jobs.make_dataset()
     if in_loader:
         with open(os.path.join(directory, str(os.getpid())), "w"):
@@ -153,6 +156,11 @@ def test_a_loader_that_cannot_build_the_data_set_fails_the_first_piece_not_the_w
         loader.take(piece)
 
 
+def test_wait_started_gives_up_on_a_loader_stuck_building_the_data_set(prefetcher, tmp_path):
+    loader = prefetcher(_marked_job(tmp_path, "hang"), workers=1)
+    assert loader.wait_started(timeout=0.5) is False
+
+
 def test_a_replica_is_built_only_once_its_loaders_have_built_the_data_set(tmp_path):
     config = FitConfig(scaling=ScalingConfig(num_workers=1),
                        batch=BatchConfig(global_batch_size=8, autotune=False), max_steps=2,
@@ -163,4 +171,39 @@ def test_a_replica_is_built_only_once_its_loaders_have_built_the_data_set(tmp_pa
     try:
         assert sorted(int(f) for f in os.listdir(marks)) == sorted(replica.prefetcher.pids())
     finally:
-        replica.prefetcher.close()
+        replica.close()
+
+
+class _LatePipe:
+    """A loader's pipe whose messages arrive only after the first look finds nothing."""
+
+    def __init__(self, messages: list[bytes]) -> None:
+        self._messages = messages
+        self._looked = False
+
+    def poll(self) -> bool:
+        arrived, self._looked = self._looked, True
+        return arrived and bool(self._messages)
+
+    def recv_bytes(self) -> bytes:
+        return self._messages.pop(0)
+
+
+def test_a_start_notice_arriving_after_a_piece_was_asked_is_not_taken_for_its_batch():
+    # A replacement loader is asked for pieces at once, before it has built the data set.
+    from collections import deque
+    from multiprocessing.reduction import ForkingPickler
+
+    from elastic.trainer import loader as loader_module
+
+    piece = Piece(0, 1, (2, 5))
+    reply = (True, torch.arange(3), None)
+    pipe = _LatePipe([bytes(ForkingPickler.dumps(loader_module._STARTED)),
+                      bytes(ForkingPickler.dumps(reply))])
+    prefetcher = loader_module.Prefetcher.__new__(loader_module.Prefetcher)
+    prefetcher._wanted, prefetcher._ready = {piece: None}, {}
+    one = loader_module._Loader(process=None, conn=pipe, asked=deque([piece]))
+    assert prefetcher._receive(one)  # nothing there yet
+    assert prefetcher._receive(one)  # the notice, then the batch
+    assert one.started and not one.asked
+    assert torch.equal(prefetcher._ready[piece][1], torch.arange(3))
