@@ -37,7 +37,7 @@ from torch.utils.data import default_collate
 from elastic.adapt.groups import decide_grouping, forward_seed
 from elastic.adapt.plan import BatchPlan
 from elastic.collective import Communicator
-from elastic.config import ChaosEvent, ChaosPhase, FitConfig
+from elastic.config import ChaosEvent, ChaosPhase, DataConfig, FitConfig
 from elastic.errors import CollectiveError, ConfigError, InjectedFault
 from elastic.job import TrainJob
 from elastic.private import ensure_private_dir, write_private
@@ -124,6 +124,29 @@ def chaos_kill(run_dir: str, event: ChaosEvent) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _start_loaders(job: TrainJob, data: DataConfig, data_rng: torch.Tensor,
+                   built_in: float) -> Prefetcher | None:
+    """The worker's loader processes (none without `data.loader_workers`), started.
+
+    They have built the data set before the worker reports itself started: a worker that
+    joins a running generation then holds no rank's step while its loaders build it. They are
+    not waited on for long past what the worker's own build took (`built_in` seconds; they
+    build it side by side): a loader stuck in the factory is then found at the first step (as
+    a hung data phase), not left holding the worker's start."""
+    if not data.loader_workers:
+        return None
+    prefetcher = Prefetcher(job, data.loader_workers, data.start_method, data_rng, data.pin_memory)
+    patience = max(_LOADER_START_MIN_S, 3 * built_in)
+    try:
+        if not prefetcher.wait_started(patience):
+            logger.warning("the loader processes had not built the data set %.0f s after the "
+                           "worker had; the first step waits for them", patience)
+    except BaseException:
+        prefetcher.close()
+        raise
+    return prefetcher
+
+
 class Replica:
     """Model, optimizer, scheduler and data of one worker.
 
@@ -194,24 +217,8 @@ class Replica:
         self._buckets = (GradientBuckets(self._params, collective.bucket_bytes,
                                          collective.first_bucket_bytes)
                          if collective.overlap_enabled and self.exact is None else None)
-        data = config.data
         # Last: nothing above may fail after loader processes exist.
-        self.prefetcher = (Prefetcher(job, data.loader_workers, data.start_method, data_rng,
-                                      data.pin_memory) if data.loader_workers else None)
-        if self.prefetcher is not None:
-            # Built before the worker reports itself started: a worker that joins a running
-            # generation then holds no rank's step while its loaders build the data set. Not
-            # waited on for long past what the worker's own build took (the loaders build it
-            # side by side): a loader stuck in the factory is then found at the first step
-            # (as a hung data phase), not left holding the worker's start.
-            try:
-                if not self.prefetcher.wait_started(max(_LOADER_START_MIN_S, 3 * built_in)):
-                    logger.warning("the loader processes had not built the data set %.0f s "
-                                   "after the worker had; the first step waits for them",
-                                   max(_LOADER_START_MIN_S, 3 * built_in))
-            except BaseException:
-                self.prefetcher.close()
-                raise
+        self.prefetcher = _start_loaders(job, config.data, data_rng, built_in)
 
     def _build_optimizer(self) -> None:
         """The optimizer (from the model's parameters, or from the model when the factory
