@@ -56,7 +56,8 @@ def logs(name: Annotated[str, typer.Argument(help="Run name.")]) -> None:
     except ElasticError as e:
         raise fail(one_line(e)) from None
     for record in events:
-        console.print(log_line(parse(record)))
+        # Plain text, never wrapped: one event per line, as `grep` wants it.
+        console.print(log_line(parse(record)), markup=False, highlight=False, soft_wrap=True)
 
 
 def status(

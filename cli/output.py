@@ -12,13 +12,15 @@ from collections.abc import Callable
 import pydantic
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 console = Console()
 
 
 def fail(message: str) -> typer.Exit:
-    """Prints `message` as an error; the caller raises the returned exit (code 2)."""
-    console.print(f"[red]error:[/red] {message}")
+    """Prints `message` as an error; the caller raises the returned exit (code 2). The message
+    is plain text: square brackets in it (`[1, 4]`, `elastic[loggers]`) are printed as they are."""
+    console.print(f"[red]error:[/red] {escape(message)}")
     return typer.Exit(code=2)
 
 

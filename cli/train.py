@@ -8,15 +8,20 @@ from __future__ import annotations
 import inspect
 import os
 import pathlib
+import re
+import signal
+import threading
 from collections.abc import Callable
 from typing import Annotated, Any, get_type_hints
 
+import pydantic
 import typer
 from rich.table import Table
 
 import elastic
 from cli.output import console, fail, one_line
 from cli.render import describe
+from elastic.api import run_dir_of
 from elastic.errors import ElasticError
 from elastic.events import Evaluate, Recovered, parse
 from elastic.progress import resolve
@@ -24,7 +29,8 @@ from elastic.progress import resolve
 # Command-line option -> dotted FitConfig field; `run` and `start` share them.
 _OPTION_FIELDS = {
     "workers": "scaling.num_workers", "min_workers": "scaling.min_workers",
-    "max_workers": "scaling.max_workers", "global_batch": "batch.global_batch_size",
+    "max_workers": "scaling.max_workers", "gpu": "scaling.use_gpu",
+    "global_batch": "batch.global_batch_size",
     "max_micro_batch": "batch.max_micro_batch", "batch_policy": "batch.policy",
     "epochs": "epochs", "max_steps": "max_steps",
     "seed": "seed", "name": "name", "run_dir": "run_dir", "backend": "collective.backend",
@@ -32,39 +38,134 @@ _OPTION_FIELDS = {
     "tensorboard": "logging.tensorboard", "csv": "logging.csv",
 }
 
+# Dotted FitConfig field -> the option that sets it, for naming the option in errors.
+_FLAGS = {dotted: "--" + option.replace("_", "-") for option, dotted in _OPTION_FIELDS.items()}
+_FLAGS.update({"chaos": "--kill-at", "ledger": "--ledger", "batch.exact": "--exact"})
+_NO_END = "set epochs or max_steps"  # the start of FitConfig's message when neither is set
+
 
 def _overrides(options: dict[str, Any]) -> dict[str, object]:
     return {dotted: options[option] for option, dotted in _OPTION_FIELDS.items()}
 
 
 def _prepare(options: dict[str, Any]) -> tuple[elastic.FitConfig, elastic.TrainJob]:
-    """Config file, then command-line overrides, then the target; one line on bad input."""
-    config: pathlib.Path | None = options["config"]
+    """The target, then the config file, then command-line overrides; bad input exits 2 with
+    one line (a bad target or file) or every problem of the configuration, each naming the
+    option that sets it."""
+    tree: dict[str, Any] | None = None
     try:
-        tree = _load_config_file(config) if config else {}
-        for dotted, value in _overrides(options).items():
-            _set(tree, dotted, value)
-        if options["ledger"]:
-            tree["ledger"] = True
-        if options["exact"]:  # a flag: only ever turns it on over a config file
-            _set(tree, "batch.exact", True)
-        chaos = list(tree.get("chaos", []))
-        for item in options["kill_at"] or []:
-            step, sep, rank = item.partition(":")
-            if not sep or not step.isdigit() or not rank.isdigit():
-                raise ValueError(f"--kill-at {item!r} must be STEP:RANK, e.g. 20:1")
-            chaos.append({"step": int(step), "rank": int(rank), "action": "kill"})
-        if chaos:
-            tree["chaos"] = chaos
-        fit_config = elastic.FitConfig(**tree)
         job = elastic.load_target(options["target"])
+        tree = _config_tree(options)
+        fit_config = elastic.FitConfig(**tree)
     except Exception as e:
         if options["debug"]:
             raise
-        raise fail(one_line(e)) from None
+        # Only an error of the FitConfig built here names options; one raised while the
+        # target was imported (its own FitConfig, say) is the target's, told as it is.
+        if (tree is None or not isinstance(e, pydantic.ValidationError)
+                or e.title != elastic.FitConfig.__name__):
+            raise fail(one_line(e)) from None
+        problems = _config_problems(e, tree)
+        if len(problems) == 1:
+            raise fail(f"invalid configuration: {problems[0]}") from None
+        raise fail(f"invalid configuration ({len(problems)} problems):\n"
+                   + "\n".join(f"  {p}" for p in problems)) from None
     if options["address"]:
         os.environ["RAY_ADDRESS"] = options["address"]
     return fit_config, job
+
+
+def _config_tree(options: dict[str, Any]) -> dict[str, Any]:
+    """The FitConfig fields as a nested dict: the config file, then the command line over it."""
+    config: pathlib.Path | None = options["config"]
+    tree = _load_config_file(config) if config else {}
+    for dotted, value in _overrides(options).items():
+        _set(tree, dotted, value)
+    if options["ledger"]:
+        tree["ledger"] = True
+    if options["exact"]:  # a flag: only ever turns it on over a config file
+        _set(tree, "batch.exact", True)
+    chaos = list(tree.get("chaos", []))
+    for item in options["kill_at"] or []:
+        step, sep, rank = item.partition(":")
+        if not sep or not step.isdigit() or not rank.isdigit():
+            raise ValueError(f"--kill-at {item!r} must be STEP:RANK, e.g. 20:1")
+        chaos.append({"step": int(step), "rank": int(rank), "action": "kill"})
+    if chaos:
+        tree["chaos"] = chaos
+    return tree
+
+
+def _config_problems(error: pydantic.ValidationError, tree: dict[str, Any]) -> list[str]:
+    """Every problem of `error`, one line each, naming the command-line option that fixes it
+    (a required setting left out: the option, or the field of a config file)."""
+    # FitConfig says that the run has no end only once the rest is valid: say it with the rest.
+    no_end = tree.get("epochs") is None and tree.get("max_steps") is None
+    problems: list[str] = []
+    for item in error.errors():
+        loc = tuple(str(part) for part in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "missing":
+            problems += [_missing(".".join(loc + rest)) for rest in _required_below(loc)]
+        elif not (no_end and not loc and message.startswith(_NO_END)):
+            where = ".".join(loc)
+            at = next((_FLAGS[p] for p in reversed(_prefixes(loc)) if p in _FLAGS), None)
+            flags = [f for f in _flags_named(loc, message) if f != at]
+            if at is not None and at != "--" + where.replace("_", "-"):
+                at += f" ({where})"
+            problems.append((f"{at}: " if at else f"{where}: " if where else "") + message
+                            + (f" (command line: {', '.join(flags)})" if flags else ""))
+    if no_end:
+        problems.append("--epochs or --max-steps is required (or epochs or max_steps in "
+                        "--config FILE)")
+    return problems
+
+
+def _missing(dotted: str) -> str:
+    flag = _FLAGS.get(dotted)
+    if flag is None:
+        return f"{dotted} is required in --config FILE"
+    return f"{flag} is required (or {dotted} in --config FILE)"
+
+
+def _required_below(loc: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The required fields under a missing FitConfig field at `loc`, relative to it: the
+    required leaves of a missing section (`scaling` -> `num_workers`), else the field itself."""
+    annotation: Any = elastic.FitConfig
+    for key in loc:
+        field = annotation.model_fields.get(key) if _is_model(annotation) else None
+        if field is None:
+            return [()]
+        annotation = field.annotation
+    return _required_leaves(annotation) or [()]
+
+
+def _required_leaves(annotation: Any) -> list[tuple[str, ...]]:
+    if not _is_model(annotation):
+        return [()]
+    return [(name, *rest) for name, field in annotation.model_fields.items() if field.is_required()
+            for rest in _required_leaves(field.annotation)]
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel)
+
+
+def _flags_named(loc: tuple[str, ...], text: str) -> list[str]:
+    """The options that set the fields `text` names, in the order it names them: dotted from
+    the top (`scaling.use_gpu`), or relative to the section at `loc` (`min_workers`)."""
+    found: dict[str, int] = {}
+    for dotted, flag in _FLAGS.items():
+        names = [dotted] + [dotted[len(p) + 1:] for p in _prefixes(loc) if dotted.startswith(p + ".")]
+        for name in names:
+            match = re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", text)
+            if match:
+                found[flag] = min(found.get(flag, match.start()), match.start())
+    return sorted(found, key=found.__getitem__)
+
+
+def _prefixes(loc: tuple[str, ...]) -> list[str]:
+    return [".".join(loc[:n]) for n in range(1, len(loc) + 1)]
 
 
 def _training_options(
@@ -72,6 +173,9 @@ def _training_options(
     workers: Annotated[int | None, typer.Option(help="Workers to start with.")] = None,
     min_workers: Annotated[int | None, typer.Option(help="Fewest workers to continue with.")] = None,
     max_workers: Annotated[int | None, typer.Option(help="Most workers to grow to.")] = None,
+    gpu: Annotated[bool | None, typer.Option(
+        "--gpu/--no-gpu", help="Give each worker one GPU (scaling.use_gpu; needs --backend "
+        "nccl). Default: the config file's, else no GPU.")] = None,
     global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step.")] = None,
     max_micro_batch: Annotated[int | None, typer.Option(help="Micro-batch cap per worker.")] = None,
     batch_policy: Annotated[str | None, typer.Option(
@@ -89,7 +193,7 @@ def _training_options(
         help="Loader processes per worker reading the next steps' samples ahead.")] = None,
     tensorboard: Annotated[str | None, typer.Option(
         help="TensorBoard log directory for the committed steps and evaluations (needs "
-        "pip install 'elastic[loggers]').")] = None,
+        "pip install 'elastic\\[loggers]').")] = None,
     csv: Annotated[str | None, typer.Option(
         help="CSV file of the committed steps and evaluations, one row each.")] = None,
     kill_at: Annotated[list[str] | None, typer.Option(help="Chaos: kill RANK at STEP (STEP:RANK).")] = None,
@@ -149,7 +253,7 @@ def run(options: dict[str, Any]) -> None:
     progress = resolve(fit_config.logging.progress, console.is_terminal, otherwise="lines")
     shown = fit_config.logging.model_copy(update={"progress": progress or "off"})
     fit_config = fit_config.model_copy(update={"name": run_name, "logging": shown})
-    directory = pathlib.Path(fit_config.run_dir or os.path.join("runs", run_name))
+    directory = run_dir_of(fit_config.run_dir, run_name)
     console.print(f"run [bold]{run_name}[/bold]: {fit_config.scaling.num_workers} workers, "
                   f"global batch {fit_config.batch.global_batch_size}, run dir {directory}")
     try:
@@ -158,7 +262,19 @@ def run(options: dict[str, Any]) -> None:
         if options["debug"]:
             raise
         raise fail(f"{type(e).__name__}: {one_line(e)}") from None
+    except KeyboardInterrupt as e:  # Ctrl-C: `fit` stopped the run (or abandoned it on a second)
+        _ignore_ctrl_c()
+        if e.args:
+            console.print(str(e), markup=False, highlight=False)
+        raise  # typer exits with code 130
     _print_summary(result)
+
+
+def _ignore_ctrl_c() -> None:
+    """The run has ended and this process exits: one more Ctrl-C would only break off Ray's
+    shutdown at exit (a traceback, and a local cluster's processes left behind)."""
+    if threading.current_thread() is threading.main_thread():  # signal handlers are set there
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _print_summary(result: elastic.FitResult) -> None:
@@ -205,6 +321,8 @@ def demo(
     """Digits MLP on 4 workers with one killed part-way, next to an uninterrupted run."""
     from elastic.demo import run_demo
 
+    if workers < 2:
+        raise fail("--workers must be at least 2: the demo kills rank 1 and the others go on")
     console.print(f"training the digits MLP twice on {workers} workers: once with worker 1 "
                   "killed at step 30, once uninterrupted")
     result = run_demo(workers=workers, epochs=epochs, run_dir=run_dir)

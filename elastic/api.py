@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from elastic import control
-from elastic.config import FitConfig
+from elastic.config import FitConfig, storage_root
 from elastic.errors import RunNotFoundError
 from elastic.job import TrainJob
 from elastic.registry import LOST, RunRegistry, is_terminal, this_host
@@ -19,6 +21,28 @@ if TYPE_CHECKING:
 # Ray and torch are imported where they are used: the control commands (`elastic status`,
 # `list`, `scale`, `kill`, `stop`) must answer without paying seconds to import them.
 
+# Set by Ray in the driver of a job submitted with `ray job submit` (ray._private.runtime_env.
+# constants.RAY_JOB_CONFIG_JSON_ENV_VAR): the job's runtime environment, as JSON.
+_RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
+def run_dir_of(run_dir: str | None, name: str, environ: Mapping[str, str] = os.environ) -> str:
+    """The absolute directory where run `name` keeps its record: `run_dir`
+    (`FitConfig.run_dir`) if set, else `runs/NAME` under the current directory, except in the
+    driver of a `ray job submit` job with a working directory, whose current directory is
+    Ray's temporary copy of it (deleted with the session, or once the package is no longer
+    used): there `$ELASTIC_HOME/run-dirs/NAME` (default `~/.elastic/run-dirs/NAME`), so that
+    the events, metrics and final model outlive the job, as its record in the run index does."""
+    if run_dir:
+        return os.path.abspath(run_dir)
+    try:
+        runtime_env = json.loads(environ.get(_RAY_JOB_CONFIG_ENV) or "{}").get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        runtime_env = {}
+    if isinstance(runtime_env, dict) and runtime_env.get("working_dir"):
+        return os.path.join(storage_root(), "run-dirs", name)
+    return os.path.abspath(os.path.join("runs", name))
+
 
 def fit(job: TrainJob, config: FitConfig) -> FitResult:
     """Trains `job` data-parallel on Ray workers, through failures and resizes.
@@ -26,7 +50,13 @@ def fit(job: TrainJob, config: FitConfig) -> FitResult:
     Uses the connected Ray cluster, or starts a local one. Shows the run's progress when
     stdout is a terminal (`config.logging.progress`).
 
+    Ctrl-C stops the run as `stop` does (after the step in flight; recorded as stopped, its
+    weights left in the run dir's `final_model.pt`), then raises KeyboardInterrupt rather than
+    returning: the caller asked to be interrupted. A second Ctrl-C abandons the run at once
+    (recorded as failed with a KeyboardInterrupt).
+
     Raises:
+        KeyboardInterrupt: Ctrl-C, once the run has stopped (or been abandoned).
         UserCodeError: user code kept raising past `failure.max_user_retries`, or a callback
             raised (`CallbackError`).
         InsufficientWorkersError: fewer than `scaling.min_workers` workers for too long.
@@ -41,7 +71,7 @@ def fit(job: TrainJob, config: FitConfig) -> FitResult:
     if not isinstance(job, TrainJob):
         raise TypeError(f"fit needs an elastic.TrainJob, got {type(job).__name__}")
     name = config.name or client.new_run_name()
-    run_dir = os.path.abspath(config.run_dir or os.path.join("runs", name))
+    run_dir = run_dir_of(config.run_dir, name)
     with follow(run_dir, config.logging.progress):  # a bar on a terminal (LoggingConfig.progress)
         outcome = client.run_controller(job, config, name, run_dir)
     if outcome.error is not None:
@@ -77,7 +107,7 @@ def start(job: TrainJob, config: FitConfig) -> str:
     if not isinstance(job, TrainJob):
         raise TypeError(f"start needs an elastic.TrainJob, got {type(job).__name__}")
     name = config.name or client.new_run_name()
-    run_dir = os.path.abspath(config.run_dir or os.path.join("runs", name))
+    run_dir = run_dir_of(config.run_dir, name)
     client.start_detached(job, config.model_copy(update={"name": name}), name, run_dir)
     return name
 

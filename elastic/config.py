@@ -630,7 +630,9 @@ class FitConfig(_Frozen):
     )
     run_dir: str | None = Field(
         default=None,
-        description="Directory for events.jsonl, metrics.jsonl and the ledger. Default: runs/NAME.",
+        description="Directory for events.jsonl, metrics.jsonl and the ledger. Default: runs/NAME "
+        "(in the driver of a `ray job submit` job with a working directory, Ray's temporary copy: "
+        "there $ELASTIC_HOME/run-dirs/NAME).",
     )
     steps_per_chunk: int = Field(
         default=8, ge=1,
@@ -732,4 +734,18 @@ class FitConfig(_Frozen):
                 and not self.collective.nccl_simulator):
             raise ValueError("collective.backend='nccl' needs scaling.use_gpu=True (NCCL moves "
                              "GPU memory only); use backend 'gloo' for CPU workers")
+        return self
+
+    @model_validator(mode="after")
+    def _check_chaos_ranks(self) -> FitConfig:
+        # A rank at or above the most workers the run may have never exists: the fault would
+        # never fire. (A step past the run's end is not checked: the end depends on the data.)
+        upper = self.scaling.upper
+        never = [e for e in self.chaos if e.rank >= upper]
+        if never:
+            faults = ", ".join(f"rank {e.rank} at step {e.step}" for e in never)
+            raise ValueError(
+                f"chaos fault(s) on a rank that never exists ({faults}): the run has at most "
+                f"{upper} workers (scaling.max_workers, default scaling.num_workers), ranks 0 to "
+                f"{upper - 1}; use a chaos rank below {upper} or raise scaling.max_workers")
         return self

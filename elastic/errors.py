@@ -105,6 +105,17 @@ class WorkerHangError(WorkerLostError):
     """
 
 
+class HalfUpdatedError(ElasticError):
+    """A worker was asked for its committed state (to checkpoint it, hand it to a peer or
+    return the weights) while its model and optimizer are half updated: it ran out of memory
+    during an optimizer step that it never committed.
+
+    Recovery: the controller never takes such a worker's state; it restores it from a peer
+    that committed the step, else from a checkpoint, else (at step 0) replaces it with a fresh
+    worker.
+    """
+
+
 class StartupTimeoutError(ElasticError):
     """Workers did not start within `FailureConfig.startup_timeout`.
 

@@ -4,7 +4,9 @@ metrics.jsonl (`RunProgress`).
 
 `elastic.fit` shows the progress in the driver process (`LoggingConfig.progress`; by default
 a bar when stdout is a terminal, else nothing); `elastic run` through it, with lines when
-stdout is not a terminal; `elastic logs` and `elastic demo` print `describe` lines.
+stdout is not a terminal; `elastic demo` prints `describe` lines. `elastic logs` prints every
+event, so `log_description` says what each one means (`_LOG_RENDERERS` for the kinds
+`describe` has no line for).
 
 No Ray and no torch here.
 """
@@ -21,23 +23,47 @@ from typing import Any, Literal
 from elastic.events import (
     BatchPlanned,
     Chaos,
+    CheckpointBusy,
+    CheckpointConfigChanged,
+    CheckpointFailed,
+    CheckpointSkipped,
     CheckpointWritten,
+    ControllerRestarted,
+    DetachedExit,
     Evaluate,
     Event,
     Failed,
+    FinalModelWritten,
+    Finish,
+    Generation,
+    GenerationFailed,
+    Grouped,
+    KillRequested,
     LoggerFailed,
+    MemberUnreachable,
     MicroBatchTuned,
+    Nonfinite,
     OomBackoff,
     Planned,
     Rebalanced,
     RebalanceJudged,
     Recovered,
     Resized,
+    RestoredFromCheckpoint,
+    Resumed,
+    ScaleRequested,
+    Start,
+    StateChanged,
     Stopping,
+    StopRequested,
     UserError,
     WorkerFailure,
     WorkerHung,
     WorkerJoined,
+    WorkerLost,
+    WorkerRemoved,
+    WorkerStartFailed,
+    WorkerStarting,
     parse,
     record_fields,
 )
@@ -280,3 +306,104 @@ def _progress_bar(console: Any) -> Any:
 
     return Progress(TextColumn("step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("{task.fields[info]}"), console=console, auto_refresh=True)
+
+
+def log_description(event: Event) -> str:
+    """What `event` means, in one line, for every known kind; a kind this version does not
+    know (written by a newer one) by its name."""
+    render = _LOG_RENDERERS.get(type(event))
+    return (render(event) if render is not None else describe(event)) or event.kind
+
+
+def _state(e: StateChanged) -> str:
+    details = []
+    if e.world_size is not None:
+        details.append(f"{e.world_size} workers" + (f", target {e.target}" if e.target is not None else ""))
+    elif e.target is not None:
+        details.append(f"target {e.target} workers")
+    if e.lost_ranks:
+        details.append(f"lost ranks {', '.join(map(str, e.lost_ranks))}")
+    return f"{e.previous} -> {e.state}" + (f" ({'; '.join(details)})" if details else "")
+
+
+def _generation(e: Generation) -> str:
+    return (f"generation {e.generation}: {e.world_size} workers ({e.reason}), state of step {e.step} "
+            f"from rank {e.source_rank} over {e.transport}; workers by rank "
+            f"{', '.join(map(str, e.workers))}")
+
+
+def _start(e: Start) -> str:
+    scaling = e.config.get("scaling") or {}
+    batch = e.config.get("batch") or {}
+    parts = [f"run {e.name} started"]
+    if "num_workers" in scaling:
+        parts.append(f"{scaling['num_workers']} workers")
+    if "global_batch_size" in batch:
+        parts.append(f"global batch {batch['global_batch_size']}")
+    return ", ".join(parts)
+
+
+def _chaos(e: Chaos) -> str:
+    if e.action == "slow":
+        lasting = f"{e.steps} steps" if e.steps is not None else "the rest of its life"
+        return f"chaos at step {e.step}: rank {e.rank} slowed {e.factor:g}x for {lasting}"
+    return f"chaos at step {e.step}: {e.action} rank {e.rank} in phase {e.phase}"
+
+
+def _rebalance_judged(e: RebalanceJudged) -> str:
+    return describe(e) or (f"the re-split saved {e.realised_saving_s * 1e3:.1f} ms of a predicted "
+                           f"{e.predicted_saving_s * 1e3:.1f} ms, as predicted")
+
+
+def _finish(e: Finish) -> str:
+    return (f"run {'stopped' if e.stopped else 'finished'} at step {e.step} after {e.samples} "
+            "samples")
+
+
+_WHY_START = {"replacement": "to replace lost ones", "capacity": "on free capacity"}
+
+
+def _loaded(what: str) -> Callable[[Any], str]:
+    return lambda e: (f"{what} the checkpoint of step {e.step} ({e.path}); "
+                      f"{e.work_lost_steps} steps redone")
+
+
+_LOG_RENDERERS: dict[type[Event], Callable[[Any], str]] = {
+    Start: _start,
+    ControllerRestarted: lambda e: (f"the controller of run {e.name} restarted; it resumes from "
+                                    "the newest checkpoint"),
+    Planned: lambda e: (f"{e.total_steps} steps planned ({e.steps_per_epoch} per epoch over "
+                        f"{e.dataset_size} samples)"),
+    Grouped: lambda e: ((f"batch groups of {e.group_size}" if e.groups else "batch groups off")
+                        + (", the split pinned" if e.pinned else "") + f": {e.reason}"),
+    StateChanged: _state,
+    Stopping: lambda e: f"stop request takes effect at step {e.step}",
+    Finish: _finish,
+    Failed: lambda e: f"run failed at step {e.step}: {e.error}",
+    DetachedExit: lambda e: "detached controller exits" + (" (the run failed)" if e.failed else ""),
+    FinalModelWritten: lambda e: f"final model written to {e.path}",
+    ScaleRequested: lambda e: f"scale to {e.num_workers} workers requested",
+    KillRequested: lambda e: f"kill of rank {e.rank} (worker {e.worker_id}) requested",
+    StopRequested: lambda e: "stop requested; the run stops at the next step boundary",
+    Chaos: _chaos,
+    WorkerStarting: lambda e: (f"starting workers {_WHY_START.get(e.reason, e.reason)} until the "
+                               f"run has {e.target}"),
+    WorkerStartFailed: lambda e: f"a worker failed to start: {e.error}",
+    WorkerRemoved: lambda e: f"worker {e.worker_id} removed to shrink the run",
+    WorkerLost: lambda e: f"rank {e.rank} (worker {e.worker_id}) dropped: {e.why}",
+    MemberUnreachable: lambda e: f"worker {e.worker_id} did not answer",
+    WorkerHung: lambda e: (f"rank {e.rank} (worker {e.worker_id}) made no progress in "
+                           f"{e.phase}; killed"),
+    Generation: _generation,
+    GenerationFailed: lambda e: (f"generation {e.generation} failed to form (attempt {e.attempt}): "
+                                 + "; ".join(e.errors)),
+    Nonfinite: lambda e: (f"non-finite loss or gradients at step {e.step} on ranks "
+                          f"{', '.join(map(str, e.ranks))}; policy {e.policy}"),
+    RebalanceJudged: _rebalance_judged,
+    Resumed: _loaded("resumed from"),
+    RestoredFromCheckpoint: _loaded("no survivor held the state; restored"),
+    CheckpointFailed: lambda e: f"checkpoint of step {e.step} failed: {e.error}",
+    CheckpointBusy: lambda e: f"checkpoint of step {e.step} skipped: {e.note}",
+    CheckpointSkipped: lambda e: f"checkpoint {e.path} not loaded: {e.reason}",
+    CheckpointConfigChanged: lambda e: f"checkpoint {e.path}: {e.note}",
+}

@@ -30,7 +30,8 @@ def main() -> None:
         batch=elastic.BatchConfig(global_batch_size=64), epochs=args.epochs,
     )
     result = elastic.fit(job, config)
-    print(f"finished {result.steps} steps; evaluation {result.evaluation}")
+    ended = "stopped" if result.stopped else "finished"  # stopped: by `elastic stop`
+    print(f"{ended} after {result.steps} steps; evaluation {result.evaluation}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The models people train, small: a CNN with BatchNorm, a padded-token language model with a
-sum-and-count loss, an MLP with dropout (float32, as users train them), and a plain-PyTorch
-reference loop that does not use the project's training code.
+sum-and-count loss, an MLP with dropout, a model with parameters some steps do not reach
+(float32, as users train them), and a plain-PyTorch reference loop that does not use the
+project's training code.
 
 The reference is what the README promises an elastic run equals: one process, the public
 sample order (`perm_e = randperm(N, seed + e)`, step s of epoch e takes `perm_e[s*B:(s+1)*B]`),
@@ -109,6 +110,42 @@ def dropout_job() -> TrainJob:
     return TrainJob(model=dropout_mlp, optimizer=sgd, loss=mse, dataset=regression)
 
 
+# --- parameters that some steps do not reach, AdamW with weight decay -------------------------
+
+
+class Branchy(nn.Module):
+    """A head only some samples reach (first feature above 1.8: the global batches of seed 3
+    and B = 24 hold 2, 0, 2, 0, 2, 0 of them) and a layer never called. One process leaves such
+    a parameter without a gradient in a step that does not reach it, and AdamW then neither
+    decays it nor moves it by its moments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 1)
+        self.aux = nn.Linear(6, 1)
+        self.spare = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def branchy_loss(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    total = (model(x) - y).pow(2).sum()
+    special = x[:, 0] > 1.8
+    if special.any():  # a micro-batch without such samples does not reach the head
+        total = total + model.aux(x[special]).pow(2).sum()
+    return total / len(x)
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.5)
+
+
+def unused_job() -> TrainJob:
+    return TrainJob(model=Branchy, optimizer=adamw, loss=branchy_loss, dataset=regression)
+
+
 class Augmented(torch.utils.data.Dataset):
     """`regression()` with noise drawn while a sample is read, from torch's, Python's and
     NumPy's global generators (as image augmentation does)."""
@@ -179,7 +216,8 @@ def checkpointed_job(checkpointed: bool = True) -> TrainJob:
                     dataset=images)
 
 
-JOBS = {"cnn_batchnorm": cnn_job, "lm_losssum": lm_job, "dropout": dropout_job}
+JOBS = {"cnn_batchnorm": cnn_job, "lm_losssum": lm_job, "dropout": dropout_job,
+        "unused_params": unused_job}
 
 
 def _start(job: TrainJob, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, TensorDataset]:
@@ -218,7 +256,8 @@ def reference(job: TrainJob, seed: int, global_batch: int, group: int,
                 (out * group / global_batch).backward()
         if count:
             for p in model.parameters():
-                p.grad /= count
+                if p.grad is not None:
+                    p.grad /= count
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -301,6 +340,9 @@ def exact_reference(job: TrainJob, seed: int, global_batch: int, group: int,
             largest.append(top)
         count = float(sums[len(params) + 1][0]) if summing else None
         for k, p in enumerate(params):
+            if not values[k]:  # no group reached it: no gradient, as in `reference`
+                p.grad = None
+                continue
             p.grad = sums[k].to(p.dtype).view_as(p)
             if count is not None:
                 p.grad.div_(count)

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import threading
 import uuid
 from typing import Any
@@ -14,6 +15,7 @@ import ray
 from ray.experimental import internal_kv
 
 from elastic.actors.controller import (
+    FINAL_MODEL,
     NAMESPACE,
     RECORD_KEY_PREFIX,
     Outcome,
@@ -21,11 +23,14 @@ from elastic.actors.controller import (
     controller_name,
 )
 from elastic.checkpoint.signing import load_or_create_key
+from elastic.checkpoint.store import serialize
 from elastic.config import HOME_ENV, FitConfig
 from elastic.errors import ConfigError, RunNotFoundError
 from elastic.job import TrainJob
-from elastic.private import ensure_private_dir, open_private_append
+from elastic.private import ensure_private_dir, open_private_append, write_private
 from elastic.shipping import user_modules
+
+logger = logging.getLogger(__name__)
 
 
 def ensure_ray(config: FitConfig | None = None, start: bool = True) -> None:
@@ -149,19 +154,71 @@ def _check_run_dir(run_dir: str) -> None:
 
 
 def run_controller(job: TrainJob, config: FitConfig, name: str, run_dir: str) -> Outcome:
-    """Starts the controller actor of a run and waits for its outcome.
+    """Starts the controller actor of a run and waits for its outcome (`_wait`: Ctrl-C stops
+    the run gracefully, a second one abandons it).
 
     Raises:
         ConfigError: the name is taken.
+        KeyboardInterrupt: Ctrl-C, once the run has stopped (or been abandoned).
     """
     _check_run_dir(run_dir)  # before any actor: a refusal leaves nothing behind
     ensure_ray(config)
     _ray_log["path"] = os.path.join(run_dir, "ray.log")
     controller = _launch(job, config, name, run_dir, detached=False)
     try:
-        return ray.get(controller.run.remote())
+        return _wait(controller, name, run_dir)
     finally:
         ray.kill(controller, no_restart=True)
+
+
+ABANDON_TIMEOUT_S = 10.0
+"""How long a second Ctrl-C waits for the controller to record the run's end before killing it."""
+
+
+def _wait(controller: Any, name: str, run_dir: str) -> Outcome:
+    """The outcome of the attached run `name`. A Ctrl-C (KeyboardInterrupt) stops the run as
+    `elastic.stop` does: it ends after the step in flight, writes its final state, leaves
+    `final_model.pt` in `run_dir` and is recorded as stopped; then KeyboardInterrupt is raised
+    here. A second Ctrl-C meanwhile abandons it: its controller records it as failed with a
+    KeyboardInterrupt ("interrupted", never "lost") and is killed with its workers.
+
+    Raises:
+        KeyboardInterrupt: after a Ctrl-C, once the run has stopped or been abandoned; its
+            message says how the run ended.
+    """
+    pending = controller.run.remote()
+    try:
+        return ray.get(pending)
+    except KeyboardInterrupt:
+        pass
+    try:
+        _say(f"interrupted: stopping run {name} after the current step (Ctrl-C again to abandon it)")
+        in_time = ray.get(controller.interrupt.remote())
+        outcome = ray.get(pending)
+    except KeyboardInterrupt:
+        reason = "interrupted: abandoned by a second Ctrl-C before it could stop"
+        _say(f"abandoning run {name}")
+        try:
+            ray.get(controller.abandon.remote(reason), timeout=ABANDON_TIMEOUT_S)
+        except ray.exceptions.RayError as e:  # it could not record its end: it reads as lost
+            logger.warning("run %s: could not record its end before it was killed: %s", name, e)
+        raise KeyboardInterrupt(f"run {name} was abandoned by a second Ctrl-C before it could stop "
+                                "(recorded as failed: KeyboardInterrupt)") from None
+    path = os.path.join(run_dir, FINAL_MODEL)
+    if not in_time and outcome.model_state is not None:  # it had ended: keep its weights too
+        write_private(path, serialize(outcome.model_state))
+    how = "failed" if outcome.error is not None else "stopped" if outcome.stopped else "finished"
+    line = f"run {name} {how} at step {outcome.steps} (interrupted)"
+    if outcome.error is not None:
+        line += f": {type(outcome.error).__name__}: {outcome.error}"
+    else:
+        line += f"; its final model is in {path}"
+    raise KeyboardInterrupt(line) from outcome.error
+
+
+def _say(line: str) -> None:
+    """One line to the person at the terminal (stderr: a progress bar on stdout stays whole)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def start_detached(job: TrainJob, config: FitConfig, name: str, run_dir: str) -> None:

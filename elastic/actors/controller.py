@@ -4,7 +4,9 @@ The states, decisions and failure policy live in `elastic.control` and act throu
 `Workers` port, which `elastic.actors.workers.RayWorkers` implements with worker actors. This
 actor holds the run's context, hosts the rendezvous server, answers control requests (status,
 scale, kill, stop) on other threads (they take effect at the next chunk boundary), publishes
-the run's record, and writes what the run leaves behind when it ends.
+the run's record, and writes what the run leaves behind when it ends. The process that waits
+for an attached run turns a Ctrl-C into `interrupt` (a stop) and a second one into `abandon`
+(`elastic.actors.client`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from elastic.control.run_state import RunState
 from elastic.control.states import Failed, Finished, Machine, State
 from elastic.errors import ConfigError
 from elastic.events import DetachedExit, FinalModelWritten, KillRequested, ScaleRequested, StopRequested
+from elastic.events import Failed as RunFailed
 from elastic.job import TrainJob
 from elastic.private import write_private
 from elastic.registry import RunRegistry, is_terminal, this_host
@@ -88,6 +91,10 @@ class Controller:
         self.started_at = time.time()
         self.ended_at: float | None = None
         self._ended = False  # run() has written everything the run leaves behind
+        self._interrupted = False  # stopped by a Ctrl-C of an attached run's caller (`interrupt`)
+        self._model_decided = False  # run() has decided whether to write final_model.pt
+        self._abandoned = False  # a second Ctrl-C: the record says failed (`abandon`)
+        self._publish_lock = threading.Lock()  # one record write at a time, the newest last
         self.error: BaseException | None = None
         self.registry = RunRegistry(home)
         self.control = ControlServer(self._on_control)
@@ -138,6 +145,9 @@ class Controller:
                 state = "stopped"
             if label.is_terminal and not self._ended:
                 state = "finishing"
+            abandoned = self._abandoned
+            if abandoned:  # its workers go with this actor, which its caller is killing
+                state = "failed"
             with ctx.requests.lock:
                 target = ctx.requests.target
             return {
@@ -150,8 +160,9 @@ class Controller:
                 "micro_batches": list(plan.micro_batches) if plan else None,
                 "starting_workers": self.workers.starting(), "joining_workers": len(roster.joining),
                 "failures": ctx.policy.workers_lost,
-                "workers": [{"rank": r, "worker_id": m.worker_id, "pid": m.pid, "node_id": m.node_id}
-                            for r, m in enumerate(roster.world)],
+                "workers": [] if abandoned else [
+                    {"rank": r, "worker_id": m.worker_id, "pid": m.pid, "node_id": m.node_id}
+                    for r, m in enumerate(roster.world)],
                 "run_dir": self.run_dir, "started_at": self.started_at, "ended_at": self.ended_at,
                 "last_loss": last_loss, "detached": self.detached,
                 "error_type": type(error).__name__ if error is not None else None,
@@ -165,15 +176,17 @@ class Controller:
         return getattr(self, method)(*args)
 
     def _publish(self) -> None:
-        """Writes the run's record to the index; a failure to write never fails the run."""
-        record = self.status()
-        try:
-            self.registry.write(record)
-        except OSError as e:
-            logger.warning("cannot write the record of run %s to %s: %s", self.name,
-                           self.registry.directory, e)
-        if is_terminal(record):
-            _cache_record(record)
+        """Writes the run's record to the index; a failure to write never fails the run.
+        Writes never overlap: the one that read the newest status is written last."""
+        with self._publish_lock:
+            record = self.status()
+            try:
+                self.registry.write(record)
+            except OSError as e:
+                logger.warning("cannot write the record of run %s to %s: %s", self.name,
+                               self.registry.directory, e)
+            if is_terminal(record):
+                _cache_record(record)
 
     def scale(self, num_workers: int) -> None:
         """Sets the target world size: a shrink applies after the step in flight, growth at
@@ -225,14 +238,41 @@ class Controller:
         self.log.emit(StopRequested())
         self.workers.yield_chunks()  # the workers end their chunk after the step they are in
 
+    def interrupt(self) -> bool:
+        """A Ctrl-C in the process that waits for this (attached) run: stops it as `stop`
+        does, and has it leave `final_model.pt` in the run dir as a detached run does, since
+        that caller gets a KeyboardInterrupt instead of the weights. False when it comes too
+        late: the run has already decided how it ends (the caller keeps the weights itself)."""
+        with self._lock:
+            if self._model_decided:
+                return False
+            self._interrupted = True
+        self.stop()
+        return True
+
+    def abandon(self, reason: str) -> None:
+        """A second Ctrl-C: the caller kills this actor (and so the workers) without waiting
+        for the step in flight. The record is ended first, as failed with a KeyboardInterrupt
+        whose message is `reason`, so that the run reads as interrupted, not as lost."""
+        with self._lock:
+            if self._ended:
+                return
+            self._abandoned = True
+            self.error = KeyboardInterrupt(reason)
+            self.ended_at = time.time()
+        self.log.emit(RunFailed(error=f"KeyboardInterrupt: {reason}", step=self.ctx.step))
+        self._publish()
+
     # --- the run -------------------------------------------------------------------------------
 
     def _on_state(self, previous: RunState, state: State) -> None:
-        if state.label.is_terminal:
-            with self._lock:
+        with self._lock:
+            if self._abandoned:  # its end is recorded already
+                return
+            if state.label.is_terminal:
                 self.ended_at = time.time()
-        if isinstance(state, Failed):
-            self.error = state.error
+            if isinstance(state, Failed):
+                self.error = state.error
 
     def run(self) -> Outcome:
         """Runs the whole training; returns when finished, stopped or failed."""
@@ -249,9 +289,12 @@ class Controller:
             end = self.sinks.end()  # callbacks' on_finish; a late callback error fails the run
             model_state = end.model_state if isinstance(end, Finished) else None
             error = end.error if isinstance(end, Failed) else None
+            with self._lock:
+                self._model_decided = True
+                keep = self.detached or self._interrupted
+            if keep and model_state is not None:
+                self._write_final_model(model_state)
             if self.detached:
-                if model_state is not None:
-                    self._write_final_model(model_state)
                 self.log.emit(DetachedExit(failed=error is not None))
         finally:
             # The end is published once everything it points to is written, and before the

@@ -14,11 +14,17 @@ thread the chunk's call arrived on. A step on a thread new to it paid for that: 
 thread its own malloc arena, so the step's tensors were fresh pages to fault in, and PyTorch's
 and oneDNN's per-thread caches started cold. With chunks handed out ahead, successive chunks
 arrive on different pool threads, and the first step of each chunk of a CNN took 1.2-4x as long
-as the others (measured with `elastic bench overhead --model cnn`).
+as the others (measured with `elastic bench overhead --model cnn`). Every other call that reads
+or writes the replica's state (taking a peer's, evaluating, checkpointing, loading a
+checkpoint, handing out the weights) runs there too (`_on_step_thread`): in the same arena and
+thread-local state as the steps, and never beside a step, whatever the controller asks when.
+Only `connect`, `abort`, `progress` and `yield_chunks` run on the pool's threads (they must
+answer while a step runs or is stuck).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -99,6 +105,17 @@ class _StepThread:
         return future.result()
 
 
+def _on_step_thread(method: Any) -> Any:
+    """Runs the actor's `method` on its step thread (`WorkerActor._compute`), after any step
+    or call queued there before it."""
+
+    @functools.wraps(method)
+    def on_step_thread(self: WorkerActor, *args: Any, **kwargs: Any) -> Any:
+        return self._compute.run(functools.partial(method, self, *args, **kwargs))
+
+    return on_step_thread
+
+
 @ray.remote
 class WorkerActor:
     """One data-parallel worker. Built in the background; joins a generation via `connect`."""
@@ -141,8 +158,9 @@ class WorkerActor:
     def connect(self, rank: int, world_size: int, endpoint: str, generation: int,
                 secret: bytes) -> tuple[int, str]:
         """Joins generation `generation` as `rank` (`secret`: the run's rendezvous secret, which
-        reaches the worker only through this call); returns this replica's committed step and
-        the communicator's transport."""
+        reaches the worker only through this call); returns the committed step this replica can
+        hand over (-1 if it is half updated: `Replica.restorable_step`) and the communicator's
+        transport."""
         bind_thread(self.device)  # NCCL binds its communicator to the caller's device
         with self._lock:
             self._abort = threading.Event()
@@ -165,8 +183,9 @@ class WorkerActor:
                                          self.config.collective, abort_signal=signal_,
                                          secret=secret,
                                          shared_bytes=self.replica.registered_bytes())
-        return self.replica.global_step, self.replica.comm.transport
+        return self.replica.restorable_step, self.replica.comm.transport
 
+    @_on_step_thread
     def sync(self, src: int) -> dict[str, int]:
         """Takes the state of rank `src` of the current generation; returns the data cursor."""
         bind_thread(self.device)
@@ -249,6 +268,7 @@ class WorkerActor:
             if generation == self._generation:
                 self._yield_ticket = max(self._yield_ticket, ticket)
 
+    @_on_step_thread
     def checkpoint(self, meta: dict[str, Any]) -> dict[str, Any]:
         """Snapshots the committed state and writes it (in the background if configured).
         Returns whether it was submitted and the reports of writes finished since last time."""
@@ -289,6 +309,7 @@ class WorkerActor:
         run_dir = self.replica.run_dir
         return lambda _part: chaos_kill(run_dir, event)
 
+    @_on_step_thread
     def evaluate_share(self, shares: tuple[int, ...], chaos: list[ChaosEvent],
                        scheduled: bool = True) -> EvalOutcome:
         """Evaluates this rank's slice of the evaluation set and reduces the metrics with every
@@ -343,6 +364,7 @@ class WorkerActor:
             return []
         return [dict(r.__dict__) for r in self._writer.take_reports()]
 
+    @_on_step_thread
     def restore_checkpoint(self) -> dict[str, Any]:
         """Loads the newest valid checkpoint into this replica, if there is one."""
         ckpt = self.config.checkpoint
@@ -379,11 +401,14 @@ class WorkerActor:
         """The model's BatchNorm and dropout layers (`Replica.traits`)."""
         return self.replica.traits()
 
+    @_on_step_thread
     def model_state(self) -> dict[str, torch.Tensor]:
         """The model's state dict as CPU tensors."""
         bind_thread(self.device)
+        self.replica.check_committed()
         return {k: v.detach().cpu().clone() for k, v in self.replica.model.state_dict().items()}
 
+    @_on_step_thread
     def evaluate(self) -> dict[str, float]:
         """Runs the job's `evaluate` on this replica (the controller asks rank 0)."""
         if self.replica.job.evaluate is None:

@@ -31,12 +31,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from elastic.api import fit
-from elastic.bench import classification_loss, sgd
+from elastic.bench import classification_loss, leave_ddp, run_ddp, sgd
 from elastic.config import BatchConfig, DataConfig, FitConfig, ScalingConfig
 from elastic.job import TrainJob
 
@@ -206,8 +205,7 @@ def _ddp_worker(rank: int, world: int, store: str, samples: int, size: int, batc
     if rank == 0:
         torch.save({"times": [max(t[0][i] for t in gathered) for i in range(steps)],
                     "ends": gathered[0][1]}, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_ddp(out, rank)
 
 
 def _elastic(samples: int, size: int, workers: int, batch: int, steps: int, loaders: int,
@@ -228,9 +226,8 @@ def _ddp(samples: int, size: int, workers: int, batch: int, steps: int, loaders:
          warmup: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as directory:
         out = os.path.join(directory, "ddp.pt")
-        mp.start_processes(_ddp_worker, args=(workers, os.path.join(directory, "store"), samples,
-                                              size, batch, steps, loaders, out),
-                           nprocs=workers, join=True, start_method="spawn")
+        run_ddp(_ddp_worker, (workers, os.path.join(directory, "store"), samples, size, batch,
+                              steps, loaders, out), workers, out)
         ddp = torch.load(out, weights_only=True)
     ends = ddp["ends"][warmup + 1 :]
     return statistics.median(ddp["times"][warmup:]), (ends[-1] - ends[0]) / (len(ends) - 1)

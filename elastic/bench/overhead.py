@@ -30,13 +30,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from elastic import LossSum
 from elastic.api import fit
-from elastic.bench import classification_loss, sgd
+from elastic.bench import classification_loss, leave_ddp, run_ddp, sgd
 from elastic.config import BatchConfig, CollectiveConfig, FitConfig, ScalingConfig
 from elastic.job import TrainJob
 
@@ -281,10 +280,7 @@ def _ddp_worker(rank: int, world: int, store_path: str, model_name: str, batch: 
             slowest.append(row)
         with open(out_path, "w") as f:
             json.dump(slowest, f)
-    # Both ranks leave together: a rank tearing its pairs down while the other is still
-    # working made gloo abort the other process (SIGABRT, seen once in CI).
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_ddp(out_path, rank)
 
 
 def _ddp_run(workers: int, model: str, global_batch_size: int, steps: int) -> list[dict]:
@@ -292,8 +288,7 @@ def _ddp_run(workers: int, model: str, global_batch_size: int, steps: int) -> li
     with tempfile.TemporaryDirectory() as directory:
         store = os.path.join(directory, "store")
         out = os.path.join(directory, "ddp.json")
-        mp.start_processes(_ddp_worker, args=(workers, store, model, global_batch_size, steps, out),
-                           nprocs=workers, join=True, start_method="spawn")
+        run_ddp(_ddp_worker, (workers, store, model, global_batch_size, steps, out), workers, out)
         with open(out) as f:
             return json.load(f)
 

@@ -476,9 +476,13 @@ class NcclCommunicator:
             for s in self._socks.values():
                 s.close()
             raise
+        # The thread reading each peer's socket; it ends once that peer left or the connection
+        # broke, having set the remote error if it is one (tests join it to know that).
+        self._readers: dict[int, threading.Thread] = {}
         for peer, s in self._socks.items():
-            threading.Thread(target=self._read_loop, args=(peer, s),
-                             name=f"nccl-sim-r{rank}-from{peer}", daemon=True).start()
+            self._readers[peer] = threading.Thread(target=self._read_loop, args=(peer, s),
+                                                   name=f"nccl-sim-r{rank}-from{peer}", daemon=True)
+            self._readers[peer].start()
 
     def _connect(self, host: str, port: int, token: bytes) -> None:
         """Meets the other ranks through the bootstrap root, then builds the full mesh: each
@@ -863,3 +867,10 @@ def wait_idle(comm: NcclCommunicator, timeout: float) -> bool:
                 return False
             comm._cv.wait(left)
     return True
+
+
+def wait_error(comm: NcclCommunicator, timeout: float) -> bool:
+    """Test helper: waits up to `timeout` seconds until `comm` has an asynchronous error (the
+    one `check_async_error` raises); returns whether it has one."""
+    with comm._cv:
+        return comm._cv.wait_for(lambda: comm._error != ncclSuccess, timeout)

@@ -175,6 +175,8 @@ def form(ctx: Context, reason: str) -> tuple[float, float]:
         steps = [value[0] for value in joined.values if value is not None]
         transport = joined.values[0][1] if joined.values[0] else ""
         src = _source(ctx, steps, ids)
+        if src is None:  # half-updated members were replaced: form with the fresh ones
+            continue
         synced = ctx.workers.sync(ids, src)
         if not _formed(ctx, synced.dead, synced.broken, "restoring"):
             continue
@@ -206,9 +208,12 @@ def _formed(ctx: Context, dead: list[int], broken: list[str], doing: str) -> boo
     return True
 
 
-def _source(ctx: Context, steps: list[int], ids: list[int]) -> int:
+def _source(ctx: Context, steps: list[int], ids: list[int]) -> int | None:
     """The rank whose state everyone takes; loads the newest checkpoint into rank 0 when no
-    member holds the run's step.
+    member holds the run's step. None when no member holds step 0 because every one is half
+    updated (`Replica.restorable_step` -1: out of memory in the first optimizer step) and
+    there is no checkpoint: step 0's state is the model built from the seed, which fresh
+    workers hold, so those members are replaced.
 
     Raises:
         WorkerLostError: no member and no checkpoint holds it.
@@ -218,10 +223,16 @@ def _source(ctx: Context, steps: list[int], ids: list[int]) -> int:
         return source.rank
     restored = (ctx.checkpoints.restore(ids[0], "restored_from_checkpoint", ctx.step)
                 if ctx.checkpoints.enabled else None)
+    if restored is None and ctx.step == 0 and all(step < 0 for step in steps):
+        drop(ctx, list(range(len(steps))), "half updated by out of memory in the first "
+             "optimizer step (step 0's state is rebuilt by fresh workers)")
+        return None
     if restored is None:
+        torn = (" (a member that ran out of memory in its optimizer step is half updated and "
+                "holds none)" if any(step < 0 for step in steps) else "")
         raise WorkerLostError(
-            f"every worker holding the state of step {ctx.step} was lost and no checkpoint is "
-            "available to restore from; the run cannot continue", step=ctx.step)
+            f"every worker holding the state of step {ctx.step} was lost{torn} and no checkpoint "
+            "is available to restore from; the run cannot continue", step=ctx.step)
     if ctx.evaluated_at is not None and ctx.evaluated_at > restored:
         # The replay reaches that step again: it is evaluated again (and the scheduler that
         # steps after evaluations, whose state went back with the checkpoint, steps again).

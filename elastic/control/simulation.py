@@ -35,7 +35,7 @@ from elastic.control.port import (
     Member,
     Started,
 )
-from elastic.errors import WorkerLostError
+from elastic.errors import HalfUpdatedError, WorkerLostError
 from elastic.trainer.data import Cursor
 from elastic.trainer.evaluation import EvalFailure
 from elastic.trainer.outcomes import StepRecord
@@ -48,6 +48,7 @@ class _Worker:
     step: int = 0
     cursor: Cursor = field(default_factory=Cursor)
     alive: bool = True
+    torn: bool = False  # half updated (out of memory in its apply phase): offers no state
     completed: bool = True  # the last chunk it ran completed (else it skips those queued)
 
 
@@ -69,6 +70,8 @@ class SimulatedWorkers:
         oom_in_collective: an `OutOfMemory` vote happens in the step's communication: the
             ranks it names abort their communicators (`ChunkVotedDown(broken=True)`) and the
             others report the chunk interrupted.
+        oom_in_apply: as `oom_in_collective`, in the apply phase: the ranks it names are also
+            left half updated and offer no state (`Replica.restorable_step`) until they sync.
     """
 
     def __init__(self, dataset_size: int, capacity: int, step_time_s: float = 0.01,
@@ -77,9 +80,10 @@ class SimulatedWorkers:
                  votes: dict[int, list[Any]] | None = None,
                  traits: dict[str, int] | None = None,
                  metrics: Callable[[int], dict[str, float]] | None = None,
-                 oom_in_collective: bool = False) -> None:
+                 oom_in_collective: bool = False, oom_in_apply: bool = False) -> None:
         self.dataset_size = dataset_size
-        self.oom_in_collective = oom_in_collective
+        self.oom_in_collective = oom_in_collective or oom_in_apply
+        self.oom_in_apply = oom_in_apply
         self.capacity = capacity
         self.step_time_s = step_time_s
         self.start_delay_s = start_delay_s
@@ -154,13 +158,16 @@ class SimulatedWorkers:
         dead = [r for r, w in enumerate(ids) if not self.workers[w].alive]
         self.clock += 0.05
         values: list[tuple[int, str] | None] = [
-            None if r in dead else (self.workers[w].step, "sim") for r, w in enumerate(ids)]
+            None if r in dead else (-1 if self.workers[w].torn else self.workers[w].step, "sim")
+            for r, w in enumerate(ids)]
         return Gathered(values, dead)
 
     def sync(self, ids: Sequence[int], src: int) -> Gathered[dict[str, int]]:
         source = self.workers[ids[src]]
+        assert not source.torn, "a half-updated worker was taken as the source"
         for w in ids:
             self.workers[w].step, self.workers[w].cursor = source.step, source.cursor
+            self.workers[w].torn = False
         self.clock += 0.05
         return Gathered([source.cursor.to_dict() for _ in ids])
 
@@ -230,6 +237,8 @@ class SimulatedWorkers:
         """Every rank votes step `step` down with `failure`; the steps before it committed."""
         self._commit(ids, cursor)
         if self.oom_in_collective and type(failure).__name__ == "OutOfMemory":
+            for rank in failure.ranks if self.oom_in_apply else ():
+                self.workers[ids[rank]].torn = True
             return ChunkReport({
                 rank: ChunkVotedDown(records[rank], step, cursor.to_dict(), failure, broken=True)
                 if rank in failure.ranks else
@@ -281,6 +290,8 @@ class SimulatedWorkers:
             return self.dataset_size
         if method == "traits":
             return dict(self.traits)
+        if method in ("model_state", "checkpoint") and worker.torn:
+            raise HalfUpdatedError(f"worker {worker_id} is half updated")
         if method == "model_state":
             return {"step": worker.step}
         if method == "evaluate":

@@ -127,6 +127,7 @@ class ExactSum:
         self._buffer = torch.zeros(0, dtype=torch.float64)
         self._scratch = torch.empty(max(self.sizes, default=0), dtype=torch.float32)
         self._max_sums = [0] * len(self.sizes)
+        self.added: set[int] = set()  # the slots a value was added to in this step's attempt
         self._overflow = [0] * len(self.sizes)
         self._summed: torch.Tensor | None = None
 
@@ -151,6 +152,7 @@ class ExactSum:
         self._overflow = [0] * self.slots
         self.nonfinite = self.overflowed = False
         self._summed = None
+        self.added = set()
 
     def add(self, slot: int, value: torch.Tensor) -> None:
         """Adds one group's `value` of `slot` (any float tensor of the slot's size; on any
@@ -159,6 +161,7 @@ class ExactSum:
         x = value.detach().reshape(-1)
         if x.numel() != self.sizes[slot]:
             raise ValueError(f"slot {slot} holds {self.sizes[slot]} values, got {x.numel()}")
+        self.added.add(slot)
         if x.numel() == 0:
             return
         if x.dtype not in (torch.float32, torch.float64):

@@ -54,13 +54,24 @@ def loss_term(out: Any, scale: float, form: LossForm) -> tuple[Any, float, LossF
         The tensor to backpropagate, the micro-batch's item count (0 for a scalar) and its form.
 
     Raises:
-        ValueError: `out` is not of the form of this step's earlier micro-batches.
+        ValueError: `out` is not of the form of this step's earlier micro-batches, or what it
+            backpropagates is not a tensor of one element.
     """
     this = LossForm.SUM if isinstance(out, LossSum) else LossForm.MEAN
     if form not in (LossForm.NONE, this):
         raise ValueError(
             f"TrainJob.loss returned a {_NAMES[this]} after a {_NAMES[form]} in the same step; "
             "return the same form from every micro-batch")
+    import torch  # here: this module is imported with `elastic`, which stays cheap to import
+
+    value = out.total if isinstance(out, LossSum) else out
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        what = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                else f"a {type(value).__name__}")
+        raise ValueError(
+            f"TrainJob.loss returned {what}{' as LossSum.total' if this == LossForm.SUM else ''}; "
+            "it must be a tensor of one element: the mean over the micro-batch's samples (for "
+            "example reduction='mean'), or LossSum(total, count) with the summed total")
     if isinstance(out, LossSum):
         return out.total, float(out.count), this
     return out * scale, 0.0, this

@@ -38,7 +38,7 @@ from elastic.adapt.groups import decide_grouping, forward_seed
 from elastic.adapt.plan import BatchPlan
 from elastic.collective import Communicator
 from elastic.config import ChaosEvent, ChaosPhase, DataConfig, FitConfig
-from elastic.errors import CollectiveError, ConfigError, InjectedFault
+from elastic.errors import CollectiveError, ConfigError, HalfUpdatedError, InjectedFault
 from elastic.job import TrainJob
 from elastic.private import ensure_private_dir, write_private
 from elastic.trainer.buckets import GradientBuckets
@@ -124,6 +124,26 @@ def chaos_kill(run_dir: str, event: ChaosEvent) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _built_model(job: TrainJob) -> torch.nn.Module:
+    """The job's model, checked.
+
+    Raises:
+        ConfigError: the factory returned no `torch.nn.Module`, or a layer makes sparse
+            gradients (the step sums dense gradient buffers over ranks).
+    """
+    model = job.model()
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"TrainJob.model returned {type(model).__name__}, not a torch.nn.Module")
+    sparse = [name or type(model).__name__ for name, m in model.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise ConfigError(
+            f"TrainJob.model: {', '.join(map(repr, sparse))} make sparse gradients (sparse=True), which "
+            "elastic does not support: its steps sum dense gradient buffers over the ranks; "
+            "build them with sparse=False (and a dense optimizer instead of SparseAdam)")
+    return model
+
+
 def _start_loaders(job: TrainJob, data: DataConfig, data_rng: torch.Tensor,
                    built_in: float) -> Prefetcher | None:
     """The worker's loader processes (none without `data.loader_workers`), started.
@@ -159,6 +179,11 @@ class Replica:
             thread's current CUDA device first). Default: the CPU.
     """
 
+    # The step whose optimizer step began here and was not committed (it ran out of memory:
+    # `_apply_out_of_memory`), leaving the model and the optimizer half updated; None once
+    # the step is committed or a committed state is loaded.
+    torn_at: int | None = None
+
     def __init__(self, job: TrainJob, config: FitConfig, run_dir: str,
                  device: torch.device | None = None) -> None:
         self.job = job
@@ -173,11 +198,7 @@ class Replica:
         elif scaling.threads_per_worker is not None:
             torch.set_num_threads(scaling.threads_per_worker)
         torch.manual_seed(config.seed)
-        self.model = job.model()
-        if not isinstance(self.model, torch.nn.Module):
-            raise ConfigError(
-                f"TrainJob.model returned {type(self.model).__name__}, not a torch.nn.Module"
-            )
+        self.model = _built_model(job)
         self.model.to(self.device)  # before the optimizer: its state follows the parameters
         self._build_optimizer()
         self.metric_names: tuple[str, ...] = ()  # committed: the same on every rank
@@ -264,7 +285,13 @@ class Replica:
         """The committed state: model, optimizer, scheduler, RNG and the data cursor. The RNG
         is 'rng', the CPU generator, and on a GPU worker 'cuda_rng', its device's generator
         (`elastic.trainer.device.rng_state`). Tensors stay where they live (the device):
-        `elastic.trainer.device.to_host` copies them out."""
+        `elastic.trainer.device.to_host` copies them out.
+
+        Raises:
+            HalfUpdatedError: this replica is half updated (`torn_at`): it holds no committed
+                state to save or hand to a peer.
+        """
+        self.check_committed()
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -293,6 +320,20 @@ class Replica:
         """Steps committed."""
         return self.cursor.step
 
+    def check_committed(self) -> None:
+        """Raises `HalfUpdatedError` if this replica is half updated (`torn_at`)."""
+        if self.torn_at is not None:
+            raise HalfUpdatedError(
+                f"this worker ran out of memory in the optimizer step of step {self.torn_at}; "
+                "its model and optimizer are half updated and hold no committed state to save "
+                "or send")
+
+    @property
+    def restorable_step(self) -> int:
+        """The committed step this replica can hand to its peers: `global_step`, or -1 when
+        it is half updated (`torn_at`), so that a new generation never restores from it."""
+        return -1 if self.torn_at is not None else self.global_step
+
     def load_state(self, state: dict[str, Any], origin: str = "checkpoint") -> None:
         """Takes a committed state (`origin`: 'checkpoint' or 'peer'), from host memory or
         any device: the model and optimizer copy it to their device (the optimizer casts its
@@ -319,6 +360,7 @@ class Replica:
                                        self.config.batch.global_batch_size)
         if self.exact is not None and state.get("exact") is not None:
             self.exact.load_state_dict(state["exact"])
+        self.torn_at = None
 
     def _extra_on_device(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
         """The extra state objects' saved states with their tensors where each object holds
@@ -522,7 +564,7 @@ class Replica:
             lr_factor=lr_factor, ledger=self.config.ledger, started=started,
             wall_start=wall_start, buffers=self.buffers.length,
             first_piece=sum(plan.accumulation(r) for r in range(rank)),
-            metric_names=self.metric_names, scale=self.training.scale)
+            metric_names=self.metric_names, params=len(self._params), scale=self.training.scale)
         if self.prefetcher is not None:
             self.prefetcher.want(self._ahead(plan, rank))
         self.buffers.begin(context.pieces)
@@ -589,7 +631,7 @@ class Replica:
         pieces = context.plan.pieces(context.rank)
         loss_sum = data_s = count = 0.0
         metrics, form = MetricSums(), LossForm.NONE
-        error, vote = None, Vote.OK
+        error, vote, used = None, Vote.OK, None
         if self.exact is not None:
             self.exact.begin(context.meta_len)  # each attempt of the step sums afresh
         try:
@@ -601,6 +643,7 @@ class Replica:
                                                            index == len(pieces) - 1, form,
                                                            metrics)
                 loss_sum, count, data_s = loss_sum + loss, count + items, data_s + loading_s
+            used = self._used()
             self._stretch(context.step, context.started)
         except Exception as e:  # latched into the vote
             error = traceback.format_exc()
@@ -612,7 +655,7 @@ class Replica:
             if vote == Vote.OUT_OF_MEMORY:
                 release_cached_memory(self.device)
         return Computed(loss_sum=loss_sum, count=count, form=form, vote=vote, error=error, data_s=data_s,
-                        compute_s=time.perf_counter() - context.started, metrics=metrics)
+                        compute_s=time.perf_counter() - context.started, metrics=metrics, used=used)
 
     def _piece(self, context: StepContext, index: int, start: int, length: int, last: bool,
                form: LossForm, metrics: MetricSums) -> tuple[float, float, LossForm, float]:
@@ -706,7 +749,7 @@ class Replica:
                                     and (flat is None or all_finite(flat))):
             vote = Vote.NONFINITE
         meta = pack_meta(context, computed.loss_sum, vote, computed.count, computed.form,
-                         self.buffers.section(), computed.metrics, self.yielding())
+                         self.buffers.section(), computed.metrics, self.yielding(), computed.used)
         if buckets is not None:
             buckets.finish(meta)
             meta = buckets.wait()
@@ -822,7 +865,13 @@ class Replica:
         updated. It must not stay a member with that state: it aborts its communicator (its
         peers are released, the generation is re-formed and this rank restored from a peer
         that committed the step) and reports a collective error caused by out of memory. Its
-        cursor did not advance (the step is not committed here)."""
+        cursor did not advance (the step is not committed here). If the optimizer step had
+        begun (`torn_at`, set by `_apply`), this replica offers no state until it loads a
+        committed one (`restorable_step`): if no member committed the step either (a single
+        worker, or every rank out of memory alike), the run goes back to a checkpoint (or, at
+        step 0, to fresh workers) instead of going on from half-updated weights. Before the
+        optimizer (clipping, the buffers' broadcast) nothing of the model was touched: it still
+        holds its committed step."""
         self.buffers.rollback()
         self._drop_grads()
         context.comm.abort()
@@ -845,7 +894,7 @@ class Replica:
         elif vote == Vote.OK and exact.nonfinite:
             vote = Vote.NONFINITE
         meta = pack_meta(context, 0.0, vote, 0.0, computed.form, self.buffers.section(),
-                         computed.metrics, self.yielding())
+                         computed.metrics, self.yielding(), computed.used)
         # The count travels whatever the vote, as in the default reduce: whether a LossSum
         # step's count is 0 must not depend on which ranks' groups were non-finite.
         joined = exact.payload(zero=vote not in (Vote.OK, Vote.RESCALE), meta=meta,
@@ -881,24 +930,17 @@ class Replica:
             except BaseException:
                 self._drop_grads()
                 raise
-            if self.exact is not None:
-                for slot, p in enumerate(self._params):
-                    p.grad = self.exact.value(slot).to(p.dtype).view_as(p).to(p.device)
-            elif self._buckets is not None:
-                self._buckets.assign_grads()
-            else:
-                assert reduced.flat is not None
-                unflatten_grads(self._params, reduced.flat)
-            if commit.divisor is not None:  # before the optimizer (and any clipping) reads them
-                for p in self._params:
-                    if p.grad is not None:
-                        p.grad.div_(commit.divisor)
+            self._assign_grads(reduced, commit)
             grad_norm = self.training.unscale_and_clip(self._params)
+            # From here until the step is committed, the model and the optimizer may be half
+            # updated: a failure in between leaves this replica without a committed state.
+            self.torn_at = context.step
             lr = self._optimizer_step(context.lr_factor)
             if self.exact is not None:
                 self.exact.advance()
         self._drop_grads()
         self.cursor = self.cursor.advance(self.order.dataset_size, context.global_batch_size)
+        self.torn_at = None
         metrics = read_section(reduced.metrics, self.metric_names)[1]
         self._after(context, reduced.loss, metrics, applied=not commit.skipped)
         optimizer_s = time.perf_counter() - optimizer_start
@@ -916,6 +958,58 @@ class Replica:
             scale=context.scale if self.config.training.precision == "fp16-mixed" else None,
             yielded=reduced.yielded,
         )
+
+    def _assign_grads(self, reduced: Reduced, commit: Commit) -> None:
+        """Every parameter's `grad`: its summed gradient (exact mode's sums, the buckets' or
+        the flat buffers' slices), none for those no rank reached (`_unreached`), divided by
+        the global count with `LossSum` losses, before the optimizer (and clipping) reads it."""
+        if self.exact is not None:
+            for slot, p in enumerate(self._params):
+                p.grad = self.exact.value(slot).to(p.dtype).view_as(p).to(p.device)
+        elif self._buckets is not None:
+            self._buckets.assign_grads()
+        else:
+            assert reduced.flat is not None
+            unflatten_grads(self._params, reduced.flat)
+        self._unreached(reduced.used)
+        if commit.divisor is not None:
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.div_(commit.divisor)
+
+    def _used(self) -> torch.Tensor:
+        """At the end of the compute phase: 1 for each parameter this rank's backward passes
+        gave a gradient (in exact mode, whose slot they added to), else 0 (`pack_meta`'s
+        `used`).
+
+        Raises:
+            TypeError: a backward pass left a sparse gradient (`F.embedding(..., sparse=True)`,
+                a custom autograd function; sparse layers are refused when the model is
+                built): an error of this rank's user code, as the step sums dense gradients.
+        """
+        if self.exact is not None:
+            added = self.exact.added
+            return torch.tensor([slot in added for slot in range(len(self._params))],
+                                dtype=torch.float64)
+        reached = []
+        for p in self._params:
+            if p.grad is not None and p.grad.is_sparse:
+                raise TypeError("the backward pass left a sparse gradient, which elastic does "
+                                "not support: its steps sum dense gradients over the ranks; "
+                                "compute it dense (sparse=False)")
+            reached.append(p.grad is not None)
+        return torch.tensor(reached, dtype=torch.float64)
+
+    def _unreached(self, used: torch.Tensor) -> None:
+        """Leaves the parameters that no rank's backward passes reached in this step without
+        a gradient, as in one process over the global batch (`zero_grad` sets gradients to
+        None): the optimizer skips them (no weight decay, no momentum or Adam moment steps
+        them, no state is created for them), where a gradient of zeros would step them. A
+        data-dependent branch, an expert no sample was routed to, a layer not called."""
+        if used.numel() and not bool(used.all()):
+            for p, ranks in zip(self._params, used.tolist(), strict=True):
+                if ranks == 0:
+                    p.grad = None
 
     def _after(self, context: StepContext, loss: float, metrics: dict[str, float],
                applied: bool) -> None:

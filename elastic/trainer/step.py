@@ -69,6 +69,8 @@ class StepContext:
         first_piece: the global position of this rank's first forward pass among the step's
             (rank 0's pieces come first, then rank 1's, ...).
         metric_names: the user metrics the replica knows when the step begins.
+        params: the parameters that take gradients: length of the metadata's section that
+            says which of them the step's backward passes reached (`pack_meta`'s `used`).
         scale: the loss scale of 'fp16-mixed' (1.0 otherwise).
         started: `time.perf_counter()` when the step began.
         wall_start: `time.time()` when the step began.
@@ -87,6 +89,7 @@ class StepContext:
     buffers: int = 0
     first_piece: int = 0
     metric_names: tuple[str, ...] = ()
+    params: int = 0
     scale: float = 1.0
 
     @property
@@ -105,7 +108,7 @@ class StepContext:
     def meta_len(self) -> int:
         """Length of the step's metadata vector."""
         return (3 + 2 * self.world_size + (self.global_batch_size if self.ledger else 0)
-                + self.buffers + section_length(self.metric_names))
+                + self.buffers + self.params + section_length(self.metric_names))
 
     @property
     def pieces(self) -> int:
@@ -129,6 +132,8 @@ class Computed:
         data_s: seconds spent loading and collating samples.
         compute_s: seconds from the step's start to the end of the last backward pass.
         metrics: this rank's user metric sums.
+        used: which parameters this rank's backward passes reached (`pack_meta`'s `used`);
+            None when the compute did not finish (the step is voted down).
     """
 
     loss_sum: float
@@ -139,6 +144,7 @@ class Computed:
     data_s: float
     compute_s: float
     metrics: MetricSums = field(default_factory=MetricSums)
+    used: torch.Tensor | None = None
 
     @property
     def user_traceback(self) -> str | None:
@@ -148,10 +154,13 @@ class Computed:
 
 def pack_meta(context: StepContext, loss_sum: float, vote: Vote, count: float = 0.0,
               form: LossForm = LossForm.NONE, buffers: torch.Tensor | None = None,
-              metrics: MetricSums | None = None, yielding: bool = False) -> torch.Tensor:
+              metrics: MetricSums | None = None, yielding: bool = False,
+              used: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's contribution to the step's metadata (float64, `context.meta_len` long);
     `buffers` is this rank's buffers section (`context.buffers` long), `metrics` its user
-    metric sums, `yielding` whether the controller asked this rank to end its chunk."""
+    metric sums, `yielding` whether the controller asked this rank to end its chunk, `used`
+    1 for each parameter this rank's backward passes gave a gradient, else 0 (`context.params`
+    long; summed over ranks, a 0 is a parameter the global batch did not reach)."""
     flags = torch.zeros(2 * context.world_size + 2, dtype=torch.float64)
     flags[context.rank] = float(vote)
     flags[context.world_size] = count
@@ -166,8 +175,14 @@ def pack_meta(context: StepContext, loss_sum: float, vote: Vote, count: float = 
     if len(section) != context.buffers:
         raise ValueError(f"a buffers section of {len(section)} values; the step expects "
                          f"{context.buffers}")
+    reached = (used.to(torch.float64) if used is not None
+               else torch.zeros(context.params, dtype=torch.float64))
+    if len(reached) != context.params:
+        raise ValueError(f"a used section of {len(reached)} values; the step expects "
+                         f"{context.params}")
     user = (metrics or MetricSums()).section(context.metric_names)
-    return torch.cat([torch.tensor([loss_sum], dtype=torch.float64), flags, ledger, section, user])
+    return torch.cat([torch.tensor([loss_sum], dtype=torch.float64), flags, ledger, section,
+                      reached, user])
 
 
 @dataclass(frozen=True)
@@ -182,6 +197,8 @@ class Reduced:
         forms: every rank's `LossForm`, in rank order.
         indices: the global batch's indices, when the ledger is on.
         buffers: the summed buffers section.
+        used: per parameter, the ranks whose backward passes gave it a gradient (the apply
+            phase leaves a parameter that none did without one, as one process would).
         metrics: the summed metrics section (`elastic.trainer.metrics.read_section`).
         yielded: some rank was asked to end its chunk: every rank ends it after this step.
         flat: the summed gradients of the flat reduce, one buffer per dtype; None when they
@@ -199,6 +216,7 @@ class Reduced:
     comm_s: float
     metrics: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.float64))
     yielded: bool = False
+    used: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
 
     @classmethod
     def unpack(cls, meta: torch.Tensor, context: StepContext,
@@ -210,7 +228,9 @@ class Reduced:
         indices = (tuple(int(i) for i in meta[ledger:section].tolist()) if context.ledger
                    else None)
         buffers = meta[section : section + context.buffers].to(torch.float64)
-        user = meta[section + context.buffers :].to(torch.float64)
+        reached = section + context.buffers
+        used = meta[reached : reached + context.params].to(torch.float64)
+        user = meta[reached + context.params :].to(torch.float64)
         count = float(meta[1 + world])
         forms = tuple(meta[2 + world : 2 + 2 * world].tolist())
         loss = float(meta[0])
@@ -218,7 +238,7 @@ class Reduced:
             loss /= count
         return cls(loss=loss, votes=tuple(meta[1 : 1 + world].tolist()), count=count,
                    forms=forms, indices=indices, buffers=buffers, flat=flat, comm_s=comm_s,
-                   metrics=user, yielded=float(meta[2 + 2 * world]) > 0)
+                   metrics=user, yielded=float(meta[2 + 2 * world]) > 0, used=used)
 
 
 @dataclass(frozen=True)

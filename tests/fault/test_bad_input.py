@@ -34,6 +34,10 @@ def _raises():
     raise RuntimeError("the data set is not there")
 
 
+def _sparse_model():
+    return nn.Sequential(nn.EmbeddingBag(10, 4, sparse=True), nn.Linear(4, 1))
+
+
 def _not_a_module():
     return "a model"
 
@@ -108,6 +112,8 @@ RUN_ROWS = [
      "could not build the job"),
     ("model factory returns the wrong type", lambda: job(model=_not_a_module), fit_config(),
      ConfigError, "not a torch.nn.Module"),
+    ("a layer with sparse gradients", lambda: job(model=_sparse_model), fit_config(),
+     ConfigError, "'0' make sparse gradients (sparse=True), which elastic does not support"),
     ("optimizer factory returns the wrong type", lambda: job(optimizer=_not_an_optimizer),
      fit_config(), ConfigError, "not a torch.optim.Optimizer"),
     ("dataset factory returns no dataset", lambda: job(dataset=_not_a_dataset), fit_config(),

@@ -48,6 +48,9 @@ def test_a_submitted_job_is_scaled_killed_stopped_and_succeeds(head):
         return json.loads(result.stdout) if result.returncode == 0 else None
 
     wait_until(lambda: (s := status()) and s["state"] == "running", limit=180)
+    # Not in Ray's temporary copy of the working directory: the record outlives the job.
+    run_dir = pathlib.Path(status()["run_dir"])
+    assert run_dir == pathlib.Path(env["ELASTIC_HOME"]) / "run-dirs" / "sj"
     assert _run([str(BIN / "elastic"), "scale", "sj", "3"], elastic_env).returncode == 0
     wait_until(lambda: (s := status()) and s["world_size"] == 3 and s["state"] == "running",
                 limit=180)
@@ -66,4 +69,5 @@ def test_a_submitted_job_is_scaled_killed_stopped_and_succeeds(head):
 
     assert wait_until(finished, limit=180) == "succeeded"
     output = _run([ray_cmd, "job", "logs", "--address", head["dashboard"], job_id], env).stdout
-    assert "finished" in output
+    assert "stopped after" in output  # `elastic stop` ended it
+    assert (run_dir / "events.jsonl").is_file() and (run_dir / "metrics.jsonl").is_file()

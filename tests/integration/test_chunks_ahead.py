@@ -169,9 +169,12 @@ class _ThreadRecordingLoss:
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def __call__(self, model, batch):
+    def note(self) -> None:
         with open(self.path, "a") as f:
             f.write(f"{os.getpid()} {threading.get_native_id()}\n")
+
+    def __call__(self, model, batch):
+        self.note()
         return mse(model, batch)
 
 
@@ -180,17 +183,22 @@ def test_every_step_of_a_worker_runs_on_one_thread_whichever_thread_its_chunk_ar
     # A step on a thread new to it faulted in fresh pages (a new malloc arena) and started
     # PyTorch's per-thread caches cold: chunks handed out ahead arrive on different threads of
     # the actor's pool, and the first step of each was up to 4x as slow as the others.
+    # The other calls that touch the replica (here the job's `evaluate`) run there too.
     log = tmp_path / "threads.txt"
-    job = dataclasses.replace(regression_job(), loss=_ThreadRecordingLoss(str(log)))
+    recording = _ThreadRecordingLoss(str(log))
+    job = dataclasses.replace(regression_job(), loss=recording,
+                              evaluate=lambda model: recording.note() or {"ok": 1.0})
     with _workers(job, tmp_path) as (pool, ids):
         plan = plan_batch(B, 2, None)
         for c in range(6):  # each handed out while the one before runs
             pool.start_chunk(ids, plan, 2 * c, 2, [], None)
         outcomes = [_finish(pool) for _ in range(6)]
         assert all(isinstance(o, ChunkDone) for r in outcomes for o in r.outcomes.values())
-    threads: dict[str, set[str]] = {}
+        for _ in range(3):
+            assert [pool.call(w, "evaluate") for w in ids] == [{"ok": 1.0}] * 2
+    threads: dict[str, list[str]] = {}
     for line in Path(log).read_text().splitlines():
         pid, thread = line.split()
-        threads.setdefault(pid, set()).add(thread)
-    assert len(threads) == 2, threads  # both workers, 12 steps each
-    assert all(len(t) == 1 for t in threads.values()), threads
+        threads.setdefault(pid, []).append(thread)
+    assert sorted(len(t) for t in threads.values()) == [15, 15]  # 12 micro-batches, 3 evaluations
+    assert all(len(set(t)) == 1 for t in threads.values()), threads

@@ -1,12 +1,29 @@
 """CLI wiring only; the behaviour behind each command is tested through the Python API."""
 
 import dataclasses
+import inspect
 
+import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
+from elastic.events import KINDS
 
 runner = CliRunner()
+
+
+def _text(output: str) -> str:
+    """`output` with the help's box drawing and the console's line wrapping undone."""
+    return " ".join(output.replace("│", " ").split())
+
+
+def _options(**values):
+    """The options `_prepare` gets, with their defaults and `values` over them."""
+    from cli.train import _training_options
+
+    options = {name: p.default for name, p in inspect.signature(_training_options).parameters.items()}
+    options.update(values)
+    return options
 
 
 def test_bench_allreduce_rejects_an_unknown_algorithm_with_exit_code_2():
@@ -32,6 +49,107 @@ def test_run_with_a_missing_target_file_exits_2_naming_it():
                                  "--global-batch", "8", "--max-steps", "1"])
     assert result.exit_code == 2
     assert "nowhere/job.py" in result.output
+
+
+def test_run_checks_the_target_before_the_configuration():
+    result = runner.invoke(app, ["run", "nowhere/job.py:job"])
+    assert result.exit_code == 2
+    assert "target file 'nowhere/job.py' does not exist" in _text(result.output)
+    assert "configuration" not in result.output
+    result = runner.invoke(app, ["run", "examples/spirals.py:no_such_job"])
+    assert result.exit_code == 2
+    assert "has no attribute 'no_such_job'" in _text(result.output)
+    assert "configuration" not in result.output
+
+
+def test_a_target_whose_own_config_is_invalid_is_told_as_the_targets_error(tmp_path):
+    # Its FitConfig fails while it is imported: no option of the command line is involved.
+    target = tmp_path / "bad_job.py"
+    target.write_text("import elastic\nCONFIG = elastic.FitConfig(\n"
+                      "    scaling=elastic.ScalingConfig(num_workers=2),\n"
+                      "    batch=elastic.BatchConfig(global_batch_size=8), max_steps=0)\n")
+    result = runner.invoke(app, ["run", f"{target}:job", "--workers", "2", "--global-batch", "8",
+                                 "--max-steps", "1"])
+    assert result.exit_code == 2, result.output
+    assert "max_steps" in _text(result.output) and "--" not in _text(result.output)
+    assert not isinstance(result.exception, UnboundLocalError)
+
+
+def test_run_without_the_required_options_lists_every_problem_naming_its_option():
+    result = runner.invoke(app, ["run", "examples/spirals.py:job"])
+    assert result.exit_code == 2
+    text = _text(result.output)
+    assert "invalid configuration (3 problems)" in text
+    assert "--workers is required (or scaling.num_workers in --config FILE)" in text
+    assert "--global-batch is required (or batch.global_batch_size in --config FILE)" in text
+    assert "--epochs or --max-steps is required" in text
+    result = runner.invoke(app, ["run", "examples/spirals.py:job", "--workers", "0",
+                                 "--global-batch", "8"])
+    text = _text(result.output)
+    assert result.exit_code == 2 and "(2 problems)" in text
+    assert "--workers (scaling.num_workers): Input should be greater than or equal to 1" in text
+    assert "--epochs or --max-steps is required" in text
+
+
+def test_a_configuration_error_with_square_brackets_is_printed_whole():
+    result = runner.invoke(app, ["run", "examples/spirals.py:job", "--workers", "5", "--max-workers",
+                                 "4", "--global-batch", "8", "--max-steps", "1"])
+    assert result.exit_code == 2
+    assert "[min_workers, max_workers] = [1, 4]" in _text(result.output)
+
+
+def test_gpu_sets_scaling_use_gpu_over_a_config_file(tmp_path):
+    from cli.train import _prepare
+
+    options = _options(target="examples/spirals.py:job", workers=2, global_batch=8, max_steps=1,
+                       backend="nccl", gpu=True)
+    assert _prepare(options)[0].scaling.use_gpu
+    config_file = tmp_path / "fit.toml"
+    config_file.write_text('max_steps = 3\n[scaling]\nnum_workers = 2\nuse_gpu = true\n'
+                           '[batch]\nglobal_batch_size = 8\n[collective]\nbackend = "nccl"\n')
+    options = _options(target="examples/spirals.py:job", config=config_file)
+    assert _prepare(options)[0].scaling.use_gpu
+    options.update(gpu=False, backend="gloo")
+    assert not _prepare(options)[0].scaling.use_gpu
+
+
+def test_backend_nccl_without_a_gpu_names_the_option_that_gives_one():
+    result = runner.invoke(app, ["run", "examples/spirals.py:job", "--workers", "2",
+                                 "--global-batch", "8", "--max-steps", "1", "--backend", "nccl"])
+    assert result.exit_code == 2
+    assert "(command line: --backend, --gpu)" in _text(result.output)
+
+
+def test_kill_at_a_rank_the_run_never_has_exits_2_naming_the_setting():
+    result = runner.invoke(app, ["run", "examples/spirals.py:job", "--workers", "2",
+                                 "--global-batch", "8", "--max-steps", "4", "--kill-at", "3:2"])
+    assert result.exit_code == 2
+    text = _text(result.output)
+    assert "rank 2 at step 3" in text and "scaling.max_workers" in text and "--kill-at" in text
+
+
+def test_demo_on_one_worker_exits_2_before_training():
+    result = runner.invoke(app, ["demo", "--workers", "1"])
+    assert result.exit_code == 2
+    assert "--workers must be at least 2" in _text(result.output)
+
+
+@pytest.mark.parametrize("command", ["run", "start", "demo", "report", "list", "logs", "status",
+                                     "scale", "kill", "stop", "bench allreduce", "bench recovery",
+                                     "bench overhead", "bench scaling"])
+def test_help_shows_every_option_help_whole_square_brackets_included(command):
+    import typer.main
+
+    click_command = typer.main.get_command(app)
+    for name in command.split():
+        click_command = click_command.commands[name]
+    result = runner.invoke(app, [*command.split(), "--help"], terminal_width=100)
+    assert result.exit_code == 0, result.output
+    text = _text(result.output)
+    helps = [p.help for p in click_command.params if getattr(p, "help", None)]
+    for help_text in helps:
+        assert _text(help_text.replace("\\[", "[")) in text, help_text
+    assert any("[" in h for h in helps) or command not in ("run", "start")
 
 
 def test_run_with_an_invalid_configuration_exits_2_naming_the_setting():
@@ -74,12 +192,12 @@ def test_the_option_surface_is_what_was_reviewed():
         "bench overhead": ["algorithm", "batch", "json_path", "model", "overlap", "rounds",
                            "steps", "steps_per_chunk", "workers"],
         "run": ["address", "algorithm", "backend", "batch_policy", "config", "csv", "debug",
-                "epochs", "exact", "global_batch",
+                "epochs", "exact", "global_batch", "gpu",
                 "kill_at", "ledger", "loader_workers", "max_micro_batch", "max_steps",
                 "max_workers", "min_workers",
                 "name", "run_dir", "seed", "target", "tensorboard", "workers"],
         "start": ["address", "algorithm", "backend", "batch_policy", "config", "csv", "debug",
-                  "epochs", "exact", "global_batch",
+                  "epochs", "exact", "global_batch", "gpu",
                   "kill_at", "ledger", "loader_workers", "max_micro_batch", "max_steps",
                   "max_workers", "min_workers",
                   "name", "run_dir", "seed", "target", "tensorboard", "workers"],
@@ -117,6 +235,35 @@ def test_logs_prints_each_event_kind_and_its_line_and_unknown_kinds_by_name(monk
                                           "from_a_newer_version  from_a_newer_version"]
 
 
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_logs_describes_every_event_kind_in_a_line_of_its_own(kind):
+    from elastic.events import build
+    from elastic.progress import _LOG_RENDERERS, describe, log_description
+    from tests.unit.test_events import SAMPLES
+
+    event = build(kind, **SAMPLES[kind])
+    line = log_description(event)
+    assert line and line != kind and "\n" not in line
+    assert type(event) in _LOG_RENDERERS or describe(event), f"no description of {kind!r}"
+
+
+def test_logs_tells_state_changes_and_generations_in_full(monkeypatch):
+    import elastic
+
+    records = [{"time": 1.0, "event": "state", "previous": "running", "state": "recovering",
+                "lost_ranks": [1]},
+               {"time": 2.0, "event": "generation", "generation": 2, "world_size": 3,
+                "reason": "recovery", "source_rank": 0, "step": 9, "transport": "shm",
+                "workers": [3, 4, 6]}]
+    monkeypatch.setattr(elastic, "events", lambda name: records)
+    result = runner.invoke(app, ["logs", "some-run"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [
+        "           state  running -> recovering (lost ranks 1)",
+        "      generation  generation 2: 3 workers (recovery), state of step 9 from rank 0 over "
+        "shm; workers by rank 3, 4, 6"]
+
+
 def test_status_lists_the_ranks_that_train_and_counts_a_joining_worker_apart(monkeypatch):
     import elastic
 
@@ -134,11 +281,9 @@ def test_status_lists_the_ranks_that_train_and_counts_a_joining_worker_apart(mon
 
 
 def test_run_exact_turns_exact_mode_on_over_a_config_file(tmp_path):
-    import inspect
+    from cli.train import _prepare
 
-    from cli.train import _prepare, _training_options
-
-    options = {name: p.default for name, p in inspect.signature(_training_options).parameters.items()}
+    options = _options()
     config_file = tmp_path / "fit.toml"
     config_file.write_text('max_steps = 3\n[scaling]\nnum_workers = 2\n[batch]\nglobal_batch_size = 8\n')
     options.update(target="examples/spirals.py:job", config=config_file, exact=True)

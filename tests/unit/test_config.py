@@ -81,3 +81,19 @@ def test_chaos_oom_and_slow():
     with pytest.raises(pydantic.ValidationError, match="factor"):
         ChaosEvent(step=1, rank=0, action="slow", factor=0.5)
     assert ChaosEvent(step=1, rank=0, action="slow", steps=None).steps is None
+
+
+def test_a_chaos_rank_the_run_never_has_is_refused_naming_the_setting():
+    from elastic.config import BatchConfig, ChaosEvent, FitConfig, ScalingConfig
+
+    def config(scaling, *ranks):
+        return FitConfig(scaling=scaling, batch=BatchConfig(global_batch_size=8), max_steps=4,
+                         chaos=tuple(ChaosEvent(step=1, rank=r, action="kill") for r in ranks))
+
+    with pytest.raises(pydantic.ValidationError, match=r"rank 2 at step 1\): the run has at most 2 "
+                       r"workers \(scaling\.max_workers"):
+        config(ScalingConfig(num_workers=2), 1, 2)
+    with pytest.raises(pydantic.ValidationError, match=r"at most 3 workers.*raise scaling\.max_workers"):
+        config(ScalingConfig(num_workers=2, max_workers=3), 3)
+    # A rank above the start's workers that a run grown to max_workers has.
+    assert config(ScalingConfig(num_workers=2, max_workers=3), 0, 2).chaos[1].rank == 2

@@ -267,6 +267,48 @@ def test_out_of_memory_in_a_collective_backs_off_and_re_forms_the_generation(tmp
     assert _steps(ctx) == list(range(24))
 
 
+def test_out_of_memory_in_the_apply_phase_restores_from_a_member_that_committed(tmp_path):
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, votes={3: [OutOfMemory(3, (2,))]},
+                           oom_in_apply=True)
+    end, ctx, _ = _run(tmp_path, sim=sim, batch=BatchConfig(global_batch_size=16,
+                                                            autotune=False))
+    assert isinstance(end, Finished)
+    generations = _events(ctx, "generation")
+    assert [g["source_rank"] for g in generations] == [0, 0]
+    assert _steps(ctx) == list(range(24))
+
+
+def test_every_rank_half_updated_by_out_of_memory_and_no_checkpoint_fails(tmp_path):
+    """Out of memory in every rank's apply phase (the same optimizer state everywhere): no
+    member holds a committed state, so the run fails instead of training on half-updated
+    weights (the simulation asserts that no torn worker is ever taken as the source)."""
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4,
+                           votes={3: [OutOfMemory(3, (0, 1, 2, 3))]}, oom_in_apply=True)
+    end, ctx, _ = _run(tmp_path, sim=sim, batch=BatchConfig(global_batch_size=16,
+                                                            autotune=False))
+    assert isinstance(end, Failed) and isinstance(end.error, WorkerLostError)
+    assert "half updated" in str(end.error) and "no checkpoint is available" in str(end.error)
+    assert len(_events(ctx, "generation")) == 1
+
+
+def test_every_rank_half_updated_in_the_first_step_is_replaced_by_fresh_workers(tmp_path):
+    """Step 0's state is the model built from the seed: with no member holding it (all half
+    updated by out of memory in the first optimizer step, Adam allocating its state, say) the
+    members are replaced and the run goes on from step 0 with a smaller micro-batch."""
+    sim = SimulatedWorkers(dataset_size=16000, capacity=8,
+                           votes={0: [OutOfMemory(0, (0, 1, 2, 3))]}, oom_in_apply=True)
+    end, ctx, _ = _run(tmp_path, sim=sim, batch=BatchConfig(global_batch_size=16,
+                                                            autotune=False),
+                       failure=FailureConfig(max_failures=4))
+    assert isinstance(end, Finished), end
+    lost = _events(ctx, "worker_lost")
+    assert sorted(e["worker_id"] for e in lost) == [0, 1, 2, 3]
+    assert all("half updated" in e["why"] for e in lost)
+    generations = _events(ctx, "generation")
+    assert len(generations) == 2 and sorted(generations[1]["workers"]) == [4, 5, 6, 7]
+    assert _steps(ctx) == list(range(24))
+
+
 def test_out_of_memory_at_micro_batch_one_fails(tmp_path):
     sim = SimulatedWorkers(dataset_size=16000, capacity=4, votes={3: [OutOfMemory(3, (0,))]})
     end, ctx, _ = _run(tmp_path, sim=sim, batch=BatchConfig(global_batch_size=4, autotune=False))

@@ -26,6 +26,7 @@ from elastic.errors import (
     CollectiveError,
     CollectiveTimeoutError,
     ConfigError,
+    HalfUpdatedError,
 )
 from elastic.trainer import replica as replica_module
 from elastic.trainer.buckets import GradientBuckets
@@ -629,6 +630,88 @@ def test_out_of_memory_in_the_optimizer_step_makes_that_rank_leave_uncommitted(t
     assert aborted  # it left the generation: restored from the peer when it is re-formed
     assert replica.global_step == 1 and replica.cursor.step == 1  # step 1 not committed here
     assert all(p.grad is None for p in replica.model.parameters())
+    # Half updated: it offers no state until it takes a committed one (the peer's, here).
+    assert replica.torn_at == 1 and replica.restorable_step == -1
+    with pytest.raises(HalfUpdatedError, match="optimizer step of step 1"):
+        replica.state()
+    replica.load_state(peer.state(), origin="peer")
+    assert replica.torn_at is None and replica.restorable_step == 2
+    for mine, theirs in zip(replica.model.parameters(), peer.model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_a_single_worker_half_updated_by_out_of_memory_offers_no_state(tmp_path):
+    """The optimizer updates some parameters, then runs out of memory: the model is neither
+    step 1's nor step 2's. With no peer to take step 2 from, the new generation must not take
+    this replica's state as step 1's (it would train on from half-updated weights): it offers
+    none, and neither a checkpoint nor a peer can be written from it."""
+    replica = Replica(regression_job(), _config(tmp_path, 1, False), str(tmp_path))
+    replica.comm = comm = _SingleRank()
+    plan = BatchPlan(B, (B,), (8,))
+    assert isinstance(replica.run_step(plan, []), StepRecord)
+    before = [p.detach().clone() for p in replica.model.parameters()]
+    real_step = replica.optimizer.step
+
+    def half_step(*args, **kwargs):
+        real_step()
+        with torch.no_grad():  # undo the last parameter's update: half of the step applied
+            list(replica.model.parameters())[-1].copy_(before[-1])
+        raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+
+    replica.optimizer.step = half_step
+    with pytest.raises(CollectiveError, match="apply phase of step 1"):
+        replica.run_step(plan, [])
+    assert comm.aborted and replica.global_step == 1
+    assert not torch.equal(next(replica.model.parameters()), before[0])  # half updated
+    assert replica.restorable_step == -1
+    with pytest.raises(HalfUpdatedError):
+        replica.state_bytes()
+
+
+def test_out_of_memory_before_the_optimizer_step_leaves_the_committed_state_offered(tmp_path):
+    # Clipping ran out of memory: the model was not touched, the replica still holds step 1.
+    replica = Replica(regression_job(), _config(tmp_path, 1, False), str(tmp_path))
+    replica.comm = _SingleRank()
+    plan = BatchPlan(B, (B,), (8,))
+    assert isinstance(replica.run_step(plan, []), StepRecord)
+    before = {k: v.clone() for k, v in replica.model.state_dict().items()}
+
+    def clip(params):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+
+    replica.training.unscale_and_clip = clip
+    with pytest.raises(CollectiveError, match="apply phase of step 1"):
+        replica.run_step(plan, [])
+    assert replica.torn_at is None and replica.restorable_step == 1
+    assert all(torch.equal(v, before[k]) for k, v in replica.model.state_dict().items())
+    assert replica.state_bytes()  # offered as step 1's
+
+
+def test_a_sparse_gradient_is_an_error_of_the_ranks_user_code(tmp_path):
+    class Sparse(torch.nn.Module):  # past the layer check: a functional sparse embedding
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.randn(10, 1))
+
+        def forward(self, x):
+            rows = (x.abs().sum(1) * 3).long() % 10
+            return torch.nn.functional.embedding(rows, self.table, sparse=True)
+
+    job = dataclasses.replace(regression_job(), model=Sparse)
+    replica = Replica(job, _config(tmp_path, 1, False), str(tmp_path))
+    replica.comm = _SingleRank()
+    outcome = replica.run_step(BatchPlan(B, (B,), (8,)), [])
+    assert isinstance(outcome, UserFailure)
+    assert "the backward pass left a sparse gradient" in outcome.traceback
+    assert replica.global_step == 0
+
+
+def test_a_half_updated_worker_joins_the_next_generation_offering_no_state(monkeypatch):
+    monkeypatch.setattr(worker_module, "Communicator",
+                        lambda *args, **kwargs: SimpleNamespace(transport="shm"))
+    actor = _actor(SimpleNamespace(comm=None, registered_bytes=lambda: 0, restorable_step=-1,
+                                   global_step=5))
+    assert actor.connect(0, 2, "127.0.0.1:1", 1, b"secret") == (-1, "shm")
 
 
 # --- the worker actor ------------------------------------------------------------------------

@@ -156,6 +156,27 @@ def test_a_rank_that_changes_form_between_micro_batches_raises_a_user_error(tmp_
     assert replica.global_step == 0
 
 
+@pytest.mark.parametrize("shape", ["per_sample", "per_sample_sum", "float"])
+def test_a_loss_that_is_not_one_element_is_a_user_error_that_says_so(tmp_path, shape):
+    def unreduced(model, batch):
+        x, y = batch
+        per = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="none")
+        if shape == "per_sample":
+            return per
+        if shape == "per_sample_sum":
+            return LossSum(per, (y != PAD).sum())
+        return float(per.detach().mean())
+
+    (outcomes, replica), = run(tmp_path, [job(unreduced)], PLANS["one-rank"], steps=1)
+    assert isinstance(outcomes[0], UserFailure)
+    tokens = (PLANS["one-rank"].micro_batches[0]) * (LENGTH - 1)  # one loss per target token
+    expected = {"per_sample": f"returned a tensor of shape ({tokens},); it must be a tensor of one",
+                "per_sample_sum": f"returned a tensor of shape ({tokens},) as LossSum.total",
+                "float": "returned a float; it must be a tensor of one element"}[shape]
+    assert f"ValueError: TrainJob.loss {expected}" in outcomes[0].traceback
+    assert replica.global_step == 0
+
+
 def test_a_global_count_of_zero_is_a_user_error(tmp_path):
     def nothing_counts(model, batch):
         return LossSum(token_sum(model, batch).total * 0, 0)

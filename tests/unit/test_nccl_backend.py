@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -208,12 +209,14 @@ def test_the_cuda_runtime_makes_private_streams_and_reuses_only_idle_ones(monkey
 
 
 def test_the_cuda_runtimes_wait_is_cut_short_by_the_wake():
+    """A wait of an hour returns once the wake is set (the join is only a hang guard)."""
     rt = object.__new__(nccl_backend._CudaRuntime)
     wake = threading.Event()
-    threading.Timer(0.05, wake.set).start()
-    started = time.monotonic()
-    rt.wait_event(object(), 5.0, wake)
-    assert time.monotonic() - started < 2.0
+    waiter = threading.Thread(target=rt.wait_event, args=(object(), 3600.0, wake), daemon=True)
+    waiter.start()
+    wake.set()
+    waiter.join(30)
+    assert not waiter.is_alive()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error path")
@@ -339,40 +342,46 @@ def test_every_peer_is_connected_while_the_communicator_is_built(server, monkeyp
 
 
 def test_a_peer_that_never_reaches_the_warm_up_fails_the_construction_in_time(spy, monkeypatch):
-    """Rank 1 is late for the warm-up: rank 0 gives up at its timeout and aborts NCCL; rank 1
-    then finds its peer gone. Both raise RendezvousError."""
+    """Rank 1 is held before the warm-up until rank 0 has aborted NCCL: rank 0 cannot have
+    finished by meeting it, so it gave up at its timeout. Rank 1, let go once its communicator
+    saw rank 0 leave, finds its peer gone. Both raise RendezvousError."""
     real = nccl_backend.NcclTransport._connect_eagerly
+    real_abort = _Spy.abort
+    rank_zero_aborted = threading.Event()
+
+    def abort(self):
+        real_abort(self)
+        if self._rank == 0:
+            rank_zero_aborted.set()
 
     def late(self, deadline, timeout):
         if self.rank == 1:
-            time.sleep(2.5)
+            assert rank_zero_aborted.wait(30), "rank 0 never aborted NCCL"
+            assert sim.wait_error(self._comm, 30), "rank 1 never saw rank 0 leave"
         real(self, deadline, timeout)
 
+    monkeypatch.setattr(_Spy, "abort", abort)
     monkeypatch.setattr(nccl_backend.NcclTransport, "_connect_eagerly", late)
     store = dist.HashStore()
-    outcome: dict[int, tuple[BaseException | None, float]] = {}
+    outcome: dict[int, BaseException | None] = {}
 
     def build(rank: int) -> None:
-        started = time.monotonic()
         try:
             nccl_backend.NcclTransport(rank, 2, store, timedelta(seconds=1), simulated=True)
-            outcome[rank] = (None, time.monotonic() - started)
+            outcome[rank] = None
         except BaseException as e:
-            outcome[rank] = (e, time.monotonic() - started)
+            outcome[rank] = e
 
     threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
-    error0, seconds0 = outcome[0]
+        t.join(60)
+        assert not t.is_alive()
+    error0 = outcome[0]
     assert isinstance(error0, RendezvousError) and "did not connect every peer" in str(error0)
-    assert seconds0 < 2.0
-    error1, _ = outcome[1]
+    error1 = outcome[1]
     assert isinstance(error1, RendezvousError) and "ncclRemoteError" in str(error1)
-    deadline = time.monotonic() + 10
-    while (0, "abort") not in spy.calls and time.monotonic() < deadline:
-        time.sleep(0.01)
     assert (0, "abort") in spy.calls and (0, "destroy") not in spy.calls
 
 
@@ -404,11 +413,9 @@ def test_one_group_per_call_deadlocks_the_ring_against_the_simulator(server, mon
         except CollectiveError as e:
             failures.append(e)
 
-    started = time.monotonic()
     run_ranks(server, world, body, _config(timeout=timedelta(seconds=1)))
     assert len(failures) == world
     assert any(isinstance(e, CollectiveTimeoutError) for e in failures)
-    assert time.monotonic() - started < 20
 
 
 def test_a_ring_step_is_issued_as_one_group(server, monkeypatch):
@@ -451,26 +458,52 @@ def test_a_ring_step_is_issued_as_one_group(server, monkeypatch):
 # --- streams ---------------------------------------------------------------------------------
 
 
-def _late_producer(comm: Communicator, algorithm: str, delay: float = 0.2) -> torch.Tensor:
-    """The tensor is written by a kernel still queued on the caller's stream when the
-    allreduce starts: only the communication stream's wait makes the result right."""
+@pytest.fixture
+def producer_gates(monkeypatch):
+    """Gates of late producer kernels, by the stream they are queued on: a gate opens when an
+    event is recorded on its stream, which is how another stream is made to wait for it
+    (`Stream.wait_stream` records one); until then the kernel cannot finish. All open at
+    teardown."""
+    gates: dict[sim.Stream, threading.Event] = {}
+    real_record = sim.Event.record
+
+    def record(self, stream=None):
+        real_record(self, stream)
+        gate = gates.get(stream if stream is not None else sim.current_stream())
+        if gate is not None:
+            gate.set()
+
+    monkeypatch.setattr(sim.Event, "record", record)
+    yield gates
+    for gate in list(gates.values()):
+        gate.set()
+
+
+def _late_producer(comm: Communicator, algorithm: str,
+                   gates: dict[sim.Stream, threading.Event]) -> torch.Tensor:
+    """The tensor is written by a kernel on the caller's stream that cannot finish before
+    another stream is made to wait for that stream: only the communication stream's wait
+    makes the result right."""
     t = torch.zeros(64)
     rank = comm.rank
-    sim.launch(lambda: (time.sleep(delay), t.fill_(rank + 1)))
+    gate = gates[sim.current_stream()] = threading.Event()
+    sim.launch(lambda: (gate.wait(), t.fill_(rank + 1)))
     return comm.allreduce(t, "sum", algorithm)
 
 
 @pytest.mark.parametrize("algorithm", ["native", "ring"])
-def test_the_communication_stream_waits_for_the_producer_stream(server, algorithm):
-    results = run_ranks(server, 2, lambda c: _late_producer(c, algorithm), _config())
+def test_the_communication_stream_waits_for_the_producer_stream(server, producer_gates, algorithm):
+    results = run_ranks(server, 2, lambda c: _late_producer(c, algorithm, producer_gates), _config())
     assert all(torch.equal(t, torch.full((64,), 3.0)) for t in results)
 
 
-def test_without_the_producer_wait_the_late_kernel_is_missed(server, monkeypatch):
-    """The control for the test above: it fails when the communication stream does not wait."""
+def test_without_the_producer_wait_the_late_kernel_is_missed(server, producer_gates, monkeypatch):
+    """The control for the test above: when the communication stream does not wait, the
+    allreduce reads the tensor before the producer wrote it (nothing opened its gate)."""
     monkeypatch.setattr(sim.Stream, "wait_stream", lambda self, other: None)
-    results = run_ranks(server, 2, lambda c: _late_producer(c, "native", delay=1.0), _config())
-    assert not all(torch.equal(t, torch.full((64,), 3.0)) for t in results)
+    results = run_ranks(server, 2, lambda c: _late_producer(c, "native", producer_gates), _config())
+    assert len(producer_gates) == 2 and not any(g.is_set() for g in producer_gates.values())
+    assert all(torch.equal(t, torch.zeros(64)) for t in results)
 
 
 def test_the_callers_stream_is_ordered_after_the_operation(server):
@@ -609,13 +642,13 @@ def test_a_timeout_aborts_nccl_and_close_then_never_destroys(server, spy):
     outcome: dict[int, BaseException | None] = {}
 
     def body(comm: Communicator) -> None:
-        try:
-            if comm.rank == 0:
+        if comm.rank == 0:
+            try:
                 comm.recv(torch.zeros(4), src=1)  # rank 1 never sends
-        except CollectiveError as e:
-            outcome[0] = e
-        if comm.rank == 1:
-            time.sleep(1.5)
+            except CollectiveError as e:
+                outcome[0] = e
+        else:  # closes only once its communicator saw rank 0's abort
+            assert sim.wait_error(comm._transport._comm, 30), "rank 0 never aborted NCCL"
 
     run_ranks(server, 2, body, _config(timeout=timedelta(seconds=0.5)))
     assert isinstance(outcome[0], CollectiveTimeoutError)
@@ -631,22 +664,39 @@ def test_close_after_clean_use_destroys(server, spy):
         assert _after_warmup(spy, rank) == ["allReduce", "destroy"]
 
 
-def test_abort_while_waiting_wakes_the_caller_and_aborts_nccl(server, spy):
-    done: dict[str, object] = {}
+def test_abort_while_waiting_wakes_the_caller_and_aborts_nccl(server, spy, monkeypatch):
+    """Rank 0 waits for a receive rank 1 never sends; once that receive was handed to NCCL,
+    another thread aborts rank 0: the caller raises CollectiveAbortedError, not the timeout
+    error it would raise after waiting it out. Rank 1 stays until then."""
+    real_recv = _Spy.recv
+    posted = threading.Event()
+
+    def recv(self, *args):
+        real_recv(self, *args)
+        if self._rank == 0 and args[1] == 16:  # the test's receive, not the warm-up's byte
+            posted.set()
+
+    monkeypatch.setattr(_Spy, "recv", recv)
+    errors: dict[int, BaseException] = {}
+    rank_zero_done = threading.Event()
 
     def body(comm: Communicator) -> None:
         if comm.rank == 0:
-            threading.Timer(0.3, comm.abort).start()
-            started = time.monotonic()
+            aborter = threading.Thread(target=lambda: posted.wait(30) and comm.abort())
+            aborter.start()
             try:
                 comm.recv(torch.zeros(4), src=1)
-            except CollectiveAbortedError:
-                done["seconds"] = time.monotonic() - started
+            except CollectiveError as e:
+                errors[0] = e
+            finally:
+                rank_zero_done.set()
+                aborter.join(30)
         else:
-            time.sleep(1.0)
+            assert rank_zero_done.wait(60)
 
     run_ranks(server, 2, body, _config())
-    assert float(done["seconds"]) < 2.0  # type: ignore[arg-type]
+    assert posted.is_set()
+    assert isinstance(errors[0], CollectiveAbortedError), errors[0]
     assert (0, "abort") in spy.calls and (0, "destroy") not in spy.calls
 
 
@@ -666,22 +716,32 @@ def test_an_injected_in_progress_code_becomes_a_collective_error_naming_it(serve
     assert "NCCL result 7 (ncclInProgress)" in messages, messages
 
 
-def test_a_rank_that_aborts_mid_allreduce_fails_the_others_without_waiting_out_the_timeout(server):
+def test_a_rank_that_aborts_mid_allreduce_fails_the_others_without_waiting_out_the_timeout(
+        server, monkeypatch):
+    """Rank 2 aborts its NCCL once ranks 0 and 1 have enqueued their allreduce: they fail with
+    the remote error, not with the timeout error they would raise after waiting it out."""
+    enqueued = {0: threading.Event(), 1: threading.Event()}
+
+    class Watched(sim.NcclCommunicator):
+        def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+            super().allReduce(sendbuf, recvbuf, count, datatype, op, stream)
+            if count == 1000:  # the test's allreduce, not the warm-up's
+                enqueued[self._rank].set()
+
+    monkeypatch.setattr(sim, "NcclCommunicator", Watched)
     failures: dict[int, BaseException] = {}
 
     def body(comm: Communicator) -> None:
-        started = time.monotonic()
         if comm.rank == 2:
-            time.sleep(0.3)
+            assert enqueued[0].wait(30) and enqueued[1].wait(30)
             comm._transport.abort()  # this rank's NCCL goes away as a crash would take it
             return
         try:
             comm.allreduce(torch.ones(1000), "sum", "native")
         except CollectiveError as e:
             failures[comm.rank] = e
-            assert time.monotonic() - started < 10
 
-    run_ranks(server, 3, body, _config(timeout=timedelta(seconds=60)))
+    run_ranks(server, 3, body, _config())
     assert set(failures) == {0, 1}
     for e in failures.values():
         assert not isinstance(e, CollectiveTimeoutError)
@@ -689,24 +749,36 @@ def test_a_rank_that_aborts_mid_allreduce_fails_the_others_without_waiting_out_t
 
 
 class _ExclusiveComm:
-    """A stand-in for CuPy's communicator that fails when two threads are inside it at once,
-    or when anything is called after abort freed the handle."""
+    """A stand-in for CuPy's communicator that logs every call and fails when two threads are
+    inside it at once, or when anything is called after abort freed the handle. Its first
+    check_async_error keeps the caller inside until `release` is set (`held` says it is)."""
 
-    def __init__(self) -> None:
+    def __init__(self, progress: threading.Condition) -> None:
         self._inside = threading.Lock()
+        self._progress = progress  # notified on every call
+        self._hold = True
+        self.held, self.release = threading.Event(), threading.Event()
         self.freed = False
+        self.log: list[str] = []
         self.violations: list[str] = []
-        self.calls = 0
+
+    def _note(self, entry: str, violation: bool = False) -> None:
+        with self._progress:
+            (self.violations if violation else self.log).append(entry)
+            self._progress.notify_all()
 
     def _enter(self, name: str) -> None:
+        self._note(name)
         if not self._inside.acquire(blocking=False):
-            self.violations.append(f"{name} entered concurrently")
+            self._note(f"{name} entered concurrently", violation=True)
             return
         try:
             if self.freed:
-                self.violations.append(f"{name} after abort")
-            self.calls += 1
-            time.sleep(0.0005)
+                self._note(f"{name} after abort", violation=True)
+            if name == "check_async_error" and self._hold:
+                self._hold = False
+                self.held.set()
+                self.release.wait()
         finally:
             self._inside.release()
 
@@ -728,51 +800,128 @@ class _ExclusiveComm:
         self._enter("recv")
 
 
+class _WatchedLock:
+    """A stand-in for the transport's lock (a reentrant lock) that reports every thread that
+    has to wait for it, before it waits."""
+
+    def __init__(self, on_wait: Callable[[threading.Thread], None]) -> None:
+        self._lock = threading.RLock()
+        self._on_wait = on_wait
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(blocking=False):
+            return True
+        if not blocking:
+            return False
+        self._on_wait(threading.current_thread())
+        return self._lock.acquire(True, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> _WatchedLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 def _solo_transport() -> nccl_backend.NcclTransport:
     return nccl_backend.NcclTransport(0, 1, dist.HashStore(), timedelta(seconds=10), simulated=True)
 
 
 def test_abort_is_serialised_with_polling_on_the_communicator_handle():
+    """A poller is held inside a call on the handle: a second poller and the helper that
+    aborts NCCL wait for the transport's lock meanwhile; once the first leaves, the abort runs
+    alone and nothing touches the handle after it (the second poller finds it aborted)."""
     transport = _solo_transport()
     real = transport._comm
-    fake = transport._comm = _ExclusiveComm()
+    progress = threading.Condition()
+    fake = transport._comm = _ExclusiveComm(progress)
+    waiting: list[threading.Thread] = []
+
+    def on_wait(thread: threading.Thread) -> None:
+        with progress:
+            waiting.append(thread)
+            progress.notify_all()
+
+    transport._lock = _WatchedLock(on_wait)  # type: ignore[assignment]
     blocker = sim.Stream()
     # The group cannot run before `gate` is set: its handle stays pending while polled.
     gate = threading.Event()
     sim.launch(gate.wait, blocker)
     with sim.stream(blocker):
         pending = transport.exchange([(torch.ones(4), 0)], [(torch.zeros(4), 0)], 0)
-    stop = threading.Event()
+    answers: dict[str, bool] = {}
 
-    def poll() -> None:
-        while not stop.is_set():
-            for p in pending:
-                p.is_done()
-                p.wait(0.001)
+    def poll(name: str) -> None:
+        answers[name] = pending[0].is_done()
 
-    pollers = [threading.Thread(target=poll) for _ in range(2)]
-    for t in pollers:
-        t.start()
-    time.sleep(0.1)
-    transport.abort()
-    time.sleep(0.1)
-    stop.set()
-    for t in pollers:
+    first = threading.Thread(target=poll, args=("first",), daemon=True)
+    second = threading.Thread(target=poll, args=("second",), daemon=True)
+    try:
+        first.start()
+        assert fake.held.wait(10)  # issued the group, then held inside check_async_error
+        second.start()
+        with progress:
+            assert progress.wait_for(lambda: second in waiting or fake.violations, 10)
+        transport.abort()
+        releaser = transport._releaser
+        with progress:
+            assert progress.wait_for(lambda: releaser in waiting or fake.violations
+                                     or "abort" in fake.log, 10)
+        assert fake.log == ["send", "recv", "check_async_error"] and fake.violations == []
+    finally:
+        fake.release.set()
+    for t in (first, second, releaser):
         t.join(10)
+        assert not t.is_alive()
+    assert fake.violations == []
+    assert fake.log == ["send", "recv", "check_async_error", "abort"]
+    assert answers == {"first": False, "second": True}  # pending, then aborted
+    assert pending[0].is_done()
+    with pytest.raises(CollectiveError, match="aborted"):
+        pending[0].check()
     gate.set()
     transport.close()
     real.abort()
-    assert fake.calls > 10
-    assert fake.violations == []
-    assert all(p.is_done() for p in pending)
-    with pytest.raises(CollectiveError, match="aborted"):
-        pending[0].check()
+    assert fake.log == ["send", "recv", "check_async_error", "abort"]
+
+
+def _joining(thread: threading.Thread) -> threading.Event:
+    """An event set when some thread starts to join `thread`."""
+    joining, real_join = threading.Event(), thread.join
+
+    def join(timeout: float | None = None) -> None:
+        joining.set()
+        real_join(timeout)
+
+    thread.join = join  # type: ignore[method-assign]
+    return joining
+
+
+def _close_in_thread(transport: nccl_backend.NcclTransport) -> tuple[threading.Thread, threading.Event]:
+    """Starts `transport.close()` on a thread; returns it and an event set once close() either
+    joins the releasing helper or returned."""
+    progress = _joining(transport._releaser)  # type: ignore[arg-type]
+
+    def close() -> None:
+        try:
+            transport.close()
+        finally:
+            progress.set()
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    return closer, progress
 
 
 def test_abort_returns_at_once_while_another_thread_is_inside_an_nccl_call():
-    """A thread holds the handle's lock (as one blocked in an NCCL call would): abort() sets
-    the state and wakes waiters without waiting for it, handles answer without the lock, the
-    helper aborts NCCL once the lock is free, and close() waits for that helper."""
+    """A thread holds the handle's lock (as one blocked in an NCCL call would) until the test
+    lets it go: abort() sets the state and wakes waiters without waiting for it, handles
+    answer without the lock, the helper aborts NCCL once the lock is free, and close() waits
+    for that helper. (The joins are hang guards: what they wait for needs no lock.)"""
     transport = _solo_transport()
     blocker = sim.Stream()
     gate = threading.Event()
@@ -784,60 +933,68 @@ def test_abort_returns_at_once_while_another_thread_is_inside_an_nccl_call():
     def stuck() -> None:
         with transport._lock:
             inside.set()
-            leave.wait(20)
+            leave.wait()
 
-    holder = threading.Thread(target=stuck)
+    holder = threading.Thread(target=stuck, daemon=True)
     holder.start()
-    assert inside.wait(5)
-    try:
-        started = time.monotonic()
+    assert inside.wait(10)
+    answered: list[str] = []
+
+    def calls() -> None:
         transport.abort()
-        assert time.monotonic() - started < 0.1
         assert pending[0].is_done() and pending[0].wait(1.0)
         with pytest.raises(CollectiveError, match="aborted"):
             pending[0].check()
         with pytest.raises(CollectiveError, match="aborted"):
             transport.allreduce(torch.ones(4), "sum")
-        assert time.monotonic() - started < 0.5
+        answered.append("all")
+
+    try:
+        caller = threading.Thread(target=calls, daemon=True)
+        caller.start()
+        caller.join(30)
+        assert not caller.is_alive() and answered == ["all"]  # all while the lock is held
         assert not transport._comm._gone  # the helper waits for the lock
-        closer = threading.Thread(target=transport.close)
-        closer.start()
-        closer.join(0.3)
-        assert closer.is_alive()  # close waits for the release
+        closer, progress = _close_in_thread(transport)
+        assert progress.wait(10)
+        assert closer.is_alive()  # close joins the helper, which cannot finish yet
     finally:
         leave.set()
     closer.join(10)
     assert not closer.is_alive()
     assert transport._comm._gone and transport._comm._aborted
     gate.set()
-    holder.join(5)
+    holder.join(10)
 
 
 def test_a_blocking_nccl_abort_holds_up_only_close():
-    """ncclCommAbort may wait for kernels: it runs on the helper thread, so abort() and the
-    waiters return at once and only close() waits for it."""
+    """ncclCommAbort may wait for kernels: here it waits until the test lets it go. It runs on
+    the helper thread, so abort() and fail() return meanwhile and only close() waits for it."""
     transport = _solo_transport()
     real = transport._comm
-    release = threading.Event()
+    entered, release = threading.Event(), threading.Event()
 
     class SlowAbort:
         def check_async_error(self) -> None:
             pass
 
         def abort(self) -> None:
-            release.wait(20)
+            entered.set()
+            release.wait()
             real.abort()
 
     transport._comm = SlowAbort()
-    started = time.monotonic()
-    transport.abort()
-    transport.fail()
-    assert time.monotonic() - started < 0.1
-    closer = threading.Thread(target=transport.close)
-    closer.start()
-    closer.join(0.3)
-    assert closer.is_alive()
-    release.set()
+    try:
+        caller = threading.Thread(target=lambda: (transport.abort(), transport.fail()), daemon=True)
+        caller.start()
+        caller.join(30)
+        assert not caller.is_alive()  # returned while ncclCommAbort cannot
+        assert entered.wait(10)  # the helper is inside it
+        closer, progress = _close_in_thread(transport)
+        assert progress.wait(10)
+        assert closer.is_alive() and not real._gone  # close joins the helper
+    finally:
+        release.set()
     closer.join(10)
     assert not closer.is_alive() and real._gone
 
@@ -953,7 +1110,21 @@ def _dying_rank(endpoint: str, secret: bytes, conn) -> None:
     time.sleep(600)  # killed by the test
 
 
-def test_a_peer_killed_with_sigkill_fails_the_survivor_with_a_collective_error():
+def test_a_peer_killed_with_sigkill_fails_the_survivor_with_a_collective_error(monkeypatch):
+    """Rank 1 (a process) is killed once rank 0's second allreduce, which it never joins, was
+    enqueued: rank 0 fails with the remote error, not the timeout error."""
+    enqueued: list[int] = []
+    second_enqueued = threading.Event()
+
+    class Watched(sim.NcclCommunicator):
+        def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+            super().allReduce(sendbuf, recvbuf, count, datatype, op, stream)
+            if count == 10:  # the test's allreduces, not the warm-up's
+                enqueued.append(count)
+                if len(enqueued) == 2:
+                    second_enqueued.set()
+
+    monkeypatch.setattr(sim, "NcclCommunicator", Watched)  # in this process: rank 0's
     server = RendezvousServer()
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -966,12 +1137,13 @@ def test_a_peer_killed_with_sigkill_fails_the_survivor_with_a_collective_error()
         assert torch.equal(comm.allreduce(torch.ones(10), "sum", "native"), torch.full((10,), 2.0))
         assert parent.poll(30) and parent.recv() == "reduced"
         # The second allreduce waits for a rank that is killed meanwhile.
-        threading.Timer(0.3, os.kill, args=(proc.pid, signal.SIGKILL)).start()
-        started = time.monotonic()
+        killer = threading.Thread(
+            target=lambda: second_enqueued.wait(30) and os.kill(proc.pid, signal.SIGKILL), daemon=True)
+        killer.start()
         with pytest.raises(CollectiveError, match="ncclRemoteError") as raised:
             comm.allreduce(torch.ones(10), "sum", "native")
+        assert second_enqueued.is_set()
         assert not isinstance(raised.value, CollectiveTimeoutError)
-        assert time.monotonic() - started < 15
         comm.close()
     finally:
         proc.kill()

@@ -110,15 +110,27 @@ def test_construction_blocks_until_every_rank_arrived():
 
 
 def test_a_stream_runs_its_work_in_order_and_events_order_streams():
+    """a1 is held at a gate the test opens: while it is, neither the work queued behind it on
+    `a` nor the work of `b` (which waits for `a`) has run, and neither stream is idle."""
     order: list[str] = []
     a, b = sim.Stream(), sim.Stream()
-    sim.launch(lambda: (time.sleep(0.2), order.append("a1")), a)
+    running, gate = threading.Event(), threading.Event()
+
+    def a1() -> None:
+        running.set()
+        assert gate.wait(30)
+        order.append("a1")
+
+    sim.launch(a1, a)
     sim.launch(lambda: order.append("a2"), a)
     b.wait_stream(a)
     sim.launch(lambda: order.append("b1"), b)
     done = b.record_event()
-    assert not done.query()
-    assert done.synchronize(5)
+    assert running.wait(10)
+    assert not done.query() and not a.query() and not b.query()
+    assert order == []
+    gate.set()
+    assert done.synchronize(10)
     assert order == ["a1", "a2", "b1"]
     # An event never recorded is complete; one recorded on an idle stream at once.
     assert sim.Event().query()
@@ -185,16 +197,10 @@ def test_abort_while_a_group_runs_stops_it_and_later_calls_fail():
     comms[0].abort()  # a second abort and a destroy after it do nothing
     comms[0].destroy()
     # The peer sees a remote error: CuPy cannot name code 6 and raises KeyError(6).
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            comms[1].check_async_error()
-        except KeyError as e:
-            assert e.args == (6,)
-            break
-        time.sleep(0.01)
-    else:
-        pytest.fail("the peer of an aborted rank saw no remote error")
+    assert sim.wait_error(comms[1], 10), "the peer of an aborted rank saw no remote error"
+    with pytest.raises(KeyError) as raised:
+        comms[1].check_async_error()
+    assert raised.value.args == (6,)
     comms[1].abort()
 
 
@@ -222,16 +228,11 @@ def test_a_receive_of_another_size_than_the_send_is_invalid_usage():
     streams = [sim.Stream(), sim.Stream()]
     comms[0].send(small.data_ptr(), 16, sim.NCCL_UINT8, 1, streams[0].cuda_stream)
     comms[1].recv(big.data_ptr(), 32, sim.NCCL_UINT8, 0, streams[1].cuda_stream)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            comms[1].check_async_error()
-        except sim.NcclError as e:
-            assert e.status == sim.ncclInvalidUsage
-            break
-        time.sleep(0.01)
-    else:
-        pytest.fail("a size mismatch went unnoticed")
+    assert sim.wait_error(comms[1], 10), "a size mismatch went unnoticed"
+    with pytest.raises(sim.NcclError) as raised:
+        comms[1].check_async_error()
+    assert raised.value.status == sim.ncclInvalidUsage
+    assert torch.all(big == 0)  # nothing of the mismatched message was written
     for c in comms:
         c.abort()
 
@@ -245,7 +246,11 @@ def test_destroy_after_clean_use_leaves_the_peer_without_error():
     comms[1].recv(y.data_ptr(), 12, sim.NCCL_UINT8, 0, streams[1].cuda_stream)
     assert sim.wait_idle(comms[0], 5) and sim.wait_idle(comms[1], 5)
     comms[0].destroy()
-    time.sleep(0.2)
+    # Rank 1's reader of rank 0 ends once it has seen the goodbye and the closed connection,
+    # and sets the error then if it takes the departure for one: after it, nothing can.
+    reader = comms[1]._readers[0]
+    reader.join(10)
+    assert not reader.is_alive()
     comms[1].check_async_error()
     assert torch.equal(y, x)
     comms[1].destroy()
@@ -253,25 +258,44 @@ def test_destroy_after_clean_use_leaves_the_peer_without_error():
 
 def test_a_peer_that_finished_and_left_does_not_fail_a_collective_still_waiting_for_another():
     """Rank 0 has every contribution and destroys its communicator while rank 1 still waits
-    for rank 2's (slow to arrive): rank 1's allreduce completes."""
+    for rank 2's (held until the test lets it go): rank 1's allreduce completes."""
     comms = _communicators(3)
-    real = comms[2]._transmit
+    real_transmit = comms[2]._transmit
+    release = threading.Event()
 
-    def slow_to_rank_one(peer, kind, seq, payload):
+    def held_to_rank_one(peer, kind, seq, payload):
         if peer == 1:
-            time.sleep(0.3)
-        real(peer, kind, seq, payload)
+            release.wait()
+        real_transmit(peer, kind, seq, payload)
 
-    comms[2]._transmit = slow_to_rank_one
+    comms[2]._transmit = held_to_rank_one
+    # Set once rank 1, still waiting, has looked for departed peers after rank 0 left.
+    real_check = comms[1]._fail_if_peer_left
+    checked_after_rank_zero_left = threading.Event()
+
+    def check(remaining, others):
+        try:
+            real_check(remaining, others)
+        finally:
+            if 0 in comms[1]._bye:
+                checked_after_rank_zero_left.set()
+
+    comms[1]._fail_if_peer_left = check
     streams = [sim.Stream() for _ in range(3)]
     data = [torch.full((5,), float(r + 1)) for r in range(3)]
-    for r in range(3):
-        comms[r].allReduce(data[r].data_ptr(), data[r].data_ptr(), 5, sim.NCCL_FLOAT32, sim.NCCL_SUM,
-                           streams[r].cuda_stream)
-    events = [s.record_event() for s in streams]
-    assert events[0].synchronize(5)
-    comms[0].destroy()
-    assert events[1].synchronize(5) and events[2].synchronize(5)
+    try:
+        for r in range(3):
+            comms[r].allReduce(data[r].data_ptr(), data[r].data_ptr(), 5, sim.NCCL_FLOAT32,
+                               sim.NCCL_SUM, streams[r].cuda_stream)
+        events = [s.record_event() for s in streams]
+        assert events[0].synchronize(10)
+        comms[0].destroy()
+        assert checked_after_rank_zero_left.wait(10)
+        assert not events[1].query()  # rank 2's contribution is still held
+        comms[1].check_async_error()
+    finally:
+        release.set()
+    assert events[1].synchronize(10) and events[2].synchronize(10)
     comms[1].check_async_error()
     assert all(torch.equal(t, torch.full((5,), 6.0)) for t in data)
     comms[1].destroy()

@@ -1,0 +1,36 @@
+"""Where a run keeps its record (`run_dir_of`): `FitConfig.run_dir`, else a default."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from elastic.api import run_dir_of
+from elastic.config import storage_root
+
+
+def _job(runtime_env) -> dict[str, str]:
+    return {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": runtime_env, "metadata": {}})}
+
+
+def test_a_run_dir_that_is_set_is_used_wherever_the_run_starts():
+    assert run_dir_of("somewhere/r", "r", _job({"working_dir": "gcs://_ray_pkg_abc.zip"})) == (
+        os.path.abspath("somewhere/r"))
+
+
+def test_a_run_keeps_its_record_under_the_current_directory_by_default():
+    assert run_dir_of(None, "r", {}) == os.path.abspath(os.path.join("runs", "r"))
+    # A submitted job without a working directory runs where it was started: as usual.
+    assert run_dir_of(None, "r", _job({"pip": ["x"]})) == os.path.abspath(os.path.join("runs", "r"))
+
+
+def test_a_submitted_job_with_a_working_directory_keeps_it_under_elastic_home():
+    # Its current directory is Ray's temporary copy of the working directory.
+    expected = os.path.join(storage_root(), "run-dirs", "r")
+    assert run_dir_of(None, "r", _job({"working_dir": "gcs://_ray_pkg_abc.zip"})) == expected
+
+
+def test_an_unreadable_job_configuration_is_the_usual_default():
+    for value in ("not json", "[1, 2]", json.dumps({"runtime_env": "x"})):
+        assert run_dir_of(None, "r", {"RAY_JOB_CONFIG_JSON_ENV_VAR": value}) == os.path.abspath(
+            os.path.join("runs", "r"))
