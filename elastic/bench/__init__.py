@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import os
 import pathlib
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -32,16 +34,48 @@ def leave_ddp(out: str, rank: int) -> None:
     dist.destroy_process_group()
 
 
-def run_ddp(worker: Callable[..., None], args: tuple[Any, ...], workers: int, out: str) -> None:
+def run_ddp(worker: Callable[..., None], args: tuple[Any, ...], workers: int, out: str,
+            grace_s: float = 60.0) -> None:
     """Runs `worker(rank, *args)` in `workers` spawned processes, each ending with
     `leave_ddp(out, rank)`. Gloo can still abort a rank (SIGABRT) while the ranks tear their
-    connections down after the barrier (seen twice in CI): once every rank's work is over, the
-    results in `out` stand; a rank that died before that fails the benchmark."""
-    processes = mp.start_processes(worker, args=args, nprocs=workers, join=False,
-                                   start_method="spawn")
+    connections down after the barrier (seen in CI): once every rank's work is over, the
+    results in `out` stand. A rank that ends before its work is over fails the benchmark
+    (`mp.ProcessException`, with the rank's traceback if it raised) and the others are killed.
+
+    Each process is waited on by itself, not with torch's `join`, which terminates the others
+    the moment one exits non-zero (before they could say that their work is over). Once one
+    has ended, the others get `grace_s` to end too."""
+    context = mp.start_processes(worker, args=args, nprocs=workers, join=False, start_method="spawn")
+    running = dict(enumerate(context.processes))
     try:
-        while not processes.join():
-            pass
-    except mp.ProcessExitedException:
-        if not all(os.path.exists(f"{out}.done{rank}") for rank in range(workers)):
-            raise
+        while running:
+            ready = multiprocessing.connection.wait(
+                [p.sentinel for p in running.values()], None if len(running) == workers else grace_s)
+            if not ready:
+                break  # stuck leaving: their work may be over all the same (checked below)
+            for rank, process in list(running.items()):
+                if process.sentinel in ready:
+                    process.join()
+                    del running[rank]
+                    if process.exitcode != 0 and not os.path.exists(f"{out}.done{rank}"):
+                        _failed(context, rank)
+    finally:
+        for process in running.values():
+            process.kill()
+            process.join()
+    for rank in range(workers):
+        if not os.path.exists(f"{out}.done{rank}"):
+            _failed(context, rank)
+
+
+def _failed(context: Any, rank: int) -> None:
+    """Raises what ended DDP baseline rank `rank` before its work was over."""
+    process = context.processes[rank]
+    error_file = context.error_files[rank]
+    if error_file and os.path.exists(error_file) and os.path.getsize(error_file):
+        with open(error_file, "rb") as fh:
+            trace = pickle.load(fh)
+        raise mp.ProcessRaisedException(f"DDP baseline rank {rank} raised:\n{trace}", rank, process.pid)
+    raise mp.ProcessExitedException(
+        f"DDP baseline rank {rank} ended (exit code {process.exitcode}) before its work was over",
+        error_index=rank, error_pid=process.pid, exit_code=process.exitcode or 0)
