@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import secrets
 import shutil
 import signal
 import socket
@@ -48,8 +49,11 @@ def own_head(dashboard: bool = True, num_cpus: int = 4) -> Iterator[dict]:
     # A short path: Ray puts unix sockets under it.
     temp = tempfile.mkdtemp(prefix="eh", dir="/tmp")
     gcs, dashboard_port, agent_http, agent_grpc, metrics, runtime_env, client = free_ports(7)
+    # A token of its own, given to the head and every client through the environment: the head
+    # writes a missing ~/.ray/auth_token only while it starts, so a client started at once (or
+    # on a fresh machine) would find none.
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-           "RAY_AUTH_MODE": "token"}
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}",
