@@ -258,9 +258,10 @@ class BatchConfig(_Frozen):
         description="Cut the global batch into fixed groups of batch.group_size samples, run "
         "every forward on exactly one group and seed its random numbers by (seed, step, group), "
         "so that BatchNorm and dropout give the same math for any shares, micro-batches and "
-        "world size. 'auto': on for models with BatchNorm or dropout layers. 'off': the math of "
-        "such a model follows the split (shares and micro-batches are then not rebalanced or "
-        "autotuned).",
+        "world size. 'auto': on for models with BatchNorm or dropout-like layers (dropout, RReLU, "
+        "attention or recurrent layers with dropout, a float attribute '*dropout*' above 0). "
+        "'off': the math of such a model follows the split (shares and micro-batches are then "
+        "not rebalanced or autotuned).",
     )
     group_size: int | None = Field(
         default=None, ge=1,

@@ -110,6 +110,29 @@ def dropout_job() -> TrainJob:
     return TrainJob(model=dropout_mlp, optimizer=sgd, loss=mse, dataset=regression)
 
 
+class RandomLayers(nn.Module):
+    """Randomness in layers other than `nn.Dropout` (`batch.groups` 'auto' must find it):
+    attention dropout, dropout between the layers of an LSTM, RReLU's random slopes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(1, 8)
+        self.attention = nn.MultiheadAttention(8, 2, dropout=0.3, batch_first=True)
+        self.lstm = nn.LSTM(8, 8, num_layers=2, dropout=0.3, batch_first=True)
+        self.act = nn.RReLU()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, 6): a sequence of 6 values
+        h = self.embed(x.unsqueeze(-1))
+        h, _ = self.attention(h, h, h, need_weights=False)
+        h, _ = self.lstm(h)
+        return self.head(self.act(h[:, -1]))
+
+
+def random_layers_job() -> TrainJob:
+    return TrainJob(model=RandomLayers, optimizer=sgd, loss=mse, dataset=regression)
+
+
 # --- parameters that some steps do not reach, AdamW with weight decay -------------------------
 
 
@@ -217,7 +240,7 @@ def checkpointed_job(checkpointed: bool = True) -> TrainJob:
 
 
 JOBS = {"cnn_batchnorm": cnn_job, "lm_losssum": lm_job, "dropout": dropout_job,
-        "unused_params": unused_job}
+        "random_layers": random_layers_job, "unused_params": unused_job}
 
 
 def _start(job: TrainJob, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, TensorDataset]:

@@ -91,7 +91,7 @@ def decide_grouping(setting: Literal["auto", "on", "off"], group_size: int | Non
         exact: `batch.exact`, which sums whole groups: groups on, whatever the model.
     """
     found = ", ".join(f"{n} {what} layer{'s' if n != 1 else ''}"
-                      for n, what in ((batchnorm, "BatchNorm"), (dropout, "dropout")) if n)
+                      for n, what in ((batchnorm, "BatchNorm"), (dropout, "dropout-like")) if n)
     size = group_size or default_group_size(global_batch_size, num_workers, policy,
                                              max_micro_batch)
     if exact and setting == "off":
@@ -108,4 +108,6 @@ def decide_grouping(setting: Literal["auto", "on", "off"], group_size: int | Non
                                "the split, so shares and micro-batches are not rebalanced or "
                                "autotuned")
     return Grouping(size=1, on=False, pinned=False,
-                    reason="no BatchNorm or dropout layers: any split gives the same math")
+                    reason="no BatchNorm or dropout-like layers found: any split gives the same math, "
+                           "unless the forward or the loss draws random numbers otherwise (then set "
+                           "batch.groups = 'on')")

@@ -167,6 +167,24 @@ def _start_loaders(job: TrainJob, data: DataConfig, data_rng: torch.Tensor,
     return prefetcher
 
 
+
+def random_layer(module: torch.nn.Module) -> bool:
+    """Whether `module` draws random numbers of its own in training: a dropout layer
+    (`nn.Dropout*`, `nn.AlphaDropout`) or `nn.RReLU`; a recurrent layer with dropout between
+    its layers (`nn.LSTM/GRU/RNN`, `num_layers` > 1); and any module that keeps a dropout
+    probability above 0 as a float attribute named like `*dropout*` (`nn.MultiheadAttention`'s
+    `dropout`, the `attention_dropout` of Hugging Face attention, a block that calls
+    `F.dropout(x, self.dropout)`). A module that draws in other ways (`torch.rand` in a
+    forward) is not seen: `batch.groups = 'on'` covers it."""
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    if isinstance(module, torch.nn.RReLU):
+        return True
+    if isinstance(module, torch.nn.RNNBase):
+        return module.dropout > 0 and module.num_layers > 1
+    return any("dropout" in name.lower() and isinstance(value, float) and value > 0
+               for name, value in vars(module).items())
+
 class Replica:
     """Model, optimizer, scheduler and data of one worker.
 
@@ -308,12 +326,12 @@ class Replica:
 
     def traits(self) -> dict[str, int]:
         """What the controller needs to know about the model to cut the batch: its BatchNorm
-        and dropout layers (`batch.groups` 'auto')."""
+        layers and its layers that draw random numbers (`random_layer`; `batch.groups`
+        'auto')."""
         modules = list(self.model.modules())
         return {"batchnorm": sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                                  for m in modules),
-                "dropout": sum(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
-                               for m in modules)}
+                "dropout": sum(map(random_layer, modules))}
 
     @property
     def global_step(self) -> int:

@@ -18,7 +18,7 @@ from elastic.collective import RendezvousServer
 from elastic.config import CollectiveConfig, DataConfig
 from elastic.errors import CollectiveError
 from elastic.trainer.buffers import BufferSync
-from elastic.trainer.replica import Replica, StepRecord
+from elastic.trainer.replica import Replica, StepRecord, random_layer
 from tests import fidelity
 from tests.threads import run_ranks
 
@@ -236,6 +236,34 @@ def test_groups_turn_on_for_batchnorm_or_dropout_and_pin_the_split_when_turned_o
     assert "follows the split" in off.reason
     forced = decide_grouping("on", 12, 24, 4, "fixed", batchnorm=0, dropout=0)
     assert (forced.on, forced.size) == (True, 12)
+
+
+class _KeepsItsDropout(torch.nn.Module):
+    """Calls `F.dropout(x, self.attention_dropout)` itself, as Hugging Face attention does."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.attention_dropout = p
+
+
+@pytest.mark.parametrize(("module", "random"), [
+    (torch.nn.Dropout(0.1), True), (torch.nn.Dropout(0.0), False), (torch.nn.AlphaDropout(0.2), True),
+    (torch.nn.MultiheadAttention(8, 2, dropout=0.3), True), (torch.nn.MultiheadAttention(8, 2), False),
+    (torch.nn.LSTM(4, 4, num_layers=2, dropout=0.3), True), (torch.nn.GRU(4, 4, num_layers=1), False),
+    (torch.nn.RReLU(), True), (_KeepsItsDropout(0.1), True), (_KeepsItsDropout(0.0), False),
+    (torch.nn.Linear(4, 4), False), (torch.nn.BatchNorm1d(4), False),
+], ids=lambda v: type(v).__name__ if isinstance(v, torch.nn.Module) else str(v))
+def test_layers_that_draw_random_numbers_are_found_beyond_nn_dropout(module, random):
+    assert random_layer(module) is random
+
+
+def test_a_model_whose_randomness_is_in_attention_lstm_and_rrelu_gets_groups_under_auto():
+    traits = {"batchnorm": 0, "dropout": sum(map(random_layer, fidelity.RandomLayers().modules()))}
+    assert traits["dropout"] == 3
+    grouping = decide_grouping("auto", None, 24, 4, "fixed", **traits)
+    assert grouping.on and "3 dropout-like layers" in grouping.reason
+    plain = decide_grouping("auto", None, 24, 4, "fixed", batchnorm=0, dropout=0)
+    assert "batch.groups = 'on'" in plain.reason  # what to do if the randomness is elsewhere
 
 
 def test_plans_with_groups_give_whole_groups_to_every_rank():
