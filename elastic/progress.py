@@ -178,21 +178,39 @@ def follow(run_dir: str, setting: str) -> Iterator[None]:
 
 class _Tail:
     """The complete lines appended to a file since the last read (a line still being
-    written waits for the next)."""
+    written waits for the next). A file replaced under it (`RunLog` drops the metrics of
+    steps a resumed run redoes) is read again from its start, less the lines already seen
+    or there before: what it kept of the old file."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.offset = os.path.getsize(path) if os.path.exists(path) else 0  # this run's only
+        self.offset = 0
+        self.inode: int | None = None
+        self.seen: set[int] = set()
+        self._take()  # the lines there before belong to an earlier run: this run's only
 
-    def read(self) -> list[str]:
-        if not os.path.exists(self.path):
+    def _take(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                if inode != self.inode:
+                    self.inode, self.offset = inode, 0
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
             return []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
         complete = data[:data.rfind(b"\n") + 1]
         self.offset += len(complete)
-        return [line for line in complete.decode().splitlines() if line.strip()]
+        lines = []
+        for line in complete.decode().splitlines():
+            key = hash(line)
+            if line.strip() and key not in self.seen:
+                self.seen.add(key)
+                lines.append(line)
+        return lines
+
+    def read(self) -> list[str]:
+        return self._take()
 
 
 class RunProgress:

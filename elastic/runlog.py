@@ -1,5 +1,9 @@
 """A run's records on disk: `events.jsonl`, `metrics.jsonl` and (opt-in) `ledger.jsonl`.
 
+Events are only ever appended (a run's whole history, resumes included). metrics.jsonl and
+ledger.jsonl hold one record per committed step of the run's current history: a step redone
+after a resume or a restore from a checkpoint replaces the records of that step and after it.
+
 `RunLog.emit` is the one writer of events; `elastic.events` defines their records and reads
 them back. Sinks (the run's loggers and callbacks, `elastic.sinks`) get every event and metrics
 line after it is written.
@@ -15,7 +19,7 @@ from collections import deque
 from typing import Any, Protocol
 
 from elastic.events import Event, build, read_jsonl, to_record
-from elastic.private import ensure_private_dir, open_private_append
+from elastic.private import ensure_private_dir, open_private_append, write_private
 
 __all__ = ["RunLog", "Sink", "read_jsonl"]  # read_jsonl lives with the events; kept here for its callers
 
@@ -46,6 +50,7 @@ class RunLog:
         ensure_private_dir(run_dir, "run_dir")
         self._lock = threading.Lock()
         self._files: dict[str, int] = {}
+        self._last_step: dict[str, int] = {}  # the newest step in each file (`_supersede`)
         self.events: list[dict[str, Any]] = []
         self.metrics: list[dict[str, Any]] = []
         self._sinks: list[Sink] = []
@@ -105,8 +110,12 @@ class RunLog:
         return self.emit(build(kind, **fields))
 
     def metric(self, **fields: Any) -> None:
-        """Records one step's metrics."""
+        """Records one step's metrics (a redone step supersedes the records from it on: `_supersede`)."""
         with self._lock:
+            if "step" in fields:
+                self._supersede("metrics.jsonl", fields["step"])
+                if self.metrics and self.metrics[-1].get("step", -1) >= fields["step"]:
+                    self.metrics = [m for m in self.metrics if m.get("step", -1) < fields["step"]]
             self.metrics.append(fields)
             self._append("metrics.jsonl", fields)
             if self._sinks:
@@ -163,7 +172,28 @@ class RunLog:
     def ledger(self, step: int, epoch: int, indices: list[int]) -> None:
         """Records which data set indices a committed step consumed."""
         with self._lock:
+            self._supersede("ledger.jsonl", step)
             self._append("ledger.jsonl", {"step": step, "epoch": epoch, "indices": indices})
+
+    def _supersede(self, name: str, step: int) -> None:
+        """Before step `step`'s record goes into `name` (metrics.jsonl, ledger.jsonl): if the
+        file holds records of that step or later (a run resumed from the checkpoint of an
+        earlier step, by a new `fit` or a restarted controller, or restored from one while it
+        runs, redoes those steps), they are dropped, so that every step is in the file once,
+        as the run that holds the weights took it (as the loggers do). The file is replaced
+        atomically; the newest step written is kept, so the file is read only once a run."""
+        last = self._last_step.get(name)
+        if last is None:
+            records = read_jsonl(os.path.join(self.run_dir, name))
+            last = max((r.get("step", -1) for r in records), default=-1)
+        if step <= last:
+            path = os.path.join(self.run_dir, name)
+            kept = [r for r in read_jsonl(path) if r.get("step", -1) < step]
+            fd = self._files.pop(name, None)
+            if fd is not None:
+                os.close(fd)
+            write_private(path, b"".join((json.dumps(r) + "\n").encode() for r in kept), fsync=False)
+        self._last_step[name] = step
 
 
 def _hand(sinks: list[Sink], hook: str, record: dict[str, Any]) -> None:

@@ -1,0 +1,81 @@
+"""metrics.jsonl and ledger.jsonl hold each committed step once, as the run that holds the
+weights took it: a run resumed from the checkpoint of step c (a new RunLog on the same run
+dir) or restored from one while it runs redoes steps c, c+1, ... and their records replace
+the old ones; events.jsonl keeps the whole history. A progress display that follows the
+metrics across such a replacement shows only the new records."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+from elastic.events import Planned, read_jsonl
+from elastic.progress import _Tail
+from elastic.runlog import RunLog
+
+
+def _steps(run_dir, name: str) -> list[int]:
+    return [r["step"] for r in read_jsonl(os.path.join(run_dir, name))]
+
+
+def _commit(log: RunLog, step: int, loss: float | None = None) -> None:
+    log.metric(step=step, epoch=0, loss=float(step) if loss is None else loss)
+    log.ledger(step, 0, [2 * step, 2 * step + 1])
+
+
+def test_a_resumed_run_replaces_the_records_of_the_steps_it_redoes(tmp_path):
+    first = RunLog(str(tmp_path))
+    for step in range(10):  # committed 0-9; the checkpoint was at 8 when the driver died
+        _commit(first, step)
+    first.emit(Planned(dataset_size=24, steps_per_epoch=12, total_steps=12))
+    first.close()
+
+    resumed = RunLog(str(tmp_path))
+    resumed.emit(Planned(dataset_size=24, steps_per_epoch=12, total_steps=12))
+    for step in range(8, 12):
+        _commit(resumed, step)
+    assert _steps(tmp_path, "metrics.jsonl") == list(range(12))
+    assert _steps(tmp_path, "ledger.jsonl") == list(range(12))
+    indices = [i for r in read_jsonl(str(tmp_path / "ledger.jsonl")) for i in r["indices"]]
+    assert sorted(indices) == list(range(24))  # every sample once
+    assert [m["loss"] for m in resumed.metrics] == [8.0, 9.0, 10.0, 11.0]
+    for name in ("metrics.jsonl", "ledger.jsonl"):  # still private
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o600
+    assert sum(r["event"] == "planned" for r in read_jsonl(str(tmp_path / "events.jsonl"))) == 2
+
+
+def test_a_restore_during_a_run_replaces_the_steps_redone_in_memory_too(tmp_path):
+    log = RunLog(str(tmp_path))
+    for step in range(6):
+        _commit(log, step)
+    for step in range(3, 5):  # restored from the checkpoint of step 3
+        _commit(log, step)
+    assert _steps(tmp_path, "metrics.jsonl") == [0, 1, 2, 3, 4]
+    assert _steps(tmp_path, "ledger.jsonl") == [0, 1, 2, 3, 4]
+    assert [m["step"] for m in log.metrics] == [0, 1, 2, 3, 4]
+
+
+def test_a_run_that_only_appends_never_rewrites_its_files(tmp_path):
+    log = RunLog(str(tmp_path))
+    _commit(log, 0)
+    inode = os.stat(tmp_path / "metrics.jsonl").st_ino
+    for step in range(1, 5):
+        _commit(log, step)
+    assert os.stat(tmp_path / "metrics.jsonl").st_ino == inode
+
+
+def test_a_follower_of_the_metrics_sees_only_this_runs_records_across_a_replacement(tmp_path):
+    earlier = RunLog(str(tmp_path))
+    for step in range(10):
+        _commit(earlier, step)
+    earlier.close()
+    tail = _Tail(str(tmp_path / "metrics.jsonl"))  # started with the resumed run: skips 0-9
+    resumed = RunLog(str(tmp_path))
+    _commit(resumed, 8, loss=-8.0)  # the redone step's own record
+    _commit(resumed, 9, loss=-9.0)
+    assert [json.loads(line)["loss"] for line in tail.read()] == [-8.0, -9.0]
+    _commit(resumed, 10)
+    assert len(tail.read()) == 1 and tail.read() == []
+
+
