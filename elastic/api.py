@@ -11,7 +11,7 @@ from elastic import control
 from elastic.config import FitConfig, storage_root
 from elastic.errors import RunNotFoundError
 from elastic.job import TrainJob
-from elastic.registry import LOST, RunRegistry, is_terminal, this_host
+from elastic.registry import LOST, RunRegistry, is_terminal, mark_lost, this_host
 from elastic.runlog import read_jsonl
 
 if TYPE_CHECKING:
@@ -53,10 +53,13 @@ def fit(job: TrainJob, config: FitConfig) -> FitResult:
     Ctrl-C stops the run as `stop` does (after the step in flight; recorded as stopped, its
     weights left in the run dir's `final_model.pt`), then raises KeyboardInterrupt rather than
     returning: the caller asked to be interrupted. A second Ctrl-C abandons the run at once
-    (recorded as failed with a KeyboardInterrupt).
+    (recorded as failed with a KeyboardInterrupt). When `fit` runs on the main thread, SIGTERM
+    (a container's stop, a scheduler's preemption, `ray job stop`) does the same and then
+    raises SystemExit(143).
 
     Raises:
         KeyboardInterrupt: Ctrl-C, once the run has stopped (or been abandoned).
+        SystemExit: SIGTERM (status 143), once the run has stopped (or been abandoned).
         UserCodeError: user code kept raising past `failure.max_user_retries`, or a callback
             raised (`CallbackError`).
         InsufficientWorkersError: fewer than `scaling.min_workers` workers for too long.
@@ -207,7 +210,7 @@ def _control(name: str, method: str, *args: Any) -> Any:
     except RunNotFoundError:
         # Ray does not know it either: a local record was left by a controller that died
         # before recording an end; otherwise the cluster may still hold an ended run's record.
-        ended = {**record, "state": LOST} if record is not None else client.cached_record(name)
+        ended = mark_lost(record) if record is not None else client.cached_record(name)
         if ended is None:
             raise
         return _from_record(ended, method)
@@ -225,7 +228,7 @@ def _refresh(record: dict[str, Any]) -> dict[str, Any]:
         return control.call(record["control"], "status")
     except control.ControlUnavailable:
         again = RunRegistry().read(record["name"]) or record
-        return again if is_terminal(again) else {**again, "state": LOST}
+        return again if is_terminal(again) else mark_lost(again)
 
 
 def _from_record(record: dict[str, Any], method: str) -> Any:

@@ -27,6 +27,35 @@ LOST = "lost"
 process was killed, or the cluster stopped, before it could write its end)."""
 
 
+def mark_lost(record: dict[str, Any]) -> dict[str, Any]:
+    """A record that says a run is live whose controller no longer answers, as `status` shows
+    it: `lost`, with no workers (they died with the controller that owned them), and the
+    steps it committed, which metrics.jsonl in its run dir holds to the last one (the record
+    itself was last published at a chunk boundary, or earlier)."""
+    steps = record.get("step", 0)
+    last = _last_step(os.path.join(record.get("run_dir") or "", "metrics.jsonl"))
+    return {**record, "state": LOST, "workers": [], "joining_workers": 0, "starting_workers": 0,
+            "step": max(steps, last + 1)}
+
+
+def _last_step(path: str, tail_bytes: int = 1 << 16) -> int:
+    """The step of the last complete record of a metrics.jsonl (-1: none readable)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - tail_bytes))
+            lines = f.read().split(b"\n")[:-1]  # the last piece: a line still being written
+    except OSError:
+        return -1
+    for line in reversed(lines):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            return step
+    return -1
+
+
 def this_host() -> str:
     return socket.gethostname()
 

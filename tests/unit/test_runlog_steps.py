@@ -79,3 +79,18 @@ def test_a_follower_of_the_metrics_sees_only_this_runs_records_across_a_replacem
     assert len(tail.read()) == 1 and tail.read() == []
 
 
+
+
+def test_a_lost_run_shows_the_steps_it_committed_and_no_workers(tmp_path):
+    from elastic.registry import LOST, mark_lost
+
+    log = RunLog(str(tmp_path))
+    for step in range(10):  # committed 0-9; the record was last published at step 8
+        _commit(log, step)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 10, "epo')  # a line still being written when the process died
+    record = {"name": "r", "state": "running", "step": 8, "run_dir": str(tmp_path),
+              "workers": [{"rank": 0, "worker_id": "w", "pid": 1, "node_id": "n"}], "joining_workers": 1}
+    lost = mark_lost(record)
+    assert (lost["state"], lost["step"], lost["workers"], lost["joining_workers"]) == (LOST, 10, [], 0)
+    assert mark_lost({**record, "run_dir": str(tmp_path / "gone")})["step"] == 8
