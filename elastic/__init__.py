@@ -1,7 +1,7 @@
 """elastic: elastic, fault-tolerant data-parallel training for PyTorch on Ray."""
 
 from elastic.adapt.groups import forward_seed
-from elastic.api import events, fit, kill, load_checkpoint, runs, scale, start, status, stop
+from elastic.api import connect, events, fit, kill, load_checkpoint, runs, scale, start, status, stop
 from elastic.callbacks import Callback
 from elastic.config import (
     BatchConfig,
@@ -52,6 +52,7 @@ __all__ = [
     "TrainJob",
     "TrainingConfig",
     "UserCodeError",
+    "connect",
     "events",
     "fit",
     "forward_seed",

@@ -5,6 +5,8 @@
 
 While it runs, from any machine connected to the cluster:
     elastic status spirals; elastic scale spirals 3; elastic kill spirals --rank 1
+`elastic stop spirals` ends it after the step in flight; so does `ray job stop` (its SIGTERM),
+which leaves the weights in the run dir's final_model.pt.
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ def wait_until(predicate, limit: float):
 
 
 @contextlib.contextmanager
-def own_head(dashboard: bool = True, num_cpus: int = 4) -> Iterator[dict]:
+def own_head(dashboard: bool = True, num_cpus: int = 4, extra_env: dict[str, str] | None = None
+             ) -> Iterator[dict]:
     # A short path: Ray puts unix sockets under it.
     temp = tempfile.mkdtemp(prefix="eh", dir="/tmp")
     gcs, dashboard_port, agent_http, agent_grpc, metrics, runtime_env, client = free_ports(7)
@@ -53,7 +54,7 @@ def own_head(dashboard: bool = True, num_cpus: int = 4) -> Iterator[dict]:
     # writes a missing ~/.ray/auth_token only while it starts, so a client started at once (or
     # on a fresh machine) would find none.
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), **(extra_env or {})}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}",

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -154,12 +157,13 @@ def _check_run_dir(run_dir: str) -> None:
 
 
 def run_controller(job: TrainJob, config: FitConfig, name: str, run_dir: str) -> Outcome:
-    """Starts the controller actor of a run and waits for its outcome (`_wait`: Ctrl-C stops
-    the run gracefully, a second one abandons it).
+    """Starts the controller actor of a run and waits for its outcome (`_wait`: Ctrl-C or
+    SIGTERM stops the run gracefully, a second one abandons it).
 
     Raises:
         ConfigError: the name is taken.
         KeyboardInterrupt: Ctrl-C, once the run has stopped (or been abandoned).
+        SystemExit: SIGTERM (exit status 143), once the run has stopped (or been abandoned).
     """
     _check_run_dir(run_dir)  # before any actor: a refusal leaves nothing behind
     ensure_ray(config)
@@ -172,48 +176,106 @@ def run_controller(job: TrainJob, config: FitConfig, name: str, run_dir: str) ->
 
 
 ABANDON_TIMEOUT_S = 10.0
-"""How long a second Ctrl-C waits for the controller to record the run's end before killing it."""
+"""How long a second interruption waits for the controller to record the run's end before
+killing it."""
+
+SIGTERM_EXIT_STATUS = 128 + signal.SIGTERM
+"""The exit status of a process that SIGTERM stopped (`SystemExit` from `fit`), as a shell
+reports a process the signal killed."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[list[int]]:
+    """While in it, SIGTERM (`ray job stop`, a scheduler's preemption, a container's stop)
+    interrupts the main thread as SIGINT does, with a KeyboardInterrupt, instead of ending the
+    process at once (or exiting through Ray's own handler); the handler before is restored
+    after. It yields the SIGTERMs received, for the caller to tell the two apart: Ray turns
+    an interruption of its waits into a KeyboardInterrupt of its own (and would swallow any
+    other exception raised there). Elsewhere than the main thread nothing changes: signal
+    handlers are set and run there only."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def terminated(signum: int, frame: Any) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interruption(received: list[int]) -> str:
+    """What the KeyboardInterrupt just caught was: 'SIGTERM' (`received` one) or 'Ctrl-C'."""
+    if received:
+        received.clear()
+        return "SIGTERM"
+    return "Ctrl-C"
 
 
 def _wait(controller: Any, name: str, run_dir: str) -> Outcome:
-    """The outcome of the attached run `name`. A Ctrl-C (KeyboardInterrupt) stops the run as
-    `elastic.stop` does: it ends after the step in flight, writes its final state, leaves
-    `final_model.pt` in `run_dir` and is recorded as stopped; then KeyboardInterrupt is raised
-    here. A second Ctrl-C meanwhile abandons it: its controller records it as failed with a
-    KeyboardInterrupt ("interrupted", never "lost") and is killed with its workers.
+    """The outcome of the attached run `name`. A Ctrl-C (KeyboardInterrupt) or a SIGTERM stops
+    the run as `elastic.stop` does: it ends after the step in flight, writes its final state,
+    leaves `final_model.pt` in `run_dir` and is recorded as stopped; then KeyboardInterrupt
+    (Ctrl-C) or SystemExit with status 143 (SIGTERM) is raised here. A second Ctrl-C or SIGTERM
+    meanwhile abandons it: its controller records it as failed (KeyboardInterrupt, or
+    SystemExit for SIGTERM; "interrupted", never "lost") and is killed with its workers.
 
     Raises:
         KeyboardInterrupt: after a Ctrl-C, once the run has stopped or been abandoned; its
             message says how the run ended.
+        SystemExit: after a SIGTERM, likewise (status 143; how the run ended is printed).
     """
     pending = controller.run.remote()
-    try:
-        return ray.get(pending)
-    except KeyboardInterrupt:
-        pass
-    try:
-        _say(f"interrupted: stopping run {name} after the current step (Ctrl-C again to abandon it)")
-        in_time = ray.get(controller.interrupt.remote())
-        outcome = ray.get(pending)
-    except KeyboardInterrupt:
-        reason = "interrupted: abandoned by a second Ctrl-C before it could stop"
-        _say(f"abandoning run {name}")
+    with _sigterm_interrupts() as received:
         try:
-            ray.get(controller.abandon.remote(reason), timeout=ABANDON_TIMEOUT_S)
-        except ray.exceptions.RayError as e:  # it could not record its end: it reads as lost
-            logger.warning("run %s: could not record its end before it was killed: %s", name, e)
-        raise KeyboardInterrupt(f"run {name} was abandoned by a second Ctrl-C before it could stop "
-                                "(recorded as failed: KeyboardInterrupt)") from None
+            return ray.get(pending)
+        except KeyboardInterrupt:
+            by = _interruption(received)
+        try:
+            _say(f"interrupted ({by}): stopping run {name} after the current step "
+                 f"({by} again to abandon it)")
+            in_time = ray.get(controller.interrupt.remote())
+            outcome = ray.get(pending)
+        except KeyboardInterrupt:
+            again = _interruption(received)
+            _abandon(controller, name, f"interrupted: abandoned by a second {again} before it could stop",
+                     as_exit=by == "SIGTERM")
+            line = (f"run {name} was abandoned by a second {again} before it could stop (recorded as "
+                    f"failed: {'SystemExit' if by == 'SIGTERM' else 'KeyboardInterrupt'})")
+            _raise_interrupted(by, line, None)
     path = os.path.join(run_dir, FINAL_MODEL)
     if not in_time and outcome.model_state is not None:  # it had ended: keep its weights too
         write_private(path, serialize(outcome.model_state))
     how = "failed" if outcome.error is not None else "stopped" if outcome.stopped else "finished"
-    line = f"run {name} {how} at step {outcome.steps} (interrupted)"
+    line = f"run {name} {how} at step {outcome.steps} (interrupted by {by})"
     if outcome.error is not None:
         line += f": {type(outcome.error).__name__}: {outcome.error}"
     else:
         line += f"; its final model is in {path}"
-    raise KeyboardInterrupt(line) from outcome.error
+    _raise_interrupted(by, line, outcome.error)
+
+
+def _abandon(controller: Any, name: str, reason: str, as_exit: bool) -> None:
+    """Has the controller record run `name` as failed with `reason` before it is killed."""
+    _say(f"abandoning run {name}")
+    try:
+        ray.get(controller.abandon.remote(reason, as_exit), timeout=ABANDON_TIMEOUT_S)
+    except ray.exceptions.RayError as e:  # it could not record its end: it reads as lost
+        logger.warning("run %s: could not record its end before it was killed: %s", name, e)
+
+
+def _raise_interrupted(by: str, line: str, cause: BaseException | None) -> None:
+    """KeyboardInterrupt(line) after a Ctrl-C; after a SIGTERM, `line` on stderr and
+    SystemExit(143), the status of a process the signal ended."""
+    if by == "SIGTERM":
+        _say(line)
+        raise SystemExit(SIGTERM_EXIT_STATUS) from cause
+    raise KeyboardInterrupt(line) from cause
 
 
 def _say(line: str) -> None:

@@ -239,10 +239,11 @@ class Controller:
         self.workers.yield_chunks()  # the workers end their chunk after the step they are in
 
     def interrupt(self) -> bool:
-        """A Ctrl-C in the process that waits for this (attached) run: stops it as `stop`
-        does, and has it leave `final_model.pt` in the run dir as a detached run does, since
-        that caller gets a KeyboardInterrupt instead of the weights. False when it comes too
-        late: the run has already decided how it ends (the caller keeps the weights itself)."""
+        """A Ctrl-C or SIGTERM in the process that waits for this (attached) run: stops it as
+        `stop` does, and has it leave `final_model.pt` in the run dir as a detached run does,
+        since that caller gets a KeyboardInterrupt (SystemExit) instead of the weights. False
+        when it comes too late: the run has already decided how it ends (the caller keeps the
+        weights itself)."""
         with self._lock:
             if self._model_decided:
                 return False
@@ -250,17 +251,18 @@ class Controller:
         self.stop()
         return True
 
-    def abandon(self, reason: str) -> None:
-        """A second Ctrl-C: the caller kills this actor (and so the workers) without waiting
-        for the step in flight. The record is ended first, as failed with a KeyboardInterrupt
-        whose message is `reason`, so that the run reads as interrupted, not as lost."""
+    def abandon(self, reason: str, as_exit: bool = False) -> None:
+        """A second Ctrl-C (or SIGTERM, `as_exit`): the caller kills this actor (and so the
+        workers) without waiting for the step in flight. The record is ended first, as failed
+        with a KeyboardInterrupt (SystemExit for SIGTERM) whose message is `reason`, so that
+        the run reads as interrupted, not as lost."""
         with self._lock:
             if self._ended:
                 return
             self._abandoned = True
-            self.error = KeyboardInterrupt(reason)
+            self.error = SystemExit(reason) if as_exit else KeyboardInterrupt(reason)
             self.ended_at = time.time()
-        self.log.emit(RunFailed(error=f"KeyboardInterrupt: {reason}", step=self.ctx.step))
+        self.log.emit(RunFailed(error=f"{type(self.error).__name__}: {reason}", step=self.ctx.step))
         self._publish()
 
     # --- the run -------------------------------------------------------------------------------

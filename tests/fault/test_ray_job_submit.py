@@ -1,6 +1,7 @@
 """End to end: a head of our own (`ray start --head`, free ports, temporary directory, token
 authentication on), a job submitted with `ray job submit`, scaled and killed through the CLI
-from other processes, stopped, and SUCCEEDED. Only the processes started here are stopped."""
+from other processes, stopped, and SUCCEEDED; another stopped with `ray job stop` (SIGTERM), which
+stops its run as `elastic stop` does. Only the processes started here are stopped."""
 
 from __future__ import annotations
 
@@ -22,29 +23,36 @@ BIN = pathlib.Path(sys.executable).parent
 
 @pytest.fixture
 def head():
-    with own_head() as info:
+    # `ray job stop` waits this long after its SIGTERM before a SIGKILL (3 s by default): the
+    # README's advice for steps that may take longer, here for a loaded test machine.
+    with own_head(extra_env={"RAY_JOB_STOP_WAIT_TIME_S": "120"}) as info:
         yield info
+
+
+def _submit(head: dict, name: str, env: dict) -> str:
+    """Submits examples/submit_job.py as run `name` (2 to 3 workers, endless); its job id."""
+    submitted = _run([str(BIN / "ray"), "job", "submit", "--address", head["dashboard"], "--no-wait",
+                      "--working-dir", "examples", "--", "python", "submit_job.py", "--name", name,
+                      "--workers", "2", "--max-workers", "3", "--epochs", "100000"], env)
+    assert submitted.returncode == 0, submitted.stderr[-2000:]
+    return re.search(r"raysubmit_[A-Za-z0-9]+", submitted.stdout + submitted.stderr).group(0)
 
 
 def _run(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.timeout(600)
-def test_a_submitted_job_is_scaled_killed_stopped_and_succeeds(head):
+@pytest.mark.timeout(900)
+def test_a_submitted_job_is_scaled_killed_stopped_and_succeeds_and_ray_job_stop_stops_a_run(head):
     env = head["env"]
     ray_cmd = str(BIN / "ray")
     elastic_env = {**env, "RAY_ADDRESS": head["gcs"]}
     wait_until(lambda: _run([ray_cmd, "job", "list", "--address", head["dashboard"]], env,
                              timeout=60).returncode == 0, limit=120)
-    submitted = _run([ray_cmd, "job", "submit", "--address", head["dashboard"], "--no-wait",
-                      "--working-dir", "examples", "--", "python", "submit_job.py", "--name", "sj",
-                      "--workers", "2", "--max-workers", "3", "--epochs", "100000"], env)
-    assert submitted.returncode == 0, submitted.stderr[-2000:]
-    job_id = re.search(r"raysubmit_[A-Za-z0-9]+", submitted.stdout + submitted.stderr).group(0)
+    job_id = _submit(head, "sj", env)
 
-    def status() -> dict | None:
-        result = _run([str(BIN / "elastic"), "status", "sj", "--json"], elastic_env)
+    def status(name: str = "sj") -> dict | None:
+        result = _run([str(BIN / "elastic"), "status", name, "--json"], elastic_env)
         return json.loads(result.stdout) if result.returncode == 0 else None
 
     wait_until(lambda: (s := status()) and s["state"] == "running", limit=180)
@@ -61,13 +69,27 @@ def test_a_submitted_job_is_scaled_killed_stopped_and_succeeds(head):
     assert "on purpose" in logs.stdout and "resized" in logs.stdout
     assert _run([str(BIN / "elastic"), "stop", "sj"], elastic_env).returncode == 0
 
-    def finished() -> str | None:
-        result = _run([ray_cmd, "job", "status", "--address", head["dashboard"], job_id], env)
-        # `ray job status` ends with "Job '<id>' succeeded" (or failed, stopped).
-        found = re.search(r"Job '[^']+' (succeeded|failed|stopped)", result.stdout + result.stderr)
+    def finished(job: str) -> str | None:
+        result = _run([ray_cmd, "job", "status", "--address", head["dashboard"], job], env)
+        # `ray job status` ends with "Job '<id>' succeeded" (or "failed", "was stopped").
+        found = re.search(r"Job '[^']+' (?:was )?(succeeded|failed|stopped)", result.stdout + result.stderr)
         return found.group(1) if found else None
 
-    assert wait_until(finished, limit=180) == "succeeded"
+    assert wait_until(lambda: finished(job_id), limit=180) == "succeeded"
     output = _run([ray_cmd, "job", "logs", "--address", head["dashboard"], job_id], env).stdout
     assert "stopped after" in output  # `elastic stop` ended it
     assert (run_dir / "events.jsonl").is_file() and (run_dir / "metrics.jsonl").is_file()
+
+    # `ray job stop` (SIGTERM to the driver): the run stops after the step in flight, as
+    # `elastic stop` does, and leaves its weights in the run dir.
+    stopped_id = _submit(head, "sj-stop", env)
+    wait_until(lambda: (s := status("sj-stop")) and s["state"] == "running" and s["step"] > 0, limit=180)
+    assert _run([ray_cmd, "job", "stop", "--address", head["dashboard"], stopped_id], env,
+                timeout=180).returncode == 0
+    assert wait_until(lambda: finished(stopped_id), limit=180) == "stopped"
+    record = status("sj-stop")
+    assert record["state"] == "stopped" and record["workers"] == []
+    stop_dir = pathlib.Path(record["run_dir"])
+    assert (stop_dir / "final_model.pt").is_file()
+    output = _run([ray_cmd, "job", "logs", "--address", head["dashboard"], stopped_id], env).stdout
+    assert re.search(r"run sj-stop stopped at step \d+ \(interrupted by SIGTERM\)", output), output[-2000:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -51,16 +52,18 @@ def _config(tmp_path, name: str) -> FitConfig:
                      max_steps=10_000_000, name=name, run_dir=str(tmp_path / name))
 
 
-def _ctrl_c_from_a_thread(name: str, script: Callable[[Callable[[], None]], None]) -> list[BaseException]:
+def _ctrl_c_from_a_thread(name: str, script: Callable[[Callable[[], None]], None],
+                          signum: int = signal.SIGINT) -> list[BaseException]:
     """Runs `script(ctrl_c)` on a thread beside the main thread's `fit`; `ctrl_c()` sends this
-    process a SIGINT. Should `script` fail, the run is stopped so that `fit` returns (and the
-    test fails on the error returned)."""
+    process `signum` (SIGINT, as Ctrl-C does; SIGTERM, as `ray job stop` does). Should
+    `script` fail, the run is stopped so that `fit` returns (and the test fails on the error
+    returned)."""
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            script(lambda: os.kill(os.getpid(), signal.SIGINT))
+            script(lambda: os.kill(os.getpid(), signum))
         except BaseException as e:
             errors.append(e)
             elastic.stop(name)
@@ -69,19 +72,29 @@ def _ctrl_c_from_a_thread(name: str, script: Callable[[Callable[[], None]], None
     return errors
 
 
-def test_ctrl_c_on_fit_stops_the_run_as_stop_does_then_raises_keyboard_interrupt(ray_cluster, tmp_path):
-    name = "ctrl-c-fit"
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_on_fit_stops_the_run_as_stop_does_then_raises(ray_cluster, tmp_path, capfd,
+                                                                         signum):
+    name = f"interrupt-fit-{signal.Signals(signum).name.lower()}"
     run_dir = tmp_path / name
 
     def script(ctrl_c):
         wait_until(_at_step(name, 10), LIMIT_S)
         ctrl_c()
 
-    errors = _ctrl_c_from_a_thread(name, script)
-    with pytest.raises(KeyboardInterrupt, match=rf"run {name} stopped at step \d+ \(interrupted\)"):
+    before = signal.getsignal(signal.SIGTERM)
+    errors = _ctrl_c_from_a_thread(name, script, signum)
+    stopped = rf"run {name} stopped at step \d+ \(interrupted by (Ctrl-C|SIGTERM)\)"
+    expected = pytest.raises(KeyboardInterrupt, match=stopped) if signum == signal.SIGINT else \
+        pytest.raises(SystemExit)
+    with expected as raised:
         elastic.fit(TrainJob(model=make_model, optimizer=make_optimizer, loss=mse, dataset=make_dataset),
                     _config(tmp_path, name))
     assert not errors, errors
+    if signum == signal.SIGTERM:  # the status of a process SIGTERM ended; the line on stderr
+        assert raised.value.code == 143
+        assert re.search(stopped, capfd.readouterr().err)
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler of the wait is gone
 
     status = elastic.status(name)
     assert status["state"] == "stopped"
@@ -152,8 +165,9 @@ def test_a_second_ctrl_c_abandons_the_run_and_records_it_as_interrupted(ray_clus
     wait_until(lambda: name not in client.live_run_names(), LIMIT_S)  # killed, with its workers
 
 
-def test_ctrl_c_on_elastic_run_stops_the_run_and_exits_130(ray_cluster, tmp_path):
-    name = "ctrl-c-cli"
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_on_elastic_run_stops_the_run_and_exits_130_or_143(ray_cluster, tmp_path, signum):
+    name = f"interrupt-cli-{signal.Signals(signum).name.lower()}"
     run_dir = tmp_path / name
     env = {**os.environ, "PYTHONPATH": str(ROOT),
            "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
@@ -166,16 +180,21 @@ def test_ctrl_c_on_elastic_run_stops_the_run_and_exits_130(ray_cluster, tmp_path
             cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_until(_at_step(name, 10), LIMIT_S)
-        os.killpg(proc.pid, signal.SIGINT)
+        if signum == signal.SIGINT:
+            os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C
+        else:
+            os.kill(proc.pid, signal.SIGTERM)  # `ray job stop`, a scheduler, a container's stop
         code = proc.wait(timeout=LIMIT_S)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     output = out.read_text()
-    assert code == 130, output[-3000:]
-    assert f"interrupted: stopping run {name} after the current step (Ctrl-C again to abandon it)" in output
-    assert f"run {name} stopped at step" in output
+    by = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    assert code == 128 + signum, output[-3000:]
+    assert (f"interrupted ({by}): stopping run {name} after the current step ({by} again to abandon it)"
+            in output)
+    assert re.search(rf"run {name} stopped at step \d+ \(interrupted by {by}\)", output), output[-3000:]
 
     status = elastic.status(name)
     assert status["state"] == "stopped" and status["workers"] == []
