@@ -267,14 +267,18 @@ def run(options: dict[str, Any]) -> None:
         if e.args:
             console.print(str(e), markup=False, highlight=False)
         raise  # typer exits with code 130
+    except SystemExit:  # SIGTERM: `fit` stopped the run and said so; exit code 143
+        _ignore_ctrl_c()
+        raise
     _print_summary(result)
 
 
 def _ignore_ctrl_c() -> None:
-    """The run has ended and this process exits: one more Ctrl-C would only break off Ray's
-    shutdown at exit (a traceback, and a local cluster's processes left behind)."""
+    """The run has ended and this process exits: one more Ctrl-C or SIGTERM would only break
+    off Ray's shutdown at exit (a traceback, and a local cluster's processes left behind)."""
     if threading.current_thread() is threading.main_thread():  # signal handlers are set there
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _print_summary(result: elastic.FitResult) -> None:

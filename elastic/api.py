@@ -54,8 +54,8 @@ def fit(job: TrainJob, config: FitConfig) -> FitResult:
     weights left in the run dir's `final_model.pt`), then raises KeyboardInterrupt rather than
     returning: the caller asked to be interrupted. A second Ctrl-C abandons the run at once
     (recorded as failed with a KeyboardInterrupt). When `fit` runs on the main thread, SIGTERM
-    (a container's stop, a scheduler's preemption, `ray job stop`) does the same and then
-    raises SystemExit(143).
+    (`ray job stop`, a container's stop) does the same and then raises SystemExit(143); a
+    SIGTERM handler of the caller's is set aside meanwhile and put back after.
 
     Raises:
         KeyboardInterrupt: Ctrl-C, once the run has stopped (or been abandoned).

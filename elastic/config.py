@@ -259,7 +259,7 @@ class BatchConfig(_Frozen):
         "every forward on exactly one group and seed its random numbers by (seed, step, group), "
         "so that BatchNorm and dropout give the same math for any shares, micro-batches and "
         "world size. 'auto': on for models with BatchNorm or dropout-like layers (dropout, RReLU, "
-        "attention or recurrent layers with dropout, a float attribute '*dropout*' above 0). "
+        "attention or recurrent layers with dropout, stochastic depth, a float '*drop*' above 0). "
         "'off': the math of such a model follows the split (shares and micro-batches are then "
         "not rebalanced or autotuned).",
     )

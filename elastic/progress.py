@@ -178,39 +178,56 @@ def follow(run_dir: str, setting: str) -> Iterator[None]:
 
 class _Tail:
     """The complete lines appended to a file since the last read (a line still being
-    written waits for the next). A file replaced under it (`RunLog` drops the metrics of
-    steps a resumed run redoes) is read again from its start, less the lines already seen
-    or there before: what it kept of the old file."""
+    written waits for the next). The file stays open between reads, so that its inode
+    cannot be reused; when the path names another file (`RunLog` replaced metrics.jsonl to
+    drop the records of steps a resumed run redoes), the new one is read from its start,
+    less the lines the old one held up to where this had read: what was kept of them."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.offset = 0
-        self.inode: int | None = None
-        self.seen: set[int] = set()
-        self._take()  # the lines there before belong to an earlier run: this run's only
+        self.file: Any = None
+        self._open()
+        if self.file is not None:  # the lines there before belong to an earlier run: this run's only
+            self._complete(self.file.read())
 
-    def _take(self) -> list[str]:
+    def _open(self) -> bool:
         try:
-            with open(self.path, "rb") as f:
-                inode = os.fstat(f.fileno()).st_ino
-                if inode != self.inode:
-                    self.inode, self.offset = inode, 0
-                f.seek(self.offset)
-                data = f.read()
+            self.file = open(self.path, "rb")  # held open between reads
         except FileNotFoundError:
-            return []
+            return False
+        self.offset = 0
+        return True
+
+    def _complete(self, data: bytes) -> list[str]:
         complete = data[:data.rfind(b"\n") + 1]
         self.offset += len(complete)
-        lines = []
-        for line in complete.decode().splitlines():
-            key = hash(line)
-            if line.strip() and key not in self.seen:
-                self.seen.add(key)
-                lines.append(line)
-        return lines
+        return [line for line in complete.decode().splitlines() if line.strip()]
+
+    def _replaced(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino != os.fstat(self.file.fileno()).st_ino
+        except FileNotFoundError:
+            return False
 
     def read(self) -> list[str]:
-        return self._take()
+        if self.file is None:
+            return self._complete(self.file.read()) if self._open() else []
+        if not self._replaced():
+            self.file.seek(self.offset)
+            return self._complete(self.file.read())
+        self.file.seek(0)
+        kept = set(self.file.read(self.offset).decode().splitlines())
+        self.file.close()
+        if not self._open():
+            self.file = None
+            return []
+        return [line for line in self._complete(self.file.read()) if line not in kept]
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
 
 class RunProgress:
@@ -255,9 +272,13 @@ class RunProgress:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.flush()
-        if self._bar is not None:
-            self._bar.stop()
+        try:
+            self.flush()
+        finally:
+            self.events.close()
+            self.metrics.close()
+            if self._bar is not None:
+                self._bar.stop()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.POLL_SECONDS):

@@ -31,15 +31,18 @@ def mark_lost(record: dict[str, Any]) -> dict[str, Any]:
     """A record that says a run is live whose controller no longer answers, as `status` shows
     it: `lost`, with no workers (they died with the controller that owned them), and the
     steps it committed, which metrics.jsonl in its run dir holds to the last one (the record
-    itself was last published at a chunk boundary, or earlier)."""
-    steps = record.get("step", 0)
-    last = _last_step(os.path.join(record.get("run_dir") or "", "metrics.jsonl"))
-    return {**record, "state": LOST, "workers": [], "joining_workers": 0, "starting_workers": 0,
-            "step": max(steps, last + 1)}
+    itself was last published at a chunk boundary, or earlier); only lines this run wrote
+    count (a reused run dir holds an earlier run's)."""
+    lost = {**record, "state": LOST, "workers": [], "joining_workers": 0, "starting_workers": 0}
+    if record.get("run_dir"):
+        last = _last_step(os.path.join(record["run_dir"], "metrics.jsonl"), record.get("started_at") or 0.0)
+        lost["step"] = max(record.get("step", 0), last + 1)
+    return lost
 
 
-def _last_step(path: str, tail_bytes: int = 1 << 16) -> int:
-    """The step of the last complete record of a metrics.jsonl (-1: none readable)."""
+def _last_step(path: str, since: float, tail_bytes: int = 1 << 16) -> int:
+    """The step of the last complete record of a metrics.jsonl written at `since` or later
+    (its `time`; -1: none)."""
     try:
         with open(path, "rb") as f:
             f.seek(max(0, os.fstat(f.fileno()).st_size - tail_bytes))
@@ -48,11 +51,11 @@ def _last_step(path: str, tail_bytes: int = 1 << 16) -> int:
         return -1
     for line in reversed(lines):
         try:
-            step = json.loads(line).get("step")
-        except (ValueError, AttributeError):
+            record = json.loads(line)
+        except ValueError:
             continue
-        if isinstance(step, int):
-            return step
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            return record["step"] if (record.get("time") or 0.0) >= since else -1
     return -1
 
 

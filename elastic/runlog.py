@@ -182,17 +182,19 @@ class RunLog:
         runs, redoes those steps), they are dropped, so that every step is in the file once,
         as the run that holds the weights took it (as the loggers do). The file is replaced
         atomically; the newest step written is kept, so the file is read only once a run."""
+        path = os.path.join(self.run_dir, name)
         last = self._last_step.get(name)
+        records = None
         if last is None:
-            records = read_jsonl(os.path.join(self.run_dir, name))
+            records = read_jsonl(path)
             last = max((r.get("step", -1) for r in records), default=-1)
         if step <= last:
-            path = os.path.join(self.run_dir, name)
-            kept = [r for r in read_jsonl(path) if r.get("step", -1) < step]
+            kept = [r for r in (records if records is not None else read_jsonl(path))
+                    if r.get("step", -1) < step]
             fd = self._files.pop(name, None)
             if fd is not None:
                 os.close(fd)
-            write_private(path, b"".join((json.dumps(r) + "\n").encode() for r in kept), fsync=False)
+            write_private(path, b"".join((json.dumps(r) + "\n").encode() for r in kept))
         self._last_step[name] = step
 
 

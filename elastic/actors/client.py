@@ -205,8 +205,8 @@ def _sigterm_interrupts() -> Iterator[list[int]]:
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
         yield received
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # None: a handler set from C, which Python cannot put back; the default then
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _interruption(received: list[int]) -> str:

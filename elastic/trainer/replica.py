@@ -171,19 +171,26 @@ def _start_loaders(job: TrainJob, data: DataConfig, data_rng: torch.Tensor,
 def random_layer(module: torch.nn.Module) -> bool:
     """Whether `module` draws random numbers of its own in training: a dropout layer
     (`nn.Dropout*`, `nn.AlphaDropout`) or `nn.RReLU`; a recurrent layer with dropout between
-    its layers (`nn.LSTM/GRU/RNN`, `num_layers` > 1); and any module that keeps a dropout
-    probability above 0 as a float attribute named like `*dropout*` (`nn.MultiheadAttention`'s
-    `dropout`, the `attention_dropout` of Hugging Face attention, a block that calls
-    `F.dropout(x, self.dropout)`). A module that draws in other ways (`torch.rand` in a
-    forward) is not seen: `batch.groups = 'on'` covers it."""
+    its layers (`nn.LSTM/GRU/RNN`, `num_layers` > 1); stochastic depth (torchvision's
+    `StochasticDepth`, or a class named `*Drop*` with a float `p` above 0, as timm's
+    `DropPath`); and any module that keeps a probability above 0 in a float attribute named
+    like `*drop*` (`nn.MultiheadAttention`'s `dropout`, the `attention_dropout` of Hugging Face
+    attention, `drop_prob`, `drop_path_rate`). A module that draws in other ways (`torch.rand`
+    in a forward) is not seen: `batch.groups = 'on'` covers it."""
     if isinstance(module, torch.nn.modules.dropout._DropoutNd):
         return module.p > 0
     if isinstance(module, torch.nn.RReLU):
         return True
     if isinstance(module, torch.nn.RNNBase):
         return module.dropout > 0 and module.num_layers > 1
-    return any("dropout" in name.lower() and isinstance(value, float) and value > 0
+    named = type(module).__name__
+    if "drop" in named.lower() or named == "StochasticDepth":
+        p = getattr(module, "p", None)
+        if isinstance(p, float) and p > 0:
+            return True
+    return any("drop" in name.lower() and isinstance(value, float) and value > 0
                for name, value in vars(module).items())
+
 
 class Replica:
     """Model, optimizer, scheduler and data of one worker.

@@ -94,3 +94,22 @@ def test_a_lost_run_shows_the_steps_it_committed_and_no_workers(tmp_path):
     lost = mark_lost(record)
     assert (lost["state"], lost["step"], lost["workers"], lost["joining_workers"]) == (LOST, 10, [], 0)
     assert mark_lost({**record, "run_dir": str(tmp_path / "gone")})["step"] == 8
+    # The lines of an earlier run in a reused run dir (written before this run started) do not count.
+    assert mark_lost({**record, "started_at": 1e12})["step"] == 8
+    assert mark_lost({**record, "run_dir": None})["step"] == 8
+
+
+def test_a_follower_sees_the_new_records_across_two_replacements_between_reads(tmp_path):
+    """Two rewrites between reads could hand the freed inode back to the second file; the
+    follower holds the file it reads open, so it notices the replacement all the same."""
+    log = RunLog(str(tmp_path))
+    for step in range(10):
+        _commit(log, step)
+    tail = _Tail(str(tmp_path / "metrics.jsonl"))
+    for step in range(5, 7):  # restored from step 5
+        _commit(log, step, loss=-float(step))
+    for step in range(5, 10):  # and from step 5 again
+        _commit(log, step, loss=-10.0 - step)
+    assert [json.loads(line)["loss"] for line in tail.read()] == [-15.0, -16.0, -17.0, -18.0, -19.0]
+    tail.close()
+

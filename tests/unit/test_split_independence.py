@@ -246,11 +246,36 @@ class _KeepsItsDropout(torch.nn.Module):
         self.attention_dropout = p
 
 
+class DropPath(torch.nn.Module):
+    """Stochastic depth as timm keeps it."""
+
+    def __init__(self, drop_prob: float) -> None:
+        super().__init__()
+        self.drop_prob = drop_prob
+
+
+class StochasticDepth(torch.nn.Module):
+    """Stochastic depth as torchvision keeps it."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p, self.mode = p, "row"
+
+
+class Dropish(torch.nn.Module):
+    """A `*Drop*` class with its probability in `p`."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+
 @pytest.mark.parametrize(("module", "random"), [
     (torch.nn.Dropout(0.1), True), (torch.nn.Dropout(0.0), False), (torch.nn.AlphaDropout(0.2), True),
     (torch.nn.MultiheadAttention(8, 2, dropout=0.3), True), (torch.nn.MultiheadAttention(8, 2), False),
     (torch.nn.LSTM(4, 4, num_layers=2, dropout=0.3), True), (torch.nn.GRU(4, 4, num_layers=1), False),
     (torch.nn.RReLU(), True), (_KeepsItsDropout(0.1), True), (_KeepsItsDropout(0.0), False),
+    (DropPath(0.1), True), (DropPath(0.0), False), (StochasticDepth(0.2), True), (Dropish(0.1), True),
     (torch.nn.Linear(4, 4), False), (torch.nn.BatchNorm1d(4), False),
 ], ids=lambda v: type(v).__name__ if isinstance(v, torch.nn.Module) else str(v))
 def test_layers_that_draw_random_numbers_are_found_beyond_nn_dropout(module, random):
