@@ -125,12 +125,15 @@ class GatedLoss:
         return mse(model, batch)
 
 
-def test_a_second_ctrl_c_abandons_the_run_and_records_it_as_interrupted(ray_cluster, tmp_path):
-    name = "ctrl-c-twice"
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_second_ctrl_c_or_sigterm_abandons_the_run_and_records_it_as_interrupted(ray_cluster, tmp_path,
+                                                                                   signum):
+    name = f"twice-{signal.Signals(signum).name.lower()}"
     run_dir = tmp_path / name
     hold, held = tmp_path / "hold", tmp_path / "held"
     job = TrainJob(model=make_model, optimizer=make_optimizer, loss=GatedLoss(str(hold), str(held)),
                    dataset=make_dataset)
+    by, error_type = ("Ctrl-C", "KeyboardInterrupt") if signum == signal.SIGINT else ("SIGTERM", "SystemExit")
 
     def script(ctrl_c):
         try:
@@ -144,23 +147,28 @@ def test_a_second_ctrl_c_abandons_the_run_and_records_it_as_interrupted(ray_clus
             hold.unlink(missing_ok=True)
             raise
 
-    errors = _ctrl_c_from_a_thread(name, script)
+    errors = _ctrl_c_from_a_thread(name, script, signum)
     try:
-        with pytest.raises(KeyboardInterrupt, match="abandoned by a second Ctrl-C"):
-            elastic.fit(job, _config(tmp_path, name))
+        if signum == signal.SIGINT:
+            with pytest.raises(KeyboardInterrupt, match="abandoned by a second Ctrl-C"):
+                elastic.fit(job, _config(tmp_path, name))
+        else:
+            with pytest.raises(SystemExit) as raised:
+                elastic.fit(job, _config(tmp_path, name))
+            assert raised.value.code == 143
     finally:
         hold.unlink(missing_ok=True)
     assert not errors, errors
 
     status = elastic.status(name)
     assert status["state"] == "failed"  # not lost: it recorded its end before it was killed
-    assert status["error_type"] == "KeyboardInterrupt"
-    assert "abandoned by a second Ctrl-C" in status["error_message"]
+    assert status["error_type"] == error_type
+    assert f"abandoned by a second {by}" in status["error_message"]
     assert status["workers"] == [] and status["ended_at"] >= status["started_at"]
     assert name in {r["name"] for r in elastic.runs()} - {r["name"] for r in elastic.runs(live_only=True)}
     events = read_events(run_dir)
     assert Finish not in kinds(events)
-    assert "KeyboardInterrupt" in of_kind(events, Failed)[-1].error
+    assert error_type in of_kind(events, Failed)[-1].error
     assert not (run_dir / "final_model.pt").exists()
     wait_until(lambda: name not in client.live_run_names(), LIMIT_S)  # killed, with its workers
 
