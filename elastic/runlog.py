@@ -70,7 +70,7 @@ class RunLog:
         return fd
 
     def _append(self, name: str, record: dict[str, Any]) -> None:
-        fd, data = self._descriptor(name), (json.dumps(record) + "\n").encode()
+        fd, data = self._descriptor(name), _line(record)
         while data:
             data = data[os.write(fd, data):]
 
@@ -194,8 +194,13 @@ class RunLog:
             fd = self._files.pop(name, None)
             if fd is not None:
                 os.close(fd)
-            write_private(path, b"".join((json.dumps(r) + "\n").encode() for r in kept))
+            write_private(path, b"".join(map(_line, kept)))
         self._last_step[name] = step
+
+
+def _line(record: dict[str, Any]) -> bytes:
+    """One record as its files hold it: a JSON line."""
+    return (json.dumps(record) + "\n").encode()
 
 
 def _hand(sinks: list[Sink], hook: str, record: dict[str, Any]) -> None:

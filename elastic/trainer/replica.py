@@ -167,7 +167,6 @@ def _start_loaders(job: TrainJob, data: DataConfig, data_rng: torch.Tensor,
     return prefetcher
 
 
-
 def random_layer(module: torch.nn.Module) -> bool:
     """Whether `module` draws random numbers of its own in training: a dropout layer
     (`nn.Dropout*`, `nn.AlphaDropout`) or `nn.RReLU`; a recurrent layer with dropout between

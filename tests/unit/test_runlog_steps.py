@@ -79,8 +79,6 @@ def test_a_follower_of_the_metrics_sees_only_this_runs_records_across_a_replacem
     assert len(tail.read()) == 1 and tail.read() == []
 
 
-
-
 def test_a_lost_run_shows_the_steps_it_committed_and_no_workers(tmp_path):
     from elastic.registry import LOST, mark_lost
 
