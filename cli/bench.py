@@ -419,3 +419,29 @@ def bench_data(
                   f"{r.ddp_no_loaders_ratio:.2f}x (step), "
                   f"{r.no_loaders_wall_s / r.ddp_no_loaders_wall_s:.2f}x (wall)")
     save_json(json_path, r.to_json())
+
+
+@app.command("gpu")
+def bench_gpu(
+    models: Annotated[str, typer.Option(help="Comma-separated: resnet50, gpt2.")] = "resnet50,gpt2",
+    shared: Annotated[int, typer.Option(
+        help="Also run this many workers sharing the GPU (backend gloo); 0: only 1 worker.")] = 4,
+    out_dir: Annotated[pathlib.Path, typer.Option(
+        help="Where gpu_throughput.json goes (written after each measurement).")] = pathlib.Path("bench-out"),
+) -> None:
+    """Training throughput on one GPU: elastic.fit with 1 worker (and several sharing the GPU)
+    against a plain PyTorch loop, same model, data, batch, bf16 autocast and loaders. Needs
+    CUDA (and torchvision, transformers)."""
+    import torch
+
+    from elastic.bench.gpu import MODELS, run, table
+
+    if not torch.cuda.is_available():
+        raise fail(f"elastic bench gpu needs a CUDA device; torch {torch.__version__} sees none")
+    chosen = tuple(m.strip() for m in models.split(",") if m.strip())
+    unknown = sorted(set(chosen) - set(MODELS))
+    if unknown:
+        raise fail(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run(str(out_dir), chosen, shared)
+    table(str(out_dir / "gpu_throughput.json"))

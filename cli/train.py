@@ -30,6 +30,7 @@ from elastic.progress import resolve
 _OPTION_FIELDS = {
     "workers": "scaling.num_workers", "min_workers": "scaling.min_workers",
     "max_workers": "scaling.max_workers", "gpu": "scaling.use_gpu",
+    "gpus_per_worker": "scaling.gpus_per_worker",
     "global_batch": "batch.global_batch_size",
     "max_micro_batch": "batch.max_micro_batch", "batch_policy": "batch.policy",
     "epochs": "epochs", "max_steps": "max_steps",
@@ -174,8 +175,12 @@ def _training_options(
     min_workers: Annotated[int | None, typer.Option(help="Fewest workers to continue with.")] = None,
     max_workers: Annotated[int | None, typer.Option(help="Most workers to grow to.")] = None,
     gpu: Annotated[bool | None, typer.Option(
-        "--gpu/--no-gpu", help="Give each worker one GPU (scaling.use_gpu; needs --backend "
-        "nccl). Default: the config file's, else no GPU.")] = None,
+        "--gpu/--no-gpu", help="Give each worker a GPU (scaling.use_gpu): --backend nccl for "
+        "one GPU per worker, gloo to reduce over host memory. Default: the config file's, else "
+        "no GPU.")] = None,
+    gpus_per_worker: Annotated[float | None, typer.Option(
+        help="GPUs per worker with --gpu (scaling.gpus_per_worker; 0.25: four workers share a "
+        "GPU, with --backend gloo).")] = None,
     global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step.")] = None,
     max_micro_batch: Annotated[int | None, typer.Option(help="Micro-batch cap per worker.")] = None,
     batch_policy: Annotated[str | None, typer.Option(

@@ -39,8 +39,10 @@ class CollectiveConfig(_Frozen):
 
     backend: Backend = Field(
         default="gloo",
-        description="Communication backend: 'gloo' (CPU tensors) or 'nccl' (CUDA tensors, "
-        "needs the `gpu` extra).",
+        description="Communication backend: 'gloo' (host memory: shared memory between the "
+        "ranks of a host, gloo between hosts; GPU workers copy their gradients into pinned host "
+        "memory and back, which lets several workers share one GPU) or 'nccl' (CUDA tensors, "
+        "one GPU per rank, needs the `gpu` extra).",
     )
     algorithm: Algorithm = Field(
         default="auto",
@@ -160,9 +162,15 @@ class ScalingConfig(_Frozen):
     )
     use_gpu: bool = Field(
         default=False,
-        description="Give each worker one GPU (backend nccl): the GPU Ray assigns it holds the "
-        "model, the optimizer state, the batches (moved by TrainJob.move_batch if given) and "
-        "the gradients.")
+        description="Give each worker a GPU (scaling.gpus_per_worker of one): the GPU Ray "
+        "assigns it holds the model, the optimizer state, the batches (moved by "
+        "TrainJob.move_batch if given) and the gradients.")
+    gpus_per_worker: float = Field(
+        default=1.0, gt=0,
+        description="With use_gpu: the GPUs Ray reserves per worker. A fraction (0.25: four "
+        "workers per GPU) lets workers share a GPU; they then reduce over host memory "
+        "(collective.backend 'gloo'), since NCCL refuses two ranks on one GPU. Above 1: the "
+        "worker reserves several GPUs and computes on the first.")
     cpus_per_worker: float = Field(default=1.0, gt=0, description="CPUs reserved per worker actor.")
     threads_per_worker: int | None = Field(
         default=None, ge=1,
@@ -710,8 +718,19 @@ class FitConfig(_Frozen):
         if batch.exact and batch.policy != "fixed":
             raise ValueError("batch.exact reproduces one global batch; it needs batch.policy "
                              "'fixed' (with 'scale_with_workers' the batch follows the world size)")
-        if self.scaling.use_gpu and self.collective.backend != "nccl":
-            raise ValueError("scaling.use_gpu needs collective.backend='nccl'")
+        scaling = self.scaling
+        if scaling.use_gpu and self.collective.backend == "nccl" and scaling.gpus_per_worker < 1:
+            raise ValueError(
+                f"scaling.gpus_per_worker {scaling.gpus_per_worker} puts several workers on one "
+                "GPU, where NCCL refuses two ranks; set collective.backend='gloo' (gradients "
+                "reduced over host memory) or scaling.gpus_per_worker=1")
+        if scaling.use_gpu and self.collective.backend != "nccl" and self.collective.overlap:
+            raise ValueError("collective.overlap: GPU workers on backend 'gloo' reduce their "
+                             "gradients over host memory after the backward pass; set "
+                             "collective.overlap=False (or None), or use backend 'nccl'")
+        if scaling.gpus_per_worker != 1 and not scaling.use_gpu:
+            raise ValueError("scaling.gpus_per_worker applies to GPU workers; set "
+                             "scaling.use_gpu=True or leave gpus_per_worker at 1")
         if batch.exact and self.collective.backend == "nccl" and not self.scaling.use_gpu:
             raise ValueError("batch.exact sums integers over the CPU transport; it cannot run "
                              "with collective.backend='nccl' (set it to 'gloo')")

@@ -38,7 +38,9 @@ def mse(model: nn.Module, batch) -> torch.Tensor:
 
 
 def evaluate(model: nn.Module) -> dict[str, float]:
-    x, y = make_dataset().tensors
+    # The model is on the worker's device (a GPU with scaling.use_gpu): the inputs go there.
+    device = next(model.parameters()).device
+    x, y = (t.to(device) for t in make_dataset().tensors)
     return {"mse": float(nn.functional.mse_loss(model(x), y))}
 
 
@@ -61,13 +63,14 @@ def failing_job() -> TrainJob:
 
 
 def reference_weights(seed: int, global_batch: int, steps: int,
-                      after_step=None) -> dict[str, torch.Tensor]:
+                      after_step=None, device: str = "cpu") -> dict[str, torch.Tensor]:
     """One process, batch B, the public sample order; written without project code.
-    `after_step(step, model, optimizer)`, if given, runs after each optimizer step."""
+    `after_step(step, model, optimizer)`, if given, runs after each optimizer step. On
+    `device` (a GPU's kernels for a GPU run); the weights come back on the CPU."""
     torch.manual_seed(seed)
-    model = make_model()
+    model = make_model().to(device)
     opt = make_optimizer(model.parameters())
-    x, y = make_dataset().tensors
+    x, y = (t.to(device) for t in make_dataset().tensors)
     per_epoch = N_SAMPLES // global_batch
     for step in range(steps):
         epoch, s = divmod(step, per_epoch)
@@ -78,7 +81,7 @@ def reference_weights(seed: int, global_batch: int, steps: int,
         opt.step()
         if after_step is not None:
             after_step(step, model, opt)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def reference_run(job: TrainJob, seed: int, batches: list[int],

@@ -78,7 +78,7 @@ class RayWorkers:
         worker_id, self._next_id = self._next_id, self._next_id + 1
         scaling = self.config.scaling
         actor = WorkerActor.options(
-            num_cpus=scaling.cpus_per_worker, num_gpus=1 if scaling.use_gpu else 0,
+            num_cpus=scaling.cpus_per_worker, num_gpus=scaling.gpus_per_worker if scaling.use_gpu else 0,
             max_concurrency=6,  # a chunk, the one ahead, abort, progress
         ).remote(self.job, self.config, self.run_dir, worker_id, self._key)
         self.actors[worker_id] = actor
@@ -124,7 +124,7 @@ class RayWorkers:
         scaling = self.config.scaling
         count = int(total.get("CPU", 0.0) // scaling.cpus_per_worker)
         if scaling.use_gpu:
-            count = min(count, int(total.get("GPU", 0.0)))
+            count = min(count, int(total.get("GPU", 0.0) / scaling.gpus_per_worker + 1e-9))
         return count
 
     def free_slot(self) -> bool:
@@ -132,7 +132,7 @@ class RayWorkers:
         scaling = self.config.scaling
         if free.get("CPU", 0.0) < scaling.cpus_per_worker:
             return False
-        return not scaling.use_gpu or free.get("GPU", 0.0) >= 1
+        return not scaling.use_gpu or free.get("GPU", 0.0) >= scaling.gpus_per_worker - 1e-9
 
     def kill(self, worker_id: int) -> None:
         actor = self.actors.get(worker_id)

@@ -78,7 +78,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -183,12 +183,45 @@ NCCL_RESULTS = {1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInter
                 7: "ncclInProgress"}
 
 
-def describe_nccl_error(error: BaseException) -> str:
-    """One line for what CuPy raised from an NCCL call, including the codes it cannot name."""
+# CUDA failures NCCL reports without saying which (out of memory among them): CuPy's NcclError
+# for them reads only "NCCL_ERROR_UNHANDLED_CUDA_ERROR: unhandled cuda error (run with
+# NCCL_DEBUG=INFO for details)" (status 1), as seen on an H100 with the device's memory taken.
+_CUDA_FAILURE_CODES = (1, 2)
+# Below this much free device memory (or 1% of it), such a failure is read as out of memory.
+LOW_MEMORY_BYTES = 256 << 20
+
+
+def _nccl_code(error: BaseException) -> int | None:
     if isinstance(error, KeyError) and error.args and isinstance(error.args[0], int):
-        code = error.args[0]
-        return f"NCCL result {code} ({NCCL_RESULTS.get(code, 'unknown to this version')})"
-    return str(error) or type(error).__name__
+        return error.args[0]
+    status = getattr(error, "status", None)
+    return status if isinstance(status, int) else None
+
+
+def describe_nccl_error(error: BaseException,
+                        free_memory: Callable[[], tuple[int, int] | None] | None = None) -> str:
+    """One line for what CuPy raised from an NCCL call, including the codes it cannot name.
+
+    NCCL says only "unhandled cuda error" (or "system error") when CUDA ran out of memory in
+    it, so for those codes `free_memory` (the device's free and total bytes, None when it
+    cannot tell) is asked: with less than `LOW_MEMORY_BYTES` (or 1% of the device) free, the
+    line says "out of memory", which `elastic.trainer.device.is_out_of_memory` reads."""
+    code = _nccl_code(error)
+    if isinstance(error, KeyError) and code is not None:
+        line = f"NCCL result {code} ({NCCL_RESULTS.get(code, 'unknown to this version')})"
+    else:
+        line = str(error) or type(error).__name__
+    if code in _CUDA_FAILURE_CODES and free_memory is not None:
+        try:
+            memory = free_memory()
+        except Exception:
+            memory = None
+        if memory is not None:
+            free, total = memory
+            if free < max(LOW_MEMORY_BYTES, total // 100):
+                line += (f" (out of memory: {free >> 20} MiB of the device's {total >> 20} MiB "
+                         "free)")
+    return line
 
 
 # --- the two runtimes ------------------------------------------------------------------------
@@ -253,6 +286,11 @@ class _CudaRuntime:
         for t in tensors:
             t.record_stream(stream)
 
+    def free_memory(self) -> tuple[int, int] | None:
+        """The device's free and total bytes (what CUDA has left beside every allocation,
+        torch's cache included)."""
+        return torch.cuda.mem_get_info(self.device)
+
     def wait_event(self, event: Any, timeout: float, wake: threading.Event) -> None:
         """Waits a polling interval (cut short by `wake`); the caller queries the event, with
         the device set and under the transport's lock."""
@@ -288,6 +326,11 @@ class _SimRuntime:
 
     def record_stream(self, tensors: Sequence[torch.Tensor], stream: Any) -> None:
         self._sim.hold(tensors, stream)
+
+    def free_memory(self) -> tuple[int, int] | None:
+        """The simulated device's free and total bytes, where a test sets them
+        (`nccl_sim.device_memory`)."""
+        return getattr(self._sim, "device_memory", None)
 
     def wait_event(self, event: Any, timeout: float, wake: threading.Event) -> None:
         event.synchronize(timeout)
@@ -384,8 +427,12 @@ class NcclTransport(Transport):
         else:
             store.wait([_UID_KEY], timeout)
             uid = decode_unique_id(store.get(_UID_KEY))
-        with self._rt.bound():
-            self._comm: Any = self._nccl.NcclCommunicator(world_size, uid, rank)
+        try:
+            with self._rt.bound():
+                self._comm: Any = self._nccl.NcclCommunicator(world_size, uid, rank)
+        except Exception as e:  # cupy raises NcclError, or KeyError for codes it lacks
+            raise CollectiveError("NCCL could not create the communicator: "
+                                  f"{describe_nccl_error(e, self._rt.free_memory)}") from e
         try:
             with self._rt.bound():
                 self._stream = self._rt.new_stream()
@@ -584,7 +631,8 @@ class NcclTransport(Transport):
                 event = self._rt.new_event()
                 event.record(self._stream)
         except Exception as e:
-            batch.error = f"NCCL refused the operation: {describe_nccl_error(e)}"
+            batch.error = ("NCCL refused the operation: "
+                           f"{describe_nccl_error(e, self._rt.free_memory)}")
             self._stop(_FAILED, batch.error)
             return
         batch.event = event
@@ -598,7 +646,7 @@ class NcclTransport(Transport):
             with self._rt.bound():
                 self._comm.check_async_error()
         except Exception as e:  # cupy raises NcclError, or KeyError for codes it lacks
-            return describe_nccl_error(e)
+            return describe_nccl_error(e, self._rt.free_memory)
         return None
 
     def _query(self, batch: _Batch) -> bool:
@@ -608,7 +656,8 @@ class NcclTransport(Transport):
             with self._rt.bound():
                 return bool(batch.event.query())
         except Exception as e:
-            batch.error = f"querying an NCCL operation failed: {describe_nccl_error(e)}"
+            batch.error = ("querying an NCCL operation failed: "
+                           f"{describe_nccl_error(e, self._rt.free_memory)}")
             self._stop(_FAILED, batch.error)
             return True
 

@@ -53,6 +53,16 @@ class _Before:
     tracked: int
 
 
+def _read_counts(norms: list[tuple[str, _BatchNorm]]) -> list[int]:
+    """Every layer's `num_batches_tracked`, read in one copy from the device."""
+    if not norms:
+        return []
+    counts = [m.num_batches_tracked.detach().reshape(()) for _, m in norms]
+    if len({t.device for t in counts}) > 1:  # layers spread over devices: one read each
+        return [int(t) for t in counts]
+    return torch.stack(counts).tolist()
+
+
 class BufferSync:
     """The buffers of one replica's model across one step.
 
@@ -71,6 +81,12 @@ class BufferSync:
                    for t in (m.running_mean, m.running_var, m.num_batches_tracked)}
         self.others = [(name, b) for name, b in model.named_buffers() if id(b) not in covered]
         self._stats = sum(m.running_mean.numel() + m.running_var.numel() for _, m in self.norms)
+        # Every layer's running mean and variance, in the section's order. When they share one
+        # device, they are handled as a whole (foreach and flat tensors: a few kernels per
+        # step on a GPU, where one per layer would be hundreds).
+        self._stat_tensors = [t for _, m in self.norms for t in (m.running_mean, m.running_var)]
+        self._whole = len({(t.device, t.dtype) for t in self._stat_tensors}) == 1
+        self._flat_sums: torch.Tensor | None = None
         self._before: list[_Before] = []
         self._others_before: list[torch.Tensor] = []
         self._sums: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -97,19 +113,29 @@ class BufferSync:
     def begin(self, pieces: int) -> None:
         """Snapshot before a step of `pieces` forward passes over all ranks."""
         self._pieces = pieces
+        tracked = _read_counts(self.norms)  # one device-to-host read for every layer
         self._before = [_Before(m.running_mean.detach().clone(), m.running_var.detach().clone(),
-                                int(m.num_batches_tracked)) for _, m in self.norms]
+                                n) for (_, m), n in zip(self.norms, tracked, strict=True)]
         self._others_before = [b.detach().clone() for _, b in self.others]
-        self._sums = [(torch.zeros_like(m.running_mean, dtype=torch.float64),
-                       torch.zeros_like(m.running_var, dtype=torch.float64)) for _, m in self.norms]
+        if self._whole:
+            self._flat_sums = torch.zeros(self._stats, dtype=torch.float64,
+                                          device=self._stat_tensors[0].device)
+            views = self._flat_sums.split([t.numel() for t in self._stat_tensors])
+            self._sums = [(views[2 * i].view_as(m.running_mean),
+                           views[2 * i + 1].view_as(m.running_var))
+                          for i, (_, m) in enumerate(self.norms)]
+        else:
+            self._sums = [(torch.zeros_like(m.running_mean, dtype=torch.float64),
+                           torch.zeros_like(m.running_var, dtype=torch.float64))
+                          for _, m in self.norms]
         self._ran = [False] * len(self.norms)
 
     def before_piece(self, k: int) -> None:
         """Before forward pass `k` (its place in the step's global order)."""
         with torch.no_grad():
+            if self._stat_tensors:
+                torch._foreach_zero_(self._stat_tensors)
             for (_, m), before in zip(self.norms, self._before, strict=True):
-                m.running_mean.zero_()
-                m.running_var.zero_()
                 m.num_batches_tracked.fill_(before.tracked + k)
 
     def after_piece(self, k: int) -> None:
@@ -129,18 +155,28 @@ class BufferSync:
                         "must be the same bits for any split, and elastic can make that so for "
                         "BatchNorm running statistics only. Keep it as a plain attribute "
                         "(not a registered buffer), or set batch.exact=False")
-        for i, ((name, m), before, (mean, var)) in enumerate(
-                zip(self.norms, self._before, self._sums, strict=True)):
-            calls = int(m.num_batches_tracked) - (before.tracked + k)
-            if calls == 0:  # the layer did not run in training mode
-                continue
-            if calls != 1:
+        counts = _read_counts(self.norms)
+        weights: list[float | None] = []  # None: the layer did not run in training mode
+        for i, ((name, m), before, count) in enumerate(
+                zip(self.norms, self._before, counts, strict=True)):
+            calls = count - (before.tracked + k)
+            if calls not in (0, 1):
                 raise ValueError(
                     f"BatchNorm layer {name!r} ran {calls} times in one forward pass; elastic "
                     "keeps running statistics exact for layers that run once per forward. Give "
                     "each use its own layer, or set track_running_stats=False on it")
-            self._ran[i] = True
-            weight = self._later_decay(m, before.tracked, k)
+            weights.append(self._later_decay(m, before.tracked, k) if calls else None)
+            self._ran[i] = self._ran[i] or calls == 1
+        if (exact is None and self._flat_sums is not None and weights
+                and len(set(weights)) == 1 and weights[0] is not None):
+            # Every layer ran, with one weight: the same additions, as a whole.
+            stats = torch.cat([t.detach().reshape(-1) for t in self._stat_tensors])
+            self._flat_sums.add_(stats.to(torch.float64), alpha=weights[0])
+            return
+        for i, ((_, m), (mean, var), weight) in enumerate(
+                zip(self.norms, self._sums, weights, strict=True)):
+            if weight is None:
+                continue
             if exact is not None:
                 exact.add(self._slot + 2 * i, m.running_mean.detach().to(torch.float64) * weight)
                 exact.add(self._slot + 2 * i + 1, m.running_var.detach().to(torch.float64) * weight)
@@ -166,8 +202,12 @@ class BufferSync:
                       zip(self.others, self._others_before, strict=True))
         parts = [torch.tensor([float(changed)], dtype=torch.float64),
                  torch.tensor([float(r) for r in self._ran], dtype=torch.float64)]
-        if self._exact is None:
-            parts += [t.reshape(-1).cpu() for pair in self._sums for t in pair]
+        if self._exact is None and self._sums:
+            # Joined where they lie, then one copy to the host (on a GPU: one read, not one
+            # per layer, each of which would wait for the device).
+            flat = (self._flat_sums if self._flat_sums is not None else
+                    torch.cat([t.reshape(-1) for pair in self._sums for t in pair]))
+            parts.append(flat.cpu())
         self._restore_norms()
         return torch.cat(parts)
 
@@ -183,6 +223,16 @@ class BufferSync:
         ran = summed[1 : 1 + len(self.norms)]
         offset = 1 + len(self.norms)
         exact = self._exact
+        if exact is None and self._whole and self.norms:
+            # To the device in one copy (one per layer would each wait for it).
+            stats = summed[offset : offset + self._stats].to(self._stat_tensors[0].device)
+            summed, offset = stats, 0
+            keeps = {self._later_decay(m, before.tracked, -1) for (_, m), before in
+                     zip(self.norms, self._before, strict=True)}
+            if len(keeps) == 1 and bool((ran > 0).all()):
+                self._commit_whole(stats, keeps.pop())
+                self._after_commit(changed, comm, src)
+                return
         with torch.no_grad():
             for i, ((_, m), before) in enumerate(zip(self.norms, self._before, strict=True)):
                 n = m.running_mean.numel()
@@ -199,6 +249,23 @@ class BufferSync:
                 m.running_var.copy_((before.var.to(torch.float64) * keep + var.to(
                     before.var.device)).to(m.running_var.dtype))
                 m.num_batches_tracked.fill_(before.tracked + self._pieces)
+        self._after_commit(changed, comm, src)
+
+    def _commit_whole(self, stats: torch.Tensor, keep: float) -> None:
+        """`commit` of every layer at once (each ran, all with the same `keep`): the same
+        arithmetic as layer by layer, on flat tensors."""
+        before = torch.cat([t for b in self._before for t in (b.mean.reshape(-1),
+                                                              b.var.reshape(-1))])
+        new = (before.to(torch.float64) * keep + stats).to(self._stat_tensors[0].dtype)
+        with torch.no_grad():
+            torch._foreach_copy_(self._stat_tensors,
+                                 [v.view_as(t) for v, t in zip(
+                                     new.split([t.numel() for t in self._stat_tensors]),
+                                     self._stat_tensors, strict=True)])
+            for (_, m), b in zip(self.norms, self._before, strict=True):
+                m.num_batches_tracked.fill_(b.tracked + self._pieces)
+
+    def _after_commit(self, changed: bool, comm: Communicator, src: int) -> None:
         if changed and self.others:
             try:
                 self._broadcast_others(comm, src)
@@ -220,9 +287,10 @@ class BufferSync:
 
     def _restore_norms(self) -> None:
         with torch.no_grad():
+            if self._before:
+                torch._foreach_copy_(self._stat_tensors,
+                                     [t for b in self._before for t in (b.mean, b.var)])
             for (_, m), before in zip(self.norms, self._before, strict=True):
-                m.running_mean.copy_(before.mean)
-                m.running_var.copy_(before.var)
                 m.num_batches_tracked.fill_(before.tracked)
 
     def rollback(self) -> None:

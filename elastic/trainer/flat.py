@@ -5,7 +5,10 @@ in one allreduce. The step's metadata (summed loss, one vote per rank, the ledge
 float64 buffer when there is one (else in the float32 one), so a typical step costs one
 allreduce. The counterpart that overlaps the backward pass is `elastic.trainer.buckets`.
 
-The buffers live on the parameters' device. `flatten_grads` is the reduce's only allocation
+The buffers live on the parameters' device, except for GPU workers on a host plane (backend
+'gloo', several workers sharing a GPU): their gradients are staged in pinned host memory
+(`host=True`), copied from the GPU asynchronously, reduced there by the host allreduce, and
+copied back to the GPU by `unflatten_grads`. `flatten_grads` is the reduce's only allocation
 (with room for the metadata in the buffer that carries it), so that the replica can run it
 inside the step's vote: a rank out of memory there votes the step down instead of leaving the
 collectives.
@@ -33,14 +36,16 @@ Lender = Callable[[dict[torch.dtype, int]], "dict[torch.dtype, torch.Tensor] | N
 
 
 def flatten_grads(params: list[torch.nn.Parameter], zero: bool, meta_len: int = 0,
-                  lend: Lender | None = None) -> dict[torch.dtype, torch.Tensor]:
+                  lend: Lender | None = None, host: bool = False) -> dict[torch.dtype, torch.Tensor]:
     """One buffer per dtype holding the gradients of `params` in order, on their device; a
     parameter without a gradient, or every parameter when `zero` (this rank voted the step
     down), contributes zeros, so every rank sends buffers of the same size. With `meta_len`,
     the buffer of `meta_carrier` has `meta_len` more elements (zeros) at its end, for
     `allreduce_flat(..., room=True)`. With `lend` (`Communicator.shared_buffers`) the buffers
     are the communicator's registered buffers when it can lend them (host memory the
-    allreduce reduces where it lies), else allocated.
+    allreduce reduces where it lies), else allocated. With `host`, buffers of gradients on a
+    GPU are pinned host memory, filled by asynchronous copies that have ended when this
+    returns (the host allreduce reads them next).
 
     Raises:
         torch.OutOfMemoryError: the buffers did not fit (nothing else is allocated here).
@@ -50,6 +55,7 @@ def flatten_grads(params: list[torch.nn.Parameter], zero: bool, meta_len: int = 
     for p in params:
         sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
         devices.setdefault(p.dtype, p.device)
+    staged = {dtype for dtype, d in devices.items() if host and d.type == "cuda"}
     carrier = meta_carrier(sizes) if meta_len else None
     lent = None
     if lend is not None and all(d.type == "cpu" for d in devices.values()):
@@ -57,6 +63,12 @@ def flatten_grads(params: list[torch.nn.Parameter], zero: bool, meta_len: int = 
     buffers = {}
     for dtype, n in sizes.items():
         room = meta_len if dtype == carrier else 0
+        if dtype in staged:
+            buffers[dtype] = (torch.zeros if zero else torch.empty)(n + room, dtype=dtype,
+                                                                    pin_memory=True)
+            if not zero:
+                buffers[dtype][n:].zero_()
+            continue
         if lent is not None:
             buffers[dtype] = lent[dtype]
             (buffers[dtype] if zero else buffers[dtype][n:]).zero_()
@@ -73,10 +85,12 @@ def flatten_grads(params: list[torch.nn.Parameter], zero: bool, meta_len: int = 
         start, n = offsets[p.dtype], p.numel()
         target = buffers[p.dtype][start : start + n]
         if p.grad is not None:
-            target.copy_(p.grad.reshape(-1))
+            target.copy_(p.grad.reshape(-1), non_blocking=p.dtype in staged)
         else:
             target.zero_()
         offsets[p.dtype] = start + n
+    for device in {devices[dtype] for dtype in staged}:
+        torch.cuda.current_stream(device).synchronize()
     return buffers
 
 
@@ -89,12 +103,20 @@ def all_finite(buffers: dict[torch.dtype, torch.Tensor]) -> bool:
 
 def unflatten_grads(params: list[torch.nn.Parameter], buffers: dict[torch.dtype, torch.Tensor]) -> None:
     """Sets each parameter's gradient to its slice of the summed buffers (a view: the apply
-    phase allocates no second copy of the gradients)."""
+    phase allocates no second copy of the gradients). Buffers staged in host memory for
+    parameters on a GPU are first copied there, once per dtype (asynchronously from pinned
+    memory, ordered before the optimizer's kernels on the current stream)."""
     offsets = dict.fromkeys(buffers, 0)
+    on_device: dict[torch.dtype, torch.Tensor] = {}
     for p in params:
         n = p.numel()
         start = offsets[p.dtype]
-        p.grad = buffers[p.dtype][start : start + n].view_as(p)
+        buffer = buffers[p.dtype]
+        if buffer.device != p.device:
+            if p.dtype not in on_device:
+                on_device[p.dtype] = buffer.to(p.device, non_blocking=buffer.is_pinned())
+            buffer = on_device[p.dtype]
+        p.grad = buffer[start : start + n].view_as(p)
         offsets[p.dtype] = start + n
 
 

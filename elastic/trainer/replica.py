@@ -796,13 +796,17 @@ class Replica:
             CollectiveError: they did not fit even then (`_take_part`).
         """
         lend = context.comm.shared_buffers
+        # GPU gradients on a host plane (no NCCL: several workers may share the GPU) are
+        # staged in pinned host memory.
+        host = self.device.type == "cuda" and context.comm.control is context.comm
         if vote != Vote.OK:
-            return vote, self._take_part(
-                context, lambda: flatten_grads(self._params, zero=True, meta_len=room, lend=lend))
+            return vote, self._take_part(context, lambda: flatten_grads(
+                self._params, zero=True, meta_len=room, lend=lend, host=host))
         for attempt in range(2):
             failed = False
             try:
-                return vote, flatten_grads(self._params, zero=False, meta_len=room, lend=lend)
+                return vote, flatten_grads(self._params, zero=False, meta_len=room, lend=lend,
+                                           host=host)
             except Exception as e:
                 if not is_allocation_failure(e):
                     raise
@@ -815,8 +819,8 @@ class Replica:
             "beside the gradients themselves); their size does not depend on the micro-batch, "
             "so the step is voted down as out of memory, but halving the micro-batch frees "
             "only activation memory", context.rank, context.step, nbytes, self.device)
-        return Vote.OUT_OF_MEMORY, self._take_part(
-            context, lambda: flatten_grads(self._params, zero=True, meta_len=room, lend=lend))
+        return Vote.OUT_OF_MEMORY, self._take_part(context, lambda: flatten_grads(
+            self._params, zero=True, meta_len=room, lend=lend, host=host))
 
     def _abandon(self, exponents: list[int]) -> None:
         """A step whose reduce raised: nothing of it may stay in the buffers (or, in exact

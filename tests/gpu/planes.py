@@ -48,5 +48,9 @@ class PlaneCheck:
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         raise AssertionError("nothing is broadcast over the data plane")
 
+    def shared_buffers(self, sizes: dict[torch.dtype, int]) -> None:
+        """As `Communicator.shared_buffers` with no shared region (NCCL lends none)."""
+        return None
+
     def abort(self) -> None:
         self.aborted = True

@@ -50,12 +50,13 @@ def _config(tmp_path, overlap: bool = False, gpu: bool = True, pinned: bool = Fa
         run_dir=str(tmp_path), max_steps=STEPS, ledger=True)
 
 
-def _replica(job: TrainJob, config: FitConfig, tmp_path, device: torch.device) -> Replica:
+def _replica(job: TrainJob, config: FitConfig, tmp_path, device: torch.device,
+             comm=None) -> Replica:
     """A replica built as the worker actor builds it: the device bound first."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     replica = Replica(job, config, str(tmp_path), device)
-    replica.comm = PlaneCheck(cuda=device.type == "cuda")
+    replica.comm = comm if comm is not None else PlaneCheck(cuda=device.type == "cuda")
     return replica
 
 
@@ -224,3 +225,50 @@ def test_a_replica_on_the_second_gpu_keeps_everything_there_and_its_threads_boun
     assert all(p.device == device for p in replica.model.parameters())
     torch.testing.assert_close(_host(replica.model.state_dict()), reference_weights(0, B, STEPS),
                                **TOLERANCE)
+
+
+class HostPlane:
+    """One rank's host plane (backend 'gloo' with GPU workers): a single plane, host tensors
+    only; records what it carried and whether the gradients arrived in pinned memory."""
+
+    rank, world_size = 0, 1
+    transport = "gloo"
+
+    def __init__(self) -> None:
+        self.control = self
+        self.calls: list[tuple[str, torch.dtype, int, bool]] = []
+
+    def allreduce(self, tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        assert not tensor.is_cuda, "a CUDA tensor on a host plane"
+        self.calls.append(("allreduce", tensor.dtype, tensor.numel(), tensor.is_pinned()))
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        assert not tensor.is_cuda, "a CUDA tensor on a host plane"
+        return tensor
+
+    def barrier(self) -> None:
+        pass
+
+    def shared_buffers(self, sizes):
+        return None
+
+    def abort(self) -> None:
+        pass
+
+
+def test_a_gpu_replica_on_a_host_plane_stages_its_gradients_in_pinned_memory(tmp_path):
+    config = FitConfig(
+        scaling=ScalingConfig(num_workers=1, use_gpu=True, gpus_per_worker=0.5),
+        collective=CollectiveConfig(backend="gloo"),
+        batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+        run_dir=str(tmp_path), max_steps=STEPS, ledger=True)
+    replica = _replica(regression_job(), config, tmp_path, _cuda(), comm=HostPlane())
+    records = _train(replica, STEPS)
+    assert all(isinstance(r, StepRecord) for r in records)
+    # One allreduce per step: the float64 gradients with the metadata in their room, pinned.
+    grads = [c for c in replica.comm.calls if c[2] >= N_PARAMS]
+    assert len(grads) == STEPS and all(pinned for *_, pinned in grads)
+    assert all(p.device == _cuda() for p in replica.model.parameters())
+    torch.testing.assert_close(_host(replica.model.state_dict()),
+                               reference_weights(0, B, STEPS, device="cuda"), **TOLERANCE)

@@ -1149,3 +1149,60 @@ def test_a_peer_killed_with_sigkill_fails_the_survivor_with_a_collective_error(m
         proc.kill()
         proc.join(10)
         server.close()
+
+
+# --- out of memory inside NCCL ----------------------------------------------------------------
+
+# What CuPy 14.2 raised on an H100 (NCCL 2.28.9, CUDA 13.0) for ncclCommInitRank with the
+# device's memory taken (2 MiB free): NcclError, status 1, this text and nothing about memory
+# (scripts/gpu_probe.py, 2026-11-27).
+RECORDED_OOM_TEXT = ("NCCL_ERROR_UNHANDLED_CUDA_ERROR: unhandled cuda error (run with "
+                     "NCCL_DEBUG=INFO for details)")
+
+
+class _RecordedNcclError(RuntimeError):
+    status = 1
+
+
+@pytest.mark.parametrize(("free", "out_of_memory"), [(2 << 20, True), (40 << 30, False)])
+def test_an_unhandled_cuda_error_is_out_of_memory_when_the_device_has_no_memory_left(
+        free, out_of_memory):
+    from elastic.trainer.device import is_out_of_memory
+
+    total = 80 << 30
+    line = nccl_backend.describe_nccl_error(_RecordedNcclError(RECORDED_OOM_TEXT),
+                                            lambda: (free, total))
+    assert line.startswith(RECORDED_OOM_TEXT)
+    assert is_out_of_memory(CollectiveError(f"NCCL refused the operation: {line}")) is out_of_memory
+    # Without the device's word, the recorded text alone is not read as out of memory.
+    assert not is_out_of_memory(CollectiveError(RECORDED_OOM_TEXT))
+
+
+def test_a_device_that_cannot_say_leaves_the_line_as_it_was():
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    assert nccl_backend.describe_nccl_error(_RecordedNcclError(RECORDED_OOM_TEXT),
+                                            broken) == RECORDED_OOM_TEXT
+    remote = KeyError(6)  # a code CuPy cannot name: never asked about memory
+    assert nccl_backend.describe_nccl_error(remote, lambda: (0, 1)) == "NCCL result 6 (ncclRemoteError)"
+
+
+def test_an_unhandled_cuda_error_in_a_collective_on_a_full_device_is_classified_as_out_of_memory(
+        server, monkeypatch):
+    from elastic.trainer.device import is_out_of_memory
+
+    monkeypatch.setattr(sim, "device_memory", (1 << 20, 80 << 30), raising=False)
+    errors: list[BaseException] = []
+
+    def body(comm: Communicator) -> None:
+        nccl = comm._transport._comm
+        if comm.rank == 0:
+            nccl.inject_error(1)
+        try:
+            comm.allreduce(torch.ones(4), "sum", "native")
+        except CollectiveError as e:
+            errors.append(e)
+
+    run_ranks(server, 2, body, _config())
+    assert errors and any(is_out_of_memory(e) for e in errors), [str(e) for e in errors]
