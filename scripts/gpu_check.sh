@@ -52,8 +52,8 @@ EOF
 )
 echo "tier rc=$rc, GPU tests that ran: ${ran:-0}"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tier.log" | tail -15
 if [ "$rc" != 0 ] || [ "${ran:-0}" = 0 ]; then status=1; fi
-timeout "${GPU_CHECK_BENCH_S:-300}" $PY -c "import sys; from elastic.bench.gpu import run; run(sys.argv[1], tuple(sys.argv[2].split(',')))" \
-  "$OUT" "$MODELS" > "$OUT/bench.log" 2>&1
+timeout "${GPU_CHECK_BENCH_S:-300}" $PY -c "import sys; from elastic.bench.gpu import run; run(sys.argv[1], tuple(sys.argv[2].split(',')), int(sys.argv[3]))" \
+  "$OUT" "$MODELS" "${GPU_CHECK_SHARED:-4}" > "$OUT/bench.log" 2>&1
 rc=$?; echo "bench rc=$rc"; [ "$rc" = 0 ] || status=1
 $PY -m elastic.bench.gpu --table "$OUT/gpu_throughput.json" 2>&1 || true
 exit $status
