@@ -2,32 +2,53 @@
 PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
-# CI and this dev box use the CPU build of torch; GPU users may override, e.g.
-# `make test TORCH_SPEC=torch==2.13.0+cu128`.
+# What `pip install` gets for torch: exactly this (any pip arguments). A plain
+# `torch==2.13.0` from PyPI is the CUDA build on Linux x86-64 (the CPU build on machines whose
+# index or wheel cache offers only that, as this project's CI machine); for the CPU build on
+# any Linux machine: make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TORCH_SPEC ?= torch==2.13.0
+# The extra `make test-gpu` installs: gpu (CUDA 12) or gpu-cu13 (CUDA 13).
+GPU_EXTRA ?= gpu
 
-.PHONY: install test test-gpu lint demo bench clean
+.PHONY: install test test-gpu gpu-check gpu-bundle lint demo bench clean FORCE
 
-$(BIN)/.installed: pyproject.toml Makefile
+# The install is redone when TORCH_SPEC changes (the stamp depends on a file holding it).
+$(VENV)/torch-spec: FORCE
+	@mkdir -p $(VENV)
+	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+
+$(BIN)/.installed: pyproject.toml Makefile $(VENV)/torch-spec
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q $(TORCH_SPEC)
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
 install: $(BIN)/.installed
 
 lint: install
-	$(BIN)/ruff check elastic cli tests examples
+	$(BIN)/ruff check elastic cli tests examples scripts
 
 test: lint
 	$(BIN)/pytest
 
-# The GPU tier (tests/gpu, marked `gpu`; skipped without CUDA): run it on a machine with a GPU
-# and a CUDA build of torch, e.g. `make test-gpu TORCH_SPEC=torch==2.13.0+cu128`; the fit tests
-# need backend 'nccl' too (pip install -e '.[gpu]'), those for two GPUs skip with fewer.
+# The GPU tier (tests/gpu, marked `gpu`) on a machine with a GPU and a CUDA build of torch:
+# installs the gpu extra (GPU_EXTRA=gpu-cu13 for CUDA 13) and fails when no GPU test ran
+# (all skipped: no CUDA device, or a CPU build of torch).
 test-gpu: lint
-	$(BIN)/pytest -m gpu
+	$(BIN)/pip install -q -e '.[$(GPU_EXTRA)]'
+	$(BIN)/pytest -m gpu --junitxml=$(VENV)/gpu-tier.xml
+	$(BIN)/python scripts/junit_ran.py $(VENV)/gpu-tier.xml
+
+# The GPU checks in minutes on a GPU machine without network, with its own Python (the GPU
+# tier, 4 workers sharing the GPU through kills, throughput against plain PyTorch): see
+# scripts/gpu_check.sh. Ray and pydantic come from .gpu/bundle.tar.xz (make gpu-bundle, on a
+# machine with network) when that Python lacks them.
+gpu-check:
+	bash scripts/gpu_check.sh
+
+gpu-bundle:
+	bash scripts/gpu_bundle.sh .gpu
 
 # Digits MLP on 4 workers, worker 1 SIGKILLed part-way, next to an uninterrupted run.
 demo: install

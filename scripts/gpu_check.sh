@@ -5,7 +5,7 @@
 #      single-process GPU reference; real NCCL at world size 1;
 #   3. throughput against a plain PyTorch loop (elastic bench gpu; GPU_CHECK_MODELS).
 # Ray and pydantic come from an offline bundle when Python lacks them: GPU_BUNDLE (default
-# .gpu/bundle.tar.xz, built on a machine with network by scripts/gpu_bundle.sh) is unpacked
+# .gpu/bundle.tar.xz, built on a machine with network by `make gpu-bundle`) is unpacked
 # into a private folder. Results go to GPU_CHECK_OUT (default gpu-check-out) as they come.
 set -u
 cd "$(dirname "$0")/.."
@@ -40,18 +40,12 @@ if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
   timeout "${GPU_CHECK_PROFILE_S:-90}" $PY scripts/gpu_profile.py "$OUT" > "$OUT/profile.log" 2>&1
   echo "profile rc=$?"
 fi
-timeout "${GPU_CHECK_TIER_S:-240}" $PY -m pytest -m gpu tests/gpu -p no:cacheprovider -q -rA \
+timeout "${GPU_CHECK_TIER_S:-300}" $PY -m pytest -m gpu tests/gpu -p no:cacheprovider -q -rA \
   -o timeout=120 --junitxml="$OUT/tier.xml" > "$OUT/tier.log" 2>&1
 rc=$?
-ran=$($PY - "$OUT/tier.xml" <<'EOF'
-import sys, xml.etree.ElementTree as ET
-s = ET.parse(sys.argv[1]).getroot()
-s = s if s.tag == "testsuite" else s[0]
-print(int(s.get("tests")) - int(s.get("skipped")))
-EOF
-)
-echo "tier rc=$rc, GPU tests that ran: ${ran:-0}"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tier.log" | tail -15
-if [ "$rc" != 0 ] || [ "${ran:-0}" = 0 ]; then status=1; fi
+$PY scripts/junit_ran.py "$OUT/tier.xml" > "$OUT/ran.txt" 2>&1; ran_rc=$?
+echo "tier rc=$rc, $(head -1 "$OUT/ran.txt")"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tier.log" | tail -15
+if [ "$rc" != 0 ] || [ "$ran_rc" != 0 ]; then status=1; fi
 timeout "${GPU_CHECK_BENCH_S:-300}" $PY -c "import sys; from elastic.bench.gpu import run; run(sys.argv[1], tuple(sys.argv[2].split(',')), int(sys.argv[3]))" \
   "$OUT" "$MODELS" "${GPU_CHECK_SHARED:-4}" > "$OUT/bench.log" 2>&1
 rc=$?; echo "bench rc=$rc"; [ "$rc" = 0 ] || status=1

@@ -32,7 +32,8 @@ TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}  # float64, but another device's kern
 
 @pytest.fixture
 def nccl():
-    pytest.importorskip("cupy", reason="backend 'nccl' needs CuPy: pip install 'elastic[gpu]'")
+    pytest.importorskip("cupy", reason="backend 'nccl' needs CuPy: pip install 'elastic[gpu]' "
+                        "(CUDA 12) or 'elastic[gpu-cu13]' (CUDA 13)")
 
 
 def _config(tmp_path, workers: int, **kwargs) -> FitConfig:

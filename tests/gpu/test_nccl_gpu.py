@@ -29,6 +29,10 @@ from elastic.errors import CollectiveAbortedError, CollectiveError, CollectiveTi
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
+if torch.cuda.is_available():  # without CUDA the whole tier is skipped as such (conftest)
+    pytest.importorskip("cupy", reason="backend 'nccl' needs CuPy: pip install 'elastic[gpu]' "
+                        "(CUDA 12) or 'elastic[gpu-cu13]' (CUDA 13)")
+
 ALGORITHMS = ["ring", "tree", "halving_doubling", "native"]
 
 
@@ -205,13 +209,18 @@ def test_every_peer_is_connected_before_the_communicator_is_returned():
 
 @needs_two_gpus
 def test_abort_wakes_a_waiting_rank_and_close_then_ends():
+    woken = threading.Event()
+
     def body(comm: Communicator) -> type:
         if comm.rank == 0:
             threading.Timer(0.5, comm.abort).start()
-            with pytest.raises(CollectiveAbortedError) as raised:
-                comm.recv(torch.zeros(4, device="cuda"), src=1)  # rank 1 never sends
+            try:
+                with pytest.raises(CollectiveAbortedError) as raised:
+                    comm.recv(torch.zeros(4, device="cuda"), src=1)  # rank 1 never sends
+            finally:
+                woken.set()
             return type(raised.value)
-        time.sleep(1.0)
+        assert woken.wait(60)  # rank 0 was woken by its abort: now this one leaves too
         comm.abort()  # as the controller aborts every survivor
         return CollectiveAbortedError
 
@@ -220,12 +229,17 @@ def test_abort_wakes_a_waiting_rank_and_close_then_ends():
 
 @needs_two_gpus
 def test_a_timeout_aborts_nccl_so_that_close_ends():
+    timed_out = threading.Event()
+
     def body(comm: Communicator) -> None:
         if comm.rank == 0:
-            with pytest.raises(CollectiveTimeoutError):
-                comm.recv(torch.zeros(4, device="cuda"), src=1)
+            try:
+                with pytest.raises(CollectiveTimeoutError):
+                    comm.recv(torch.zeros(4, device="cuda"), src=1)
+            finally:
+                timed_out.set()
         else:
-            time.sleep(2.0)
+            assert timed_out.wait(60)  # rank 1 stays until rank 0's wait has timed out
             comm.abort()
 
     _run(2, body, _config(timeout=timedelta(seconds=1)))
