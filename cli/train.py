@@ -348,5 +348,8 @@ def demo(
                       str(_recoveries(r.events)),
                       f"{r.evaluation.get('accuracy', float('nan')):.4f}")
     console.print(table)
+    console.print(f"largest weight difference against the uninterrupted run: "
+                  f"{result.max_weight_difference():.2e} (float32; the sums of a step are added "
+                  "in another order when the world size changes, nothing else differs)")
     console.print(f"run dirs: {result.elastic.run_dir}, {result.uninterrupted.run_dir}; "
                   f"plots: elastic report {result.elastic.run_dir}")

@@ -53,6 +53,12 @@ class DemoResult:
     elastic: FitResult
     uninterrupted: FitResult
 
+    def max_weight_difference(self) -> float:
+        """The largest absolute difference between the final weights of the two runs."""
+        a, b = self.elastic.model_state, self.uninterrupted.model_state
+        assert a.keys() == b.keys()
+        return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
 
 def run_demo(workers: int = 4, epochs: int = 30, kill_step: int = 30, kill_rank: int = 1,
              run_dir: str | None = None) -> DemoResult:

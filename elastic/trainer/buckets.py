@@ -13,7 +13,13 @@ code raised still launches every bucket (its content is then ignored), so nobody
 two planes (NCCL) the metadata is summed on its own over the control plane, after the last
 bucket.
 
-The buffers live on the parameters' device; the communication thread binds that device. The
+The buffers live on the parameters' device; the communication thread binds that device. On a
+GPU the hooks copy on the stream autograd runs them on (the user's, under
+`torch.cuda.stream(s)`), not the communication thread's: each bucket's copies are fenced with
+an event on every stream that made them, which the communication thread's stream waits for
+before reducing the bucket, and the caller's stream waits for the communication thread's when
+the step reads the results (`wait`). The finiteness of the gradients is checked once per
+step, not once per bucket (each check waits for the device). The
 buffers are allocated when a step begins (`begin`), which the replica runs inside the step's
 vote: a rank whose allocation runs out of memory votes the step down and allocates again
 (with its gradients freed) to take part in the collectives.
@@ -21,7 +27,6 @@ vote: a rank whose allocation runs out of memory votes the step down and allocat
 
 from __future__ import annotations
 
-import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,6 +55,24 @@ class _StepState:
     nonfinite_vote: float
     meta_separate: torch.Tensor | None = None
     future: Future | None = None
+    # per bucket: the streams its copies were made on (GPU only), fenced when it is complete
+    streams: list[dict[int, object]] = field(default_factory=list)
+    fences: list[list[object]] = field(default_factory=list)
+
+
+class _CudaStreams:
+    """The stream operations of the buckets on a GPU (`torch.cuda`)."""
+
+    def current(self) -> object:
+        return torch.cuda.current_stream()
+
+    def fence(self, stream: object) -> object:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, event: object) -> None:
+        torch.cuda.current_stream().wait_event(event)
 
 
 class GradientBuckets:
@@ -62,7 +85,7 @@ class GradientBuckets:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], bucket_bytes: int,
-                 first_bucket_bytes: int) -> None:
+                 first_bucket_bytes: int, streams: object | None = None) -> None:
         self.params = params
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> bucket, offset in it
@@ -84,6 +107,9 @@ class GradientBuckets:
         self._armed = False
         self._state: _StepState | None = None
         device = params[0].device if params else torch.device("cpu")
+        # Stream operations: CUDA's on a GPU, none on the CPU (a test may pass a fake).
+        self._streams = streams if streams is not None else (
+            _CudaStreams() if device.type == "cuda" else None)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="elastic-grad-comm",
                                         initializer=bind_thread, initargs=(device,))
         for p in params:
@@ -112,7 +138,9 @@ class GradientBuckets:
         state = _StepState(buffers=self._allocate(meta_len if self._joined else 0),
                            ready=[threading.Event() for _ in self.buckets],
                            filled=[0] * len(self.buckets), copied=set(), meta_len=meta_len,
-                           vote_slot=vote_slot, nonfinite_vote=nonfinite_vote)
+                           vote_slot=vote_slot, nonfinite_vote=nonfinite_vote,
+                           streams=[{} for _ in self.buckets],
+                           fences=[[] for _ in self.buckets])
         with self._lock:
             self._state = state
         state.future = self._pool.submit(self._reduce_all, comm, state)
@@ -138,11 +166,25 @@ class GradientBuckets:
                 return
             b, offset = self._where[id(p)]
             state.buffers[b][offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+            self._copied_on(state, b)
             state.copied.add(id(p))
             state.filled[b] += 1
             last = b == len(self.buckets) - 1
             if state.filled[b] == len(self.buckets[b].params) and not last:
-                state.ready[b].set()
+                self._release(state, b)
+
+    def _copied_on(self, state: _StepState, b: int) -> None:
+        """Notes the stream the calling thread copied into bucket `b` on (GPU only)."""
+        if self._streams is not None:
+            stream = self._streams.current()
+            state.streams[b].setdefault(id(stream), stream)
+
+    def _release(self, state: _StepState, b: int) -> None:
+        """Bucket `b` is complete: a fence on every stream that copied into it, then it goes
+        to the communication thread."""
+        if self._streams is not None:
+            state.fences[b] = [self._streams.fence(s) for s in state.streams[b].values()]
+        state.ready[b].set()
 
     def finish(self, meta: torch.Tensor) -> None:
         """Backward is over on this rank (or failed): gradients that no hook delivered (unused
@@ -161,12 +203,15 @@ class GradientBuckets:
                     target.copy_(p.grad.reshape(-1))
                 else:
                     target.zero_()
+                self._copied_on(state, b)
             if self._joined:
                 state.buffers[-1][-state.meta_len :].copy_(meta.to(self.buckets[-1].dtype))
+                self._copied_on(state, len(self.buckets) - 1)
             else:
                 state.meta_separate = meta.clone()
-            for event in state.ready:
-                event.set()
+            for b, event in enumerate(state.ready):
+                if not event.is_set():
+                    self._release(state, b)
 
     def wait(self) -> torch.Tensor:
         """Waits for every bucket's allreduce; returns the reduced metadata (float64).
@@ -176,7 +221,9 @@ class GradientBuckets:
         """
         state = self._state
         assert state is not None and state.future is not None
-        state.future.result()
+        done = state.future.result()
+        if done is not None and self._streams is not None:
+            self._streams.wait(done)  # what the step reads next follows the reductions
         if self._joined:
             return state.buffers[-1][-state.meta_len :].to("cpu", torch.float64)
         assert state.meta_separate is not None
@@ -190,22 +237,28 @@ class GradientBuckets:
             b, offset = self._where[id(p)]
             p.grad = state.buffers[b][offset : offset + p.numel()].view_as(p)
 
-    def _reduce_all(self, comm: Communicator, state: _StepState) -> None:
-        finite = True
+    def _reduce_all(self, comm: Communicator, state: _StepState) -> object | None:
+        """The communication thread's step: every bucket reduced in order, each after its
+        fences; returns a fence on this thread's stream after the last (GPU), else None."""
+        sums: list[torch.Tensor] = []
         last = len(self.buckets) - 1
         for i, bucket in enumerate(self.buckets):
             state.ready[i].wait()
+            if self._streams is not None:
+                for fence in state.fences[i]:
+                    self._streams.wait(fence)
             buffer = state.buffers[i]
             # A sum is not finite iff an element is not (or the sum overflows): 30x cheaper
-            # than torch.isfinite(...).all() on a CPU.
-            finite = finite and math.isfinite(float(buffer[: bucket.numel].sum()))
+            # than torch.isfinite(...).all() on a CPU. Read once, before the metadata goes.
+            sums.append(buffer[: bucket.numel].sum().reshape(1).to(torch.float64))
             if i == last and self._joined:
-                self._vote_nonfinite(buffer[bucket.numel :], state, finite)
+                self._vote_nonfinite(buffer[bucket.numel :], state, _finite(sums))
             comm.allreduce(buffer)
         if not self._joined:
             assert state.meta_separate is not None
-            self._vote_nonfinite(state.meta_separate, state, finite)
+            self._vote_nonfinite(state.meta_separate, state, _finite(sums))
             comm.control.allreduce(state.meta_separate)
+        return self._streams.fence(self._streams.current()) if self._streams is not None else None
 
     @staticmethod
     def _vote_nonfinite(meta: torch.Tensor, state: _StepState, finite: bool) -> None:
@@ -213,3 +266,8 @@ class GradientBuckets:
         # memory) keeps its vote.
         if not finite and meta[1 + state.vote_slot] == 0:
             meta[1 + state.vote_slot] = state.nonfinite_vote
+
+
+def _finite(sums: list[torch.Tensor]) -> bool:
+    """Whether every bucket's sum is finite (one read from the device)."""
+    return bool(torch.isfinite(torch.cat(sums)).all()) if sums else True

@@ -24,6 +24,9 @@ pytestmark = pytest.mark.integration
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NAME = "readme-run"  # the README's `--name demo` and NAME
+# `elastic demo --workers 2 --epochs 2`: the float32 MLP's final weights with a kill against
+# those of its uninterrupted run (measured: see the demo's entry in docs/benchmarks.md).
+DEMO_WEIGHT_BOUND = 1e-4
 
 # (command, flag) -> the tiny value used instead of the README's.
 TINY = {
@@ -228,6 +231,9 @@ def _check(kind: str, output: str, out: pathlib.Path) -> None:
         case "demo":
             assert "killed rank 1 on purpose at step 30" in output
             assert "uninterrupted" in output
+            [difference] = re.findall(r"largest weight difference against the uninterrupted "
+                                      r"run: (\S+)", output)
+            assert float(difference) < DEMO_WEIGHT_BOUND
             assert "A worker died or was killed" not in output
         case "report":
             pngs = list((out / "report").glob("*.png"))

@@ -1,0 +1,86 @@
+"""The gradient buckets' stream ordering, with fake streams on CPU: the hooks copy on the stream
+autograd gives them (a user's side stream under `torch.cuda.stream(s)`), so every bucket's
+copies are fenced on each stream that made them, the communication thread's stream waits for
+those fences before it reduces the bucket, and the caller's stream waits for the communication
+thread's before the step reads the results. On a GPU the fakes are `torch.cuda`'s streams and
+events; without the fences the communication stream could read a bucket still being copied."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from elastic.trainer.buckets import GradientBuckets
+
+
+class FakeStreams:
+    """Each thread's current stream is named after the thread ('user' for the test's, 'comm'
+    for the communication thread); every call is logged in order."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.lock = threading.Lock()
+
+    def _name(self) -> str:
+        return "comm" if threading.current_thread().name.startswith("elastic-grad-comm") else "user"
+
+    def current(self) -> str:
+        return self._name()
+
+    def fence(self, stream: str) -> tuple:
+        with self.lock:
+            event = ("event", stream, len(self.log))
+            self.log.append(("fence", stream, event))
+        return event
+
+    def wait(self, event: tuple) -> None:
+        with self.lock:
+            self.log.append(("wait", self._name(), event))
+
+
+class Comm:
+    rank, world_size = 0, 1
+
+    def __init__(self, log: list, lock: threading.Lock) -> None:
+        self.control = self
+        self.log, self.lock = log, lock
+
+    def allreduce(self, tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        with self.lock:
+            self.log.append(("allreduce", tensor.numel()))
+        return tensor
+
+
+def test_each_bucket_is_reduced_after_the_fences_of_the_streams_that_filled_it():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 1))
+    params = list(model.parameters())
+    streams = FakeStreams()
+    buckets = GradientBuckets(params, bucket_bytes=64 * 65 * 4, first_bucket_bytes=1024,
+                              streams=streams)
+    assert len(buckets.buckets) >= 3
+    comm = Comm(streams.log, streams.lock)
+    meta = torch.zeros(4, dtype=torch.float64)
+    buckets.begin(comm, meta_len=len(meta), vote_slot=0, nonfinite_vote=2.0)
+    buckets.arm(True)
+    model(torch.randn(8, 64)).sum().backward()
+    buckets.finish(meta)
+    buckets.wait()
+    log = streams.log
+    reductions = [i for i, entry in enumerate(log) if entry[0] == "allreduce"]
+    assert len(reductions) == len(buckets.buckets)
+    fences = [entry[2] for entry in log if entry[0] == "fence" and entry[1] == "user"]
+    assert len(fences) == len(buckets.buckets)  # one per bucket: all its copies on one stream
+    for fence in fences:
+        waited = log.index(("wait", "comm", fence))
+        # the communication thread waited for it before the reduction of that bucket
+        assert any(r > waited for r in reductions)
+    for b, r in enumerate(reductions):
+        waits = [i for i, e in enumerate(log[:r]) if e[0] == "wait" and e[1] == "comm"]
+        assert len(waits) >= b + 1, "a bucket was reduced before its fence was waited for"
+    # Last: the caller's stream waits for the communication thread's, after every reduction.
+    comm_fence = next(e for e in log if e[0] == "fence" and e[1] == "comm")
+    assert log.index(("wait", "user", comm_fence[2])) > reductions[-1]
+    buckets.assign_grads()
+    assert all(p.grad is not None for p in params)
