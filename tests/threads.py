@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections.abc import Callable
@@ -27,13 +28,24 @@ def run_ranks(
     results: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
 
+    # A communicator is closed once every rank is done with it, as the controller closes a
+    # generation only once every rank's chunk has returned: closing aborts NCCL, which would
+    # cut short a peer still finishing its last operation.
+    done = threading.Barrier(world_size)
+
     def target(rank: int) -> None:
         try:
-            comm = Communicator(rank, world_size, server.endpoint, generation, config,
-                                secret=server.secret, shared_bytes=shared_bytes)
+            try:
+                comm = Communicator(rank, world_size, server.endpoint, generation, config,
+                                    secret=server.secret, shared_bytes=shared_bytes)
+            except BaseException:
+                done.abort()
+                raise
             try:
                 results[rank] = fn(comm)
             finally:
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    done.wait(timeout)
                 comm.close()
         except BaseException as e:
             errors[rank] = e

@@ -52,9 +52,15 @@ kernels. Once the state is not open, handles answer without taking the lock, so 
 for that helper but `close()`, which joins it (its caller bounds it:
 `Communicator.close(timeout)`). An NCCL call that refuses to enqueue fails the transport the
 same way: nothing is issued after it (a collective posted behind a failed group is not
-enqueued, so ranks never disagree on the order of operations). After a failure or an abort,
-`close()` never calls `ncclCommDestroy`, which would wait for kernels that may never end;
-only a close after clean use, with nothing in flight, destroys (on the helper thread too).
+enqueued, so ranks never disagree on the order of operations). `close()` aborts too, even
+after clean use: `ncclCommDestroy` waits for kernels that may never end after a failure, and
+in recent NCCL it synchronises with the peers like a collective, so it hangs when a peer has
+already left (vLLM PR #39846), which is how a generation usually ends here (a rank lost, or
+leaving at a resize); a hang would end the worker after the release limit, restarting a
+survivor. A communicator is closed only when the next generation forms, after every chunk of
+its generation returned (each rank's collectives had completed on it), so aborting then cuts
+nothing short. `close(destroy=True)` destroys after clean use, for a caller that knows every
+rank is alive and past a barrier.
 
 Bad input is refused before any NCCL call with `ValueError`, which the communicator re-raises
 without failing (every rank passes the same tensors and raises alike): a tensor not on the
@@ -754,11 +760,12 @@ class NcclTransport(Transport):
         once, as `abort()`."""
         self._stop(_FAILED)
 
-    def close(self) -> None:
-        """Destroys the communicator after clean use (nothing failed or aborted, no
-        asynchronous error, nothing in flight), else aborts it (ncclCommDestroy waits for
-        kernels that may never end), and waits for that release: for as long as it takes, so
-        a caller that cannot wait bounds it (`Communicator.close(timeout)`)."""
+    def close(self, destroy: bool = False) -> None:
+        """Aborts the communicator (ncclCommAbort, local: it cannot wait for a peer), or with
+        `destroy`, for a caller that knows every rank is alive and past a barrier, destroys it
+        after clean use (nothing failed or aborted, no asynchronous error, nothing in flight);
+        then waits for that release: for as long as it takes, so a caller that cannot wait
+        bounds it (`Communicator.close(timeout)`)."""
         if self._releaser is None:
             with self._lock:  # not released while this holds it
                 clean = (self._state == _OPEN
@@ -768,7 +775,7 @@ class NcclTransport(Transport):
                 with self._flags:
                     if self._state == _OPEN:
                         self._state = _CLOSED
-                    self._start_release(destroy=clean and self._state == _CLOSED)
+                    self._start_release(destroy=destroy and clean and self._state == _CLOSED)
         self._wake.set()
         releaser = self._releaser
         assert releaser is not None

@@ -29,7 +29,10 @@ What it models, because the transport's correctness depends on it:
   raises for ncclRemoteError: `KeyError(6)` (CuPy's `NcclError` knows codes 0-5 only);
   `inject_error(code)` sets any result code, e.g. 7 (ncclInProgress).
 - `destroy()` waits for the communicator's work in flight, as ncclCommDestroy does: destroying
-  a communicator whose group never completes hangs.
+  a communicator whose group never completes hangs. Then, as in recent NCCL (where destroy
+  synchronises with the peers like a collective), it waits until every peer has destroyed or
+  aborted its own (said goodbye, or its connection closed): a peer that has left the job
+  without closing, but whose process lives on, makes it hang.
 
 Ranks may be threads of one process or separate processes; nothing is process-global but
 the threads. `get_unique_id()` starts a bootstrap root (a listening socket and a thread) in
@@ -468,6 +471,7 @@ class NcclCommunicator:
         self._acked: list[set[int]] = [set() for _ in range(ndev)]
         self._coll_inbox: dict[tuple[int, int], bytearray] = {}
         self._bye: set[int] = set()
+        self._hung_up: set[int] = set()  # peers whose connection closed
         self._socks: dict[int, socket.socket] = {}
         self._send_locks: dict[int, threading.Lock] = {}
         try:
@@ -595,6 +599,9 @@ class NcclCommunicator:
             with self._send_locks[peer], contextlib.suppress(OSError):
                 s.sendall(_HEADER.pack(_BYE, 0, 0))
                 s.shutdown(socket.SHUT_WR)  # the reader closes once the peer has left too
+        with self._cv:  # every peer's goodbye, or its connection closed
+            while not all(p in self._bye or p in self._hung_up for p in self._socks):
+                self._cv.wait()
 
     # --- simulator extensions ---
 
@@ -808,6 +815,7 @@ class NcclCommunicator:
         except (OSError, EOFError):
             pass
         with self._cv:
+            self._hung_up.add(peer)
             if not self._closing and peer not in self._bye:
                 self._fail(ncclRemoteError, f"rank {peer} died or aborted")
             self._cv.notify_all()

@@ -12,6 +12,7 @@ peer, the private communication stream and the abort on a helper thread are chec
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -63,15 +64,23 @@ def _run(world: int, fn: Callable[[Communicator], Any], config: CollectiveConfig
     results: list[Any] = [None] * world
     errors: list[BaseException | None] = [None] * world
 
+    done = threading.Barrier(world)  # closing aborts NCCL: once every rank is done with it
+
     def target(rank: int) -> None:
         try:
             torch.cuda.set_device(rank)
-            comm = Communicator(rank, world, server.endpoint, generation, config or _config(),
-                                secret=server.secret)
+            try:
+                comm = Communicator(rank, world, server.endpoint, generation,
+                                    config or _config(), secret=server.secret)
+            except BaseException:
+                done.abort()
+                raise
             try:
                 results[rank] = fn(comm)
                 torch.cuda.synchronize()
             finally:
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    done.wait(timeout)
                 assert comm.close(timeout=60), f"rank {rank}: the NCCL release did not end"
         except BaseException as e:
             errors[rank] = e

@@ -658,10 +658,32 @@ def test_a_timeout_aborts_nccl_and_close_then_never_destroys(server, spy):
     assert "destroy" not in rank1  # its peer aborted: a remote error, so close aborts too
 
 
-def test_close_after_clean_use_destroys(server, spy):
+def test_close_after_clean_use_aborts_and_never_destroys(server, spy):
+    """ncclCommDestroy synchronises with the peers in recent NCCL and hangs when one has left:
+    a close aborts, which is local."""
     run_ranks(server, 2, lambda c: c.allreduce(torch.ones(3), "sum", "native"), _config())
     for rank in (0, 1):
-        assert _after_warmup(spy, rank) == ["allReduce", "destroy"]
+        assert _after_warmup(spy, rank) == ["allReduce", "abort"]
+
+
+def test_a_clean_close_returns_when_a_peer_has_left_without_closing(server, spy):
+    """Rank 1 leaves the generation without closing (as a rank that leaves at a resize, or a
+    process that died between chunks); rank 0's close after clean use returns."""
+    left = threading.Event()
+    closed = threading.Event()
+
+    def body(comm: Communicator) -> None:
+        comm.allreduce(torch.ones(3), "sum", "native")
+        if comm.rank == 1:
+            left.set()
+            assert closed.wait(60)  # gone as far as rank 0 knows: it never closes before
+            return
+        assert left.wait(60)
+        assert comm.close(timeout=30)  # would wait for rank 1 in a collective destroy
+        closed.set()
+
+    run_ranks(server, 2, body, _config())
+    assert _after_warmup(spy, 0) == ["allReduce", "abort"]
 
 
 def test_abort_while_waiting_wakes_the_caller_and_aborts_nccl(server, spy, monkeypatch):
