@@ -17,10 +17,15 @@ $(VENV)/torch-spec: FORCE
 	@mkdir -p $(VENV)
 	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
 
-$(BIN)/.installed: pyproject.toml Makefile $(VENV)/torch-spec
+# torch alone, reinstalled whenever TORCH_SPEC changes (pip keeps an installed 2.13.0+cpu for
+# a plain torch==2.13.0 otherwise, whatever the index).
+$(VENV)/.torch: $(VENV)/torch-spec
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q --force-reinstall $(TORCH_SPEC)
+	touch $@
+
+$(BIN)/.installed: pyproject.toml Makefile $(VENV)/.torch
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 

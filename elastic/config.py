@@ -42,7 +42,7 @@ class CollectiveConfig(_Frozen):
         description="Communication backend: 'gloo' (host memory: shared memory between the "
         "ranks of a host, gloo between hosts; GPU workers copy their gradients into pinned host "
         "memory and back, which lets several workers share one GPU) or 'nccl' (CUDA tensors, "
-        "one GPU per rank, needs the `gpu` extra).",
+        "one GPU per rank, needs the `gpu` extra for CUDA 12 or `gpu-cu13` for CUDA 13).",
     )
     algorithm: Algorithm = Field(
         default="auto",

@@ -1,7 +1,9 @@
 """A driver for `ray job submit`: trains the spirals job on the cluster the job runs on.
 
-    RAY_AUTH_MODE=token ray job submit --address http://HEAD:8265 --working-dir . -- \
-        python examples/submit_job.py --name spirals --workers 2 --epochs 4
+    RAY_AUTH_MODE=token ray job submit --address http://HEAD:8265 --no-wait \
+        --working-dir examples -- python submit_job.py --name spirals --workers 2 --epochs 4
+
+(as tests/fault/test_ray_job_submit.py submits it).
 
 While it runs, from any machine connected to the cluster:
     elastic status spirals; elastic scale spirals 3; elastic kill spirals --rank 1
