@@ -21,7 +21,7 @@ import torch
 from elastic.config import ReduceOp
 
 if TYPE_CHECKING:
-    from elastic.collective.communicator import Communicator
+    from elastic.collective.transport import Collective
 
 
 def _segments(tensor: torch.Tensor, segment_bytes: int) -> list[torch.Tensor]:
@@ -32,7 +32,7 @@ def _segments(tensor: torch.Tensor, segment_bytes: int) -> list[torch.Tensor]:
 # --- ring -----------------------------------------------------------------------------------
 
 
-def ring_reduce_scatter(comm: Communicator, chunks: list[torch.Tensor] | tuple[torch.Tensor, ...],
+def ring_reduce_scatter(comm: Collective, chunks: list[torch.Tensor] | tuple[torch.Tensor, ...],
                         op: ReduceOp) -> None:
     """After `p-1` steps rank r holds chunk r reduced over all ranks.
 
@@ -65,7 +65,7 @@ def ring_reduce_scatter(comm: Communicator, chunks: list[torch.Tensor] | tuple[t
     comm.wait(sends)
 
 
-def ring_allgather(comm: Communicator, chunks: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
+def ring_allgather(comm: Collective, chunks: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
     """Rank r starts holding chunk r; after `p-1` steps every rank holds every chunk."""
     n, r = comm.world_size, comm.rank
     right, left = (r + 1) % n, (r - 1) % n
@@ -84,7 +84,7 @@ def ring_allgather(comm: Communicator, chunks: list[torch.Tensor] | tuple[torch.
     comm.wait(pending)
 
 
-def ring_allreduce(comm: Communicator, flat: torch.Tensor, op: ReduceOp) -> None:
+def ring_allreduce(comm: Collective, flat: torch.Tensor, op: ReduceOp) -> None:
     """Ring allreduce: reduce-scatter, then allgather (Patarasuk and Yuan 2009)."""
     chunks = flat.tensor_split(comm.world_size)
     ring_reduce_scatter(comm, chunks, op)
@@ -94,7 +94,7 @@ def ring_allreduce(comm: Communicator, flat: torch.Tensor, op: ReduceOp) -> None
 # --- tree -----------------------------------------------------------------------------------
 
 
-def tree_allreduce(comm: Communicator, flat: torch.Tensor, op: ReduceOp) -> None:
+def tree_allreduce(comm: Collective, flat: torch.Tensor, op: ReduceOp) -> None:
     """Binomial-tree reduce to rank 0, then binomial-tree broadcast from rank 0."""
     n, r = comm.world_size, comm.rank
     scratch = torch.empty_like(flat)
@@ -127,7 +127,7 @@ def tree_allreduce(comm: Communicator, flat: torch.Tensor, op: ReduceOp) -> None
 # --- recursive halving and doubling ----------------------------------------------------------
 
 
-def halving_doubling_allreduce(comm: Communicator, flat: torch.Tensor, op: ReduceOp) -> None:
+def halving_doubling_allreduce(comm: Collective, flat: torch.Tensor, op: ReduceOp) -> None:
     """Rabenseifner's allreduce: recursive-halving reduce-scatter, then recursive-doubling
     allgather, over the largest power of two `q <= p` ranks.
 

@@ -9,7 +9,7 @@ copies the result into its buffer; once all have (stage 2), each rank copies eve
 from its owner's buffer. Every element is reduced once, by one rank, so every rank ends with
 the same bits. Each rank has two buffers and alternates between them: it writes one again only
 after every peer has passed stage 2 of the next chunk, that is after they all finished reading
-it. The synchronisation is the shared-memory transport's (`SharedMemoryTransport.stage`): a
+it. The synchronisation is the shared-memory transport's (`HostGroup.stage`): a
 word per rank, doorbells and futexes, pidfds for liveness.
 
 Registered buffers: a tensor that lies in this rank's shared region (the trainer takes its flat
@@ -50,8 +50,7 @@ from elastic.collective.transport import Pending, reduce_into
 from elastic.config import ReduceOp
 
 if TYPE_CHECKING:
-    from elastic.collective.communicator import Communicator
-    from elastic.collective.shm import SharedMemoryTransport
+    from elastic.collective.transport import Collective, HostGroup
 
 
 # The smallest piece of a registered buffer that crosses between hosts in one swap.
@@ -60,7 +59,7 @@ _CROSSING_BYTES = 16 << 20
 _BLOCK_BYTES = 256 << 10
 
 
-def allreduce(comm: Communicator, host: SharedMemoryTransport | None, flat: torch.Tensor,
+def allreduce(comm: Collective, host: HostGroup | None, flat: torch.Tensor,
               op: ReduceOp) -> None:
     """Allreduces `flat` in place: direct inside each host, across hosts between slice owners.
 
@@ -82,7 +81,7 @@ def allreduce(comm: Communicator, host: SharedMemoryTransport | None, flat: torc
         _chunk(comm, host, flat[start : start + per], op, slices, owned, scratch)
 
 
-def _registered(comm: Communicator, host: SharedMemoryTransport, flat: torch.Tensor, offset: int,
+def _registered(comm: Collective, host: HostGroup, flat: torch.Tensor, offset: int,
                 op: ReduceOp, slices: int, owned: range, scratch: torch.Tensor | None) -> None:
     """The allreduce of a registered buffer: stage 1, reduce and write out, stage 2.
 
@@ -158,7 +157,7 @@ def _reduce_and_spread(out: torch.Tensor, sources: list[torch.Tensor], targets: 
             target[lo : lo + step].copy_(block)
 
 
-def _chunk(comm: Communicator, host: SharedMemoryTransport, chunk: torch.Tensor, op: ReduceOp,
+def _chunk(comm: Collective, host: HostGroup, chunk: torch.Tensor, op: ReduceOp,
            slices: int, owned: range, scratch: torch.Tensor | None) -> None:
     """One chunk: copy in, stage 1, reduce (and cross hosts), stage 2, copy out.
 
@@ -210,7 +209,7 @@ def _bounds(n: int, parts: int) -> list[int]:
     return [j * q + min(j, r) for j in range(parts + 1)]
 
 
-def _across_hosts(comm: Communicator, host: SharedMemoryTransport, j: int, out: torch.Tensor,
+def _across_hosts(comm: Collective, host: HostGroup, j: int, out: torch.Tensor,
                   op: ReduceOp, scratch: torch.Tensor) -> None:
     """Allreduces slice `j` with its owners on the other hosts, over the network."""
     members = [ranks[j % len(ranks)] for ranks in host.hosts]
@@ -232,7 +231,7 @@ def _across_hosts(comm: Communicator, host: SharedMemoryTransport, j: int, out: 
 class _Subgroup:
     """The slice owners of every host, seen as a communicator of their own for the ring."""
 
-    def __init__(self, comm: Communicator, members: list[int]) -> None:
+    def __init__(self, comm: Collective, members: list[int]) -> None:
         self._comm = comm
         self._members = members
         self.rank = members.index(comm.rank)

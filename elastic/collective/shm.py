@@ -192,7 +192,7 @@ class SharedMemoryTransport(Transport):
         self._peers, self._peer_bells = [], {}
         self.region, self._regions, self._scratch = 0, [], {}
 
-    def host_group(self) -> SharedMemoryTransport:
+    def host_group(self) -> SharedMemoryTransport:  # a `HostGroup`
         return self
 
     # --- the direct allreduce's shared state ----------------------------------------------

@@ -21,15 +21,20 @@ import ctypes
 import mmap
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from elastic.collective.transport import reduce_into
 from elastic.config import ReduceOp
 
-if TYPE_CHECKING:
-    from elastic.collective.shm import SharedMemoryTransport
+
+class RingDriver(Protocol):
+    """What a handle needs of its transport to complete (`shm.SharedMemoryTransport`)."""
+
+    def progress_if_idle(self) -> None: ...
+
+    def drive(self, item: Handle, timeout: float) -> bool: ...
 
 # Ring layout: positions on their own cache lines, then the bytes.
 _TAIL = 0  # u64 stream position written by the sender
@@ -85,7 +90,7 @@ class Handle:
 
     __slots__ = ("_transport", "done", "error")
 
-    def __init__(self, transport: SharedMemoryTransport) -> None:
+    def __init__(self, transport: RingDriver) -> None:
         self._transport = transport
         self.done = False
         self.error: BaseException | None = None
@@ -109,7 +114,7 @@ class Transfer(Handle):
 
     __slots__ = ("data", "moved", "op", "started", "tag", "target", "unit")
 
-    def __init__(self, transport: SharedMemoryTransport, tensor: torch.Tensor, tag: int,
+    def __init__(self, transport: RingDriver, tensor: torch.Tensor, tag: int,
                  op: ReduceOp | None = None) -> None:
         super().__init__(transport)
         self.target = tensor.reshape(-1)  # the caller's contiguous tensor, flat

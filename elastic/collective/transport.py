@@ -19,7 +19,7 @@ import torch
 from elastic.config import ReduceOp
 
 if TYPE_CHECKING:
-    from elastic.collective.shm import SharedMemoryTransport
+    from elastic.config import CollectiveConfig
 
 
 def reduce_into(dst: torch.Tensor, src: torch.Tensor, op: ReduceOp) -> None:
@@ -103,7 +103,7 @@ class Transport(ABC):
         that wait on this rank through a side channel to give up as well. Default: nothing."""
         return
 
-    def host_group(self) -> SharedMemoryTransport | None:
+    def host_group(self) -> HostGroup | None:
         """The shared memory of the ranks on this host, for the direct and hierarchical
         allreduce; None when this transport has none."""
         return None
@@ -137,3 +137,47 @@ class _ReducedWhenChecked:
         if not self._reduced:
             self._reduced = True
             reduce_into(self._dst, self._scratch, self._op)
+
+
+class Collective(Protocol):
+    """What the allreduce algorithms (`algorithms`, `direct`) need of a communicator:
+    `Communicator` is one. Declared here so that they need not import it (it imports them)."""
+
+    rank: int
+    world_size: int
+    config: CollectiveConfig
+
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]],
+                 recvs: Sequence[tuple[torch.Tensor, int]], tag: int = 0) -> list[Pending]: ...
+
+    def recv_reduce(self, tensor: torch.Tensor, src: int, op: ReduceOp, tag: int = 0,
+                    scratch: torch.Tensor | None = None) -> list[Pending]: ...
+
+    def wait(self, pending: Sequence[Pending]) -> None: ...
+
+
+class HostGroup(Protocol):
+    """The shared memory of the ranks on one host (`Transport.host_group`), as the direct and
+    hierarchical allreduce and the registered buffers use it: `shm.SharedMemoryTransport` is
+    one. Declared here so that this module need not import it (it imports this one)."""
+
+    rank: int
+    hosts: list[list[int]]  # the global ranks of each host
+    host: int  # this rank's host
+    local: list[int]  # the global ranks of this host
+    local_rank: int
+    chunk: int  # bytes of each staging buffer
+
+    def buffers(self, sequence: int, dtype: torch.dtype) -> list[torch.Tensor]: ...
+
+    def next_sequence(self) -> int: ...
+
+    def stage(self, value: int, descriptor: tuple[int, int] | None = None) -> Pending: ...
+
+    def shared_buffers(self, sizes: dict[torch.dtype, int]) -> dict[torch.dtype, torch.Tensor] | None: ...
+
+    def scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def registered(self, flat: torch.Tensor) -> int | None: ...
+
+    def registered_views(self, offset: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]: ...
