@@ -21,52 +21,44 @@ from __future__ import annotations
 
 import io
 import logging
-import math
-import os
-import signal
-import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch.utils.data import default_collate
 
-from elastic.adapt.groups import decide_grouping, forward_seed
+from elastic.adapt.groups import decide_grouping
 from elastic.adapt.plan import BatchPlan
 from elastic.collective import Communicator
 from elastic.config import ChaosEvent, ChaosPhase, DataConfig, FitConfig
-from elastic.errors import CollectiveError, ConfigError, HalfUpdatedError, InjectedFault
+from elastic.errors import CollectiveError, ConfigError, HalfUpdatedError
 from elastic.job import TrainJob
-from elastic.private import ensure_private_dir, write_private
-from elastic.trainer.buckets import GradientBuckets
+from elastic.trainer.apply import apply_step
 from elastic.trainer.buffers import BufferSync
+from elastic.trainer.compute import ahead, compute
 from elastic.trainer.data import Cursor, SampleOrder, steps_per_epoch
 from elastic.trainer.device import (
     MoveBatch,
     default_move,
     is_allocation_failure,
-    release_cached_memory,
     rng_state,
     set_rng_state,
     to_device_like,
 )
 from elastic.trainer.exact import ExactSum, environment, make_deterministic
-from elastic.trainer.flat import all_finite, allreduce_flat, flatten_grads, unflatten_grads
-from elastic.trainer.loader import Piece, Prefetcher, load_piece, set_generator_state
-from elastic.trainer.loss import LossForm, loss_term
+from elastic.trainer.faults import FaultInjector, Progress, chaos_kill
+from elastic.trainer.loader import Prefetcher
 from elastic.trainer.metrics import (
     MAX_NAMES_BYTES,
-    MetricSums,
     decode_names,
     encode_names,
     merge_names,
     read_section,
-    split_output,
 )
 from elastic.trainer.outcomes import NonFinite, OutOfMemory, StepRecord, UserFailure
+from elastic.trainer.reducers import Reducer, make_reducer, release_frames
 from elastic.trainer.step import (
     Commit,
     Computed,
@@ -79,15 +71,15 @@ from elastic.trainer.step import (
 )
 from elastic.trainer.training import (
     Training,
-    after_step,
     build_extra_state,
     load_extra_state,
     wants_model,
 )
 
-# The outcome types are part of this module's interface (the worker actor imports them here).
-__all__ = ["NonFinite", "OutOfMemory", "Replica", "StepRecord", "UserFailure", "chaos_kill",
-           "max_state_bytes"]
+# The outcome types, `Progress` and `chaos_kill` are part of this module's interface (the worker
+# actor imports them here).
+__all__ = ["NonFinite", "OutOfMemory", "Progress", "Replica", "StepRecord", "UserFailure",
+           "chaos_kill", "max_state_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,32 +88,9 @@ _FLOAT32_EXACT = 1 << 24
 # Exact mode: redos of one step at a wider scale before giving up (each widens by up to 50+
 # bits, so a float64 gradient from 2**8 to 2**1024 takes about 20).
 _MAX_RESCALES = 40
-# Elements of step metadata the registered gradient buffers leave room for: the votes, the
-# loss, the ledger (one per sample of the global batch) and the metrics; a step whose metadata
-# is longer copies its buffers through the transport instead (correct, a little slower).
-_META_ROOM = 1 << 16
 # A worker waits for its loader processes to build the data set for at most 3x its own build
 # time, and at least this long (a spawned loader imports torch first: seconds).
 _LOADER_START_MIN_S = 30.0
-
-
-@dataclass
-class Progress:
-    """Where a replica is, readable from another thread (for the hang watchdog)."""
-
-    step: int = 0
-    phase: str = "idle"
-    since: float = field(default_factory=time.monotonic)
-
-
-def chaos_kill(run_dir: str, event: ChaosEvent) -> None:
-    """Chaos 'kill': records the moment (for the recovery breakdown), then SIGKILLs this
-    process."""
-    directory = os.path.join(run_dir, "chaos")
-    ensure_private_dir(directory, "run_dir")
-    write_private(os.path.join(directory, f"kill-{event.step}-{event.rank}"),
-                  repr(time.time()).encode(), fsync=False)
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _built_model(job: TrainJob) -> torch.nn.Module:
@@ -249,8 +218,8 @@ class Replica:
         if config.ledger and len(self.dataset) > _FLOAT32_EXACT:
             raise ConfigError("ledger=True supports data sets of up to 2**24 samples")
         self.cursor = Cursor()
-        self._slow: tuple[float, int | None] | None = None  # chaos: (factor, last step)
-        self.progress = Progress()
+        self.faults = FaultInjector(run_dir)
+        self.progress: Progress = self.faults.progress
         self.comm: Communicator | None = None
         # Whether the controller asked this rank to end its chunk (read as a step's metadata
         # is packed; the worker actor sets it per chunk).
@@ -258,10 +227,13 @@ class Replica:
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.buffers = BufferSync(self.model)
         collective = config.collective
+        self._loss_slot = len(self._params)  # exact mode's slot of the loss
         self.exact = self._exact_sums() if config.batch.exact else None
-        self._buckets = (GradientBuckets(self._params, collective.bucket_bytes,
-                                         collective.first_bucket_bytes)
-                         if collective.overlap_enabled and self.exact is None else None)
+        # How the gradients are summed: exact sums, buckets that overlap the backward pass,
+        # or flat buffers after it (`elastic.trainer.reducers`), chosen once.
+        self.reducer: Reducer = make_reducer(
+            self, self._params, collective.overlap_enabled, collective.bucket_bytes,
+            collective.first_bucket_bytes, self.exact, self._loss_slot)
         # Last: nothing above may fail after loader processes exist.
         self.prefetcher = _start_loaders(job, config.data, data_rng, built_in)
 
@@ -297,7 +269,6 @@ class Replica:
                                    self.config.scaling.num_workers, batch.policy,
                                    traits["batchnorm"], traits["dropout"], batch.max_micro_batch,
                                    exact=True)
-        self._loss_slot = len(self._params)
         sizes = [p.numel() for p in self._params] + [1, 1] + self.buffers.slot_sizes()
         exact = ExactSum(sizes, batch.global_batch_size // grouping.size)
         self.buffers.attach(exact, self._loss_slot + 2)
@@ -428,15 +399,9 @@ class Replica:
 
     def registered_bytes(self) -> int:
         """Shared memory to ask the communicator to lend for the flat gradient buffers
-        (`Communicator(shared_bytes=...)`): one copy of the gradients, each dtype 64-byte
-        aligned, and room for the step's metadata up to `_META_ROOM` elements; 0 when the
-        step reduces no flat host buffers (buckets, exact mode, or gradients on a GPU)."""
-        if self._buckets is not None or self.exact is not None or self.device.type != "cpu":
-            return 0
-        sizes: dict[torch.dtype, int] = {}
-        for p in self._params:
-            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * p.element_size()
-        return sum(-(-n // 64) * 64 for n in sizes.values()) + _META_ROOM * 8
+        (`Communicator(shared_bytes=...)`; `FlatReducer.registered_bytes`): 0 when the step
+        reduces no flat host buffers (buckets, exact mode, or gradients on a GPU)."""
+        return self.reducer.registered_bytes()
 
     def state_bytes(self) -> bytes:
         """The committed state, serialised for a peer."""
@@ -478,37 +443,10 @@ class Replica:
     # --- the step -----------------------------------------------------------------------
 
     def _enter(self, phase: str) -> None:
-        self.progress.since = time.monotonic()  # first: see evaluation._enter
-        self.progress.phase = phase
+        self.faults.enter(phase)
 
-    def _chaos(self, events: Sequence[ChaosEvent], phase: ChaosPhase, started: float) -> None:
-        for event in events:
-            if event.phase != phase or event.action == "slow":
-                continue
-            match event.action:
-                case "kill":
-                    chaos_kill(self.run_dir, event)
-                case "hang":
-                    threading.Event().wait()
-                case "raise":
-                    raise InjectedFault(
-                        f"injected fault at step {event.step}, rank {event.rank}, phase {phase}"
-                    )
-                case "oom":
-                    raise torch.OutOfMemoryError(
-                        f"injected out-of-memory error at step {event.step}, rank {event.rank}"
-                    )
-
-    def _stretch(self, step: int, started: float) -> None:
-        """Chaos 'slow': this step's compute takes `factor` times as long (a sleep in
-        proportion to the samples just processed)."""
-        if self._slow is None:
-            return
-        factor, last = self._slow
-        if last is not None and step > last:
-            self._slow = None
-            return
-        time.sleep((factor - 1.0) * (time.perf_counter() - started))
+    def _chaos(self, events: Sequence[ChaosEvent], phase: ChaosPhase) -> None:
+        self.faults.fire(events, phase)
 
     def run_step(self, plan: BatchPlan, chaos: list[ChaosEvent],
                  lr_factor: float = 1.0) -> StepRecord | UserFailure | OutOfMemory | NonFinite:
@@ -554,7 +492,7 @@ class Replica:
             self.exact.rescale()  # every rank alike: the overflow is summed over ranks
             self.buffers.rollback()
             self.buffers.begin(context.pieces)
-            self._drop_grads()
+            self.drop_grads()
             # Injected faults fire once: those of the phases already run are dropped.
             context = replace(context, chaos=tuple(e for e in context.chaos
                                                    if e.phase == "optimizer"))
@@ -564,10 +502,10 @@ class Replica:
         if self.exact is not None and not (isinstance(outcome, Commit) and not outcome.skipped):
             self.exact.exponents = exponents  # only an applied step moves them for good
         if isinstance(outcome, Commit):
-            record = self._commit(context, computed, reduced, outcome)
+            record = apply_step(self, context, computed, reduced, outcome)
             return replace(record, rescaled=rescaled) if rescaled else record
         self.buffers.rollback()
-        self._drop_grads()
+        self.drop_grads()
         self._enter("idle")
         return outcome
 
@@ -590,165 +528,30 @@ class Replica:
             first_piece=sum(plan.accumulation(r) for r in range(rank)),
             metric_names=self.metric_names, params=len(self._params), scale=self.training.scale)
         if self.prefetcher is not None:
-            self.prefetcher.want(self._ahead(plan, rank))
+            self.prefetcher.want(ahead(self, plan, rank))
         self.buffers.begin(context.pieces)
-        for event in chaos:
-            if event.action == "slow":
-                self._slow = (event.factor, None if event.steps is None else step + event.steps - 1)
-        self._drop_grads()
+        self.faults.arm_slow(chaos, step)
+        self.drop_grads()
         self.model.train()
         return context
 
-    def _begin_buckets(self, context: StepContext) -> None:
-        """With gradient buckets: allocates the step's buffers and starts the communication
-        thread that the last backward pass feeds (nothing without).
-
-        Raises:
-            torch.OutOfMemoryError: the buffers did not fit (nothing was started).
-        """
-        if self._buckets is not None:
-            self._buckets.begin(context.comm, context.meta_len, context.rank, float(Vote.NONFINITE))
-
-    def _ahead(self, plan: BatchPlan, rank: int) -> list[Piece]:
-        """This rank's pieces of the current step and of the next `data.prefetch_steps` steps
-        should the plan stay as it is, in the order they will be trained on."""
-        pieces: list[Piece] = []
-        cursor, base, batch = self.cursor, plan.offset(rank), plan.global_batch_size
-        for _ in range(1 + self.config.data.prefetch_steps):
-            share = self.order.batch(cursor, batch)[1][base : base + plan.shares[rank]].tolist()
-            pieces += [Piece(cursor.step, forward_seed(self.config.seed, cursor.step, base + start),
-                             tuple(share[start : start + length]))
-                       for start, length in plan.pieces(rank)]
-            cursor = cursor.advance(self.order.dataset_size, batch)
-        return pieces
-
-    def _load(self, step: int, seed: int, samples: torch.Tensor) -> Any:
-        """One piece's batch on this replica's device (`TrainJob.move_batch`, or every tensor
-        in it), with the generators where reading it left them: read ahead by a loader process
-        if it was (pinned with `data.pin_memory`), else here (`elastic.trainer.loader` says
-        why both are the same)."""
-        indices = samples.tolist()
-        if self.prefetcher is not None:
-            taken = self.prefetcher.take(Piece(step, seed, tuple(indices)))
-            if taken is not None:
-                batch, state = taken
-                torch.manual_seed(seed)  # CUDA's generators; the CPU ones continue from `state`
-                set_generator_state(state)
-                return self.move(batch, self.device)
-        return self.move(load_piece(self.dataset, self.collate, indices, seed), self.device)
-
     def _compute(self, context: StepContext) -> Computed:
-        """The compute phase: forward/backward over the micro-batches of this rank's share
-        (one group each with groups on), a mean loss scaled by `len/B`, a `LossSum` total as
-        is (its count summed); the generators seeded from (seed, step, position of the first
-        sample in the global batch) before each one's data is loaded, never from the rank.
-
-        Guarantees: an exception from user code (data, moving the batch, loss, backward) or an
-        out-of-memory error (there, or in allocating the gradient buckets first; torch's, or
-        the CPU allocator's RuntimeError: `is_allocation_failure`) is latched into the vote
-        with its traceback, never raised, so this rank still joins the reduce; the failed
-        attempt's tensors are released before the allocator's cache is. With the
-        vote OK, the gradients are this rank's part of the global batch's (in exact mode, each
-        group's went into the exact sums instead). Chaos faults of data, forward and backward
-        fire here.
-        """
-        pieces = context.plan.pieces(context.rank)
-        loss_sum = data_s = count = 0.0
-        metrics, form = MetricSums(), LossForm.NONE
-        error, vote, used = None, Vote.OK, None
-        if self.exact is not None:
-            self.exact.begin(context.meta_len)  # each attempt of the step sums afresh
-        try:
-            self._begin_buckets(context)
-            self._enter("data")
-            self._chaos(context.chaos, "data", context.started)
-            for index, (start, length) in enumerate(pieces):
-                loss, items, form, loading_s = self._piece(context, index, start, length,
-                                                           index == len(pieces) - 1, form,
-                                                           metrics)
-                loss_sum, count, data_s = loss_sum + loss, count + items, data_s + loading_s
-            used = self._used()
-            self._stretch(context.step, context.started)
-        except Exception as e:  # latched into the vote
-            error = traceback.format_exc()
-            vote = Vote.OUT_OF_MEMORY if is_allocation_failure(e) else Vote.USER_ERROR
-        if vote != Vote.OK:
-            # Out of the except block, so that the failed attempt's frames (its batch,
-            # activations, half-allocated buffers) are gone; its gradients are never sent.
-            self._drop_grads()
-            if vote == Vote.OUT_OF_MEMORY:
-                release_cached_memory(self.device)
-        return Computed(loss_sum=loss_sum, count=count, form=form, vote=vote, error=error, data_s=data_s,
-                        compute_s=time.perf_counter() - context.started, metrics=metrics, used=used)
-
-    def _piece(self, context: StepContext, index: int, start: int, length: int, last: bool,
-               form: LossForm, metrics: MetricSums) -> tuple[float, float, LossForm, float]:
-        """One micro-batch of the compute phase (`index` of this rank's, `length` samples from
-        `start` of its share; `last`: the step's last backward pass): loaded, forward and
-        backward. Returns its loss, item count, loss form and loading seconds."""
-        exact, started = self.exact, context.started
-        piece = context.first_piece + index
-        loading = time.perf_counter()
-        seed = forward_seed(self.config.seed, context.step, context.plan.offset(context.rank) + start)
-        batch = self._load(context.step, seed, context.indices[start : start + length])
-        loading_s = time.perf_counter() - loading
-        self._enter("forward")
-        self._chaos(context.chaos, "forward", started)
-        self.buffers.before_piece(piece)
-        loss, items, form = self._forward(batch, length / context.plan.global_batch_size, form,
-                                          metrics, length)
-        # Read before backward: activation checkpointing runs the layers again there.
-        self.buffers.after_piece(piece)
-        if exact is not None:
-            self._sum_loss(exact, loss, items, form)
-        self._enter("backward")
-        self._chaos(context.chaos, "backward", started)
-        if self._buckets is not None:  # gradients are complete in the last backward pass
-            self._buckets.arm(last)
-        (loss * context.scale if context.scale != 1.0 else loss).backward()
-        value = float(loss.detach())
-        del batch, loss
-        if exact is not None:
-            self._sum_grads(exact)
-        return value, items, form, loading_s
-
-    def _forward(self, batch: Any, scale: float, form: LossForm, metrics: MetricSums,
-                 samples: int) -> tuple[torch.Tensor, float, LossForm]:
-        """One micro-batch's forward and loss (under autocast with mixed precision): the
-        tensor to backpropagate, its item count and form; its user metrics into `metrics`."""
-        with self.training.autocast(self.model):
-            out, piece_metrics = split_output(self.job.loss(self.model, batch))
-        loss, items, form = loss_term(out, scale, form)
-        if piece_metrics:
-            metrics.add(piece_metrics, samples)
-        return loss, items, form
-
-    def _sum_loss(self, exact: ExactSum, loss: torch.Tensor, items: float,
-                  form: LossForm) -> None:
-        """Exact mode: one group's loss (and `LossSum` count) into the exact sums."""
-        exact.add(self._loss_slot, loss.detach().reshape(1))
-        if form == LossForm.SUM:
-            exact.add(self._loss_slot + 1, torch.tensor([items], dtype=torch.float64))
-
-    def _sum_grads(self, exact: ExactSum) -> None:
-        """Exact mode: one group's gradient into the exact sums, each group's on its own (the
-        next backward starts from no gradient)."""
-        for slot, p in enumerate(self._params):
-            if p.grad is not None:
-                exact.add(slot, p.grad)
-                p.grad = None
+        """The compute phase (`elastic.trainer.compute.compute`)."""
+        return compute(self, context)
 
     def _reduce(self, context: StepContext, computed: Computed) -> Reduced:
-        """The reduce phase: gradients and metadata summed over ranks, in the buckets the
-        backward pass has been filling or in flat buffers.
+        """The reduce phase: gradients and metadata summed over ranks by this replica's
+        reducer (`elastic.trainer.reducers`: in buckets the backward pass has been filling,
+        in flat buffers, or in exact mode's integers).
 
         Guarantees: every rank issues the same collectives in the same order whatever its
         vote (a rank that voted down sends zeros or ignored content). A rank that voted OK
         but whose loss or gradients are not finite votes NONFINITE (with buckets, gradients
-        are checked as they are sent). A rank whose flat buffers do not fit even after the
-        allocator's cache is released votes OUT_OF_MEMORY; it, and a rank whose buckets could
-        not be begun (its vote already says why), allocates them again with its gradients
-        freed, so that it still issues every collective. The allreduce chaos faults fire here.
+        are checked as they are sent; in exact mode, an overflow of the fixed-point scale
+        votes RESCALE). A rank whose flat buffers do not fit even after the allocator's cache
+        is released votes OUT_OF_MEMORY; it, and a rank whose buckets could not be begun (its
+        vote already says why), allocates them again with its gradients freed, so that it
+        still issues every collective. The allreduce chaos faults fire here.
 
         Raises:
             CollectiveError: the communication failed or was aborted, or this rank ran out of
@@ -757,70 +560,14 @@ class Replica:
         """
         comm_start = time.perf_counter()
         self._enter("allreduce")
-        self._chaos(context.chaos, "allreduce", context.started)
-        if self.exact is not None:
-            return self._reduce_exact(context, computed, comm_start)
-        buckets = self._buckets
-        vote, flat = computed.vote, None
-        room = context.meta_len if context.comm.control is context.comm else 0
-        if buckets is None:
-            vote, flat = self._flatten(context, vote, room)
-        elif not buckets.begun:
-            # Beginning them raised (the vote says why: out of memory, or an error); this rank
-            # still issues every collective, so they are begun again, their content ignored.
-            self._take_part(context, lambda: self._begin_buckets(context))
-        if vote == Vote.OK and not (math.isfinite(computed.loss_sum)
-                                    and (flat is None or all_finite(flat))):
-            vote = Vote.NONFINITE
-        meta = pack_meta(context, computed.loss_sum, vote, computed.count, computed.form,
-                         self.buffers.section(), computed.metrics, self.yielding(), computed.used)
-        if buckets is not None:
-            buckets.finish(meta)
-            meta = buckets.wait()
-        else:
-            assert flat is not None
-            allreduce_flat(context.comm, flat, meta, room=room > 0)
-        comm_s = time.perf_counter() - comm_start
-        return Reduced.unpack(meta, context, flat, comm_s)
+        self._chaos(context.chaos, "allreduce")
 
-    def _flatten(self, context: StepContext, vote: Vote,
-                 room: int) -> tuple[Vote, dict[torch.dtype, torch.Tensor]]:
-        """The flat gradient buffers (`flatten_grads`; zeros when this rank voted the step
-        down; `room` for the metadata) and this rank's vote. If they do not fit, the
-        allocator's cache is released and they are allocated once more; if they still do not
-        fit, the vote is OUT_OF_MEMORY (if it was OK) and they are zeros, allocated with the
-        gradients freed. Their size does not depend on the micro-batch: the backoff that the
-        vote brings frees no memory they need, which the warning logged then says.
+        def pack(loss_sum: float, vote: Vote, count: float) -> torch.Tensor:
+            return pack_meta(context, loss_sum, vote, count, computed.form,
+                             self.buffers.section(), computed.metrics, self.yielding(),
+                             computed.used)
 
-        Raises:
-            CollectiveError: they did not fit even then (`_take_part`).
-        """
-        lend = context.comm.shared_buffers
-        # GPU gradients on a host plane (no NCCL: several workers may share the GPU) are
-        # staged in pinned host memory.
-        host = self.device.type == "cuda" and context.comm.control is context.comm
-        if vote != Vote.OK:
-            return vote, self._take_part(context, lambda: flatten_grads(
-                self._params, zero=True, meta_len=room, lend=lend, host=host))
-        for attempt in range(2):
-            failed = False
-            try:
-                return vote, flatten_grads(self._params, zero=False, meta_len=room, lend=lend,
-                                           host=host)
-            except Exception as e:
-                if not is_allocation_failure(e):
-                    raise
-                failed = True  # retried below: out of this block, its frames released
-            if failed and attempt == 0:
-                release_cached_memory(self.device)
-        nbytes = sum(p.numel() * p.element_size() for p in self._params)
-        logger.warning(
-            "rank %d: out of memory for the flat gradient buffers of step %d (%d bytes on %s, "
-            "beside the gradients themselves); their size does not depend on the micro-batch, "
-            "so the step is voted down as out of memory, but halving the micro-batch frees "
-            "only activation memory", context.rank, context.step, nbytes, self.device)
-        return Vote.OUT_OF_MEMORY, self._take_part(context, lambda: flatten_grads(
-            self._params, zero=True, meta_len=room, lend=lend, host=host))
+        return self.reducer.reduce(context, computed, pack, comm_start)
 
     def _abandon(self, exponents: list[int]) -> None:
         """A step whose reduce raised: nothing of it may stay in the buffers (or, in exact
@@ -836,174 +583,9 @@ class Replica:
         so it aborts its communicator and reports a collective error caused by it (which
         `elastic.trainer.device.is_out_of_memory` classifies as out of memory)."""
         context.comm.abort()
-        _release_frames(error)
+        release_frames(error)
         return CollectiveError(f"rank {context.rank} ran out of memory in the collectives of "
                                f"step {context.step}: {error}", rank=context.rank)
-
-    def _take_part(self, context: StepContext, allocate: Callable[[], Any]) -> Any:
-        """After this rank's step was voted down (out of memory in the step's allocations, or
-        an error): frees the gradients and the allocator's cache, then runs `allocate` (the
-        buffers this rank needs to take part in the step's collectives) and returns what it
-        returns.
-
-        Raises:
-            CollectiveError: `allocate` raised (ran out of memory again, say); this rank cannot
-                take part, so it aborts its communicator (the generation is re-formed) and
-                reports the error as the cause (out of memory is classified as such by
-                `elastic.trainer.device.is_out_of_memory`).
-        """
-        self._drop_grads()
-        release_cached_memory(self.device)
-        try:
-            return allocate()
-        except Exception as e:
-            out_of_memory = is_allocation_failure(e)
-            context.comm.abort()
-            _release_frames(e)
-            what = ("ran out of memory for its gradient buffers" if out_of_memory else
-                    f"could not allocate its gradient buffers ({type(e).__name__}: {e})")
-            error = CollectiveError(
-                f"rank {context.rank} {what} in step {context.step}, even with its gradients "
-                "freed, so it could not take part in the step's collectives",
-                rank=context.rank)
-            error.__cause__ = e
-        # Out of the except block: the failed allocation's frames are gone before the cache
-        # is released.
-        release_cached_memory(self.device)
-        raise error
-
-    def _commit(self, context: StepContext, computed: Computed, reduced: Reduced,
-                commit: Commit) -> StepRecord:
-        """`_apply`, and if it runs out of memory before the step is committed here (the
-        cursor has not moved), `_apply_out_of_memory`.
-
-        Raises:
-            CollectiveError: out of memory in the apply phase (this rank left the generation).
-        """
-        try:
-            return self._apply(context, computed, reduced, commit)
-        except Exception as e:
-            if not is_allocation_failure(e) or self.cursor.step != context.step:
-                raise
-            raise self._apply_out_of_memory(context, e) from e
-
-    def _apply_out_of_memory(self, context: StepContext, error: BaseException) -> CollectiveError:
-        """Out of memory in the apply phase (the optimizer's lazily allocated state, clipping,
-        the buffers' broadcast): its peers applied the step, while this rank may be half
-        updated. It must not stay a member with that state: it aborts its communicator (its
-        peers are released, the generation is re-formed and this rank restored from a peer
-        that committed the step) and reports a collective error caused by out of memory. Its
-        cursor did not advance (the step is not committed here). If the optimizer step had
-        begun (`torn_at`, set by `_apply`), this replica offers no state until it loads a
-        committed one (`restorable_step`): if no member committed the step either (a single
-        worker, or every rank out of memory alike), the run goes back to a checkpoint (or, at
-        step 0, to fresh workers) instead of going on from half-updated weights. Before the
-        optimizer (clipping, the buffers' broadcast) nothing of the model was touched: it still
-        holds its committed step."""
-        self.buffers.rollback()
-        self._drop_grads()
-        context.comm.abort()
-        _release_frames(error)
-        return CollectiveError(
-            f"rank {context.rank} ran out of memory in the apply phase of step {context.step} "
-            f"(optimizer, clipping or buffers), where its peers commit it; it left the "
-            f"generation to be restored from a peer: {error}", rank=context.rank)
-
-    def _reduce_exact(self, context: StepContext, computed: Computed,
-                      comm_start: float) -> Reduced:
-        """Exact mode's reduce: this rank's integers and the metadata (integers there too:
-        votes, forms, flags, the ledger) in one float64 allreduce, exact for integers; the
-        loss and count from the exact sums."""
-        exact = self.exact
-        assert exact is not None
-        vote = computed.vote
-        if vote == Vote.OK and exact.overflowed:
-            vote = Vote.RESCALE
-        elif vote == Vote.OK and exact.nonfinite:
-            vote = Vote.NONFINITE
-        meta = pack_meta(context, 0.0, vote, 0.0, computed.form, self.buffers.section(),
-                         computed.metrics, self.yielding(), computed.used)
-        # The count travels whatever the vote, as in the default reduce: whether a LossSum
-        # step's count is 0 must not depend on which ranks' groups were non-finite.
-        joined = exact.payload(zero=vote not in (Vote.OK, Vote.RESCALE), meta=meta,
-                               keep=(self._loss_slot + 1,))
-        context.comm.allreduce(joined)
-        exact.finish(joined)
-        reduced = Reduced.unpack(joined[exact.payload_length :], context, None,
-                                 time.perf_counter() - comm_start)
-        total, count = exact.scalar(self._loss_slot), exact.scalar(self._loss_slot + 1)
-        loss = total / count if LossForm.SUM in reduced.forms and count > 0 else total
-        return replace(reduced, loss=loss, count=count)
-
-    def _apply(self, context: StepContext, computed: Computed, reduced: Reduced,
-               commit: Commit) -> StepRecord:
-        """The apply phase of a committed step.
-
-        Guarantees: every rank applies the same update, from the summed gradients (divided by
-        the global count with `LossSum` losses; none when `commit` skips it: every rank drops
-        it); the scheduler steps with the optimizer; the
-        cursor advances by the global batch either way and the gradients are cleared. The
-        optimizer chaos faults fire here.
-        """
-        optimizer_start = time.perf_counter()
-        self._enter("optimizer")
-        self._chaos(context.chaos, "optimizer", context.started)
-        grad_norm = None
-        if commit.skipped:  # the samples count as consumed
-            self.buffers.rollback()
-            lr = float(self.optimizer.param_groups[0]["lr"]) * context.lr_factor
-        else:
-            try:  # before the optimizer: a failed broadcast leaves nothing half-applied
-                self.buffers.commit(reduced.buffers, context.comm, _first_with_share(context.plan))
-            except BaseException:
-                self._drop_grads()
-                raise
-            self._assign_grads(reduced, commit)
-            grad_norm = self.training.unscale_and_clip(self._params)
-            # From here until the step is committed, the model and the optimizer may be half
-            # updated: a failure in between leaves this replica without a committed state.
-            self.torn_at = context.step
-            lr = self._optimizer_step(context.lr_factor)
-            if self.exact is not None:
-                self.exact.advance()
-        self._drop_grads()
-        self.cursor = self.cursor.advance(self.order.dataset_size, context.global_batch_size)
-        self.torn_at = None
-        metrics = read_section(reduced.metrics, self.metric_names)[1]
-        self._after(context, reduced.loss, metrics, applied=not commit.skipped)
-        optimizer_s = time.perf_counter() - optimizer_start
-        self._enter("idle")
-        plan, compute_s = context.plan, computed.compute_s
-        return StepRecord(
-            step=context.step, epoch=context.epoch, loss=reduced.loss,
-            world_size=context.world_size, global_batch_size=context.global_batch_size,
-            shares=plan.shares, micro_batch=plan.micro_batches[context.rank],
-            step_time_s=time.perf_counter() - context.started, compute_time_s=compute_s,
-            end_time=time.time(), lr=lr, indices=reduced.indices, skipped_ranks=commit.skipped,
-            timeline=(context.wall_start, computed.data_s, compute_s - computed.data_s,
-                      reduced.comm_s, optimizer_s),
-            metrics=metrics, grad_norm=grad_norm,
-            scale=context.scale if self.config.training.precision == "fp16-mixed" else None,
-            yielded=reduced.yielded,
-        )
-
-    def _assign_grads(self, reduced: Reduced, commit: Commit) -> None:
-        """Every parameter's `grad`: its summed gradient (exact mode's sums, the buckets' or
-        the flat buffers' slices), none for those no rank reached (`_unreached`), divided by
-        the global count with `LossSum` losses, before the optimizer (and clipping) reads it."""
-        if self.exact is not None:
-            for slot, p in enumerate(self._params):
-                p.grad = self.exact.value(slot).to(p.dtype).view_as(p).to(p.device)
-        elif self._buckets is not None:
-            self._buckets.assign_grads()
-        else:
-            assert reduced.flat is not None
-            unflatten_grads(self._params, reduced.flat)
-        self._unreached(reduced.used)
-        if commit.divisor is not None:
-            for p in self._params:
-                if p.grad is not None:
-                    p.grad.div_(commit.divisor)
 
     def _used(self) -> torch.Tensor:
         """At the end of the compute phase: 1 for each parameter this rank's backward passes
@@ -1011,47 +593,9 @@ class Replica:
         `used`).
 
         Raises:
-            TypeError: a backward pass left a sparse gradient (`F.embedding(..., sparse=True)`,
-                a custom autograd function; sparse layers are refused when the model is
-                built): an error of this rank's user code, as the step sums dense gradients.
+            TypeError: a backward pass left a sparse gradient (`reducers.used_params`).
         """
-        if self.exact is not None:
-            added = self.exact.added
-            return torch.tensor([slot in added for slot in range(len(self._params))],
-                                dtype=torch.float64)
-        reached = []
-        for p in self._params:
-            if p.grad is not None and p.grad.is_sparse:
-                raise TypeError("the backward pass left a sparse gradient, which elastic does "
-                                "not support: its steps sum dense gradients over the ranks; "
-                                "compute it dense (sparse=False)")
-            reached.append(p.grad is not None)
-        return torch.tensor(reached, dtype=torch.float64)
-
-    def _unreached(self, used: torch.Tensor) -> None:
-        """Leaves the parameters that no rank's backward passes reached in this step without
-        a gradient, as in one process over the global batch (`zero_grad` sets gradients to
-        None): the optimizer skips them (no weight decay, no momentum or Adam moment steps
-        them, no state is created for them), where a gradient of zeros would step them. A
-        data-dependent branch, an expert no sample was routed to, a layer not called."""
-        if used.numel() and not bool(used.all()):
-            for p, ranks in zip(self._params, used.tolist(), strict=True):
-                if ranks == 0:
-                    p.grad = None
-
-    def _after(self, context: StepContext, loss: float, metrics: dict[str, float],
-               applied: bool) -> None:
-        """Once the step is committed: the extra state's `after_step` hooks (applied steps),
-        the loss scale and the scheduler.
-
-        Raises:
-            AfterStepError: user code raised there (the step stays committed).
-        """
-        if applied:
-            after_step(self.extra, self.model, context.step, context.rank)
-        epoch_over = (self.cursor.start(self.order.dataset_size, context.global_batch_size)[0]
-                      > self.cursor.epoch)
-        self.training.after_step(context.step, context.rank, applied, loss, metrics, epoch_over)
+        return self.reducer.used()
 
     def _learn_metric_names(self, context: StepContext, computed: Computed,
                             reduced: Reduced) -> Reduced:
@@ -1088,41 +632,10 @@ class Replica:
         comm.allreduce(section)
         return replace(reduced, metrics=section)
 
-    def _drop_grads(self) -> None:
+    def drop_grads(self) -> None:
+        """Sets every parameter's gradient to None."""
         for p in self._params:
             p.grad = None
-
-    def _optimizer_step(self, lr_factor: float) -> float:
-        """One optimizer step with the learning rate scaled by `lr_factor` for this step only
-        (the optimizer's and scheduler's own values are left as they were). Returns the
-        learning rate applied to the first parameter group."""
-        groups = self.optimizer.param_groups
-        if lr_factor == 1.0:
-            self.optimizer.step()
-            return float(groups[0]["lr"])
-        saved = [group["lr"] for group in groups]
-        for group in groups:
-            group["lr"] = group["lr"] * lr_factor
-        applied = float(groups[0]["lr"])
-        try:
-            self.optimizer.step()
-        finally:
-            for group, lr in zip(groups, saved, strict=True):
-                group["lr"] = lr
-        return applied
-
-
-def _release_frames(error: BaseException) -> None:
-    """Clears the local variables of the finished frames in `error`'s traceback (the tensors
-    of a failed attempt: activations, half-allocated buffers), so that an error that is kept
-    (as a cause, or until the caller handles it) holds no memory; the traceback stays."""
-    traceback.clear_frames(error.__traceback__)
-
-
-def _first_with_share(plan: BatchPlan) -> int:
-    """The lowest rank that ran a forward pass in a step of `plan`."""
-    return next((r for r, share in enumerate(plan.shares) if share > 0), 0)
-
 
 # Per-parameter tensors an optimizer may keep that a fresh one has not created yet (Adam with
 # amsgrad keeps three: exp_avg, exp_avg_sq, max_exp_avg_sq), and room for everything that is

@@ -216,7 +216,7 @@ def test_a_replica_on_the_second_gpu_keeps_everything_there_and_its_threads_boun
     device = resolve_device(True, ["1"], "0,1", cuda_available=True)
     assert device == _cuda(1)
     replica = _replica(regression_job(), _config(tmp_path, overlap=True), tmp_path, device)
-    buckets = replica._buckets
+    buckets = replica.reducer.buckets
     assert isinstance(buckets, GradientBuckets)
     # The communication thread binds the parameters' device (a new thread starts on device 0).
     assert buckets._pool.submit(torch.cuda.current_device).result() == 1

@@ -28,7 +28,8 @@ from elastic.errors import (
     ConfigError,
     HalfUpdatedError,
 )
-from elastic.trainer import replica as replica_module
+from elastic.trainer import compute as compute_module
+from elastic.trainer import reducers as reducers_module
 from elastic.trainer.buckets import GradientBuckets
 from elastic.trainer.device import (
     _HostCopy,
@@ -257,7 +258,7 @@ def _out_of_memory_once(monkeypatch, overlap: bool, rank: int, times: int = 1,
     if overlap:
         monkeypatch.setattr(GradientBuckets, "_allocate", failing(GradientBuckets._allocate))
     else:
-        monkeypatch.setattr(replica_module, "flatten_grads", failing(replica_module.flatten_grads))
+        monkeypatch.setattr(reducers_module, "flatten_grads", failing(reducers_module.flatten_grads))
     return local
 
 
@@ -505,7 +506,8 @@ class _Watch:
     def __init__(self, monkeypatch) -> None:
         self.ref: weakref.ref | None = None
         self.alive_at_release: list[bool] = []
-        monkeypatch.setattr(replica_module, "release_cached_memory", self.release)
+        monkeypatch.setattr(compute_module, "release_cached_memory", self.release)
+        monkeypatch.setattr(reducers_module, "release_cached_memory", self.release)
 
     def allocate(self) -> None:
         big = torch.ones(1 << 16)
@@ -534,7 +536,7 @@ def test_the_cache_is_released_once_the_failed_forward_passes_tensors_are_gone(t
 def test_the_flat_buffers_are_allocated_again_once_the_failed_attempts_tensors_are_gone(
         tmp_path, monkeypatch):
     watch = _Watch(monkeypatch)
-    real = replica_module.flatten_grads
+    real = reducers_module.flatten_grads
     calls = [0]
 
     def flatten(*args, **kwargs):
@@ -543,7 +545,7 @@ def test_the_flat_buffers_are_allocated_again_once_the_failed_attempts_tensors_a
             watch.allocate()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(replica_module, "flatten_grads", flatten)
+    monkeypatch.setattr(reducers_module, "flatten_grads", flatten)
     replica = Replica(regression_job(), _config(tmp_path, 1, overlap=False), str(tmp_path))
     replica.comm = _SingleRank()
     outcome = replica.run_step(BatchPlan(B, (B,), (8,)), [])

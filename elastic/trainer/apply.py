@@ -1,0 +1,206 @@
+"""The apply phase of a committed step: the buffers committed, the summed gradients assigned
+(divided by the global count with `LossSum` losses; none for parameters no rank reached),
+clipped, the optimizer and the scheduler stepped, the cursor advanced; and what happens when
+this rank runs out of memory there (it leaves the generation, to be restored from a peer).
+
+The replica calls `apply_step` with itself as the `ApplyHost`: the parts of it this phase
+uses, declared below, so that this module does not import the replica.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import torch
+
+from elastic.adapt.plan import BatchPlan
+from elastic.config import FitConfig
+from elastic.errors import CollectiveError
+from elastic.trainer.buffers import BufferSync
+from elastic.trainer.data import Cursor, SampleOrder
+from elastic.trainer.device import is_allocation_failure
+from elastic.trainer.exact import ExactSum
+from elastic.trainer.faults import FaultInjector
+from elastic.trainer.metrics import read_section
+from elastic.trainer.outcomes import StepRecord
+from elastic.trainer.reducers import Reducer, release_frames
+from elastic.trainer.step import Commit, Computed, Reduced, StepContext
+from elastic.trainer.training import Training, after_step
+
+
+class ApplyHost(Protocol):
+    """What the apply phase reads and changes of a replica."""
+
+    config: FitConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    extra: dict[str, Any]
+    order: SampleOrder
+    cursor: Cursor
+    buffers: BufferSync
+    reducer: Reducer
+    training: Training
+    faults: FaultInjector
+    exact: ExactSum | None
+    metric_names: tuple[str, ...]
+    torn_at: int | None
+    _params: list[torch.nn.Parameter]
+
+    def drop_grads(self) -> None: ...
+
+
+def apply_step(host: ApplyHost, context: StepContext, computed: Computed, reduced: Reduced,
+            commit: Commit) -> StepRecord:
+    """`_apply`, and if it runs out of memory before the step is committed here (the
+    cursor has not moved), `_apply_out_of_memory`.
+
+    Raises:
+        CollectiveError: out of memory in the apply phase (this rank left the generation).
+    """
+    try:
+        return _apply(host, context, computed, reduced, commit)
+    except Exception as e:
+        if not is_allocation_failure(e) or host.cursor.step != context.step:
+            raise
+        raise _apply_out_of_memory(host, context, e) from e
+
+
+def _apply_out_of_memory(host: ApplyHost, context: StepContext, error: BaseException) -> CollectiveError:
+    """Out of memory in the apply phase (the optimizer's lazily allocated state, clipping,
+    the buffers' broadcast): its peers applied the step, while this rank may be half
+    updated. It must not stay a member with that state: it aborts its communicator (its
+    peers are released, the generation is re-formed and this rank restored from a peer
+    that committed the step) and reports a collective error caused by out of memory. Its
+    cursor did not advance (the step is not committed here). If the optimizer step had
+    begun (`torn_at`, set by `_apply`), this replica offers no state until it loads a
+    committed one (`restorable_step`): if no member committed the step either (a single
+    worker, or every rank out of memory alike), the run goes back to a checkpoint (or, at
+    step 0, to fresh workers) instead of going on from half-updated weights. Before the
+    optimizer (clipping, the buffers' broadcast) nothing of the model was touched: it still
+    holds its committed step."""
+    host.buffers.rollback()
+    host.drop_grads()
+    context.comm.abort()
+    release_frames(error)
+    return CollectiveError(
+        f"rank {context.rank} ran out of memory in the apply phase of step {context.step} "
+        f"(optimizer, clipping or buffers), where its peers commit it; it left the "
+        f"generation to be restored from a peer: {error}", rank=context.rank)
+
+
+def _apply(host: ApplyHost, context: StepContext, computed: Computed, reduced: Reduced,
+           commit: Commit) -> StepRecord:
+    """The apply phase of a committed step.
+
+    Guarantees: every rank applies the same update, from the summed gradients (divided by
+    the global count with `LossSum` losses; none when `commit` skips it: every rank drops
+    it); the scheduler steps with the optimizer; the
+    cursor advances by the global batch either way and the gradients are cleared. The
+    optimizer chaos faults fire here.
+    """
+    optimizer_start = time.perf_counter()
+    host.faults.enter("optimizer")
+    host.faults.fire(context.chaos, "optimizer")
+    grad_norm = None
+    if commit.skipped:  # the samples count as consumed
+        host.buffers.rollback()
+        lr = float(host.optimizer.param_groups[0]["lr"]) * context.lr_factor
+    else:
+        try:  # before the optimizer: a failed broadcast leaves nothing half-applied
+            host.buffers.commit(reduced.buffers, context.comm, first_with_share(context.plan))
+        except BaseException:
+            host.drop_grads()
+            raise
+        _assign_grads(host, reduced, commit)
+        grad_norm = host.training.unscale_and_clip(host._params)
+        # From here until the step is committed, the model and the optimizer may be half
+        # updated: a failure in between leaves this replica without a committed state.
+        host.torn_at = context.step
+        lr = _optimizer_step(host, context.lr_factor)
+        if host.exact is not None:
+            host.exact.advance()
+    host.drop_grads()
+    host.cursor = host.cursor.advance(host.order.dataset_size, context.global_batch_size)
+    host.torn_at = None
+    metrics = read_section(reduced.metrics, host.metric_names)[1]
+    _after(host, context, reduced.loss, metrics, applied=not commit.skipped)
+    optimizer_s = time.perf_counter() - optimizer_start
+    host.faults.enter("idle")
+    plan, compute_s = context.plan, computed.compute_s
+    return StepRecord(
+        step=context.step, epoch=context.epoch, loss=reduced.loss,
+        world_size=context.world_size, global_batch_size=context.global_batch_size,
+        shares=plan.shares, micro_batch=plan.micro_batches[context.rank],
+        step_time_s=time.perf_counter() - context.started, compute_time_s=compute_s,
+        end_time=time.time(), lr=lr, indices=reduced.indices, skipped_ranks=commit.skipped,
+        timeline=(context.wall_start, computed.data_s, compute_s - computed.data_s,
+                  reduced.comm_s, optimizer_s),
+        metrics=metrics, grad_norm=grad_norm,
+        scale=context.scale if host.config.training.precision == "fp16-mixed" else None,
+        yielded=reduced.yielded,
+    )
+
+
+def _assign_grads(host: ApplyHost, reduced: Reduced, commit: Commit) -> None:
+    """Every parameter's `grad`: its summed gradient (exact mode's sums, the buckets' or
+    the flat buffers' slices), none for those no rank reached (`_unreached`), divided by
+    the global count with `LossSum` losses, before the optimizer (and clipping) reads it."""
+    host.reducer.assign(reduced)
+    _unreached(host, reduced.used)
+    if commit.divisor is not None:
+        for p in host._params:
+            if p.grad is not None:
+                p.grad.div_(commit.divisor)
+
+
+def _unreached(host: ApplyHost, used: torch.Tensor) -> None:
+    """Leaves the parameters that no rank's backward passes reached in this step without
+    a gradient, as in one process over the global batch (`zero_grad` sets gradients to
+    None): the optimizer skips them (no weight decay, no momentum or Adam moment steps
+    them, no state is created for them), where a gradient of zeros would step them. A
+    data-dependent branch, an expert no sample was routed to, a layer not called."""
+    if used.numel() and not bool(used.all()):
+        for p, ranks in zip(host._params, used.tolist(), strict=True):
+            if ranks == 0:
+                p.grad = None
+
+
+def _after(host: ApplyHost, context: StepContext, loss: float, metrics: dict[str, float],
+           applied: bool) -> None:
+    """Once the step is committed: the extra state's `after_step` hooks (applied steps),
+    the loss scale and the scheduler.
+
+    Raises:
+        AfterStepError: user code raised there (the step stays committed).
+    """
+    if applied:
+        after_step(host.extra, host.model, context.step, context.rank)
+    epoch_over = (host.cursor.start(host.order.dataset_size, context.global_batch_size)[0]
+                  > host.cursor.epoch)
+    host.training.after_step(context.step, context.rank, applied, loss, metrics, epoch_over)
+
+
+def _optimizer_step(host: ApplyHost, lr_factor: float) -> float:
+    """One optimizer step with the learning rate scaled by `lr_factor` for this step only
+    (the optimizer's and scheduler's own values are left as they were). Returns the
+    learning rate applied to the first parameter group."""
+    groups = host.optimizer.param_groups
+    if lr_factor == 1.0:
+        host.optimizer.step()
+        return float(groups[0]["lr"])
+    saved = [group["lr"] for group in groups]
+    for group in groups:
+        group["lr"] = group["lr"] * lr_factor
+    applied = float(groups[0]["lr"])
+    try:
+        host.optimizer.step()
+    finally:
+        for group, lr in zip(groups, saved, strict=True):
+            group["lr"] = lr
+    return applied
+
+
+def first_with_share(plan: BatchPlan) -> int:
+    """The lowest rank that ran a forward pass in a step of `plan`."""
+    return next((r for r, share in enumerate(plan.shares) if share > 0), 0)
