@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastic import control
 from elastic.config import FitConfig, storage_root
+from elastic.control.requests import Events, Kill, Request, Scale, Status, Stop
 from elastic.errors import RunNotFoundError
 from elastic.job import TrainJob
 from elastic.registry import LOST, RunRegistry, is_terminal, mark_lost, this_host
@@ -130,7 +131,7 @@ def runs(live_only: bool = False) -> list[dict[str, Any]]:
         for name in client.live_run_names():
             if name not in known:
                 try:
-                    records.append(client.call(name, "status"))
+                    records.append(client.call(name, Status()))
                 except RunNotFoundError:
                     continue  # it ended meanwhile
     if live_only:
@@ -144,7 +145,7 @@ def events(name: str) -> list[dict[str, Any]]:
     Raises:
         RunNotFoundError: no such run.
     """
-    return _control(name, "events")
+    return _control(name, Events())
 
 
 def status(name: str) -> dict[str, Any]:
@@ -158,7 +159,7 @@ def status(name: str) -> dict[str, Any]:
     Raises:
         RunNotFoundError: no such run.
     """
-    return _control(name, "status")
+    return _control(name, Status())
 
 
 def scale(name: str, num_workers: int) -> None:
@@ -168,7 +169,7 @@ def scale(name: str, num_workers: int) -> None:
         RunNotFoundError: no such live run.
         ConfigError: outside the run's bounds.
     """
-    _control(name, "scale", num_workers)
+    _control(name, Scale(num_workers))
 
 
 def kill(name: str, rank: int) -> None:
@@ -178,7 +179,7 @@ def kill(name: str, rank: int) -> None:
         RunNotFoundError: no such live run.
         ConfigError: no such rank.
     """
-    _control(name, "kill", rank)
+    _control(name, Kill(rank))
 
 
 def stop(name: str) -> None:
@@ -187,33 +188,33 @@ def stop(name: str) -> None:
     Raises:
         RunNotFoundError: no such live run.
     """
-    _control(name, "stop")
+    _control(name, Stop())
 
 
-def _control(name: str, method: str, *args: Any) -> Any:
-    """Calls `method` on run `name`: through its control channel when its controller runs on
-    this host (milliseconds), from its record when it has ended, else through Ray."""
+def _control(name: str, request: Request) -> Any:
+    """Answers `request` for run `name`: through its control channel when its controller runs
+    on this host (milliseconds), from its record when it has ended, else through Ray."""
     record = RunRegistry().read(name)
     if record is not None and not is_terminal(record) and _local(record):
         try:
-            return control.call(record["control"], method, *args)
+            return control.call(record["control"], request)
         except control.ControlUnavailable:
             record = RunRegistry().read(name) or record  # it may have ended just now
     if record is not None and is_terminal(record):
-        return _from_record(record, method)
+        return _from_record(record, request)
     # Not on this host, or its channel did not answer (a detached controller Ray is
     # restarting answers through Ray again): ask Ray.
     from elastic.actors import client
 
     try:
-        return client.call(name, method, *args)
+        return client.call(name, request)
     except RunNotFoundError:
         # Ray does not know it either: a local record was left by a controller that died
         # before recording an end; otherwise the cluster may still hold an ended run's record.
         ended = mark_lost(record) if record is not None else client.cached_record(name)
         if ended is None:
             raise
-        return _from_record(ended, method)
+        return _from_record(ended, request)
 
 
 def _local(record: dict[str, Any]) -> bool:
@@ -225,20 +226,26 @@ def _refresh(record: dict[str, Any]) -> dict[str, Any]:
     if is_terminal(record) or not _local(record):
         return record
     try:
-        return control.call(record["control"], "status")
+        return control.call(record["control"], Status())
     except control.ControlUnavailable:
         again = RunRegistry().read(record["name"]) or record
         return again if is_terminal(again) else mark_lost(again)
 
 
-def _from_record(record: dict[str, Any], method: str) -> Any:
-    """What an ended (or lost) run can still answer."""
-    if method == "status":
-        return record
-    if method == "events":
-        return read_jsonl(os.path.join(record["run_dir"], "events.jsonl"))
+def _from_record(record: dict[str, Any], request: Request) -> Any:
+    """What an ended (or lost) run can still answer: its status (the record) and events.
+
+    Raises:
+        RunNotFoundError: any other request.
+    """
+    match request:
+        case Status():
+            return record
+        case Events():
+            return read_jsonl(os.path.join(record["run_dir"], "events.jsonl"))
     what = f"{record['state']} at step {record['step']}"
-    raise RunNotFoundError(f"run {record['name']!r} is not running ({what}); there is nothing to {method}")
+    raise RunNotFoundError(f"run {record['name']!r} is not running ({what}); there is nothing to "
+                           f"{request.verb}")
 
 
 def load_checkpoint(path: str, step: int | None = None, *, key_file: str | None = None,

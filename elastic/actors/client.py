@@ -28,6 +28,7 @@ from elastic.actors.controller import (
 from elastic.checkpoint.signing import load_or_create_key
 from elastic.checkpoint.store import serialize
 from elastic.config import HOME_ENV, FitConfig
+from elastic.control.requests import Request
 from elastic.errors import ConfigError, RunNotFoundError
 from elastic.job import TrainJob
 from elastic.private import ensure_private_dir, open_private_append, write_private
@@ -335,15 +336,16 @@ def find(name: str) -> Any:
         raise RunNotFoundError(f"no run named {name!r} on this Ray cluster") from e
 
 
-def call(name: str, method: str, *args: Any) -> Any:
-    """Calls a control method of run `name`'s controller through Ray and returns its result.
+def call(name: str, request: Request) -> Any:
+    """Sends a control request to run `name`'s controller through Ray and returns its answer
+    (`Controller.answer`).
 
     Raises:
         RunNotFoundError: no live run of that name on the connected cluster.
     """
     controller = find(name)
     try:
-        return ray.get(getattr(controller, method).remote(*args))
+        return ray.get(controller.answer.remote(request))
     except ray.exceptions.RayTaskError as e:
         cause = getattr(e, "cause", None)
         if isinstance(cause, Exception):

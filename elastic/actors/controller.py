@@ -2,11 +2,11 @@
 
 The states, decisions and failure policy live in `elastic.control` and act through the
 `Workers` port, which `elastic.actors.workers.RayWorkers` implements with worker actors. This
-actor holds the run's context, hosts the rendezvous server, answers control requests (status,
-scale, kill, stop) on other threads (they take effect at the next chunk boundary), publishes
-the run's record, and writes what the run leaves behind when it ends. The process that waits
-for an attached run turns a Ctrl-C into `interrupt` (a stop) and a second one into `abandon`
-(`elastic.actors.client`).
+actor holds the run's context, hosts the rendezvous server, answers control requests (the
+records of `elastic.control.requests`: status, events, scale, kill, stop) on other threads
+(they take effect at the next chunk boundary), publishes the run's record, and writes what
+the run leaves behind when it ends. The process that waits for an attached run turns a
+Ctrl-C into `interrupt` (a stop) and a second one into `abandon` (`elastic.actors.client`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ from elastic.collective import RendezvousServer
 from elastic.config import FitConfig
 from elastic.control import ControlServer
 from elastic.control.context import Context
+from elastic.control.requests import Events, Kill, Request, Scale, Status, Stop
 from elastic.control.run_state import RunState
 from elastic.control.states import Failed, Finished, Machine, State
+from elastic.control.status import RankedWorker, RunStatus, StateName
 from elastic.errors import ConfigError
 from elastic.events import DetachedExit, FinalModelWritten, KillRequested, ScaleRequested, StopRequested
 from elastic.events import Failed as RunFailed
@@ -97,7 +99,7 @@ class Controller:
         self._publish_lock = threading.Lock()  # one record write at a time, the newest last
         self.error: BaseException | None = None
         self.registry = RunRegistry(home)
-        self.control = ControlServer(self._on_control)
+        self.control = ControlServer(self.answer)
         self._publish()
         if detached:
             # A detached run drives itself: it must not depend on the process that started it
@@ -123,8 +125,8 @@ class Controller:
 
     # --- control requests (other threads) ---------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        """A snapshot of the run for `elastic status`: the fields of its record in the index.
+    def status(self) -> RunStatus:
+        """A snapshot of the run for `elastic status`: its record in the index is `to_dict()`.
 
         The state reads "finishing" from the moment training ended until the end is complete
         (final checkpoint, workers shut down, the final model and the last events written): a
@@ -140,7 +142,7 @@ class Controller:
         roster = ctx.roster()
         with self._lock:
             label = self.machine.state.label
-            state = label.value
+            state: StateName = label.value
             if label == RunState.FINISHED and ctx.stopped_early:
                 state = "stopped"
             if label.is_terminal and not self._ended:
@@ -150,36 +152,54 @@ class Controller:
                 state = "failed"
             with ctx.requests.lock:
                 target = ctx.requests.target
-            return {
-                "name": self.name, "state": state, "step": ctx.step,
-                "total_steps": ctx.total_steps, "generation": roster.generation,
-                "world_size": len(roster.world), "target_workers": target,
-                "global_batch_size": (batching.batch_now if batching
-                                      else self.config.batch.global_batch_size),
-                "shares": list(plan.shares) if plan else None,
-                "micro_batches": list(plan.micro_batches) if plan else None,
-                "starting_workers": self.workers.starting(), "joining_workers": len(roster.joining),
-                "failures": ctx.policy.workers_lost,
-                "workers": [] if abandoned else [
-                    {"rank": r, "worker_id": m.worker_id, "pid": m.pid, "node_id": m.node_id}
-                    for r, m in enumerate(roster.world)],
-                "run_dir": self.run_dir, "started_at": self.started_at, "ended_at": self.ended_at,
-                "last_loss": last_loss, "detached": self.detached,
-                "error_type": type(error).__name__ if error is not None else None,
-                "error_message": str(error) if error is not None else None,
-                "host": this_host(), "pid": os.getpid(), "control": self.control.address,
-                "updated_at": time.time(),
-            }
+            return RunStatus(
+                name=self.name, state=state, step=ctx.step,
+                total_steps=ctx.total_steps, generation=roster.generation,
+                world_size=len(roster.world), target_workers=target,
+                global_batch_size=(batching.batch_now if batching
+                                   else self.config.batch.global_batch_size),
+                shares=plan.shares if plan else None,
+                micro_batches=plan.micro_batches if plan else None,
+                starting_workers=self.workers.starting(), joining_workers=len(roster.joining),
+                failures=ctx.policy.workers_lost,
+                workers=() if abandoned else tuple(
+                    RankedWorker(rank=r, worker_id=m.worker_id, pid=m.pid, node_id=m.node_id)
+                    for r, m in enumerate(roster.world)),
+                run_dir=self.run_dir, started_at=self.started_at, ended_at=self.ended_at,
+                last_loss=last_loss, detached=self.detached,
+                error_type=type(error).__name__ if error is not None else None,
+                error_message=str(error) if error is not None else None,
+                host=this_host(), pid=os.getpid(), control=self.control.address,
+                updated_at=time.time(),
+            )
 
-    def _on_control(self, method: str, args: list[Any]) -> Any:
-        """A request on the fast control channel (`elastic.control`): the same methods."""
-        return getattr(self, method)(*args)
+    def answer(self, request: Request) -> Any:
+        """A control request, from the fast channel (`elastic.control.channel`) or through Ray
+        (`elastic.actors.client.call`): a status is answered as its record, a plain dict.
+
+        Raises:
+            ConfigError: from `scale` or `kill`.
+            ValueError: not a control request.
+        """
+        match request:
+            case Status():
+                return self.status().to_dict()
+            case Events():
+                return self.events()
+            case Scale(num_workers=num_workers):
+                return self.scale(num_workers)
+            case Kill(rank=rank):
+                return self.kill(rank)
+            case Stop():
+                return self.stop()
+            case _:
+                raise ValueError(f"not a control request: {request!r}")
 
     def _publish(self) -> None:
         """Writes the run's record to the index; a failure to write never fails the run.
         Writes never overlap: the one that read the newest status is written last."""
         with self._publish_lock:
-            record = self.status()
+            record = self.status().to_dict()
             try:
                 self.registry.write(record)
             except OSError as e:

@@ -9,7 +9,10 @@
 - `checkpoints`: when rank 0 writes, what a restore finds.
 - `port`: the `Workers` interface the states act through, and the records it returns;
   `elastic.actors.workers` implements it with Ray, `simulation` with simulated members.
+- `requests`: the control requests (status, events, scale, kill, stop), one record per kind;
+  `status`: the run's status as its controller reports it.
 - `channel`: the run's fast control channel (status, scale, kill, stop) on its host.
+- `cursor`: where training stands in the sample order (the trainer's too; no torch).
 
 `call`, `ControlServer` and `ControlUnavailable` are the channel's, re-exported here.
 """

@@ -7,8 +7,9 @@ server answers only processes of its own user: it checks the caller's uid with
 `SO_PEERCRED`, so knowing the name alone gives another local user nothing. Elsewhere (not
 Linux) there is no channel and callers go through Ray.
 
-One request per connection: a JSON line `{"method": ..., "args": [...]}`, answered by
-`{"result": ...}` or `{"error": {"type": ..., "message": ...}}`.
+One request per connection: a request record (`elastic.control.requests`) as a JSON line
+(`encode`: `{"method": ..., "args": [...]}`), answered by `{"result": ...}` or
+`{"error": {"type": ..., "message": ...}}`.
 
 No Ray here.
 """
@@ -28,11 +29,11 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic import errors
+from elastic.control.requests import Request, decode, encode
 from elastic.errors import ControllerError, ElasticError
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("status", "events", "scale", "kill", "stop")
 _MAX_REQUEST = 1 << 16
 _MAX_REPLY = 256 << 20  # a long run's events
 _TIMEOUT_S = 10.0
@@ -43,14 +44,15 @@ class ControlUnavailable(Exception):
 
 
 class ControlServer:
-    """Serves `handler(method, args)` on an abstract Unix socket until `close`.
+    """Serves `handler(request)` on an abstract Unix socket until `close`.
 
     Args:
-        handler: called on a server thread for each request; its `ElasticError`s are sent
-            back to the caller and raised there with the same type and message.
+        handler: called on a server thread for each request, decoded into its record (an
+            unknown kind is refused before); its `ElasticError`s are sent back to the caller
+            and raised there with the same type and message.
     """
 
-    def __init__(self, handler: Callable[[str, list[Any]], Any]) -> None:
+    def __init__(self, handler: Callable[[Request], Any]) -> None:
         self.handler = handler
         self.address: str | None = None
         self._sock: socket.socket | None = None
@@ -78,11 +80,8 @@ class ControlServer:
             try:
                 if _peer_uid(conn) != os.getuid():
                     return  # another user: no answer at all
-                request = json.loads(_read_line(conn))
-                method, args = request["method"], list(request.get("args", []))
-                if method not in METHODS:
-                    raise ControllerError(f"unknown control method {method!r}")
-                reply: dict[str, Any] = {"result": self.handler(method, args)}
+                request = decode(json.loads(_read_line(conn)))
+                reply: dict[str, Any] = {"result": self.handler(request)}
             except ElasticError as e:
                 reply = {"error": {"type": type(e).__name__, "message": str(e)}}
             except Exception as e:  # a malformed request or a bug of ours: the caller hears of it
@@ -106,8 +105,8 @@ class ControlServer:
             self._sock = None
 
 
-def call(address: str, method: str, *args: Any, timeout: float = _TIMEOUT_S) -> Any:
-    """Calls `method` on the controller listening at `address` and returns its result.
+def call(address: str, request: Request, timeout: float = _TIMEOUT_S) -> Any:
+    """Sends `request` to the controller listening at `address` and returns its answer.
 
     Only a listener of this user is talked to: after a controller's death its name is free,
     and another user could bind it.
@@ -125,7 +124,7 @@ def call(address: str, method: str, *args: Any, timeout: float = _TIMEOUT_S) -> 
             sock.connect("\0" + address)
             if _peer_uid(sock) != os.getuid():
                 raise ControlUnavailable(f"{address} is held by another user")
-            sock.sendall(json.dumps({"method": method, "args": list(args)}).encode() + b"\n")
+            sock.sendall(json.dumps(encode(request)).encode() + b"\n")
             line = _read_line(sock, limit=_MAX_REPLY, deadline=deadline)
             reply = json.loads(line) if line else None
         except (OSError, ValueError) as e:  # refused, reset, timed out, oversized, not JSON

@@ -13,11 +13,11 @@ from typing import Any
 from elastic.config import ChaosEvent, FitConfig
 from elastic.control.batching import Batching
 from elastic.control.checkpoints import CheckpointCoordinator
+from elastic.control.cursor import Cursor
 from elastic.control.policy import FailurePolicy
 from elastic.control.port import Member, Workers
 from elastic.recovery import PendingRecovery
 from elastic.runlog import RunLog
-from elastic.trainer.data import Cursor
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from elastic.control.cursor import Cursor
 from elastic.control.port import (
     ChunkDone,
     ChunkFailed,
@@ -34,7 +35,6 @@ from elastic.errors import (
     WorkerLostError,
     WorkerOutOfMemoryError,
 )
-from elastic.trainer.data import Cursor
 
 
 def chunk_length(*, step: int, steps_per_chunk: int, total_steps: int, steps_left_in_epoch: int,

@@ -13,6 +13,7 @@ from typing import TypeVar
 
 from elastic.control import decisions
 from elastic.control.context import Context
+from elastic.control.cursor import Cursor
 from elastic.control.policy import Fail
 from elastic.errors import CallbackError, RendezvousError, WorkerLostError
 from elastic.events import (
@@ -25,7 +26,6 @@ from elastic.events import (
     WorkerStartFailed,
     WorkerStarting,
 )
-from elastic.trainer.data import Cursor
 
 T = TypeVar("T")
 

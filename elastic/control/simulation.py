@@ -18,6 +18,7 @@ from typing import Any
 from elastic.adapt.lr import LrRamp
 from elastic.adapt.plan import BatchPlan
 from elastic.config import ChaosEvent
+from elastic.control.cursor import Cursor
 from elastic.control.port import (
     ChunkDone,
     ChunkInterrupted,
@@ -36,7 +37,6 @@ from elastic.control.port import (
     Started,
 )
 from elastic.errors import HalfUpdatedError, WorkerLostError
-from elastic.trainer.data import Cursor
 from elastic.trainer.evaluation import EvalFailure
 from elastic.trainer.outcomes import StepRecord
 

@@ -29,6 +29,7 @@ from elastic.config import ChaosEvent
 from elastic.control import decisions
 from elastic.control.batching import Batching
 from elastic.control.context import Context
+from elastic.control.cursor import Cursor
 from elastic.control.group import admit, drop, form, on_any_member, top_up
 from elastic.control.policy import BackOff, Fail, Reconfigure, Recover, Retry
 from elastic.control.port import (
@@ -73,7 +74,6 @@ from elastic.events import (
     Failed as RunFailed,
 )
 from elastic.recovery import PendingRecovery
-from elastic.trainer.data import Cursor
 
 logger = logging.getLogger(__name__)
 

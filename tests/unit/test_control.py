@@ -8,10 +8,13 @@ import stat
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 
 from elastic import control
+from elastic.control.requests import Kill, Scale, Status, Stop
 from elastic.errors import ConfigError, ControllerError
 from elastic.registry import RunRegistry
 
@@ -19,24 +22,32 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ab
 
 
 class _Run:
-    """A stand-in for the controller's methods."""
+    """A stand-in for the controller's `answer`."""
 
     def __init__(self) -> None:
         self.target = 2
         self.stopped = False
 
-    def handle(self, method: str, args: list) -> object:
-        if method == "status":
-            return {"state": "running", "target": self.target}
-        if method == "scale":
-            if args[0] > 4:
-                raise ConfigError("cannot scale to more than 4")
-            self.target = args[0]
-            return None
-        if method == "stop":
-            self.stopped = True
-            return None
+    def handle(self, request: object) -> object:
+        match request:
+            case Status():
+                return {"state": "running", "target": self.target}
+            case Scale(num_workers=n):
+                if n > 4:
+                    raise ConfigError("cannot scale to more than 4")
+                self.target = n
+                return None
+            case Stop():
+                self.stopped = True
+                return None
         raise RuntimeError("a bug")
+
+
+@dataclass(frozen=True)
+class _Shutdown:
+    """A request kind the channel does not know."""
+
+    verb: ClassVar[str] = "shutdown"
 
 
 @pytest.fixture
@@ -49,25 +60,25 @@ def server():
 
 def test_calls_reach_the_handler_and_return_its_result(server):
     srv, run = server
-    assert control.call(srv.address, "status") == {"state": "running", "target": 2}
-    assert control.call(srv.address, "scale", 3) is None
+    assert control.call(srv.address, Status()) == {"state": "running", "target": 2}
+    assert control.call(srv.address, Scale(3)) is None
     assert run.target == 3
-    control.call(srv.address, "stop")
+    control.call(srv.address, Stop())
     assert run.stopped
 
 
 def test_an_elastic_error_crosses_with_its_type_and_message(server):
     srv, _ = server
     with pytest.raises(ConfigError, match="more than 4"):
-        control.call(srv.address, "scale", 9)
+        control.call(srv.address, Scale(9))
 
 
 def test_a_bug_in_the_handler_and_an_unknown_method_are_controller_errors(server):
     srv, _ = server
     with pytest.raises(ControllerError, match="a bug"):
-        control.call(srv.address, "kill", 0)
+        control.call(srv.address, Kill(0))
     with pytest.raises(ControllerError, match="unknown control method"):
-        control.call(srv.address, "shutdown")
+        control.call(srv.address, _Shutdown())  # type: ignore[arg-type]
 
 
 def test_a_closed_channel_is_unavailable(server):
@@ -75,7 +86,7 @@ def test_a_closed_channel_is_unavailable(server):
     address = srv.address
     srv.close()
     with pytest.raises(control.ControlUnavailable):
-        control.call(address, "status")
+        control.call(address, Status())
 
 
 @pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None,
