@@ -19,7 +19,6 @@ host memory (float64) and travels over the control plane.
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -32,24 +31,21 @@ from torch.utils.data import default_collate
 from elastic.adapt.groups import decide_grouping
 from elastic.adapt.plan import BatchPlan
 from elastic.collective import Communicator
-from elastic.config import ChaosEvent, ChaosPhase, DataConfig, FitConfig
+from elastic.config import ChaosEvent, ChaosPhase, FitConfig
 from elastic.errors import CollectiveError, ConfigError, HalfUpdatedError
 from elastic.job import TrainJob
 from elastic.trainer.apply import apply_step
 from elastic.trainer.buffers import BufferSync
+from elastic.trainer.build import built_model, random_layer, start_loaders
 from elastic.trainer.compute import ahead, compute
 from elastic.trainer.data import Cursor, SampleOrder, steps_per_epoch
 from elastic.trainer.device import (
     MoveBatch,
     default_move,
     is_allocation_failure,
-    rng_state,
-    set_rng_state,
-    to_device_like,
 )
-from elastic.trainer.exact import ExactSum, environment, make_deterministic
+from elastic.trainer.exact import ExactSum, make_deterministic
 from elastic.trainer.faults import FaultInjector, Progress, chaos_kill
-from elastic.trainer.loader import Prefetcher
 from elastic.trainer.metrics import (
     MAX_NAMES_BYTES,
     decode_names,
@@ -59,6 +55,14 @@ from elastic.trainer.metrics import (
 )
 from elastic.trainer.outcomes import NonFinite, OutOfMemory, StepRecord, UserFailure
 from elastic.trainer.reducers import Reducer, make_reducer, release_frames
+from elastic.trainer.state import (
+    committed_state,
+    load_committed,
+    max_state_bytes,
+    state_bytes,
+    state_from_bytes,
+    sync_state,
+)
 from elastic.trainer.step import (
     Commit,
     Computed,
@@ -72,14 +76,13 @@ from elastic.trainer.step import (
 from elastic.trainer.training import (
     Training,
     build_extra_state,
-    load_extra_state,
     wants_model,
 )
 
 # The outcome types, `Progress` and `chaos_kill` are part of this module's interface (the worker
 # actor imports them here).
 __all__ = ["NonFinite", "OutOfMemory", "Progress", "Replica", "StepRecord", "UserFailure",
-           "chaos_kill", "max_state_bytes"]
+           "chaos_kill", "max_state_bytes", "random_layer"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,78 +91,6 @@ _FLOAT32_EXACT = 1 << 24
 # Exact mode: redos of one step at a wider scale before giving up (each widens by up to 50+
 # bits, so a float64 gradient from 2**8 to 2**1024 takes about 20).
 _MAX_RESCALES = 40
-# A worker waits for its loader processes to build the data set for at most 3x its own build
-# time, and at least this long (a spawned loader imports torch first: seconds).
-_LOADER_START_MIN_S = 30.0
-
-
-def _built_model(job: TrainJob) -> torch.nn.Module:
-    """The job's model, checked.
-
-    Raises:
-        ConfigError: the factory returned no `torch.nn.Module`, or a layer makes sparse
-            gradients (the step sums dense gradient buffers over ranks).
-    """
-    model = job.model()
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"TrainJob.model returned {type(model).__name__}, not a torch.nn.Module")
-    sparse = [name or type(model).__name__ for name, m in model.named_modules()
-              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
-    if sparse:
-        raise ConfigError(
-            f"TrainJob.model: {', '.join(map(repr, sparse))} make sparse gradients (sparse=True), which "
-            "elastic does not support: its steps sum dense gradient buffers over the ranks; "
-            "build them with sparse=False (and a dense optimizer instead of SparseAdam)")
-    return model
-
-
-def _start_loaders(job: TrainJob, data: DataConfig, data_rng: torch.Tensor,
-                   built_in: float) -> Prefetcher | None:
-    """The worker's loader processes (none without `data.loader_workers`), started.
-
-    They have built the data set before the worker reports itself started: a worker that
-    joins a running generation then holds no rank's step while its loaders build it. They are
-    not waited on for long past what the worker's own build took (`built_in` seconds; they
-    build it side by side): a loader stuck in the factory is then found at the first step (as
-    a hung data phase), not left holding the worker's start."""
-    if not data.loader_workers:
-        return None
-    prefetcher = Prefetcher(job, data.loader_workers, data.start_method, data_rng, data.pin_memory)
-    patience = max(_LOADER_START_MIN_S, 3 * built_in)
-    try:
-        if not prefetcher.wait_started(patience):
-            logger.warning("the loader processes had not built the data set %.0f s after the "
-                           "worker had; the first step waits for them", patience)
-    except BaseException:
-        prefetcher.close()
-        raise
-    return prefetcher
-
-
-def random_layer(module: torch.nn.Module) -> bool:
-    """Whether `module` draws random numbers of its own in training: a dropout layer
-    (`nn.Dropout*`, `nn.AlphaDropout`) or `nn.RReLU`; a recurrent layer with dropout between
-    its layers (`nn.LSTM/GRU/RNN`, `num_layers` > 1); stochastic depth (torchvision's
-    `StochasticDepth`, or a class named `*Drop*` with a float `p` above 0, as timm's
-    `DropPath`); and any module that keeps a probability above 0 in a float attribute named
-    like `*drop*` (`nn.MultiheadAttention`'s `dropout`, the `attention_dropout` of Hugging Face
-    attention, `drop_prob`, `drop_path_rate`). A module that draws in other ways (`torch.rand`
-    in a forward) is not seen: `batch.groups = 'on'` covers it."""
-    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-        return module.p > 0
-    if isinstance(module, torch.nn.RReLU):
-        return True
-    if isinstance(module, torch.nn.RNNBase):
-        return module.dropout > 0 and module.num_layers > 1
-    named = type(module).__name__
-    if "drop" in named.lower() or named == "StochasticDepth":
-        p = getattr(module, "p", None)
-        if isinstance(p, float) and p > 0:
-            return True
-    return any("drop" in name.lower() and isinstance(value, float) and value > 0
-               for name, value in vars(module).items())
-
-
 class Replica:
     """Model, optimizer, scheduler and data of one worker.
 
@@ -191,7 +122,7 @@ class Replica:
         elif scaling.threads_per_worker is not None:
             torch.set_num_threads(scaling.threads_per_worker)
         torch.manual_seed(config.seed)
-        self.model = _built_model(job)
+        self.model = built_model(job)
         self.model.to(self.device)  # before the optimizer: its state follows the parameters
         self._build_optimizer()
         self.metric_names: tuple[str, ...] = ()  # committed: the same on every rank
@@ -235,7 +166,7 @@ class Replica:
             self, self._params, collective.overlap_enabled, collective.bucket_bytes,
             collective.first_bucket_bytes, self.exact, self._loss_slot)
         # Last: nothing above may fail after loader processes exist.
-        self.prefetcher = _start_loaders(job, config.data, data_rng, built_in)
+        self.prefetcher = start_loaders(job, config.data, data_rng, built_in)
 
     def _build_optimizer(self) -> None:
         """The optimizer (from the model's parameters, or from the model when the factory
@@ -276,31 +207,6 @@ class Replica:
 
     # --- state --------------------------------------------------------------------------
 
-    def state(self) -> dict[str, Any]:
-        """The committed state: model, optimizer, scheduler, RNG and the data cursor. The RNG
-        is 'rng', the CPU generator, and on a GPU worker 'cuda_rng', its device's generator
-        (`elastic.trainer.device.rng_state`). Tensors stay where they live (the device):
-        `elastic.trainer.device.to_host` copies them out.
-
-        Raises:
-            HalfUpdatedError: this replica is half updated (`torn_at`): it holds no committed
-                state to save or hand to a peer.
-        """
-        self.check_committed()
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            **rng_state(self.device),
-            "cursor": {"global_step": self.cursor.step, "epoch": self.cursor.epoch,
-                       "offset": self.cursor.offset, "samples": self.cursor.samples},
-            "training": self.training.state_dict(),
-            "metric_names": list(self.metric_names),
-            **({"extra": {name: obj.state_dict() for name, obj in self.extra.items()}}
-               if self.extra else {}),
-            **({"exact": self.exact.state_dict()} if self.exact is not None else {}),
-        }
-
     def traits(self) -> dict[str, int]:
         """What the controller needs to know about the model to cut the batch: its BatchNorm
         layers and its layers that draw random numbers (`random_layer`; `batch.groups`
@@ -309,6 +215,35 @@ class Replica:
         return {"batchnorm": sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                                  for m in modules),
                 "dropout": sum(map(random_layer, modules))}
+
+    def state(self) -> dict[str, Any]:
+        """The committed state (`elastic.trainer.state.committed_state`).
+
+        Raises:
+            HalfUpdatedError: this replica is half updated (`torn_at`).
+        """
+        return committed_state(self)
+
+    def load_state(self, state: dict[str, Any], origin: str = "checkpoint") -> None:
+        """Takes a committed state (`elastic.trainer.state.load_committed`; `origin`:
+        'checkpoint' or 'peer').
+
+        Raises:
+            ConfigError: exact mode, and the state was written under another environment.
+        """
+        load_committed(self, state, origin)
+
+    def state_bytes(self) -> bytes:
+        """The committed state, serialised for a peer."""
+        return state_bytes(self.state())
+
+    def load_state_bytes(self, data: bytes) -> None:
+        self.load_state(state_from_bytes(data), origin="peer")
+
+    def sync_from(self, src: int) -> None:
+        """Every rank of the generation calls this; afterwards all hold `src`'s state
+        (`elastic.trainer.state.sync_state`)."""
+        sync_state(self, self._comm().control, src)
 
     @property
     def global_step(self) -> int:
@@ -329,112 +264,11 @@ class Replica:
         it is half updated (`torn_at`), so that a new generation never restores from it."""
         return -1 if self.torn_at is not None else self.global_step
 
-    def load_state(self, state: dict[str, Any], origin: str = "checkpoint") -> None:
-        """Takes a committed state (`origin`: 'checkpoint' or 'peer'), from host memory or
-        any device: the model and optimizer copy it to their device (the optimizer casts its
-        state to each parameter's). The CUDA generator is restored on a GPU worker only. The
-        extra state objects get their tensors on the device (`_extra_on_device`).
-
-        Raises:
-            ConfigError: exact mode, and the state was written without it or under another
-                torch build, thread count or hardware type (from a checkpoint, unless
-                `checkpoint.allow_environment_change`; from a peer, always: the members of an
-                exact run must compute alike).
-        """
-        if self.exact is not None:
-            self._check_exact(state.get("exact"), origin)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state, self.device)
-        self.training.load_state_dict(state.get("training"))
-        self.metric_names = tuple(state.get("metric_names") or ())
-        load_extra_state(self.extra, self._extra_on_device(state.get("extra")))
-        self.cursor = Cursor.from_dict(state["cursor"], self.order.dataset_size,
-                                       self.config.batch.global_batch_size)
-        if self.exact is not None and state.get("exact") is not None:
-            self.exact.load_state_dict(state["exact"])
-        self.torn_at = None
-
-    def _extra_on_device(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The extra state objects' saved states with their tensors where each object holds
-        them now (`elastic.trainer.device.to_device_like`: its own `state_dict()` as the
-        template), and any tensor it does not hold yet (an EMA allocated at its first update)
-        on this replica's device; a CPU replica's as they are. A state loaded from a
-        checkpoint or a peer is in host memory."""
-        if not saved or self.device.type == "cpu":
-            return saved
-        moved = dict(saved)
-        for name, obj in self.extra.items():
-            if name in moved:
-                moved[name] = to_device_like(moved[name], obj.state_dict(), self.device)
-        return moved
-
-    def _check_exact(self, saved: dict[str, Any] | None, origin: str) -> None:
-        assert self.exact is not None
-        if saved is not None:
-            try:
-                self.exact.check_state(saved)
-            except ValueError as e:
-                raise ConfigError(f"batch.exact: {e}") from None
-        here = environment()
-        there = (saved or {}).get("environment") or {}
-        if there == here:
-            return
-        ckpt = self.config.checkpoint
-        if origin == "checkpoint" and ckpt is not None and ckpt.allow_environment_change:
-            return
-        what = ("was written without batch.exact" if saved is None or not there else
-                "was written under " + ", ".join(f"{k}={there.get(k)!r}" for k in here
-                                                  if there.get(k) != here[k])
-                + "; this worker has " + ", ".join(f"{k}={here[k]!r}" for k in here
-                                                  if there.get(k) != here[k]))
-        if origin == "peer":
-            raise ConfigError(f"batch.exact: the state of a peer {what}; every worker of an "
-                              "exact run needs the same torch build, threads and hardware type")
-        raise ConfigError(f"batch.exact: the checkpoint {what}, so this run could not "
-                          "reproduce it; set checkpoint.allow_environment_change=True to resume "
-                          "anyway (exact from here on)")
-
     def registered_bytes(self) -> int:
         """Shared memory to ask the communicator to lend for the flat gradient buffers
         (`Communicator(shared_bytes=...)`; `FlatReducer.registered_bytes`): 0 when the step
         reduces no flat host buffers (buckets, exact mode, or gradients on a GPU)."""
         return self.reducer.registered_bytes()
-
-    def state_bytes(self) -> bytes:
-        """The committed state, serialised for a peer."""
-        buffer = io.BytesIO()
-        torch.save(self.state(), buffer)
-        return buffer.getvalue()
-
-    def load_state_bytes(self, data: bytes) -> None:
-        # weights_only: a peer's bytes are data, never code.
-        self.load_state(torch.load(io.BytesIO(data), weights_only=True, map_location="cpu"),
-                        origin="peer")
-
-    def sync_from(self, src: int) -> None:
-        """Every rank of the generation calls this; afterwards all hold `src`'s state (sent as
-        bytes over the control plane)."""
-        comm = self._comm().control
-        payload = self.state_bytes() if comm.rank == src else b""
-        size = torch.tensor([len(payload)], dtype=torch.int64)
-        comm.broadcast(size, src)
-        announced = int(size.item())
-        if comm.rank != src:
-            # Checked before a byte is allocated: a peer cannot make this rank exhaust memory.
-            limit = max_state_bytes(self.model, self.optimizer, self.extra)
-            if not 0 < announced <= limit:
-                raise CollectiveError(
-                    f"rank {src} announced a committed state of {announced} bytes; this rank "
-                    f"expects at most {limit} for its model, optimizer and extra state; refused",
-                    rank=comm.rank)
-        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if comm.rank == src
-                else torch.empty(announced, dtype=torch.uint8))
-        comm.broadcast(data, src)
-        if comm.rank != src:
-            self.load_state_bytes(data.numpy().tobytes())
 
     def _comm(self) -> Communicator:
         assert self.comm is not None, "replica has no communicator; connect first"
@@ -636,39 +470,3 @@ class Replica:
         """Sets every parameter's gradient to None."""
         for p in self._params:
             p.grad = None
-
-# Per-parameter tensors an optimizer may keep that a fresh one has not created yet (Adam with
-# amsgrad keeps three: exp_avg, exp_avg_sq, max_exp_avg_sq), and room for everything that is
-# not a tensor of the model's size (cursor, RNG state, scheduler, pickling).
-_OPTIMIZER_SLOTS = 3
-_STATE_SLACK_BYTES = 16 << 20
-# Each extra state object may hold this many copies of the model's state on the peer that
-# sends it, whatever it holds here: an EMA allocated at its first update is empty on a fresh
-# replica (two: an EMA of the weights and one of their squares, say).
-_EXTRA_SLOTS = 2
-
-
-def max_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    extra: dict[str, Any] | None = None) -> int:
-    """An upper bound of the serialised committed state of a replica of `model`: its own
-    parameters and buffers plus up to `_OPTIMIZER_SLOTS` tensors per parameter in the
-    optimizer (or what the optimizer already holds, if more), per extra state object
-    `_EXTRA_SLOTS` copies of the model's state (or what it holds here, if more), plus a fixed
-    slack."""
-    tensors = list(model.state_dict().values())
-    model_bytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    held = sum(_tensor_bytes(v) for st in optimizer.state.values() for v in st.values())
-    extra_bytes = sum(max(_tensor_bytes(obj.state_dict()), _EXTRA_SLOTS * model_bytes)
-                      for obj in (extra or {}).values())
-    return model_bytes + max(_OPTIMIZER_SLOTS * params, held) + extra_bytes + _STATE_SLACK_BYTES
-
-
-def _tensor_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):  # LBFGS keeps its history as lists of tensors
-        return sum(_tensor_bytes(v) for v in value)
-    if isinstance(value, dict):  # an extra state's state_dict
-        return sum(_tensor_bytes(v) for v in value.values())
-    return 0
