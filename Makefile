@@ -2,27 +2,29 @@
 PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
-# What `pip install` gets for torch: exactly this (any pip arguments). A plain
+# What `pip install` gets for torch: exactly this requirement, from TORCH_INDEX if set. A plain
 # `torch==2.13.0` from PyPI is the CUDA build on Linux x86-64 (the CPU build on machines whose
 # index or wheel cache offers only that, as this project's CI machine); for the CPU build on
-# any Linux machine: make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+# any Linux machine: make TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 # The extra `make test-gpu` installs: gpu (CUDA 12) or gpu-cu13 (CUDA 13).
 GPU_EXTRA ?= gpu
 
 .PHONY: install test test-gpu gpu-check gpu-bundle lint demo bench clean FORCE
 
-# The install is redone when TORCH_SPEC changes (the stamp depends on a file holding it).
+# The install is redone when TORCH_SPEC or TORCH_INDEX changes (the stamp depends on a file
+# holding them).
 $(VENV)/torch-spec: FORCE
 	@mkdir -p $(VENV)
-	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+	@echo '$(TORCH_SPEC) $(TORCH_INDEX)' | cmp -s - $@ || echo '$(TORCH_SPEC) $(TORCH_INDEX)' > $@
 
 # torch alone, reinstalled whenever TORCH_SPEC changes (pip keeps an installed 2.13.0+cpu for
 # a plain torch==2.13.0 otherwise, whatever the index).
 $(VENV)/.torch: $(VENV)/torch-spec
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q --force-reinstall $(TORCH_SPEC)
+	$(BIN)/pip install -q --force-reinstall '$(TORCH_SPEC)' $(if $(TORCH_INDEX),--index-url '$(TORCH_INDEX)')
 	touch $@
 
 $(BIN)/.installed: pyproject.toml Makefile $(VENV)/.torch

@@ -181,6 +181,11 @@ class ScalingConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check_bounds(self) -> ScalingConfig:
+        g = self.gpus_per_worker
+        if g > 1 and g != int(g):
+            raise ValueError(f"scaling.gpus_per_worker {g}: above 1 it must be a whole number of "
+                             "GPUs (Ray places a fraction within one GPU); use 1, 2, ... or a "
+                             "fraction below 1")
         low = self.min_workers or 1
         high = self.max_workers or self.num_workers
         if low > high:

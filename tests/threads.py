@@ -43,6 +43,9 @@ def run_ranks(
                 raise
             try:
                 results[rank] = fn(comm)
+            except BaseException:
+                done.abort()  # a failed rank closes at once: its peers are not kept waiting
+                raise
             finally:
                 with contextlib.suppress(threading.BrokenBarrierError):
                     done.wait(timeout)

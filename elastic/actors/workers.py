@@ -25,6 +25,7 @@ from elastic.adapt.lr import LrRamp
 from elastic.adapt.plan import BatchPlan
 from elastic.collective import RendezvousServer
 from elastic.config import ChaosEvent, FitConfig
+from elastic.control.decisions import gpu_worker_slots
 from elastic.control.port import (
     ChunkDone,
     ChunkFailed,
@@ -124,7 +125,8 @@ class RayWorkers:
         scaling = self.config.scaling
         count = int(total.get("CPU", 0.0) // scaling.cpus_per_worker)
         if scaling.use_gpu:
-            count = min(count, int(total.get("GPU", 0.0) / scaling.gpus_per_worker + 1e-9))
+            gpus = [node["Resources"].get("GPU", 0.0) for node in ray.nodes() if node["Alive"]]
+            count = min(count, gpu_worker_slots(gpus, scaling.gpus_per_worker))
         return count
 
     def free_slot(self) -> bool:
@@ -132,6 +134,8 @@ class RayWorkers:
         scaling = self.config.scaling
         if free.get("CPU", 0.0) < scaling.cpus_per_worker:
             return False
+        # With a fraction of a GPU per worker, fractions left on several GPUs do not add up to
+        # a place: `top_up` also keeps this run's workers within `placeable`.
         return not scaling.use_gpu or free.get("GPU", 0.0) >= scaling.gpus_per_worker - 1e-9
 
     def kill(self, worker_id: int) -> None:

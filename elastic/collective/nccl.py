@@ -192,7 +192,9 @@ NCCL_RESULTS = {1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInter
 # CUDA failures NCCL reports without saying which (out of memory among them): CuPy's NcclError
 # for them reads only "NCCL_ERROR_UNHANDLED_CUDA_ERROR: unhandled cuda error (run with
 # NCCL_DEBUG=INFO for details)" (status 1), as seen on an H100 with the device's memory taken.
-_CUDA_FAILURE_CODES = (1, 2)
+# Not ncclSystemError (2): NCCL reports a peer's broken socket so, and torch's cache often
+# holds nearly all of a busy device, so a lost peer would read as out of memory.
+_CUDA_FAILURE_CODES = (1,)
 # Below this much free device memory (or 1% of it), such a failure is read as out of memory.
 LOW_MEMORY_BYTES = 256 << 20
 
@@ -208,8 +210,8 @@ def describe_nccl_error(error: BaseException,
                         free_memory: Callable[[], tuple[int, int] | None] | None = None) -> str:
     """One line for what CuPy raised from an NCCL call, including the codes it cannot name.
 
-    NCCL says only "unhandled cuda error" (or "system error") when CUDA ran out of memory in
-    it, so for those codes `free_memory` (the device's free and total bytes, None when it
+    NCCL says only "unhandled cuda error" when CUDA ran out of memory in it, so for that
+    code `free_memory` (the device's free and total bytes, None when it
     cannot tell) is asked: with less than `LOW_MEMORY_BYTES` (or 1% of the device) free, the
     line says "out of memory", which `elastic.trainer.device.is_out_of_memory` reads."""
     code = _nccl_code(error)

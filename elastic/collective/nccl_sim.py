@@ -29,10 +29,10 @@ What it models, because the transport's correctness depends on it:
   raises for ncclRemoteError: `KeyError(6)` (CuPy's `NcclError` knows codes 0-5 only);
   `inject_error(code)` sets any result code, e.g. 7 (ncclInProgress).
 - `destroy()` waits for the communicator's work in flight, as ncclCommDestroy does: destroying
-  a communicator whose group never completes hangs. Then, as in recent NCCL (where destroy
-  synchronises with the peers like a collective), it waits until every peer has destroyed or
-  aborted its own (said goodbye, or its connection closed): a peer that has left the job
-  without closing, but whose process lives on, makes it hang.
+  a communicator whose group never completes hangs. Then it says goodbye and waits until
+  every peer has said goodbye or its connection closed (a live peer's reader closes its end
+  once it has read the goodbye): a weaker wait than recent NCCL's, whose destroy synchronises
+  with the peers like a collective and hangs while one that left never closes.
 
 Ranks may be threads of one process or separate processes; nothing is process-global but
 the threads. `get_unique_id()` starts a bootstrap root (a listening socket and a thread) in
@@ -599,7 +599,7 @@ class NcclCommunicator:
             with self._send_locks[peer], contextlib.suppress(OSError):
                 s.sendall(_HEADER.pack(_BYE, 0, 0))
                 s.shutdown(socket.SHUT_WR)  # the reader closes once the peer has left too
-        with self._cv:  # every peer's goodbye, or its connection closed
+        with self._cv:  # every peer's goodbye, or its connection closed (see the module)
             while not all(p in self._bye or p in self._hung_up for p in self._socks):
                 self._cv.wait()
 

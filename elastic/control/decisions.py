@@ -270,3 +270,16 @@ def merge_ahead(outcomes: Mapping[int, ChunkOutcome],
         if not isinstance(outcome, ChunkSkipped):
             merged[rank] = outcome
     return merged
+
+
+def gpu_worker_slots(node_gpus: list[float], gpus_per_worker: float) -> int:
+    """How many workers reserving `gpus_per_worker` GPUs each fit on nodes with `node_gpus`
+    GPUs: a fraction must fit within one GPU (Ray places it so), so a node holds
+    floor(1 / fraction) such workers per whole GPU, not its GPUs divided by the fraction (two
+    GPUs hold four workers of 0.4, not five); whole numbers of GPUs fit floor(GPUs / number)
+    times per node."""
+    slack = 1e-9
+    if gpus_per_worker < 1:
+        per_gpu = int(1 / gpus_per_worker + slack)
+        return sum(int(n + slack) * per_gpu for n in node_gpus)
+    return sum(int(n / gpus_per_worker + slack) for n in node_gpus)

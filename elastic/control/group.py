@@ -40,7 +40,12 @@ def top_up(ctx: Context) -> None:
     while len(ctx.members) + ctx.workers.starting() < target:
         ctx.workers.spawn()
         ctx.log.emit(WorkerStarting(reason="replacement", target=target))
-    upper = ctx.config.scaling.upper
+    scaling = ctx.config.scaling
+    upper = scaling.upper
+    if scaling.use_gpu and scaling.gpus_per_worker < 1:
+        # Free fractions of GPUs may lie on different GPUs: no more workers than fit
+        # (`elastic.control.decisions.gpu_worker_slots`).
+        upper = min(upper, ctx.workers.placeable())
     while grow and len(ctx.members) + ctx.workers.starting() < upper and ctx.workers.free_slot():
         ctx.workers.spawn()
         with requests.lock:

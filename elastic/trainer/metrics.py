@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from elastic.errors import CollectiveError
 from elastic.trainer.loss import LossSum
 
 # Bytes one rank may announce for its metric names (a peer cannot make a rank allocate more).
@@ -132,3 +133,33 @@ def merge_names(known: Sequence[str], *others: Sequence[str]) -> tuple[str, ...]
     for names in others:
         merged.update(names)
     return tuple(sorted(merged))
+
+
+def exchange_names(comm: Any, mine: list[str], committed: Sequence[str]) -> tuple[str, ...]:
+    """When some rank's metrics named a metric the step's layout did not have (the summed
+    flag), every rank calls this with its control plane `comm` and its own names `mine`:
+    each broadcasts its names in turn, and all adopt the union with the `committed` names
+    (`merge_names`). Every rank runs the same collectives (the flag is summed), so nobody is
+    left waiting.
+
+    Raises:
+        CollectiveError: the exchange failed, or a peer announced malformed names (or more
+            than `MAX_NAMES_BYTES`: refused before allocating them).
+    """
+    encoded = encode_names(mine)
+    names: list[list[str]] = []
+    for src in range(comm.world_size):
+        size = torch.tensor([len(encoded) if src == comm.rank else 0], dtype=torch.int64)
+        comm.broadcast(size, src)
+        announced = int(size.item())
+        if not 0 < announced <= MAX_NAMES_BYTES:
+            raise CollectiveError(f"rank {src} announced {announced} bytes of metric names; "
+                                  f"at most {MAX_NAMES_BYTES} are accepted", rank=comm.rank)
+        data = (torch.frombuffer(bytearray(encoded), dtype=torch.uint8) if src == comm.rank
+                else torch.empty(announced, dtype=torch.uint8))
+        comm.broadcast(data, src)
+        try:
+            names.append(decode_names(data.numpy().tobytes()))
+        except ValueError as e:
+            raise CollectiveError(f"rank {src}: {e}", rank=comm.rank) from None
+    return merge_names(committed, *names)

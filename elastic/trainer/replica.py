@@ -47,10 +47,7 @@ from elastic.trainer.device import (
 from elastic.trainer.exact import ExactSum, make_deterministic
 from elastic.trainer.faults import FaultInjector, Progress, chaos_kill
 from elastic.trainer.metrics import (
-    MAX_NAMES_BYTES,
-    decode_names,
-    encode_names,
-    merge_names,
+    exchange_names,
     read_section,
 )
 from elastic.trainer.outcomes import NonFinite, OutOfMemory, StepRecord, UserFailure
@@ -433,10 +430,8 @@ class Replica:
 
     def _learn_metric_names(self, context: StepContext, computed: Computed,
                             reduced: Reduced) -> Reduced:
-        """When some rank's metrics named a metric this step's layout did not have (the
-        summed flag), every rank exchanges its names, adopts their union and sums this
-        step's metrics again under it. Every rank runs the same collectives (the flag is
-        summed), so nobody is left waiting.
+        """The step's metrics under the names every rank knows (`metrics.exchange_names`,
+        when some rank's metrics named a new one).
 
         Raises:
             CollectiveError: the exchange failed, or a peer announced malformed names.
@@ -444,26 +439,10 @@ class Replica:
         new, _ = read_section(reduced.metrics, context.metric_names)
         if not new:
             return reduced
-        comm = context.comm.control
-        mine = encode_names(list(computed.metrics.sums))
-        names: list[list[str]] = []
-        for src in range(comm.world_size):
-            size = torch.tensor([len(mine) if src == comm.rank else 0], dtype=torch.int64)
-            comm.broadcast(size, src)
-            announced = int(size.item())
-            if not 0 < announced <= MAX_NAMES_BYTES:
-                raise CollectiveError(f"rank {src} announced {announced} bytes of metric names; "
-                                      f"at most {MAX_NAMES_BYTES} are accepted", rank=comm.rank)
-            data = (torch.frombuffer(bytearray(mine), dtype=torch.uint8) if src == comm.rank
-                    else torch.empty(announced, dtype=torch.uint8))
-            comm.broadcast(data, src)
-            try:
-                names.append(decode_names(data.numpy().tobytes()))
-            except ValueError as e:
-                raise CollectiveError(f"rank {src}: {e}", rank=comm.rank) from None
-        self.metric_names = merge_names(self.metric_names, *names)
+        self.metric_names = exchange_names(context.comm.control, list(computed.metrics.sums),
+                                           self.metric_names)
         section = computed.metrics.section(self.metric_names)
-        comm.allreduce(section)
+        context.comm.control.allreduce(section)
         return replace(reduced, metrics=section)
 
     def drop_grads(self) -> None:

@@ -78,6 +78,9 @@ def _run(world: int, fn: Callable[[Communicator], Any], config: CollectiveConfig
             try:
                 results[rank] = fn(comm)
                 torch.cuda.synchronize()
+            except BaseException:
+                done.abort()  # a failed rank closes at once: its peers are not kept waiting
+                raise
             finally:
                 with contextlib.suppress(threading.BrokenBarrierError):
                     done.wait(timeout)

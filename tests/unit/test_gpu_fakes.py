@@ -50,3 +50,15 @@ def test_workers_may_share_a_gpu_on_the_host_plane_only():
     # Whole GPUs on NCCL, as before.
     FitConfig(scaling=ScalingConfig(num_workers=2, use_gpu=True),
               collective=CollectiveConfig(backend="nccl"), max_steps=1, batch=BATCH)
+
+
+def test_a_fraction_of_a_gpu_fits_within_one_gpu():
+    from elastic.control.decisions import gpu_worker_slots
+
+    assert gpu_worker_slots([2.0], 0.4) == 4  # not 5: 0.2 left on each GPU is no place
+    assert gpu_worker_slots([1.0], 0.25) == 4
+    assert gpu_worker_slots([1.0, 2.0], 0.5) == 6
+    assert gpu_worker_slots([8.0, 4.0], 2) == 6
+    assert gpu_worker_slots([1.0], 1) == 1
+    with pytest.raises(ValueError, match="whole number of GPUs"):
+        ScalingConfig(num_workers=1, use_gpu=True, gpus_per_worker=1.5)
