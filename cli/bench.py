@@ -445,3 +445,31 @@ def bench_gpu(
     out_dir.mkdir(parents=True, exist_ok=True)
     run(str(out_dir), chosen, shared)
     table(str(out_dir / "gpu_throughput.json"))
+
+
+@app.command("drift")
+def bench_drift(
+    steps: Annotated[str, typer.Option(help="Run lengths, comma-separated.")] = "12,120,360",
+    workers: Annotated[int, typer.Option(help="World size.")] = 2,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """How far the default mode's weights drift from one plain process as runs get longer,
+    with no fault (a BatchNorm CNN; exact mode does not drift)."""
+    from dataclasses import asdict
+
+    from elastic.bench.drift import run_drift
+
+    try:
+        lengths = [int(s) for s in steps.split(",") if s.strip()]
+    except ValueError:
+        raise fail(f"--steps: whole numbers separated by commas, got {steps!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise fail("--steps: at least one run length of 1 or more")
+    points = run_drift(lengths, workers)
+    table = Table(title=f"default mode on {workers} workers against one plain process (no fault)")
+    for column in ("steps", "largest weight difference"):
+        table.add_column(column, justify="right")
+    for p in points:
+        table.add_row(str(p.steps), f"{p.max_weight_difference:.2e}")
+    console.print(table)
+    save_json(json_path, {"workers": workers, "points": [asdict(p) for p in points]})

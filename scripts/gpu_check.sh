@@ -13,6 +13,10 @@ OUT=${GPU_CHECK_OUT:-gpu-check-out}; mkdir -p "$OUT"
 PY=${PY:-python3}
 MODELS=${GPU_CHECK_MODELS:-resnet50,gpt2}
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
+if ! version=$($PY -c "import torch, sys; print(torch.__version__); sys.exit(0 if torch.cuda.is_available() else 1)"); then
+  echo "gpu-check: torch sees no CUDA device here (torch $version): nothing to check"
+  exit 3
+fi
 if ! $PY -c "import ray, pydantic" 2>/dev/null; then
   BUNDLE=${GPU_BUNDLE:-.gpu/bundle.tar.xz}
   SITE=${GPU_SITE:-/tmp/elastic-gpu-site}
@@ -25,10 +29,6 @@ if ! $PY -c "import ray, pydantic" 2>/dev/null; then
   export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
-if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "gpu-check: torch sees no CUDA device here ($($PY -c 'import torch; print(torch.__version__)')): nothing to check"
-  exit 3
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
   $PY -c "import ray, pydantic, torch; print('ray', ray.__version__, 'pydantic', pydantic.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)"

@@ -49,6 +49,7 @@ TINY = {
     ("bench exact", "--models"): "mlp",
     ("bench exact", "--workers"): "1,2",
     ("bench data", "--loader-workers"): "1",
+    ("bench drift", "--steps"): "3",
     ("run images", "--max-steps"): "4",
     ("run images", "--loader-workers"): "1",
     ("run parquet_shards", "--epochs"): "1",
@@ -121,6 +122,7 @@ def test_every_readme_command_has_a_smoke_entry_that_keeps_its_flags(tmp_path):
     kinds = {"run", "start", "list", "logs", "status", "scale", "kill", "stop", "demo", "report",
              "bench allreduce", "bench recovery", "bench checkpoint", "bench control", "bench adapt",
              "bench overhead", "bench scaling", "bench decisions", "bench exact", "bench data",
+             "bench drift",
              "run images", "run parquet_shards", "run classifier"}
     for line in readme_commands():
         argv = shlex.split(line)
@@ -221,6 +223,10 @@ def _check(kind: str, output: str, out: pathlib.Path) -> None:
             assert min(data["loaders_step_s"], data["no_loaders_step_s"], data["ddp_step_s"],
                        data["ddp_no_loaders_step_s"]) > 0
             assert data["bound_s"] == max(data["compute_s"], data["data_s"])
+        case "bench drift":
+            assert [p["steps"] for p in data["points"]] == [3] and data["workers"] == 2
+            # Float32 summation order after a few steps: last bits, not lost samples.
+            assert all(0 <= p["max_weight_difference"] < 1e-4 for p in data["points"])
         case "bench exact":
             assert [(r["model"], r["workers"]) for r in data["rows"]] == [("mlp", 1), ("mlp", 2)]
             assert data["bit_identical"] == {"mlp": True}
