@@ -37,8 +37,7 @@ from elastic.control.port import (
     Started,
 )
 from elastic.errors import HalfUpdatedError, WorkerLostError
-from elastic.trainer.evaluation import EvalFailure
-from elastic.trainer.outcomes import StepRecord
+from elastic.trainer.outcomes import EvalFailure, StepRecord
 
 
 @dataclass

@@ -41,6 +41,7 @@ from elastic.collective import Communicator
 from elastic.config import FitConfig
 from elastic.trainer.loader import generator_state, load_piece, seed_generators, set_generator_state
 from elastic.trainer.loss import LossSum
+from elastic.trainer.outcomes import EvalFailure
 
 __all__ = ["EvalFailure", "LazyDataset", "Partial", "Verdict", "eval_batch_size", "eval_mode",
            "eval_slices", "evaluate_share", "evaluate_slice", "judge", "metric_terms", "names_hash",
@@ -49,21 +50,6 @@ __all__ = ["EvalFailure", "LazyDataset", "Partial", "Verdict", "eval_batch_size"
 # The `step` key of the evaluation's generator streams: one no training step reaches.
 _EVAL_STREAM = 1 << 62
 _HEADER = 5  # slots per rank: error, number of names, names hash, names bytes, set size
-
-
-@dataclass(frozen=True)
-class EvalFailure:
-    """The evaluation failed on every rank: user code raised on `ranks`, or the ranks
-    disagree (metric names, evaluation set size).
-
-    Attributes:
-        ranks: the ranks at fault.
-        traceback: this rank's traceback when it is one of them, or the disagreement (the
-            same text on every rank); None on a rank that has nothing to tell.
-    """
-
-    ranks: tuple[int, ...]
-    traceback: str | None
 
 
 def eval_batch_size(config: FitConfig) -> int:

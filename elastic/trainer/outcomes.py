@@ -58,3 +58,18 @@ class OutOfMemory:
 
     step: int
     ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EvalFailure:
+    """The evaluation failed on every rank: user code raised on `ranks`, or the ranks
+    disagree (metric names, evaluation set size).
+
+    Attributes:
+        ranks: the ranks at fault.
+        traceback: this rank's traceback when it is one of them, or the disagreement (the
+            same text on every rank); None on a rank that has nothing to tell.
+    """
+
+    ranks: tuple[int, ...]
+    traceback: str | None

@@ -115,7 +115,8 @@ def test_an_ended_run_answers_status_and_events_and_refuses_the_rest(tmp_path):
 def test_the_cursor_lives_without_torch_and_the_trainer_re_exports_it():
     assert data.Cursor is cursor.Cursor and data.steps_per_epoch is cursor.steps_per_epoch
     probe = ("import sys, elastic.control.cursor, elastic.control.requests, elastic.control.status, "
-             "elastic.control.channel; print('torch' in sys.modules)")
+             "elastic.control.channel, elastic.control.states, elastic.control.simulation, "
+             "elastic.control.checkpoints; print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
