@@ -175,22 +175,14 @@ def release_frames(error: BaseException) -> None:
     traceback.clear_frames(error.__traceback__)
 
 
-class FlatReducer:
-    """One buffer per dtype after the backward pass, each summed in one allreduce."""
+class _Hooks:
+    """The `Reducer` hooks a strategy has nothing to do in, as no-ops (each overrides its
+    own), and `used` from the parameters' gradients."""
 
-    def __init__(self, host: StepHost, params: list[torch.nn.Parameter]) -> None:
-        self.host, self.params = host, params
+    params: list[torch.nn.Parameter]
 
     def registered_bytes(self) -> int:
-        """One copy of the gradients, each dtype 64-byte aligned, and room for the step's
-        metadata up to `META_ROOM` elements; 0 for gradients on a GPU (staged in pinned host
-        memory of their own)."""
-        if self.host.device.type != "cpu":
-            return 0
-        sizes: dict[torch.dtype, int] = {}
-        for p in self.params:
-            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * p.element_size()
-        return sum(-(-n // 64) * 64 for n in sizes.values()) + META_ROOM * 8
+        return 0
 
     def reset(self, meta_len: int) -> None:
         return
@@ -209,6 +201,24 @@ class FlatReducer:
 
     def used(self) -> torch.Tensor:
         return used_params(self.params)
+
+
+class FlatReducer(_Hooks):
+    """One buffer per dtype after the backward pass, each summed in one allreduce."""
+
+    def __init__(self, host: StepHost, params: list[torch.nn.Parameter]) -> None:
+        self.host, self.params = host, params
+
+    def registered_bytes(self) -> int:
+        """One copy of the gradients, each dtype 64-byte aligned, and room for the step's
+        metadata up to `META_ROOM` elements; 0 for gradients on a GPU (staged in pinned host
+        memory of their own)."""
+        if self.host.device.type != "cpu":
+            return 0
+        sizes: dict[torch.dtype, int] = {}
+        for p in self.params:
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * p.element_size()
+        return sum(-(-n // 64) * 64 for n in sizes.values()) + META_ROOM * 8
 
     def reduce(self, context: StepContext, computed: Computed, pack: Pack,
                comm_start: float) -> Reduced:
@@ -266,18 +276,12 @@ class FlatReducer:
         return Vote.OUT_OF_MEMORY, take_part(self.host, context, zeros)
 
 
-class BucketReducer:
+class BucketReducer(_Hooks):
     """Buckets reduced while the backward pass runs (`GradientBuckets`)."""
 
     def __init__(self, host: StepHost, params: list[torch.nn.Parameter],
                  buckets: GradientBuckets) -> None:
         self.host, self.params, self.buckets = host, params, buckets
-
-    def registered_bytes(self) -> int:
-        return 0
-
-    def reset(self, meta_len: int) -> None:
-        return
 
     def begin(self, context: StepContext) -> None:
         """Allocates the step's buffers and starts the communication thread that the last
@@ -290,15 +294,6 @@ class BucketReducer:
 
     def arm(self, last: bool) -> None:
         self.buckets.arm(last)  # gradients are complete in the last backward pass
-
-    def after_forward(self, loss: torch.Tensor, items: float, form: LossForm) -> None:
-        return
-
-    def after_backward(self) -> None:
-        return
-
-    def used(self) -> torch.Tensor:
-        return used_params(self.params)
 
     def reduce(self, context: StepContext, computed: Computed, pack: Pack,
                comm_start: float) -> Reduced:
@@ -318,7 +313,7 @@ class BucketReducer:
         self.buckets.assign_grads()
 
 
-class ExactReducer:
+class ExactReducer(_Hooks):
     """Exact mode: each group's loss and gradients in fixed-point integers
     (`elastic.trainer.exact.ExactSum`), summed exactly in one float64 allreduce with the
     metadata (integers there too: votes, forms, flags, the ledger)."""
@@ -326,17 +321,8 @@ class ExactReducer:
     def __init__(self, params: list[torch.nn.Parameter], exact: ExactSum, loss_slot: int) -> None:
         self.params, self.exact, self.loss_slot = params, exact, loss_slot
 
-    def registered_bytes(self) -> int:
-        return 0
-
     def reset(self, meta_len: int) -> None:
         self.exact.begin(meta_len)  # each attempt of the step sums afresh
-
-    def begin(self, context: StepContext) -> None:
-        return
-
-    def arm(self, last: bool) -> None:
-        return
 
     def after_forward(self, loss: torch.Tensor, items: float, form: LossForm) -> None:
         """One group's loss (and `LossSum` count) into the exact sums."""
