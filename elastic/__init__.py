@@ -15,6 +15,7 @@ from elastic.config import (
     LoggingConfig,
     MLflowConfig,
     ScalingConfig,
+    ShardingConfig,
     TrainingConfig,
 )
 from elastic.errors import AfterStepError, ElasticError, UserCodeError
@@ -49,6 +50,7 @@ __all__ = [
     "LossSum",
     "MLflowConfig",
     "ScalingConfig",
+    "ShardingConfig",
     "TrainJob",
     "TrainingConfig",
     "UserCodeError",

@@ -344,8 +344,8 @@ class FailureConfig(_Frozen):
 
 
 ChaosAction = Literal["kill", "hang", "raise", "slow", "oom"]
-ChaosPhase = Literal["data", "forward", "backward", "allreduce", "optimizer", "checkpoint",
-                     "evaluate"]
+ChaosPhase = Literal["data", "forward", "backward", "allreduce", "optimizer", "gather",
+                     "checkpoint", "evaluate"]
 
 
 class ChaosEvent(_Frozen):
@@ -362,7 +362,9 @@ class ChaosEvent(_Frozen):
                               "(ignored by 'slow', which stretches the whole compute part). "
                               "'checkpoint': a 'kill' during the first checkpoint write at or "
                               "after `step`, once a part is on disk and before the manifest "
-                              "(rank 0 writes checkpoints). 'evaluate': in the evaluation at "
+                              "(rank 0 writes checkpoints). 'gather': with sharding.stage 1, "
+                              "after the optimizer stepped this rank's parts, before the "
+                              "parameters are gathered. 'evaluate': in the evaluation at "
                               "committed step `step` (if one runs there), before the rank reads "
                               "its slice; 'raise' there is an error of eval_step.")
     factor: float = Field(default=2.0, gt=1, description="Slow-down factor for action 'slow'.")
@@ -390,6 +392,23 @@ class ChaosEvent(_Frozen):
                 f"checkpoints), not {self.action!r} on rank {self.rank}"
             )
         return self
+
+
+class ShardingConfig(_Frozen):
+    """How the optimizer state is spread over the workers (docs/training.md#sharded-optimizer-state)."""
+
+    stage: Literal[0, 1] = Field(
+        default=0,
+        description="0: every worker holds the whole optimizer state. 1: each worker holds the "
+        "optimizer state of the parameters it owns (whole tensors, each owned by `replicas` "
+        "workers) and steps only those; the updated parameters are gathered after each step.",
+    )
+    replicas: int = Field(
+        default=2, ge=1,
+        description="Workers that own each parameter's optimizer state (stage 1): any "
+        "replicas - 1 of them may be lost and a survivor still holds it (else the run restores "
+        "its newest checkpoint). When the run shrinks below it, every worker owns every part.",
+    )
 
 
 class CheckpointConfig(_Frozen):
@@ -669,6 +688,10 @@ class FitConfig(_Frozen):
     checkpoint: CheckpointConfig | None = Field(
         default=None, description="Checkpoints (none by default: peer restore only)."
     )
+    sharding: ShardingConfig = Field(
+        default_factory=ShardingConfig, description="Optimizer state sharded over the workers "
+        "(stage 1) or held whole by each (stage 0, the default)."
+    )
     data: DataConfig = Field(
         default_factory=DataConfig, description="Background loading (loader processes, "
         "prefetch, pinned memory)."
@@ -724,6 +747,15 @@ class FitConfig(_Frozen):
             raise ValueError("batch.exact reproduces one global batch; it needs batch.policy "
                              "'fixed' (with 'scale_with_workers' the batch follows the world size)")
         scaling = self.scaling
+        sharding = self.sharding
+        if not sharding.stage and any(e.phase == "gather" for e in self.chaos):
+            raise ValueError("chaos phase 'gather' fires when the parameters are gathered after "
+                             "a sharded optimizer step; set sharding.stage=1 or pick another phase")
+        if sharding.stage and sharding.replicas > scaling.num_workers:
+            raise ValueError(
+                f"sharding.replicas ({sharding.replicas}) exceeds scaling.num_workers "
+                f"({scaling.num_workers}): each parameter's optimizer state is owned by that "
+                "many workers; lower sharding.replicas or start more workers")
         if scaling.use_gpu and self.collective.backend == "nccl" and scaling.gpus_per_worker < 1:
             raise ValueError(
                 f"scaling.gpus_per_worker {scaling.gpus_per_worker} puts several workers on one "

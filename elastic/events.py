@@ -40,6 +40,7 @@ Kinds and their classes:
 | `restored_from_checkpoint` | `RestoredFromCheckpoint` |
 | `resumed` | `Resumed` |
 | `scale_requested` | `ScaleRequested` |
+| `shards_lost` | `ShardsLost` |
 | `start` | `Start` |
 | `state` | `StateChanged` |
 | `stop_requested` | `StopRequested` |
@@ -342,6 +343,9 @@ class Generation(Event, kind="generation"):
     step: int
     transport: str
     workers: list[int]
+    # Sharded optimizer state: owners per parameter in this generation (fewer than
+    # sharding.replicas when the world is smaller: every worker owns every parameter).
+    shard_copies: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -517,6 +521,15 @@ class _CheckpointLoaded(Event):
 @dataclass(frozen=True, kw_only=True)
 class Resumed(_CheckpointLoaded, kind="resumed"):
     """The run resumed from the newest checkpoint at its start."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardsLost(Event, kind="shards_lost"):
+    """Sharded optimizer state: every owner of the parameters `parts` (indices among the
+    parameters that train) was lost at `step`, so the run restores its newest checkpoint."""
+
+    step: int
+    parts: list[int]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.exceptions import RayActorError, RayTaskError
 
 from elastic.adapt.lr import LrRamp
 from elastic.adapt.plan import BatchPlan
@@ -74,6 +75,7 @@ from elastic.trainer.replica import (
     UserFailure,
     chaos_kill,
 )
+from elastic.trainer.sharding import joined_optimizer_state
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +185,9 @@ class WorkerActor:
                                          self.config.collective, abort_signal=signal_,
                                          secret=secret,
                                          shared_bytes=self.replica.registered_bytes())
-        return self.replica.restorable_step, self.replica.comm.transport
+        shards = self.replica.shards
+        holding = (len(shards.params), sorted(shards.held)) if shards is not None else None
+        return self.replica.restorable_step, self.replica.comm.transport, holding
 
     @_on_step_thread
     def sync(self, src: int) -> dict[str, int]:
@@ -238,6 +242,9 @@ class WorkerActor:
                     return ChunkVotedDown(records, replica.global_step, replica.cursor.to_dict(),
                                           outcome)
                 records.append(outcome)
+                if outcome.interrupted is not None:  # committed, but the gather after it failed
+                    return ChunkInterrupted(records, replica.global_step,
+                                            replica.cursor.to_dict(), outcome.interrupted)
                 if outcome.yielded:  # every rank read the same flag: all end here
                     break
         except CollectiveError as e:
@@ -269,17 +276,40 @@ class WorkerActor:
                 self._yield_ticket = max(self._yield_ticket, ticket)
 
     @_on_step_thread
-    def checkpoint(self, meta: dict[str, Any]) -> dict[str, Any]:
+    def optimizer_parts(self) -> dict[str, Any]:
+        """Sharded optimizer state: the committed step and the state of the parts this rank
+        is the primary owner of (`OptimizerShards.part_states`, in host memory), for the
+        member that writes a checkpoint."""
+        bind_thread(self.device)
+        replica = self.replica
+        replica.check_committed()
+        assert replica.shards is not None, "optimizer state is not sharded"
+        shards = replica.shards
+        return {"step": replica.global_step,
+                "state": to_host(shards.part_states(shards.primary_parts()), copy=True)}
+
+    @_on_step_thread
+    def checkpoint(self, meta: dict[str, Any], parts: list[Any] | None = None) -> dict[str, Any]:
         """Snapshots the committed state and writes it (in the background if configured).
-        Returns whether it was submitted and the reports of writes finished since last time."""
+        Returns whether it was submitted and the reports of writes finished since last time.
+        `parts`: with sharded optimizer state, the other members' `optimizer_parts` (object
+        references), joined with this rank's into the whole state that is written."""
         ckpt = self.config.checkpoint
         assert ckpt is not None and self._writer is not None, "no checkpoint configured"
         if self._writer.busy():
             return {"submitted": False, "reports": self._reports()}
         bind_thread(self.device)
         state = self.replica.state()
-        meta = {**meta, "epoch": state["cursor"]["epoch"]}
         step = self.replica.global_step
+        if parts is not None:
+            try:
+                whole = joined_optimizer_state(state["optimizer"], ray.get(parts), step)
+            except (RayActorError, RayTaskError, ValueError) as e:
+                return {"submitted": False, "reports": self._reports(),
+                        "note": f"the sharded optimizer state could not be joined ({e}); "
+                                "this checkpoint was skipped"}
+            state = {**state, "optimizer": whole}
+        meta = {**meta, "epoch": state["cursor"]["epoch"]}
         crash = self._crash_mid_write(step)
         if ckpt.async_write:
             # The only cost on the training path: a copy of the state in host memory, which the

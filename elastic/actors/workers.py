@@ -68,6 +68,7 @@ class RayWorkers:
         self._chunks: deque[tuple[list[int], dict[Any, int]]] = deque()
         self._ticket = 0
         self._generation = -1
+        self._members: list[int] = []  # the current generation's worker ids, by rank
         self._chunk_lock = threading.Lock()  # `yield_chunks` comes from request threads
 
     # --- processes -----------------------------------------------------------------------------
@@ -153,6 +154,7 @@ class RayWorkers:
 
     def connect(self, ids: Sequence[int], generation: int) -> Gathered[tuple[int, str]]:
         endpoint = str(self.server.endpoint)
+        self._members = list(ids)
         with self._chunk_lock:
             self._chunks.clear()  # a new generation: chunks of the old one are abandoned
             self._ticket, self._generation = 0, generation
@@ -319,6 +321,11 @@ class RayWorkers:
     # --- single calls --------------------------------------------------------------------------
 
     def call(self, worker_id: int, method: str, *args: Any) -> Any:
+        if method == "checkpoint" and self.config.sharding.stage:
+            # Sharded optimizer state: the writer takes each other member's primary parts
+            # (passed as references: the bytes go from worker to worker, not through here).
+            args = (*args, [self.actors[w].optimizer_parts.remote() for w in self._members
+                            if w != worker_id and w in self.actors])
         try:
             return ray.get(getattr(self.actors[worker_id], method).remote(*args))
         except RayActorError as e:

@@ -135,8 +135,8 @@ class CheckpointCoordinator:
             self._last_step, self._last_time = step, time.monotonic()
             self._written = (step, bool(self._monitor_meta(step)))
         else:
-            self.log.emit(CheckpointBusy(step=step,
-                           note="previous write still in flight; this one was skipped"))
+            self.log.emit(CheckpointBusy(step=step, note=answer.get(
+                "note", "previous write still in flight; this one was skipped")))
         self._log_writes(answer["reports"])
 
     def _current(self, step: int) -> bool:

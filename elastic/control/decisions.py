@@ -148,15 +148,33 @@ class RestoreSource:
 
     rank: int
     from_checkpoint: bool
+    lost_parts: tuple[int, ...] = ()  # sharded state: parts no member holds at the newest step
 
 
-def restore_source(steps: Sequence[int], global_step: int) -> RestoreSource:
+# Sharded optimizer state, per member: how many parts there are and those it holds at its
+# committed step (None: the whole state, unsharded).
+Holding = tuple[int, Sequence[int]] | None
+
+
+def restore_source(steps: Sequence[int], global_step: int,
+                   holdings: Sequence[Holding] | None = None) -> RestoreSource:
     """The newest committed step wins (ranks may differ by one step after a failure), the
     lowest rank among equals; when every member is behind the run's step, the survivors that
     held it were lost and only a checkpoint can bring it back (continuing from fresh replicas
-    would silently restart training)."""
+    would silently restart training). With sharded optimizer state (`holdings`), every part
+    must also be held by a member at the newest step: when every owner of some part was lost
+    (`lost_parts`), only a checkpoint holds the whole state."""
     src = max(range(len(steps)), key=lambda r: (steps[r], -r))
-    return RestoreSource(src, steps[src] < global_step)
+    behind = steps[src] < global_step
+    lost: tuple[int, ...] = ()
+    if not behind and holdings is not None and holdings[src] is not None:
+        parts = holdings[src][0]
+        covered: set[int] = set()
+        for rank, holding in enumerate(holdings):
+            if holding is not None and steps[rank] == steps[src]:
+                covered.update(holding[1])
+        lost = tuple(part for part in range(parts) if part not in covered)
+    return RestoreSource(src, behind or bool(lost), lost)
 
 
 def hung_ranks(where: Mapping[int, tuple[str, float]], timeout: float) -> list[int]:
@@ -166,7 +184,7 @@ def hung_ranks(where: Mapping[int, tuple[str, float]], timeout: float) -> list[i
     are the ones the others wait for). A long step or evaluation that still moves from phase to
     phase, or from batch to batch, is left alone."""
     return [rank for rank, (phase, age) in where.items()
-            if phase != "allreduce" and age >= timeout]
+            if phase not in ("allreduce", "gather") and age >= timeout]
 
 
 def weights(rates: Mapping[int, float], ids: Sequence[int]) -> list[float] | None:

@@ -8,7 +8,7 @@ No Ray here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from elastic.control import decisions
@@ -21,6 +21,7 @@ from elastic.events import (
     Generation,
     GenerationFailed,
     MemberUnreachable,
+    ShardsLost,
     WorkerJoined,
     WorkerLost,
     WorkerStartFailed,
@@ -178,8 +179,10 @@ def form(ctx: Context, reason: str) -> tuple[float, float]:
             continue
         rebuilt = ctx.workers.now()
         steps = [value[0] for value in joined.values if value is not None]
+        holdings = [value[2] if len(value) > 2 else None
+                    for value in joined.values if value is not None]
         transport = joined.values[0][1] if joined.values[0] else ""
-        src = _source(ctx, steps, ids)
+        src = _source(ctx, steps, ids, holdings)
         if src is None:  # half-updated members were replaced: form with the fresh ones
             continue
         synced = ctx.workers.sync(ids, src)
@@ -191,8 +194,11 @@ def form(ctx: Context, reason: str) -> tuple[float, float]:
         restored = ctx.workers.now()
         ctx.formed = (ctx.generation, frozenset(ids))
         ctx.policy.formed()
+        sharding = ctx.config.sharding
         ctx.log.emit(Generation(generation=ctx.generation, world_size=len(ids), reason=reason,
-                      source_rank=src, step=ctx.step, transport=transport, workers=ids))
+                      source_rank=src, step=ctx.step, transport=transport, workers=ids,
+                      shard_copies=(min(sharding.replicas, len(ids)) if sharding.stage
+                                    else None)))
         replan(ctx, reason)
         return rebuilt, restored
 
@@ -213,7 +219,8 @@ def _formed(ctx: Context, dead: list[int], broken: list[str], doing: str) -> boo
     return True
 
 
-def _source(ctx: Context, steps: list[int], ids: list[int]) -> int | None:
+def _source(ctx: Context, steps: list[int], ids: list[int],
+            holdings: list[decisions.Holding] | None = None) -> int | None:
     """The rank whose state everyone takes; loads the newest checkpoint into rank 0 when no
     member holds the run's step. None when no member holds step 0 because every one is half
     updated (`Replica.restorable_step` -1: out of memory in the first optimizer step) and
@@ -223,9 +230,11 @@ def _source(ctx: Context, steps: list[int], ids: list[int]) -> int | None:
     Raises:
         WorkerLostError: no member and no checkpoint holds it.
     """
-    source = decisions.restore_source(steps, ctx.step)
+    source = decisions.restore_source(steps, ctx.step, holdings)
     if not source.from_checkpoint:
         return source.rank
+    if source.lost_parts:
+        ctx.log.emit(ShardsLost(step=ctx.step, parts=list(source.lost_parts)))
     restored = (ctx.checkpoints.restore(ids[0], "restored_from_checkpoint", ctx.step)
                 if ctx.checkpoints.enabled else None)
     if restored is None and ctx.step == 0 and all(step < 0 for step in steps):
@@ -235,6 +244,9 @@ def _source(ctx: Context, steps: list[int], ids: list[int]) -> int | None:
     if restored is None:
         torn = (" (a member that ran out of memory in its optimizer step is half updated and "
                 "holds none)" if any(step < 0 for step in steps) else "")
+        if source.lost_parts:
+            torn += (f" (sharded optimizer state: every owner of parameter(s) "
+                     f"{_parts(source.lost_parts)} was lost)")
         raise WorkerLostError(
             f"every worker holding the state of step {ctx.step} was lost{torn} and no checkpoint "
             "is available to restore from; the run cannot continue", step=ctx.step)
@@ -243,6 +255,12 @@ def _source(ctx: Context, steps: list[int], ids: list[int]) -> int | None:
         # steps after evaluations, whose state went back with the checkpoint, steps again).
         ctx.evaluated_at = None
     return 0
+
+
+def _parts(parts: Sequence[int]) -> str:
+    """Parameter indices, at most eight."""
+    text = ", ".join(f"#{part}" for part in parts[:8])
+    return text + (f" and {len(parts) - 8} more" if len(parts) > 8 else "")
 
 
 def replan(ctx: Context, reason: str) -> None:

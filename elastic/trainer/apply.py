@@ -9,7 +9,9 @@ uses, declared below, so that this module does not import the replica.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +27,7 @@ from elastic.trainer.faults import FaultInjector
 from elastic.trainer.metrics import read_section
 from elastic.trainer.outcomes import StepRecord
 from elastic.trainer.reducers import Reducer, release_frames
+from elastic.trainer.sharding import OptimizerShards
 from elastic.trainer.step import Commit, Computed, Reduced, StepContext
 from elastic.trainer.training import Training, after_step
 
@@ -33,6 +36,7 @@ class ApplyHost(Protocol):
     """What the apply phase reads and changes of a replica."""
 
     config: FitConfig
+    device: torch.device
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     extra: dict[str, Any]
@@ -45,6 +49,8 @@ class ApplyHost(Protocol):
     exact: ExactSum | None
     metric_names: tuple[str, ...]
     torn_at: int | None
+    shards: OptimizerShards | None
+    unfinished: Callable[[], None] | None
     _params: list[torch.nn.Parameter]
 
     def drop_grads(self) -> None: ...
@@ -103,6 +109,7 @@ def _apply(host: ApplyHost, context: StepContext, computed: Computed, reduced: R
     host.faults.enter("optimizer")
     host.faults.fire(context.chaos, "optimizer")
     grad_norm = None
+    gather_failed = None
     if commit.skipped:  # the samples count as consumed
         host.buffers.rollback()
         lr = float(host.optimizer.param_groups[0]["lr"]) * context.lr_factor
@@ -114,17 +121,25 @@ def _apply(host: ApplyHost, context: StepContext, computed: Computed, reduced: R
             raise
         _assign_grads(host, reduced, commit)
         grad_norm = host.training.unscale_and_clip(host._params)
+        if host.shards is not None:
+            host.shards.drop_unowned_grads()  # the optimizer steps this rank's parts only
         # From here until the step is committed, the model and the optimizer may be half
         # updated: a failure in between leaves this replica without a committed state.
         host.torn_at = context.step
         lr = _optimizer_step(host, context.lr_factor)
         if host.exact is not None:
             host.exact.advance()
+        if host.shards is not None:
+            gather_failed = _gather(host, context)
     host.drop_grads()
     host.cursor = host.cursor.advance(host.order.dataset_size, context.global_batch_size)
     host.torn_at = None
     metrics = read_section(reduced.metrics, host.metric_names)[1]
-    _after(host, context, reduced.loss, metrics, applied=not commit.skipped)
+    if gather_failed is None:
+        _after(host, context, reduced.loss, metrics, applied=not commit.skipped)
+    else:  # run by the next generation once the parameters are whole again
+        host.unfinished = functools.partial(_after, host, context, reduced.loss, metrics,
+                                            applied=True)
     optimizer_s = time.perf_counter() - optimizer_start
     host.faults.enter("idle")
     plan, compute_s = context.plan, computed.compute_s
@@ -138,8 +153,26 @@ def _apply(host: ApplyHost, context: StepContext, computed: Computed, reduced: R
                   reduced.comm_s, optimizer_s),
         metrics=metrics, grad_norm=grad_norm,
         scale=context.scale if host.config.training.precision == "fp16-mixed" else None,
-        yielded=reduced.yielded,
+        yielded=reduced.yielded, interrupted=gather_failed,
     )
+
+
+def _gather(host: ApplyHost, context: StepContext) -> str | None:
+    """Sharded state, after the optimizer stepped this rank's parts: every rank takes the
+    parts it does not own from their primaries (`OptimizerShards.gather`). The gather chaos
+    faults fire first. Returns None, or the text of the collective error that ended it: the
+    step is committed here all the same (this rank's parts are stepped), but the parameters
+    of others' parts may be stale, so the chunk ends and the next generation takes them from
+    their owners."""
+    assert host.shards is not None
+    host.faults.enter("gather")
+    host.faults.fire(context.chaos, "gather")
+    comm = context.comm
+    try:
+        host.shards.gather(comm, host.device.type == "cuda" and comm.control is comm)
+    except CollectiveError as e:
+        return str(e)
+    return None
 
 
 def _assign_grads(host: ApplyHost, reduced: Reduced, commit: Commit) -> None:

@@ -32,6 +32,9 @@ class StepRecord:
     grad_norm: float | None = None  # the summed gradients' 2-norm before clipping (clipping on)
     scale: float | None = None  # 'fp16-mixed': the loss scale the step ran with
     yielded: bool = False  # the controller asked to end the chunk: every rank ends it here
+    # Sharded state: the step is committed here but gathering the parameters after it failed
+    # (the error's text); the chunk ends after it, and the next generation completes it.
+    interrupted: str | None = None
 
 
 @dataclass(frozen=True)

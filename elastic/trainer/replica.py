@@ -52,6 +52,7 @@ from elastic.trainer.metrics import (
 )
 from elastic.trainer.outcomes import NonFinite, OutOfMemory, StepRecord, UserFailure
 from elastic.trainer.reducers import Reducer, make_reducer, release_frames
+from elastic.trainer.sharding import OptimizerShards, check_shardable, sync_sharded
 from elastic.trainer.state import (
     committed_state,
     load_committed,
@@ -153,6 +154,13 @@ class Replica:
         # is packed; the worker actor sets it per chunk).
         self.yielding: Callable[[], bool] = lambda: False
         self._params = [p for p in self.model.parameters() if p.requires_grad]
+        # Sharded optimizer state: the parts this rank owns (`elastic.trainer.sharding`), and
+        # the end of a committed step whose gather failed, until the next generation forms.
+        self.shards: OptimizerShards | None = None
+        if config.sharding.stage:
+            check_shardable(self.optimizer)
+            self.shards = OptimizerShards(self._params, self.optimizer, config.sharding.replicas)
+        self.unfinished: Callable[[], None] | None = None
         self.buffers = BufferSync(self.model)
         collective = config.collective
         self._loss_slot = len(self._params)  # exact mode's slot of the loss
@@ -229,18 +237,29 @@ class Replica:
             ConfigError: exact mode, and the state was written under another environment.
         """
         load_committed(self, state, origin)
+        if self.shards is not None and origin == "checkpoint":
+            self.shards.load_whole()  # a checkpoint holds the whole optimizer state
 
     def state_bytes(self) -> bytes:
-        """The committed state, serialised for a peer."""
-        return state_bytes(self.state())
+        """The committed state, serialised for a peer (with sharded state, without the
+        optimizer's per-parameter state: that moves part by part)."""
+        state = self.state()
+        if self.shards is not None:
+            state["optimizer"] = {**state["optimizer"], "state": {}}
+        return state_bytes(state)
 
     def load_state_bytes(self, data: bytes) -> None:
         self.load_state(state_from_bytes(data), origin="peer")
 
     def sync_from(self, src: int) -> None:
         """Every rank of the generation calls this; afterwards all hold `src`'s state
-        (`elastic.trainer.state.sync_state`)."""
-        sync_state(self, self._comm().control, src)
+        (`elastic.trainer.state.sync_state`), with sharded state the newest step's parts from
+        their holders (`elastic.trainer.sharding.sync_sharded`)."""
+        comm = self._comm()
+        if self.shards is None:
+            sync_state(self, comm.control, src)
+        else:
+            sync_sharded(self, comm, src, lambda: sync_state(self, comm.control, src))
 
     @property
     def global_step(self) -> int:
@@ -326,7 +345,7 @@ class Replica:
             self.drop_grads()
             # Injected faults fire once: those of the phases already run are dropped.
             context = replace(context, chaos=tuple(e for e in context.chaos
-                                                   if e.phase == "optimizer"))
+                                                   if e.phase in ("optimizer", "gather")))
         else:
             raise ConfigError(f"batch.exact: step {context.step}'s values still did not fit the "
                               f"fixed-point scale after {_MAX_RESCALES} rescales")

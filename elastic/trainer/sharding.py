@@ -1,0 +1,404 @@
+"""Sharded optimizer state (`ShardingConfig`, stage 1): each rank keeps the optimizer state of
+the parameters it owns (`elastic.adapt.sharding`: whole tensors, each owned by `replicas`
+ranks), steps only those, and the updated values are gathered so that every rank holds the
+whole model again before the next forward pass.
+
+How a step goes (the apply phase, `elastic.trainer.apply`): the gradients are summed as in
+stage 0 (by any reducer: flat, bucketed or exact) and clipped over all of them; the gradients
+of the parameters this rank does not own are dropped, so the optimizer skips them (no state
+is ever created for them); the optimizer steps the owned ones; then each part's primary owner
+sends its new values to everyone (`gather`). The owners of a part compute the same update
+from the same summed gradient and state, so they hold the same bits.
+
+The step is committed once the owned parameters are stepped. If the gather fails (a peer
+died in it), the rank holds its owned parts at the new step but not all the others: the
+generation that forms next takes every part's values from an owner.
+
+How a generation forms (`survey`, `take_values`, `place_state`, on every rank of it): the ranks say
+which step they hold and which parts' state they hold at it; every part must be held by a
+rank at the newest step (else the controller restores a checkpoint first: `lost_parts`);
+the parameters are taken from those holders; a new ownership map keeps parts where they are
+held and moves the state of the parts that change owner from a holder to each new owner,
+peer to peer over the control plane, and each rank drops the state it no longer owns.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from elastic.adapt.sharding import Move, Ownership, assign, lost_parts, moves
+from elastic.errors import CollectiveError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Largest buffer of parameter values one gather reduces at a time (elements): the gather
+# allocates no more than this beside the model.
+_GATHER_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Survey:
+    """What the ranks of a forming generation hold (`OptimizerShards.survey`): the newest
+    committed step, per part the ranks that hold its state at that step, and the new map."""
+
+    newest: int
+    holders: tuple[frozenset[int], ...]
+    ownership: Ownership
+
+
+class OptimizerShards:
+    """This rank's share of the optimizer state.
+
+    Args:
+        params: the parameters that train (the parts, in order).
+        optimizer: the run's optimizer (over those parameters, in any groups).
+        replicas: owners per part (`ShardingConfig.replicas`).
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+                 replicas: int) -> None:
+        self.params = list(params)
+        self.optimizer = optimizer
+        self.replicas = replicas
+        self.sizes = [p.numel() for p in self.params]
+        # The optimizer's state-dict id of each part (None: the optimizer does not step it).
+        ids = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups
+                                              for p in group["params"])}
+        self.state_ids = [ids.get(id(p)) for p in self.params]
+        self.ownership: Ownership | None = None
+        # A replica that has never stepped holds every part's state at step 0 (none yet,
+        # or what the optimizer made when it was built).
+        self.held: frozenset[int] = frozenset(range(len(self.params)))
+        self.rank = 0
+
+    @property
+    def owned(self) -> frozenset[int]:
+        """The parts this rank steps: all of them until a generation has formed."""
+        if self.ownership is None:
+            return self.held
+        return frozenset(self.ownership.owned(self.rank))
+
+    # --- the step -----------------------------------------------------------------------
+
+    def drop_unowned_grads(self) -> None:
+        """Before the optimizer step: the parts this rank does not own keep no gradient, so
+        the optimizer skips them."""
+        owned = self.owned
+        for part, p in enumerate(self.params):
+            if part not in owned:
+                p.grad = None
+
+    def gather(self, comm: Any, host_staged: bool) -> None:
+        """After the optimizer step: every rank takes each part's values from its primary
+        owner (`_take_from`)."""
+        assert self.ownership is not None, "no ownership map: a generation must form first"
+        self._take_from(comm, [self.ownership.primary(part) for part in range(len(self.params))],
+                        host_staged)
+
+    def _take_from(self, comm: Any, sources: Sequence[int], host_staged: bool) -> None:
+        """Every rank takes part `p`'s values from rank `sources[p]`: one sum over the ranks
+        per window of parts of a dtype, of a buffer that holds the parts this rank is the
+        source of and zeros elsewhere (a sum with zeros is exact, so every rank gets the
+        source's bits). `host_staged`: GPU parameters on a host plane go through host memory.
+
+        Raises:
+            CollectiveError: the communication failed or was aborted.
+        """
+        rank = comm.rank
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for part, p in enumerate(self.params):
+            by_dtype.setdefault(p.dtype, []).append(part)
+        for dtype, parts in by_dtype.items():
+            for window in _windows(parts, self.sizes, _GATHER_ELEMENTS):
+                device = self.params[window[0]].device
+                stage = host_staged and device.type == "cuda"
+                total = sum(self.sizes[part] for part in window)
+                flat = torch.zeros(total, dtype=dtype,
+                                   device="cpu" if stage else device, pin_memory=stage)
+                offset = 0
+                for part in window:
+                    n = self.sizes[part]
+                    if sources[part] == rank:
+                        flat[offset : offset + n].copy_(self.params[part].detach().reshape(-1))
+                    offset += n
+                comm.allreduce(flat)
+                if stage:
+                    flat = flat.to(device, non_blocking=True)
+                offset = 0
+                with torch.no_grad():
+                    for part in window:
+                        n = self.sizes[part]
+                        if sources[part] != rank:
+                            self.params[part].copy_(flat[offset : offset + n].view_as(self.params[part]))
+                        offset += n
+
+    # --- forming a generation -------------------------------------------------------------
+
+    def take_state(self) -> dict[int, dict[str, Any]]:
+        """The optimizer state of the parts this rank holds, by part, out of the optimizer
+        (loading a peer's optimizer state replaces its own: `place_state` puts it back)."""
+        state = self.optimizer.state
+        return {part: state[p] for part, p in enumerate(self.params)
+                if part in self.held and p in state}
+
+    def survey(self, control: Any, step: int) -> Survey:
+        """First as a generation forms, on every rank of it (`step`: the committed step this
+        rank held before, -1 for none): which step each rank holds and which parts' state it
+        holds at it, and the generation's ownership map from that.
+
+        Raises:
+            CollectiveError: the communication failed, or some part has no holder at the
+                newest step (the controller restores a checkpoint first when it sees that:
+                `elastic.control.decisions.restore_source`).
+        """
+        rank, world = control.rank, control.world_size
+        table = torch.zeros(world, 1 + len(self.params), dtype=torch.float64)
+        table[rank, 0] = step
+        for part in self.held:
+            table[rank, 1 + part] = 1.0
+        control.allreduce(table)
+        steps = [int(s) for s in table[:, 0].tolist()]
+        newest = max(steps)
+        holders = [frozenset(q for q in range(world) if steps[q] == newest and table[q, 1 + part] > 0)
+                   for part in range(len(self.params))]
+        missing = lost_parts(holders)
+        if missing:
+            raise CollectiveError(
+                f"no rank holds the optimizer state of step {newest} of parameter(s) "
+                f"{describe(missing)}: every owner of them was lost", rank=rank)
+        return Survey(newest, tuple(holders), assign(self.sizes, world, self.replicas, holders))
+
+    def take_values(self, data: Any, survey: Survey, host_staged: bool) -> None:
+        """Every rank takes each part's values at the newest step from a holder (the new
+        primary where it holds the part): a rank whose gather failed, or that is a step
+        behind, then holds the whole model of the newest step."""
+        ownership, holders = survey.ownership, survey.holders
+        sources = [ownership.primary(part) if ownership.primary(part) in holders[part]
+                   else min(holders[part]) for part in range(len(self.params))]
+        self._take_from(data, sources, host_staged)
+
+    def place_state(self, control: Any, survey: Survey,
+                    kept: dict[int, dict[str, Any]]) -> list[Move]:
+        """Last as a generation forms: the state of the parts that change owner moves from a
+        holder to each new owner (`_move_state`); each rank then holds the state of the parts
+        it owns under the new map and no other. `kept`: this rank's held parts' state
+        (`take_state`) if it holds the newest step, else empty. Returns what moved.
+
+        Raises:
+            CollectiveError: the communication failed, or a peer announced more bytes than
+                the parts it gives can hold.
+        """
+        rank = control.rank
+        plan = moves(survey.ownership, survey.holders)
+        received = _move_state(control, plan, kept, self.params)
+        owned = frozenset(survey.ownership.owned(rank))
+        self._install({**kept, **received}, owned)
+        self.ownership, self.rank, self.held = survey.ownership, rank, owned
+        return plan
+
+    def _install(self, states: dict[int, dict[str, Any]], owned: frozenset[int]) -> None:
+        """The optimizer holds `states` for the parts in `owned` and nothing for the others
+        (`load_state_dict`: each tensor cast to its parameter's device and dtype as the
+        optimizer's own policy says)."""
+        whole = self.optimizer.state_dict()
+        whole["state"] = {self.state_ids[part]: states[part] for part in sorted(owned)
+                          if part in states and self.state_ids[part] is not None}
+        self.optimizer.load_state_dict(whole)
+
+    def load_whole(self) -> None:
+        """A whole optimizer state was loaded (a checkpoint): this rank holds every part."""
+        self.held = frozenset(range(len(self.params)))
+
+    def part_states(self, parts: Collection[int]) -> dict[int, dict[str, Any]]:
+        """The optimizer state of `parts` (which this rank holds) by state-dict id, as
+        `optimizer.state_dict()['state']` holds them."""
+        state = self.optimizer.state
+        return {self.state_ids[part]: dict(state[self.params[part]]) for part in sorted(parts)
+                if self.params[part] in state and self.state_ids[part] is not None}
+
+    def primary_parts(self) -> list[int]:
+        """The parts this rank is the primary owner of (it writes them to checkpoints)."""
+        assert self.ownership is not None
+        return [part for part in range(len(self.params))
+                if self.ownership.primary(part) == self.rank]
+
+
+def describe(parts: Collection[int]) -> str:
+    """Parts by index, at most eight."""
+    listed = sorted(parts)
+    text = ", ".join(f"#{part}" for part in listed[:8])
+    return text + (f" and {len(listed) - 8} more" if len(listed) > 8 else "")
+
+
+def _windows(parts: Sequence[int], sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """`parts` in runs of at most `limit` elements (a larger part alone)."""
+    windows: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for part in parts:
+        if current and total + sizes[part] > limit:
+            windows.append(current)
+            current, total = [], 0
+        current.append(part)
+        total += sizes[part]
+    if current:
+        windows.append(current)
+    return windows
+
+
+def _move_state(control: Any, plan: Sequence[Move], mine: dict[int, dict[str, Any]],
+                params: Sequence[torch.nn.Parameter]) -> dict[int, dict[str, Any]]:
+    """Carries out `plan` over the control plane: each holder sends each receiver one message
+    with every part it gives it (sizes first, then the bytes, in one exchange each so that
+    no pair waits on another); returns the parts this rank received, their tensors on their
+    parameters' devices.
+
+    Raises:
+        CollectiveError: the communication failed, or a peer announced more bytes than the
+            parts it gives can hold (refused before they are allocated).
+    """
+    rank = control.rank
+    outgoing: dict[int, list[int]] = {}
+    incoming: dict[int, list[int]] = {}
+    for m in plan:
+        if m.src == rank:
+            outgoing.setdefault(m.dst, []).append(m.part)
+        if m.dst == rank:
+            incoming.setdefault(m.src, []).append(m.part)
+    if not outgoing and not incoming:
+        return {}
+    payloads = {dst: _serialise({part: mine[part] for part in parts if part in mine})
+                for dst, parts in outgoing.items()}
+    sizes_out = {dst: torch.tensor([len(data)], dtype=torch.int64) for dst, data in payloads.items()}
+    sizes_in = {src: torch.zeros(1, dtype=torch.int64) for src in incoming}
+    _exchange(control, [(t, dst) for dst, t in sizes_out.items()],
+              [(t, src) for src, t in sizes_in.items()])
+    buffers: dict[int, torch.Tensor] = {}
+    for src, size in sizes_in.items():
+        announced = int(size.item())
+        limit = _state_bound(params, incoming[src])
+        if not 0 <= announced <= limit:
+            raise CollectiveError(f"rank {src} announced {announced} bytes of optimizer state "
+                                  f"for {len(incoming[src])} parameter(s) of at most {limit}; "
+                                  "refused", rank=rank)
+        buffers[src] = torch.empty(announced, dtype=torch.uint8)
+    _exchange(control,
+              [(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
+               for dst, data in payloads.items() if data],
+              [(buf, src) for src, buf in buffers.items() if buf.numel()])
+    received: dict[int, dict[str, Any]] = {}
+    for src, buf in buffers.items():
+        parts = torch.load(io.BytesIO(buf.numpy().tobytes()), weights_only=True,
+                           map_location="cpu") if buf.numel() else {}
+        for part in incoming[src]:
+            if part in parts:
+                received[part] = parts[part]
+    return received
+
+
+def _exchange(control: Any, sends: list[tuple[torch.Tensor, int]],
+              recvs: list[tuple[torch.Tensor, int]]) -> None:
+    if sends or recvs:
+        control.wait(control.exchange(sends, recvs))
+
+
+def _serialise(parts: dict[int, dict[str, Any]]) -> bytes:
+    """Parts' optimizer state, tensors in host memory."""
+    host = {part: {key: (value.detach().cpu() if isinstance(value, torch.Tensor) else value)
+                   for key, value in state.items()} for part, state in parts.items()}
+    buffer = io.BytesIO()
+    torch.save(host, buffer)
+    return buffer.getvalue()
+
+
+# Tensors of a parameter's size an optimizer may keep per parameter (Adam with amsgrad: three),
+# and room for the rest (step counters, pickling).
+_STATE_SLOTS = 3
+_STATE_SLACK = 1 << 20
+
+
+def _state_bound(params: Sequence[torch.nn.Parameter], parts: Sequence[int]) -> int:
+    """The most bytes the optimizer state of `parts` can take serialised (float64 at worst)."""
+    return sum(_STATE_SLOTS * params[part].numel() * 8 + _STATE_SLACK // 16 for part in parts) \
+        + _STATE_SLACK
+
+
+class ShardedHost(Protocol):
+    """What forming a generation with sharded state reads and changes of a replica."""
+
+    shards: OptimizerShards
+    device: torch.device
+    # The end of a committed step whose gather failed (`elastic.trainer.apply`), run once the
+    # parameters are whole again.
+    unfinished: Callable[[], None] | None
+
+    @property
+    def restorable_step(self) -> int: ...
+
+
+def sync_sharded(host: ShardedHost, comm: Any, src: int,
+                 sync_replicated: Callable[[], None]) -> list[Move]:
+    """Every rank of a new generation calls this (sharded state); afterwards all hold the
+    newest committed step: the parameters from the parts' holders (`take_values`), a step
+    left unfinished by a failed gather completed, `src`'s replicated state
+    (`sync_replicated`: everything but the optimizer's per-parameter state), and each rank
+    the optimizer state of the parts it owns under the new map (`place_state`). Returns what
+    moved.
+
+    Raises:
+        CollectiveError: the communication failed, or some part has no holder at the newest
+            step.
+    """
+    shards = host.shards
+    step = host.restorable_step
+    kept = shards.take_state()
+    survey = shards.survey(comm.control, step)
+    host_staged = host.device.type == "cuda" and comm.control is comm
+    shards.take_values(comm, survey, host_staged)
+    unfinished, host.unfinished = host.unfinished, None
+    current = step == survey.newest
+    if unfinished is not None and current:
+        unfinished()
+    sync_replicated()
+    return shards.place_state(comm.control, survey, kept if current else {})
+
+
+def check_shardable(optimizer: torch.optim.Optimizer) -> None:
+    """Refuses optimizers whose step is not one update per parameter from that parameter's
+    own gradient and state (what owning whole tensors needs).
+
+    Raises:
+        ConfigError: the optimizer needs a closure over the whole model (L-BFGS) or shards
+            state itself.
+    """
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.LBFGS) or name == "ZeroRedundancyOptimizer":
+        raise ConfigError(
+            f"sharding.stage 1 steps each parameter on its owners only, but {name} "
+            + ("re-evaluates the loss over the whole model in its step"
+               if isinstance(optimizer, torch.optim.LBFGS) else "shards its state itself")
+            + "; set sharding.stage=0")
+
+
+def joined_optimizer_state(own: dict[str, Any], others: Sequence[dict[str, Any]],
+                           step: int) -> dict[str, Any]:
+    """The whole optimizer state dict, as one unsharded optimizer's `state_dict()`, from this
+    rank's (`own`: the parts it holds) and the other members' primary parts
+    (`{"step": ..., "state": {state-dict id: state}}`).
+
+    Raises:
+        ValueError: a member's parts are of another step than this rank's `step`.
+    """
+    state = dict(own["state"])
+    for other in others:
+        if other["step"] != step:
+            raise ValueError(f"a member's optimizer parts are of step {other['step']}, this "
+                             f"rank's of step {step}")
+        state.update(other["state"])
+    return {**own, "state": dict(sorted(state.items()))}

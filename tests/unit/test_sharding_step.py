@@ -1,0 +1,229 @@
+"""Sharded optimizer state (stage 1) in the step, ranks as threads of the test process (no
+Ray): the weights of a plain single-process loop and of stage 0, through generations that lose
+ranks and take fresh ones; each rank holds the state of the parameters it owns only; exact mode
+bit-identical to stage 0; a part whose every owner was lost is named."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from elastic import BatchConfig, FitConfig, ScalingConfig, ShardingConfig, TrainJob
+from elastic.adapt.plan import plan_batch
+from elastic.collective import RendezvousServer
+from elastic.config import TrainingConfig
+from elastic.errors import CollectiveError, ConfigError
+from elastic.trainer.replica import Replica, StepRecord
+from tests.threads import run_ranks
+
+B = 24
+SEED = 5
+N = 96
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, 6, generator=g)
+    return TensorDataset(x, x[:, :2].sum(1, keepdim=True) * 0.5 + 0.1)
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 16),
+                         nn.ReLU(), nn.Linear(16, 1))
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW with the usual groups: no weight decay on biases and norms."""
+    decay = [p for n, p in model.named_parameters() if p.ndim > 1]
+    rest = [p for n, p in model.named_parameters() if p.ndim <= 1]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": rest, "weight_decay": 0.0}], lr=0.01)
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+
+
+def _warmup(optimizer: torch.optim.Optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
+
+
+def _mse(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _job(optimizer=_adamw) -> TrainJob:
+    return TrainJob(model=_model, optimizer=optimizer, loss=_mse, dataset=_data,
+                    lr_scheduler=_warmup)
+
+
+def _config(tmp_path, stage: int, replicas: int = 2, exact: bool = False) -> FitConfig:
+    return FitConfig(scaling=ScalingConfig(num_workers=4, min_workers=1),
+                     batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False,
+                                       exact=exact, groups="on" if exact else "auto",
+                                       group_size=6 if exact else None),
+                     training=TrainingConfig(clip_grad_norm=0.5),
+                     sharding=ShardingConfig(stage=stage, replicas=replicas),
+                     run_dir=str(tmp_path), max_steps=100, seed=SEED)
+
+
+def _reference(optimizer, steps: int) -> dict[str, torch.Tensor]:
+    """One plain-PyTorch process over the public sample order: the global batch's mean loss,
+    clipping at 0.5, the scheduler after every step."""
+    torch.manual_seed(SEED)
+    model = _model()
+    opt = optimizer(model)
+    scheduler = _warmup(opt)
+    data = _data()
+    for step in range(steps):
+        epoch, offset = divmod(step * B, N)
+        perm = torch.randperm(N, generator=torch.Generator().manual_seed(SEED + epoch))
+        x, y = data[perm[offset : offset + B]]
+        opt.zero_grad()
+        _mse(model, (x, y)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        scheduler.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+_building = threading.Lock()  # models are built under the process-wide seed
+
+
+def _run(tmp_path, job: TrainJob, config: FitConfig, schedule, unit: int = 1,
+         chaos=None) -> dict[str, Replica]:
+    """Runs `schedule`, a list of (members, steps): each a new generation of the replicas
+    named by `members` (a new name is a fresh replica; a name left out is a lost one), which
+    forms as the controller forms one (every rank syncs from the newest step's lowest rank)
+    and runs `steps` steps. Every member holds the same parameters after every step. Returns
+    the replicas by name."""
+    replicas: dict[str, Replica] = {}
+    server = RendezvousServer()
+    try:
+        for members, steps in schedule:
+            for name in members:
+                if name not in replicas:
+                    with _building:
+                        replicas[name] = Replica(job, config, str(tmp_path))
+            world = len(members)
+            held = [replicas[name].restorable_step for name in members]
+            src = max(range(world), key=lambda r: (held[r], -r))
+            plan = plan_batch(B, world, unit if unit > 1 else None, unit=unit)
+
+            def body(comm, members=members, steps=steps, src=src, plan=plan):
+                replica = replicas[members[comm.rank]]
+                replica.comm = comm
+                replica.sync_from(src)
+                params = []
+                for _ in range(steps):
+                    assert isinstance(replica.run_step(plan, []), StepRecord)
+                    params.append([p.detach().clone() for p in replica.model.parameters()])
+                return params
+
+            results = run_ranks(server, world, body)
+            for per_rank in zip(*results, strict=True):  # every member, every step: same bits
+                for other in per_rank[1:]:
+                    assert all(torch.equal(a, b) for a, b in zip(other, per_rank[0], strict=True))
+    finally:
+        server.close()
+        for replica in replicas.values():
+            replica.close()
+    return replicas
+
+
+def _state_tensors(replica: Replica) -> int:
+    """Elements of optimizer state this replica holds."""
+    return sum(v.numel() for st in replica.optimizer.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.ndim > 0)
+
+
+SCHEDULE = [(["a", "b", "c", "d"], 3),  # four workers
+            (["a", "c", "d"], 2),  # "b" lost: its parts come from their other owners
+            (["a", "c", "d", "e"], 2),  # "e" joins with nothing: it takes a fair share
+            (["e", "d"], 2)]  # two lost at once: r=2 still leaves a copy of every part
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer", [_adamw, _sgd], ids=["adamw_groups", "sgd_momentum"])
+def test_stage_1_ends_with_the_weights_of_one_plain_process_through_losses_and_joins(tmp_path, optimizer):
+    replicas = _run(tmp_path, _job(optimizer), _config(tmp_path, stage=1), SCHEDULE)
+    final = replicas["e"].model.state_dict()
+    expected = _reference(optimizer, 9)
+    for key, value in expected.items():
+        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    # Each survivor holds only the parts it owns; together they hold every part twice.
+    whole = sum(p.numel() for p in replicas["e"].model.parameters()) * (
+        2 if optimizer is _adamw else 1)
+    held = [_state_tensors(replicas[name]) for name in ("e", "d")]
+    assert sum(held) == 2 * whole  # two owners of every part, two ranks: each holds all
+    owned = replicas["e"].shards.owned | replicas["d"].shards.owned
+    assert owned == set(range(len(list(replicas["e"].model.parameters()))))
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_holds_the_state_of_its_parts_only(tmp_path):
+    replicas = _run(tmp_path, _job(), _config(tmp_path, stage=1), SCHEDULE[:1])
+    whole = 2 * sum(p.numel() for p in replicas["a"].model.parameters())  # AdamW: m and v
+    held = {name: _state_tensors(r) for name, r in replicas.items()}
+    assert sum(held.values()) == 2 * whole  # every part on two of the four ranks
+    assert max(held.values()) < whole  # nobody holds everything
+    for replica in replicas.values():
+        params = list(replica.model.parameters())
+        with_state = {i for i, p in enumerate(params) if p in replica.optimizer.state}
+        assert with_state == set(replica.shards.owned)
+
+
+@pytest.mark.timeout(120)
+def test_stage_1_matches_stage_0_and_one_replica_per_part_works(tmp_path):
+    sharded = _run(tmp_path, _job(), _config(tmp_path, stage=1, replicas=1),
+                   [(["a", "b", "c"], 4)])
+    whole = _run(tmp_path, _job(), _config(tmp_path, stage=0), [(["a", "b", "c"], 4)])
+    for x, y in zip(sharded["a"].model.parameters(), whole["a"].model.parameters(), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(120)
+def test_exact_mode_with_sharding_is_bit_identical_to_stage_0_across_world_sizes(tmp_path):
+    schedule = [(["a", "b", "c", "d"], 2), (["a", "c", "d"], 2), (["c", "e", "d", "a"], 2)]
+    sharded = _run(tmp_path, _job(), _config(tmp_path, stage=1, exact=True), schedule, unit=6)
+    plain = _run(tmp_path, _job(), _config(tmp_path, stage=0, exact=True),
+                 [(["x"], 6)], unit=6)
+    for x, y in zip(sharded["e"].model.parameters(), plain["x"].model.parameters(), strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.timeout(120)
+def test_losing_every_owner_of_a_part_is_named_not_papered_over(tmp_path):
+    replicas = _run(tmp_path, _job(), _config(tmp_path, stage=1, replicas=1),
+                    [(["a", "b", "c"], 2)])
+    lost = sorted(replicas["b"].shards.owned)
+    server = RendezvousServer()
+    try:
+        def body(comm):
+            replica = replicas[["a", "c"][comm.rank]]
+            replica.comm = comm
+            replica.sync_from(0)
+
+        with pytest.raises(CollectiveError, match="every owner of them was lost") as raised:
+            run_ranks(server, 2, body)
+        assert f"#{lost[0]}" in str(raised.value)
+    finally:
+        server.close()
+
+
+def test_an_optimizer_that_is_not_per_parameter_is_refused(tmp_path):
+    job = TrainJob(model=_model, optimizer=lambda params: torch.optim.LBFGS(params), loss=_mse,
+                   dataset=_data)
+    with pytest.raises(ConfigError, match=r"sharding\.stage=0"):
+        Replica(job, _config(tmp_path, stage=1), str(tmp_path))
+
+
+def test_replicas_above_the_workers_are_refused():
+    with pytest.raises(ValueError, match=r"sharding\.replicas \(3\) exceeds scaling\.num_workers \(2\)"):
+        FitConfig(scaling=ScalingConfig(num_workers=2), batch=BatchConfig(global_batch_size=8),
+                  max_steps=1, sharding=ShardingConfig(stage=1, replicas=3))
