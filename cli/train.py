@@ -37,6 +37,7 @@ _OPTION_FIELDS = {
     "seed": "seed", "name": "name", "run_dir": "run_dir", "backend": "collective.backend",
     "algorithm": "collective.algorithm", "loader_workers": "data.loader_workers",
     "tensorboard": "logging.tensorboard", "csv": "logging.csv",
+    "sharding_stage": "sharding.stage", "shard_replicas": "sharding.replicas",
 }
 
 # Dotted FitConfig field -> the option that sets it, for naming the option in errors.
@@ -201,6 +202,12 @@ def _training_options(
         "pip install 'elastic\\[loggers]').")] = None,
     csv: Annotated[str | None, typer.Option(
         help="CSV file of the committed steps and evaluations, one row each.")] = None,
+    sharding_stage: Annotated[int | None, typer.Option(
+        help="0 (default): every worker holds the whole optimizer state; 1: each holds the "
+        "state of the parameters it owns (sharding.stage).")] = None,
+    shard_replicas: Annotated[int | None, typer.Option(
+        help="Workers owning each parameter's optimizer state with --sharding-stage 1 "
+        "(default 2; any replicas - 1 may be lost).")] = None,
     kill_at: Annotated[list[str] | None, typer.Option(help="Chaos: kill RANK at STEP (STEP:RANK).")] = None,
     ledger: Annotated[bool, typer.Option(help="Record the indices of every step.")] = False,
     exact: Annotated[bool, typer.Option(

@@ -4,6 +4,7 @@ import dataclasses
 import inspect
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -197,12 +198,14 @@ def test_the_option_surface_is_what_was_reviewed():
                 "epochs", "exact", "global_batch", "gpu", "gpus_per_worker",
                 "kill_at", "ledger", "loader_workers", "max_micro_batch", "max_steps",
                 "max_workers", "min_workers",
-                "name", "run_dir", "seed", "target", "tensorboard", "workers"],
+                "name", "run_dir", "seed", "shard_replicas", "sharding_stage", "target",
+                "tensorboard", "workers"],
         "start": ["address", "algorithm", "backend", "batch_policy", "config", "csv", "debug",
                   "epochs", "exact", "global_batch", "gpu", "gpus_per_worker",
                   "kill_at", "ledger", "loader_workers", "max_micro_batch", "max_steps",
                   "max_workers", "min_workers",
-                  "name", "run_dir", "seed", "target", "tensorboard", "workers"],
+                  "name", "run_dir", "seed", "shard_replicas", "sharding_stage", "target",
+                  "tensorboard", "workers"],
         "list": ["live"],
         "demo": ["epochs", "run_dir", "workers"],
         "report": ["out", "run_dir", "trace"],
@@ -280,6 +283,23 @@ def test_status_lists_the_ranks_that_train_and_counts_a_joining_worker_apart(mon
     del info["joining_workers"]  # the record of a run from before the field
     result = runner.invoke(app, ["status", "r"])
     assert result.exit_code == 0 and "joining" not in result.output, result.output
+
+
+def test_sharding_options_set_the_sharding_config_and_bad_values_name_the_option(capsys):
+    from cli.train import _prepare
+
+    options = _options()
+    options.update(target="examples/spirals.py:job", workers=3, global_batch=12, max_steps=2,
+                   sharding_stage=1, shard_replicas=3)
+    config, _ = _prepare(options)
+    assert (config.sharding.stage, config.sharding.replicas) == (1, 3)
+    options.update(shard_replicas=4)
+    with pytest.raises(typer.Exit) as raised:
+        _prepare(options)
+    assert raised.value.exit_code == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "sharding.replicas (4) exceeds scaling.num_workers (3)" in out
+    assert "--shard-replicas" in out and "--workers" in out
 
 
 def test_run_exact_turns_exact_mode_on_over_a_config_file(tmp_path):
