@@ -473,3 +473,50 @@ def bench_drift(
         table.add_row(str(p.steps), f"{p.max_weight_difference:.2e}")
     console.print(table)
     save_json(json_path, {"workers": workers, "points": [asdict(p) for p in points]})
+
+
+@app.command("memory")
+def bench_memory(
+    model: Annotated[str, typer.Option(help="The model: 'gpt' (a 55M-parameter decoder).")] = "gpt",
+    workers: Annotated[int, typer.Option(help="World size.")] = 4,
+    stages: Annotated[str, typer.Option(help="Sharding stages, comma-separated.")] = "0,1",
+    replicas: Annotated[int, typer.Option(help="Owners per parameter when sharded.")] = 2,
+    steps: Annotated[int, typer.Option(help="Steps per stage (the first is left out of the "
+                                             "median).")] = 5,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """What each worker holds (optimizer state, gradients, parameters, peak memory) with the
+    optimizer state whole (stage 0) or sharded (stage 1), and the median step time."""
+    from dataclasses import asdict
+
+    from elastic.bench.memory import run_memory
+
+    if model != "gpt":
+        raise fail(f"--model: only 'gpt' is built in, got {model!r}")
+    try:
+        wanted = sorted({int(s) for s in stages.split(",") if s.strip()})
+    except ValueError:
+        raise fail(f"--stages: whole numbers separated by commas, got {stages!r}") from None
+    if not wanted or any(s not in (0, 1) for s in wanted):
+        raise fail(f"--stages: 0 and 1 are built (stage 2 is not yet), got {stages!r}")
+    if not 1 <= replicas <= workers:
+        raise fail(f"--replicas: between 1 and --workers ({workers}), got {replicas}")
+    results = run_memory(wanted, workers, replicas, steps)
+    base = next((r for r in results if r.stage == 0), None)
+    mb = 1 << 20
+    table = Table(title=f"{results[0].parameters / 1e6:.1f}M-parameter GPT, AdamW, "
+                        f"{workers} workers (largest rank)")
+    for column in ("stage", "replicas", "optimizer state MB", "vs stage 0", "gradients MB",
+                   "parameters MB", "peak RSS MB", "median step s", "vs stage 0 "):
+        table.add_column(column, justify="right")
+    for r in results:
+        state = r.largest("optimizer_state_bytes")
+        table.add_row(
+            str(r.stage), str(r.replicas or "-"), f"{state / mb:.0f}",
+            f"{state / base.largest('optimizer_state_bytes'):.2f}" if base else "-",
+            f"{r.largest('gradient_bytes') / mb:.0f}", f"{r.largest('parameter_bytes') / mb:.0f}",
+            f"{r.largest('peak_rss_bytes') / mb:.0f}", f"{r.median_step_s:.2f}",
+            f"{r.median_step_s / base.median_step_s:.2f}" if base and base.median_step_s else "-")
+    console.print(table)
+    save_json(json_path, {"model": model, "workers": workers,
+                          "results": [asdict(r) for r in results]})

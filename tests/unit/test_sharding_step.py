@@ -5,12 +5,11 @@ bit-identical to stage 0; a part whose every owner was lost is named."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import TensorDataset
 
 from elastic import BatchConfig, FitConfig, ScalingConfig, ShardingConfig, TrainJob
 from elastic.adapt.plan import plan_batch
@@ -18,48 +17,14 @@ from elastic.collective import RendezvousServer
 from elastic.config import TrainingConfig
 from elastic.errors import CollectiveError, ConfigError
 from elastic.trainer.replica import Replica, StepRecord
+from tests import sharding
+from tests.sharding import adamw as _adamw
+from tests.sharding import job as _job
+from tests.sharding import reference as _reference
+from tests.sharding import sgd as _sgd
 from tests.threads import run_ranks
 
-B = 24
-SEED = 5
-N = 96
-
-
-def _data() -> TensorDataset:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(N, 6, generator=g)
-    return TensorDataset(x, x[:, :2].sum(1, keepdim=True) * 0.5 + 0.1)
-
-
-def _model() -> nn.Module:
-    return nn.Sequential(nn.Linear(6, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 16),
-                         nn.ReLU(), nn.Linear(16, 1))
-
-
-def _adamw(model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW with the usual groups: no weight decay on biases and norms."""
-    decay = [p for n, p in model.named_parameters() if p.ndim > 1]
-    rest = [p for n, p in model.named_parameters() if p.ndim <= 1]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                              {"params": rest, "weight_decay": 0.0}], lr=0.01)
-
-
-def _sgd(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
-
-
-def _warmup(optimizer: torch.optim.Optimizer):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
-
-
-def _mse(model: nn.Module, batch) -> torch.Tensor:
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
-
-
-def _job(optimizer=_adamw) -> TrainJob:
-    return TrainJob(model=_model, optimizer=optimizer, loss=_mse, dataset=_data,
-                    lr_scheduler=_warmup)
+B, N, SEED = sharding.B, sharding.N, sharding.SEED
 
 
 def _config(tmp_path, stage: int, replicas: int = 2, exact: bool = False) -> FitConfig:
@@ -70,26 +35,6 @@ def _config(tmp_path, stage: int, replicas: int = 2, exact: bool = False) -> Fit
                      training=TrainingConfig(clip_grad_norm=0.5),
                      sharding=ShardingConfig(stage=stage, replicas=replicas),
                      run_dir=str(tmp_path), max_steps=100, seed=SEED)
-
-
-def _reference(optimizer, steps: int) -> dict[str, torch.Tensor]:
-    """One plain-PyTorch process over the public sample order: the global batch's mean loss,
-    clipping at 0.5, the scheduler after every step."""
-    torch.manual_seed(SEED)
-    model = _model()
-    opt = optimizer(model)
-    scheduler = _warmup(opt)
-    data = _data()
-    for step in range(steps):
-        epoch, offset = divmod(step * B, N)
-        perm = torch.randperm(N, generator=torch.Generator().manual_seed(SEED + epoch))
-        x, y = data[perm[offset : offset + B]]
-        opt.zero_grad()
-        _mse(model, (x, y)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        scheduler.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 _building = threading.Lock()  # models are built under the process-wide seed
@@ -217,8 +162,8 @@ def test_losing_every_owner_of_a_part_is_named_not_papered_over(tmp_path):
 
 
 def test_an_optimizer_that_is_not_per_parameter_is_refused(tmp_path):
-    job = TrainJob(model=_model, optimizer=lambda params: torch.optim.LBFGS(params), loss=_mse,
-                   dataset=_data)
+    job = TrainJob(model=sharding.model, optimizer=lambda params: torch.optim.LBFGS(params),
+                   loss=sharding.mse, dataset=sharding.data)
     with pytest.raises(ConfigError, match=r"sharding\.stage=0"):
         Replica(job, _config(tmp_path, stage=1), str(tmp_path))
 
@@ -227,3 +172,22 @@ def test_replicas_above_the_workers_are_refused():
     with pytest.raises(ValueError, match=r"sharding\.replicas \(3\) exceeds scaling\.num_workers \(2\)"):
         FitConfig(scaling=ScalingConfig(num_workers=2), batch=BatchConfig(global_batch_size=8),
                   max_steps=1, sharding=ShardingConfig(stage=1, replicas=3))
+
+
+def test_the_memory_probe_counts_the_state_the_gradients_and_the_parameters(tmp_path):
+    from elastic.bench.memory import MemoryProbe
+
+    model = sharding.model()
+    optimizer = sharding.adamw(model)
+    probe = MemoryProbe(str(tmp_path), model, optimizer)
+    params = list(model.parameters())
+    sharding.mse(model, sharding.data()[:8]).backward()
+    params[0].grad = None  # a part this rank does not own
+    optimizer.step()
+    probe.after_step(model)
+    (figures,) = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    stepped = sum(p.numel() for p in params[1:]) * 4
+    assert figures["gradient_bytes"] == stepped
+    assert figures["optimizer_state_bytes"] == 2 * stepped + 4 * (len(params) - 1)  # m, v, step
+    assert figures["parameter_bytes"] == sum(p.numel() for p in params) * 4
+    assert figures["peak_rss_bytes"] > 0

@@ -1,0 +1,105 @@
+"""Sharded optimizer state (stage 1) through real kills on local Ray: a lost owner's parts come
+from their other owner (no checkpoint), a kill while the parameters are gathered, every owner
+of a part lost (the checkpoint), and checkpoints that hold the whole optimizer state and load
+at stage 0 on another world size; against the plain-PyTorch loop of `tests/sharding.py`,
+every sample once."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import elastic
+from elastic import (
+    BatchConfig,
+    ChaosEvent,
+    CheckpointConfig,
+    FitConfig,
+    ScalingConfig,
+    ShardingConfig,
+    TrainingConfig,
+)
+from elastic.events import Generation, RestoredFromCheckpoint, ShardsLost, WorkerFailure
+from tests import sharding
+from tests.events import of_kind
+
+pytestmark = pytest.mark.fault
+
+STEPS = 8
+
+
+def _config(tmp_path, chaos=(), workers=4, replicas=2, stage=1, checkpoint=None,
+            steps=STEPS, run="run") -> FitConfig:
+    return FitConfig(scaling=ScalingConfig(num_workers=workers, min_workers=1),
+                     batch=BatchConfig(global_batch_size=sharding.B),
+                     failure=elastic.FailureConfig(replace_lost_workers=False),
+                     training=TrainingConfig(clip_grad_norm=0.5),
+                     sharding=ShardingConfig(stage=stage, replicas=replicas),
+                     max_steps=steps, seed=sharding.SEED, steps_per_chunk=2, ledger=True,
+                     run_dir=str(tmp_path / run), chaos=chaos, checkpoint=checkpoint)
+
+
+def _assert_reference(result, steps=STEPS):
+    expected = sharding.reference(sharding.adamw, steps)
+    for key, value in expected.items():
+        torch.testing.assert_close(result.model_state[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def _assert_every_sample_once(result):
+    ledger = [json.loads(line) for line in open(os.path.join(result.run_dir, "ledger.jsonl"))]
+    assert [entry["step"] for entry in ledger] == list(range(result.steps))
+    per_epoch = sharding.N // sharding.B
+    for epoch in range(result.steps // per_epoch):
+        seen = sorted(i for entry in ledger if entry["epoch"] == epoch for i in entry["indices"])
+        assert seen == list(range(sharding.N))
+
+
+@pytest.mark.timeout(300)
+def test_lost_owners_parts_come_from_their_other_owner_even_mid_gather(ray_cluster, tmp_path):
+    chaos = (ChaosEvent(step=2, rank=1, action="kill", phase="backward"),
+             ChaosEvent(step=5, rank=0, action="kill", phase="gather"))
+    result = elastic.fit(sharding.job(), _config(tmp_path, chaos))
+    assert result.steps == STEPS
+    assert [f.lost_ranks for f in of_kind(result.events, WorkerFailure)] == [[1], [0]]
+    assert not of_kind(result.events, RestoredFromCheckpoint)  # peers only
+    assert [g.shard_copies for g in of_kind(result.events, Generation)] == [2, 2, 2]
+    assert [g.world_size for g in of_kind(result.events, Generation)] == [4, 3, 2]
+    _assert_reference(result)
+    _assert_every_sample_once(result)
+
+
+@pytest.mark.timeout(300)
+def test_every_owner_of_a_part_lost_restores_the_checkpoint(ray_cluster, tmp_path):
+    checkpoint = CheckpointConfig(path=str(tmp_path / "ckpt"), every_steps=2, sign=False,
+                                  async_write=False)
+    chaos = (ChaosEvent(step=5, rank=1, action="kill", phase="backward"),)
+    result = elastic.fit(sharding.job(), _config(tmp_path, chaos, workers=3, replicas=1,
+                                                 checkpoint=checkpoint))
+    assert result.steps == STEPS
+    lost = of_kind(result.events, ShardsLost)
+    assert len(lost) == 1 and lost[0].step == 5 and lost[0].parts
+    restored = of_kind(result.events, RestoredFromCheckpoint)
+    assert [r.step for r in restored] == [4]
+    _assert_reference(result)
+    _assert_every_sample_once(result)
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_1_checkpoint_holds_the_whole_optimizer_state_and_resumes_at_stage_0(
+        ray_cluster, tmp_path):
+    checkpoint = CheckpointConfig(path=str(tmp_path / "ckpt"), every_steps=2, sign=False,
+                                  async_write=False, keep_last=5)
+    elastic.fit(sharding.job(), _config(tmp_path, workers=3, checkpoint=checkpoint, steps=4))
+    loaded = elastic.load_checkpoint(checkpoint.path, signed=False)
+    assert loaded.step == 4
+    params = list(sharding.model().parameters())
+    state = loaded.parts["optimizer"]["state"]
+    assert sorted(state) == list(range(len(params)))  # every parameter's state, once
+    for index, p in enumerate(params):
+        assert state[index]["exp_avg"].shape == p.shape
+    # The same folder resumed by one stage-0 worker ends on the uninterrupted loop.
+    resumed = elastic.fit(sharding.job(), _config(tmp_path, workers=1, replicas=1, stage=0,
+                                                  checkpoint=checkpoint, run="resumed"))
+    assert resumed.steps == STEPS
+    _assert_reference(resumed)
