@@ -147,14 +147,16 @@ class OptimizerShards:
         return {part: state[p] for part, p in enumerate(self.params)
                 if part in self.held and p in state}
 
-    def survey(self, control: Any, step: int) -> Survey:
+    def survey(self, control: Any, step: int, src: int) -> Survey:
         """First as a generation forms, on every rank of it (`step`: the committed step this
         rank held before, -1 for none): which step each rank holds and which parts' state it
-        holds at it, and the generation's ownership map from that.
+        holds at it, and the generation's ownership map from that. The generation takes the
+        step of rank `src` (the newest, or a checkpoint's that the controller loaded into it
+        when parts of the newest were lost: then the ranks ahead of it drop theirs).
 
         Raises:
-            CollectiveError: the communication failed, or some part has no holder at the
-                newest step (the controller restores a checkpoint first when it sees that:
+            CollectiveError: the communication failed, or some part has no holder at `src`'s
+                step (the controller restores a checkpoint first when it sees that:
                 `elastic.control.decisions.restore_source`).
         """
         rank, world = control.rank, control.world_size
@@ -164,7 +166,7 @@ class OptimizerShards:
             table[rank, 1 + part] = 1.0
         control.allreduce(table)
         steps = [int(s) for s in table[:, 0].tolist()]
-        newest = max(steps)
+        newest = steps[src]
         holders = [frozenset(q for q in range(world) if steps[q] == newest and table[q, 1 + part] > 0)
                    for part in range(len(self.params))]
         missing = lost_parts(holders)
@@ -345,7 +347,7 @@ class ShardedHost(Protocol):
 def sync_sharded(host: ShardedHost, comm: Any, src: int,
                  sync_replicated: Callable[[], None]) -> list[Move]:
     """Every rank of a new generation calls this (sharded state); afterwards all hold the
-    newest committed step: the parameters from the parts' holders (`take_values`), a step
+    committed step of rank `src`: the parameters from the parts' holders (`take_values`), a step
     left unfinished by a failed gather completed, `src`'s replicated state
     (`sync_replicated`: everything but the optimizer's per-parameter state), and each rank
     the optimizer state of the parts it owns under the new map (`place_state`). Returns what
@@ -358,7 +360,7 @@ def sync_sharded(host: ShardedHost, comm: Any, src: int,
     shards = host.shards
     step = host.restorable_step
     kept = shards.take_state()
-    survey = shards.survey(comm.control, step)
+    survey = shards.survey(comm.control, step, src)
     host_staged = host.device.type == "cuda" and comm.control is comm
     shards.take_values(comm, survey, host_staged)
     unfinished, host.unfinished = host.unfinished, None
