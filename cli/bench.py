@@ -109,13 +109,19 @@ def bench_recovery(
     replace: Annotated[bool, typer.Option(
         "--replace/--no-replace", help="Replacements start at once (default), or not: the run "
         "goes on with the survivors and is scaled back up after each recovery.")] = True,
+    sharding_stage: Annotated[int, typer.Option(
+        help="1: the optimizer state sharded over 2 owners per parameter (SGD with momentum), "
+        "moved at each recovery.")] = 0,
     json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """SIGKILL a random worker at a random phase TRIALS times in one run; time each recovery."""
     from elastic.bench.recovery import run_recovery_bench
 
+    if sharding_stage not in (0, 1):
+        raise fail(f"--sharding-stage: 0 or 1, got {sharding_stage}")
     try:
-        result = run_recovery_bench(workers, trials, seed=seed, replace=replace)
+        result = run_recovery_bench(workers, trials, seed=seed, replace=replace,
+                                    sharding_stage=sharding_stage)
     except (ValueError, ElasticError) as e:
         raise fail(one_line(e)) from None
     table = Table(title=f"recovery from SIGKILL, {workers} workers, {len(result.recoveries)} recoveries")

@@ -25,7 +25,7 @@ from torch.utils.data import TensorDataset
 
 from elastic.api import events, fit, kill, scale, status, stop
 from elastic.bench import classification_loss, sgd
-from elastic.config import BatchConfig, FailureConfig, FitConfig, ScalingConfig
+from elastic.config import BatchConfig, FailureConfig, FitConfig, ScalingConfig, ShardingConfig
 from elastic.errors import RunNotFoundError
 from elastic.events import Recovered, WorkerJoined, parse, to_record
 from elastic.job import TrainJob
@@ -45,6 +45,7 @@ def _model() -> nn.Module:
 
 
 _optimizer = functools.partial(sgd, lr=0.05)
+_momentum = functools.partial(sgd, lr=0.05, momentum=0.9)
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,12 @@ class RecoveryBenchResult:
 
 def run_recovery_bench(workers: int, trials: int, seed: int = 0,
                        run_dir: str | None = None, timeout_s: float = 600.0,
-                       replace: bool = True) -> RecoveryBenchResult:
+                       replace: bool = True, sharding_stage: int = 0) -> RecoveryBenchResult:
     """One run of `workers` workers; `trials` times, once the world is back to `workers`
     (the replacement of the previous kill has joined), a random worker is SIGKILLed at
-    whatever phase of the step it is in.
+    whatever phase of the step it is in. With `sharding_stage` 1, the optimizer (SGD with
+    momentum then, so that there is state to shard) keeps its state on 2 owners per
+    parameter, and each recovery moves the lost worker's parts.
 
     Raises:
         ValueError: fewer than 2 workers or no trials.
@@ -94,9 +97,10 @@ def run_recovery_bench(workers: int, trials: int, seed: int = 0,
         name=name, scaling=ScalingConfig(num_workers=workers, min_workers=1),
         failure=FailureConfig(replace_lost_workers=replace),
         batch=BatchConfig(global_batch_size=256), max_steps=10_000_000, run_dir=directory,
-        steps_per_chunk=8,
+        steps_per_chunk=8, sharding=ShardingConfig(stage=sharding_stage),
     )
-    job = TrainJob(model=_model, optimizer=_optimizer, loss=classification_loss, dataset=_dataset)
+    optimizer = _momentum if sharding_stage else _optimizer
+    job = TrainJob(model=_model, optimizer=optimizer, loss=classification_loss, dataset=_dataset)
     errors: list[BaseException] = []
     finished = threading.Event()
 

@@ -181,7 +181,7 @@ def test_the_option_surface_is_what_was_reviewed():
     assert surface == {
         "bench allreduce": ["algorithms", "hosts", "json_path", "plot", "registered",
                             "segment_bytes", "shared_memory", "sizes", "world_size"],
-        "bench recovery": ["json_path", "replace", "seed", "trials", "workers"],
+        "bench recovery": ["json_path", "replace", "seed", "sharding_stage", "trials", "workers"],
         "bench checkpoint": ["directory", "json_path", "size_mb", "trials"],
         "bench scaling": ["batch_sizes", "json_path", "model", "plot", "steps", "workers"],
         "bench adapt": ["batch", "json_path", "slow_factor", "steps", "workers"],
