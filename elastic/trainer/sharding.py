@@ -76,6 +76,7 @@ class OptimizerShards:
         # or what the optimizer made when it was built).
         self.held: frozenset[int] = frozenset(range(len(self.params)))
         self.rank = 0
+        self._kept: dict[int, dict[str, Any]] | None = None  # see `keep`
 
     @property
     def owned(self) -> frozenset[int]:
@@ -140,12 +141,19 @@ class OptimizerShards:
 
     # --- forming a generation -------------------------------------------------------------
 
-    def take_state(self) -> dict[int, dict[str, Any]]:
-        """The optimizer state of the parts this rank holds, by part, out of the optimizer
-        (loading a peer's optimizer state replaces its own: `place_state` puts it back)."""
-        state = self.optimizer.state
-        return {part: state[p] for part, p in enumerate(self.params)
-                if part in self.held and p in state}
+    def keep(self, current: bool) -> dict[int, dict[str, Any]]:
+        """As a generation forms, once the target step is known: the optimizer state of the
+        parts this rank holds, by part, if it holds them at that step (`current`), kept here
+        until `place_state` installs them (loading the source's replicated state empties the
+        optimizer, and an attempt that fails after that must not lose them); else nothing,
+        and this rank no longer claims any part."""
+        if not current:
+            self._kept, self.held = {}, frozenset()
+        elif self._kept is None:
+            state = self.optimizer.state
+            self._kept = {part: state[p] for part, p in enumerate(self.params)
+                          if part in self.held and p in state}
+        return self._kept
 
     def survey(self, control: Any, step: int, src: int) -> Survey:
         """First as a generation forms, on every rank of it (`step`: the committed step this
@@ -190,7 +198,7 @@ class OptimizerShards:
         """Last as a generation forms: the state of the parts that change owner moves from a
         holder to each new owner (`_move_state`); each rank then holds the state of the parts
         it owns under the new map and no other. `kept`: this rank's held parts' state
-        (`take_state`) if it holds the newest step, else empty. Returns what moved.
+        (`keep`) if it holds the target step, else empty. Returns what moved.
 
         Raises:
             CollectiveError: the communication failed, or a peer announced more bytes than
@@ -202,6 +210,7 @@ class OptimizerShards:
         owned = frozenset(survey.ownership.owned(rank))
         self._install({**kept, **received}, owned)
         self.ownership, self.rank, self.held = survey.ownership, rank, owned
+        self._kept = None
         return plan
 
     def _install(self, states: dict[int, dict[str, Any]], owned: frozenset[int]) -> None:
@@ -215,7 +224,7 @@ class OptimizerShards:
 
     def load_whole(self) -> None:
         """A whole optimizer state was loaded (a checkpoint): this rank holds every part."""
-        self.held = frozenset(range(len(self.params)))
+        self.held, self._kept = frozenset(range(len(self.params))), None
 
     def part_states(self, parts: Collection[int]) -> dict[int, dict[str, Any]]:
         """The optimizer state of `parts` (which this rank holds) by state-dict id, as
@@ -359,16 +368,16 @@ def sync_sharded(host: ShardedHost, comm: Any, src: int,
     """
     shards = host.shards
     step = host.restorable_step
-    kept = shards.take_state()
     survey = shards.survey(comm.control, step, src)
+    current = step == survey.newest
+    kept = shards.keep(current)
     host_staged = host.device.type == "cuda" and comm.control is comm
     shards.take_values(comm, survey, host_staged)
     unfinished, host.unfinished = host.unfinished, None
-    current = step == survey.newest
     if unfinished is not None and current:
         unfinished()
     sync_replicated()
-    return shards.place_state(comm.control, survey, kept if current else {})
+    return shards.place_state(comm.control, survey, kept)
 
 
 def check_shardable(optimizer: torch.optim.Optimizer) -> None:

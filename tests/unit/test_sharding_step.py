@@ -191,3 +191,18 @@ def test_the_memory_probe_counts_the_state_the_gradients_and_the_parameters(tmp_
     assert figures["optimizer_state_bytes"] == 2 * stepped + 4 * (len(params) - 1)  # m, v, step
     assert figures["parameter_bytes"] == sum(p.numel() for p in params) * 4
     assert figures["peak_rss_bytes"] > 0
+
+
+def test_a_failed_attempt_to_form_keeps_the_parts_for_the_next(tmp_path):
+    replicas = _run(tmp_path, _job(), _config(tmp_path, stage=1), [(["a", "b"], 2)])
+    shards = replicas["a"].shards
+    before = {part: {k: v.clone() for k, v in st.items()} for part, st in shards.keep(True).items()}
+    assert before and set(before) == set(shards.owned)
+    optimizer = replicas["a"].optimizer
+    # The source's replicated state empties the optimizer; then the attempt fails.
+    optimizer.load_state_dict({**optimizer.state_dict(), "state": {}})
+    again = shards.keep(True)
+    assert set(again) == set(before)
+    for part, state in before.items():
+        assert all(torch.equal(state[k], again[part][k]) for k in state)
+    assert shards.keep(False) == {} and shards.held == frozenset()  # a step behind: none
