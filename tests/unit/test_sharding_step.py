@@ -206,3 +206,15 @@ def test_a_failed_attempt_to_form_keeps_the_parts_for_the_next(tmp_path):
     for part, state in before.items():
         assert all(torch.equal(state[k], again[part][k]) for k in state)
     assert shards.keep(False) == {} and shards.held == frozenset()  # a step behind: none
+
+
+@pytest.mark.timeout(120)
+def test_a_world_below_the_replicas_owns_every_part_on_every_rank(tmp_path):
+    replicas = _run(tmp_path, _job(), _config(tmp_path, stage=1, replicas=3),
+                    [(["a", "b", "c", "d"], 2), (["a", "b"], 2), (["b"], 2)])
+    parts = set(range(len(list(replicas["b"].model.parameters()))))
+    assert replicas["b"].shards.owned == parts
+    assert replicas["b"].shards.ownership.owners == tuple((0,) for _ in parts)
+    final = replicas["b"].model.state_dict()
+    for key, value in _reference(_adamw, 6).items():
+        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
