@@ -52,6 +52,7 @@ from elastic.events import (
     RestoredFromCheckpoint,
     Resumed,
     ScaleRequested,
+    ShardsLost,
     Start,
     StateChanged,
     Stopping,
@@ -368,7 +369,9 @@ def _state(e: StateChanged) -> str:
 def _generation(e: Generation) -> str:
     return (f"generation {e.generation}: {e.world_size} workers ({e.reason}), state of step {e.step} "
             f"from rank {e.source_rank} over {e.transport}; workers by rank "
-            f"{', '.join(map(str, e.workers))}")
+            f"{', '.join(map(str, e.workers))}"
+            + (f"; {e.shard_copies} owners of each parameter's optimizer state"
+               if e.shard_copies is not None else ""))
 
 
 def _start(e: Start) -> str:
@@ -441,6 +444,8 @@ _LOG_RENDERERS: dict[type[Event], Callable[[Any], str]] = {
     RebalanceJudged: _rebalance_judged,
     Resumed: _loaded("resumed from"),
     RestoredFromCheckpoint: _loaded("no survivor held the state; restored"),
+    ShardsLost: lambda e: (f"every owner of the optimizer state of {len(e.parts)} parameter(s) "
+                           f"was lost at step {e.step}; restoring the newest checkpoint"),
     CheckpointFailed: lambda e: f"checkpoint of step {e.step} failed: {e.error}",
     CheckpointBusy: lambda e: f"checkpoint of step {e.step} skipped: {e.note}",
     CheckpointSkipped: lambda e: f"checkpoint {e.path} not loaded: {e.reason}",

@@ -93,11 +93,12 @@ def test_a_stage_1_checkpoint_holds_the_whole_optimizer_state_and_resumes_at_sta
     elastic.fit(sharding.job(), _config(tmp_path, workers=3, checkpoint=checkpoint, steps=4))
     loaded = elastic.load_checkpoint(checkpoint.path, signed=False)
     assert loaded.step == 4
-    params = list(sharding.model().parameters())
+    # In the optimizer's order (its parameter groups), as one unsharded AdamW saves it.
+    params = [p for g in sharding.adamw(sharding.model()).param_groups for p in g["params"]]
     state = loaded.parts["optimizer"]["state"]
     assert sorted(state) == list(range(len(params)))  # every parameter's state, once
     for index, p in enumerate(params):
-        assert state[index]["exp_avg"].shape == p.shape
+        assert state[index]["exp_avg"].shape == state[index]["exp_avg_sq"].shape == p.shape
     # The same folder resumed by one stage-0 worker ends on the uninterrupted loop.
     resumed = elastic.fit(sharding.job(), _config(tmp_path, workers=1, replicas=1, stage=0,
                                                   checkpoint=checkpoint, run="resumed"))

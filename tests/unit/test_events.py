@@ -72,6 +72,7 @@ SAMPLES = {
     "evaluate": {"step": 16, "epoch": 1, "accuracy": 0.91, "loss": 0.3},
     "resumed": {"step": 10, "path": "/ckpt/step-10", "work_lost_steps": 0},
     "restored_from_checkpoint": {"step": 10, "path": "/ckpt/step-10", "work_lost_steps": 2},
+    "shards_lost": {"step": 10, "parts": [3, 7]},
     "checkpoint_written": {"step": 10, "path": "/ckpt/step-10", "seconds": 0.25, "pruned": [5]},
     "checkpoint_failed": {"step": 10, "error": "disk full"},
     "checkpoint_busy": {"step": 12, "note": "previous write still in flight; this one was skipped"},
