@@ -186,7 +186,9 @@ class WorkerActor:
                                          secret=secret,
                                          shared_bytes=self.replica.registered_bytes())
         shards = self.replica.shards
-        holding = (len(shards.params), sorted(shards.held)) if shards is not None else None
+        holding = ((len(shards.params), sorted(shards.held),
+                    shards.pending.step if shards.pending is not None else None)
+                   if shards is not None else None)
         return self.replica.restorable_step, self.replica.comm.transport, holding
 
     @_on_step_thread

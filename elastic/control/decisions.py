@@ -151,9 +151,10 @@ class RestoreSource:
     lost_parts: tuple[int, ...] = ()  # sharded state: parts no member holds at the newest step
 
 
-# Sharded optimizer state, per member: how many parts there are and those it holds at its
-# committed step (None: the whole state, unsharded).
-Holding = tuple[int, Sequence[int]] | None
+# Sharded optimizer state, per member: how many parts there are, those it holds at its
+# committed step, and the step it holds the sums of unapplied, if any (it applies that step
+# if the generation takes it); None: the whole state, unsharded.
+Holding = tuple[int, Sequence[int], int | None] | None
 
 
 def restore_source(steps: Sequence[int], global_step: int,
@@ -171,7 +172,7 @@ def restore_source(steps: Sequence[int], global_step: int,
         parts = holdings[src][0]
         covered: set[int] = set()
         for rank, holding in enumerate(holdings):
-            if holding is not None and steps[rank] == steps[src]:
+            if holding is not None and steps[src] in (steps[rank], holding[2]):
                 covered.update(holding[1])
         lost = tuple(part for part in range(parts) if part not in covered)
     return RestoreSource(src, behind or bool(lost), lost)

@@ -57,15 +57,18 @@ class ApplyHost(Protocol):
 
 
 def apply_step(host: ApplyHost, context: StepContext, computed: Computed, reduced: Reduced,
-            commit: Commit) -> StepRecord:
+            commit: Commit, alone: bool = False) -> StepRecord:
     """`_apply`, and if it runs out of memory before the step is committed here (the
-    cursor has not moved), `_apply_out_of_memory`.
+    cursor has not moved), `_apply_out_of_memory`. `alone`: sharded state, a step whose sums
+    this rank holds applied while a new generation forms (`OptimizerShards.pending`), with no
+    collective: the buffers and the parameters of others' parts come from the generation's
+    source and owners, and the step's end (`_after`) runs once they have.
 
     Raises:
         CollectiveError: out of memory in the apply phase (this rank left the generation).
     """
     try:
-        return _apply(host, context, computed, reduced, commit)
+        return _apply(host, context, computed, reduced, commit, alone)
     except Exception as e:
         if not is_allocation_failure(e) or host.cursor.step != context.step:
             raise
@@ -96,7 +99,7 @@ def _apply_out_of_memory(host: ApplyHost, context: StepContext, error: BaseExcep
 
 
 def _apply(host: ApplyHost, context: StepContext, computed: Computed, reduced: Reduced,
-           commit: Commit) -> StepRecord:
+           commit: Commit, alone: bool = False) -> StepRecord:
     """The apply phase of a committed step.
 
     Guarantees: every rank applies the same update, from the summed gradients (divided by
@@ -114,11 +117,14 @@ def _apply(host: ApplyHost, context: StepContext, computed: Computed, reduced: R
         host.buffers.rollback()
         lr = float(host.optimizer.param_groups[0]["lr"]) * context.lr_factor
     else:
-        try:  # before the optimizer: a failed broadcast leaves nothing half-applied
-            host.buffers.commit(reduced.buffers, context.comm, first_with_share(context.plan))
-        except BaseException:
-            host.drop_grads()
-            raise
+        if alone:  # the buffers of the step come with the source's state
+            host.buffers.rollback()
+        else:
+            try:  # before the optimizer: a failed broadcast leaves nothing half-applied
+                host.buffers.commit(reduced.buffers, context.comm, first_with_share(context.plan))
+            except BaseException:
+                host.drop_grads()
+                raise
         _assign_grads(host, reduced, commit)
         grad_norm = host.training.unscale_and_clip(host._params)
         if host.shards is not None:
@@ -130,16 +136,17 @@ def _apply(host: ApplyHost, context: StepContext, computed: Computed, reduced: R
         if host.exact is not None:
             host.exact.advance()
         if host.shards is not None:
-            gather_failed = _gather(host, context)
+            gather_failed = ("applied alone as a generation formed" if alone
+                             else _gather(host, context))
     host.drop_grads()
     host.cursor = host.cursor.advance(host.order.dataset_size, context.global_batch_size)
     host.torn_at = None
     metrics = read_section(reduced.metrics, host.metric_names)[1]
-    if gather_failed is None:
+    if gather_failed is None and not alone:
         _after(host, context, reduced.loss, metrics, applied=not commit.skipped)
     else:  # run by the next generation once the parameters are whole again
         host.unfinished = functools.partial(_after, host, context, reduced.loss, metrics,
-                                            applied=True)
+                                            applied=not commit.skipped)
     optimizer_s = time.perf_counter() - optimizer_start
     host.faults.enter("idle")
     plan, compute_s = context.plan, computed.compute_s

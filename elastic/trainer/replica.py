@@ -52,7 +52,7 @@ from elastic.trainer.metrics import (
 )
 from elastic.trainer.outcomes import NonFinite, OutOfMemory, StepRecord, UserFailure
 from elastic.trainer.reducers import Reducer, make_reducer, release_frames
-from elastic.trainer.sharding import OptimizerShards, check_shardable, sync_sharded
+from elastic.trainer.sharding import OptimizerShards, PendingStep, check_shardable, sync_sharded
 from elastic.trainer.state import (
     committed_state,
     load_committed,
@@ -352,12 +352,48 @@ class Replica:
         if self.exact is not None and not (isinstance(outcome, Commit) and not outcome.skipped):
             self.exact.exponents = exponents  # only an applied step moves them for good
         if isinstance(outcome, Commit):
+            if self.shards is not None:
+                self._agree(context, computed, reduced, outcome, exponents)
             record = apply_step(self, context, computed, reduced, outcome)
             return replace(record, rescaled=rescaled) if rescaled else record
         self.buffers.rollback()
         self.drop_grads()
         self._enter("idle")
         return outcome
+
+    def _agree(self, context: StepContext, computed: Computed, reduced: Reduced, commit: Commit,
+               exponents: list[int]) -> None:
+        """Sharded state, before a step is applied: one more sum over the control plane, which
+        completes on a rank only once every rank added its part, which each does once its
+        reduce completed. So a rank applies the step only when every rank holds its sums, and
+        no owner of a part can be left a step behind the others (`sharding.PendingStep`).
+
+        Raises:
+            CollectiveError: the sum failed; this rank keeps the step, unapplied, for the next
+                generation to apply or drop (`OptimizerShards.pending`).
+        """
+        try:
+            context.comm.control.allreduce(torch.ones(1, dtype=torch.float64))
+        except CollectiveError:
+            self._hold(context, computed, reduced, commit, exponents)
+            raise
+
+    def _hold(self, context: StepContext, computed: Computed, reduced: Reduced, commit: Commit,
+              exponents: list[int]) -> None:
+        """Keeps a step whose agreement failed, to apply or drop as the next generation forms."""
+        assert self.shards is not None
+        quiet = replace(context, chaos=())
+
+        def apply() -> None:
+            apply_step(self, quiet, computed, reduced, commit, alone=True)
+
+        def drop() -> None:
+            self.buffers.rollback()
+            self.drop_grads()
+            if self.exact is not None:
+                self.exact.exponents = exponents
+
+        self.shards.pending = PendingStep(context.step + 1, apply, drop)
 
     def _begin(self, plan: BatchPlan, chaos: list[ChaosEvent], lr_factor: float) -> StepContext:
         """Fixes what the step reads and clears the gradients (allocating nothing on the

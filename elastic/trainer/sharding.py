@@ -43,6 +43,20 @@ _GATHER_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True)
+class PendingStep:
+    """A step whose sums this rank holds but did not apply: its reduce completed, but the
+    agreement after it (`Replica._agree`) failed, so this rank cannot know whether every rank
+    holds the sums. If any rank applied the step (the agreement completed there, so every
+    rank's reduce did), the next generation takes `step` as its step and this rank applies
+    it first (`apply`, with no collective); else it drops it (`drop`). Either way no owner of
+    a part is left a step behind the others."""
+
+    step: int  # the committed step once applied
+    apply: Callable[[], None]
+    drop: Callable[[], None]
+
+
+@dataclass(frozen=True)
 class Survey:
     """What the ranks of a forming generation hold (`OptimizerShards.survey`): the newest
     committed step, per part the ranks that hold its state at that step, and the new map."""
@@ -77,6 +91,7 @@ class OptimizerShards:
         self.held: frozenset[int] = frozenset(range(len(self.params)))
         self.rank = 0
         self._kept: dict[int, dict[str, Any]] | None = None  # see `keep`
+        self.pending: PendingStep | None = None
 
     @property
     def owned(self) -> frozenset[int]:
@@ -168,14 +183,17 @@ class OptimizerShards:
                 `elastic.control.decisions.restore_source`).
         """
         rank, world = control.rank, control.world_size
-        table = torch.zeros(world, 1 + len(self.params), dtype=torch.float64)
+        table = torch.zeros(world, 2 + len(self.params), dtype=torch.float64)
         table[rank, 0] = step
+        table[rank, 1] = self.pending.step if self.pending is not None else -1
         for part in self.held:
-            table[rank, 1 + part] = 1.0
+            table[rank, 2 + part] = 1.0
         control.allreduce(table)
         steps = [int(s) for s in table[:, 0].tolist()]
         newest = steps[src]
-        holders = [frozenset(q for q in range(world) if steps[q] == newest and table[q, 1 + part] > 0)
+        # A rank holding the newest step unapplied (`PendingStep`) holds its parts at it too.
+        at = [q for q in range(world) if newest in (steps[q], int(table[q, 1]))]
+        holders = [frozenset(q for q in at if table[q, 2 + part] > 0)
                    for part in range(len(self.params))]
         missing = lost_parts(holders)
         if missing:
@@ -356,8 +374,9 @@ class ShardedHost(Protocol):
 def sync_sharded(host: ShardedHost, comm: Any, src: int,
                  sync_replicated: Callable[[], None]) -> list[Move]:
     """Every rank of a new generation calls this (sharded state); afterwards all hold the
-    committed step of rank `src`: the parameters from the parts' holders (`take_values`), a step
-    left unfinished by a failed gather completed, `src`'s replicated state
+    committed step of rank `src`: a step this rank holds unapplied applied or dropped
+    (`PendingStep`), the parameters from the parts' holders (`take_values`), a step left
+    unfinished by a failed gather completed, `src`'s replicated state
     (`sync_replicated`: everything but the optimizer's per-parameter state), and each rank
     the optimizer state of the parts it owns under the new map (`place_state`). Returns what
     moved.
@@ -369,6 +388,12 @@ def sync_sharded(host: ShardedHost, comm: Any, src: int,
     shards = host.shards
     step = host.restorable_step
     survey = shards.survey(comm.control, step, src)
+    pending, shards.pending = shards.pending, None
+    if pending is not None and pending.step == survey.newest and step >= 0:
+        pending.apply()  # its parts at the generation's step, the rest to come below
+        step = host.restorable_step
+    elif pending is not None:
+        pending.drop()
     current = step == survey.newest
     kept = shards.keep(current)
     host_staged = host.device.type == "cuda" and comm.control is comm

@@ -512,13 +512,17 @@ def test_restore_source_is_the_newest_lowest_rank_else_a_checkpoint():
 
 def test_restore_source_with_sharded_state_needs_every_part_at_the_newest_step():
     # Parts 0-3; rank 1 is a step behind, so what it holds does not count.
-    held = [(4, [0, 1]), (4, [2, 3]), (4, [1, 2]), None]
-    assert decisions.restore_source([6, 5, 6], 6, held[:3]) == decisions.RestoreSource(0, True, (3,))
-    assert decisions.restore_source([6, 6, 6], 6, held[:3]) == decisions.RestoreSource(0, False)
-    assert decisions.restore_source([5, 6, 6], 6, [(4, [0, 1, 2, 3])] * 3) == \
+    held = [(4, [0, 1], None), (4, [2, 3], None), (4, [1, 2], None)]
+    assert decisions.restore_source([6, 5, 6], 6, held) == decisions.RestoreSource(0, True, (3,))
+    assert decisions.restore_source([6, 6, 6], 6, held) == decisions.RestoreSource(0, False)
+    # Rank 1 holds step 6's sums unapplied: it applies them as the generation forms.
+    pending = [held[0], (4, [2, 3], 6), held[2]]
+    assert decisions.restore_source([6, 5, 6], 6, pending) == decisions.RestoreSource(0, False)
+    assert decisions.restore_source([5, 6, 6], 6, [(4, [0, 1, 2, 3], None)] * 3) == \
         decisions.RestoreSource(1, False)
     # Behind the run's step: a checkpoint whatever the parts.
-    assert decisions.restore_source([4, 4], 6, [(2, [0, 1])] * 2) == decisions.RestoreSource(0, True)
+    assert decisions.restore_source([4, 4], 6, [(2, [0, 1], None)] * 2) == \
+        decisions.RestoreSource(0, True)
 
 
 def test_hung_ranks_spare_the_ones_waiting_in_a_collective():

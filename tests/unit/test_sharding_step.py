@@ -218,3 +218,83 @@ def test_a_world_below_the_replicas_owns_every_part_on_every_rank(tmp_path):
     final = replicas["b"].model.state_dict()
     for key, value in _reference(_adamw, 6).items():
         torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+class _Unsure(Replica):
+    """A peer dies in the agreement before step `at`, as seen by each rank: on an `unsure`
+    one the agreement fails (it holds the sums unapplied); the others apply the step and
+    their gather fails (the peer is gone)."""
+
+    at, unsure = -1, False
+
+    def _agree(self, context, computed, reduced, commit, exponents):
+        super()._agree(context, computed, reduced, commit, exponents)
+        if context.step != self.at:
+            return
+        if self.unsure:
+            self._hold(context, computed, reduced, commit, exponents)
+            raise CollectiveError("injected: the agreement failed here")
+        gather = self.shards.gather
+
+        def fail_once(comm, host_staged):
+            self.shards.gather = gather
+            raise CollectiveError("injected: a peer died in the gather")
+
+        self.shards.gather = fail_once
+
+
+def _generation(server, replicas, members, steps, src=None):
+    """One generation of `members` (names in `replicas`) that syncs and runs `steps` steps; a
+    rank whose step raises a collective error ends there."""
+    world = len(members)
+    held = [replicas[name].restorable_step for name in members]
+    src = max(range(world), key=lambda r: (held[r], -r)) if src is None else src
+    plan = plan_batch(B, world, None)
+
+    def body(comm):
+        replica = replicas[members[comm.rank]]
+        replica.comm = comm
+        replica.sync_from(src)
+        for _ in range(steps):
+            try:
+                record = replica.run_step(plan, [])
+            except CollectiveError:
+                return
+            if record.interrupted:  # as the worker ends its chunk
+                return
+
+    run_ranks(server, world, body)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("everyone", [False, True], ids=["applied_by_peers", "applied_by_none"])
+def test_a_step_held_unapplied_is_applied_or_dropped_as_the_next_generation_forms(tmp_path, everyone):
+    config = _config(tmp_path, stage=1)
+    replicas = {}
+    for name in "abcd":
+        with _building:
+            replicas[name] = _Unsure(_job(), config, str(tmp_path))
+        replicas[name].at, replicas[name].unsure = 2, everyone or name == "a"
+    server = RendezvousServer()
+    try:
+        _generation(server, replicas, list("abcd"), 3)
+        assert [replicas[n].restorable_step for n in "abcd"] == ([2] * 4 if everyone
+                                                                 else [2, 3, 3, 3])
+        for replica in replicas.values():
+            replica.at = -1
+        # The rank that shares parts with "a" is lost: those parts' only holder is "a",
+        # whose step 2 is applied by it as the generation forms (or by nobody: then step 2
+        # is redone).
+        ownership = replicas["a"].shards.ownership
+        partner = next(q for q in range(1, 4)
+                       if any(set(o) == {0, q} for o in ownership.owners))
+        members = ["a"] + [n for i, n in enumerate("bcd", 1) if i != partner]
+        _generation(server, replicas, members, 3 if everyone else 2)
+    finally:
+        server.close()
+        for replica in replicas.values():
+            replica.close()
+    final = replicas["a"].model.state_dict()
+    assert replicas["a"].restorable_step == 5
+    for key, value in _reference(_adamw, 5).items():
+        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
