@@ -10,9 +10,12 @@ is ever created for them); the optimizer steps the owned ones; then each part's 
 sends its new values to everyone (`gather`). The owners of a part compute the same update
 from the same summed gradient and state, so they hold the same bits.
 
-The step is committed once the owned parameters are stepped. If the gather fails (a peer
-died in it), the rank holds its owned parts at the new step but not all the others: the
-generation that forms next takes every part's values from an owner.
+A rank applies a step only once it knows that every rank holds the step's sums (one more
+sum over the control plane first: `Replica._agree`); where that fails, the rank keeps the
+step unapplied (`PendingStep`) and the next generation has it apply or drop it, so that no
+owner is left a step behind. The step is committed once the owned parameters are stepped.
+If the gather fails (a peer died in it), the rank holds its owned parts at the new step but
+not all the others: the generation that forms next takes every part's values from an owner.
 
 How a generation forms (`survey`, `take_values`, `place_state`, on every rank of it): the ranks say
 which step they hold and which parts' state they hold at it; every part must be held by a
