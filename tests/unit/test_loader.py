@@ -137,7 +137,10 @@ def test_an_elastic_run_reading_ahead_ends_on_the_reference(tmp_path, schedule):
     processes: the plain-PyTorch reference (everything read in one process) to float tolerance,
     and every member alike."""
     job = fidelity.augmented_job()
-    final = _elastic(tmp_path, job, SCHEDULES[schedule], loader_workers=1)
+    # Each generation starts fresh replicas, each with a loader process (a spawn and torch's
+    # import): a resize of one step up keeps the test to two generations.
+    schedules = {**SCHEDULES, "resize": [(2, 3, None), (3, 3, [1.0, 2.0, 1.0])]}
+    final = _elastic(tmp_path, job, schedules[schedule], loader_workers=1)
     expected = fidelity.reference(job, SEED, B, G, 6)
     for key, value in expected.items():
         torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
