@@ -84,6 +84,14 @@ logger = logging.getLogger(__name__)
 _RELEASE_S = 30.0
 
 
+def _answer(ref: Any) -> Any:
+    """What a member's call returned, or None if it died or raised."""
+    try:
+        return ray.get(ref)
+    except (RayActorError, RayTaskError):
+        return None
+
+
 class _StepThread:
     """The one thread that runs a worker's steps (see the module's docstring). A daemon: a step
     stuck in user code never holds the process at its exit."""
@@ -279,16 +287,16 @@ class WorkerActor:
 
     @_on_step_thread
     def optimizer_parts(self) -> dict[str, Any]:
-        """Sharded optimizer state: the committed step and the state of the parts this rank
-        is the primary owner of (`OptimizerShards.part_states`, in host memory), for the
-        member that writes a checkpoint."""
+        """Sharded optimizer state: the committed step, the parts this rank holds and their
+        state (`OptimizerShards.part_states`, in host memory), for the member that writes a
+        checkpoint (`joined_optimizer_state`)."""
         bind_thread(self.device)
         replica = self.replica
         replica.check_committed()
         assert replica.shards is not None, "optimizer state is not sharded"
         shards = replica.shards
-        return {"step": replica.global_step,
-                "state": to_host(shards.part_states(shards.primary_parts()), copy=True)}
+        return {"step": replica.global_step, "held": sorted(shards.held),
+                "state": to_host(shards.part_states(shards.held), copy=True)}
 
     @_on_step_thread
     def checkpoint(self, meta: dict[str, Any], parts: list[Any] | None = None) -> dict[str, Any]:
@@ -305,8 +313,10 @@ class WorkerActor:
         step = self.replica.global_step
         if parts is not None:
             try:
-                whole = joined_optimizer_state(state["optimizer"], ray.get(parts), step)
-            except (RayActorError, RayTaskError, ValueError) as e:
+                assert self.replica.shards is not None
+                whole = joined_optimizer_state(self.replica.shards, state["optimizer"],
+                                               [_answer(ref) for ref in parts], step)
+            except ValueError as e:
                 return {"submitted": False, "reports": self._reports(),
                         "note": f"the sharded optimizer state could not be joined ({e}); "
                                 "this checkpoint was skipped"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
@@ -27,7 +28,7 @@ from elastic.trainer.faults import FaultInjector
 from elastic.trainer.metrics import read_section
 from elastic.trainer.outcomes import StepRecord
 from elastic.trainer.reducers import Reducer, release_frames
-from elastic.trainer.sharding import OptimizerShards
+from elastic.trainer.sharding import OptimizerShards, PendingStep
 from elastic.trainer.step import Commit, Computed, Reduced, StepContext
 from elastic.trainer.training import Training, after_step
 
@@ -54,6 +55,8 @@ class ApplyHost(Protocol):
     _params: list[torch.nn.Parameter]
 
     def drop_grads(self) -> None: ...
+
+    _exponents: list[int]
 
 
 def apply_step(host: ApplyHost, context: StepContext, computed: Computed, reduced: Reduced,
@@ -113,18 +116,10 @@ def _apply(host: ApplyHost, context: StepContext, computed: Computed, reduced: R
     host.faults.fire(context.chaos, "optimizer")
     grad_norm = None
     gather_failed = None
+    _buffers_and_agreement(host, context, computed, reduced, commit, alone)
     if commit.skipped:  # the samples count as consumed
-        host.buffers.rollback()
         lr = float(host.optimizer.param_groups[0]["lr"]) * context.lr_factor
     else:
-        if alone:  # the buffers of the step come with the source's state
-            host.buffers.rollback()
-        else:
-            try:  # before the optimizer: a failed broadcast leaves nothing half-applied
-                host.buffers.commit(reduced.buffers, context.comm, first_with_share(context.plan))
-            except BaseException:
-                host.drop_grads()
-                raise
         _assign_grads(host, reduced, commit)
         grad_norm = host.training.unscale_and_clip(host._params)
         if host.shards is not None:
@@ -164,6 +159,64 @@ def _apply(host: ApplyHost, context: StepContext, computed: Computed, reduced: R
     )
 
 
+def _buffers_and_agreement(host: ApplyHost, context: StepContext, computed: Computed,
+                           reduced: Reduced, commit: Commit, alone: bool) -> None:
+    """The step's buffers committed (rolled back when the step is skipped, or applied
+    `alone`: then they come with the source's state), then, with sharded state, the
+    agreement that every rank holds the step's sums (`elastic.trainer.apply.agree`), the step's last
+    collective before anything is stepped."""
+    if commit.skipped or alone:
+        host.buffers.rollback()
+    else:
+        try:  # before the optimizer: a failed broadcast leaves nothing half-applied
+            host.buffers.commit(reduced.buffers, context.comm, first_with_share(context.plan))
+        except BaseException:
+            host.drop_grads()
+            raise
+    if host.shards is not None and not alone:
+        agree(host, context, computed, reduced, commit)
+
+
+def agree(host: ApplyHost, context: StepContext, computed: Computed, reduced: Reduced,
+          commit: Commit) -> None:
+    """Sharded state, in the apply phase after the step's last other collective (the
+    buffers' broadcast) and before anything is stepped: one more sum over the control plane,
+    which completes on a rank only once every rank added its part, which each does once it
+    got that far. So a rank applies the step only when every rank holds its sums, and a kill
+    in the step's collectives leaves no owner of a part a step behind the others
+    (`elastic.trainer.sharding.PendingStep`).
+
+    Raises:
+        CollectiveError: the sum failed; this rank keeps the step, unapplied, for the next
+            generation to apply or drop (`hold`).
+    """
+    try:
+        context.comm.control.allreduce(torch.ones(1, dtype=torch.float64))
+    except CollectiveError:
+        hold(host, context, computed, reduced, commit)
+        raise
+
+
+def hold(host: ApplyHost, context: StepContext, computed: Computed, reduced: Reduced,
+         commit: Commit) -> None:
+    """Keeps a step whose agreement failed (`OptimizerShards.pending`), to apply alone or
+    drop as the next generation forms."""
+    assert host.shards is not None
+    quiet = replace(context, chaos=())
+    exponents = host._exponents
+
+    def apply() -> None:
+        apply_step(host, quiet, computed, reduced, commit, alone=True)
+
+    def drop() -> None:
+        host.buffers.rollback()
+        host.drop_grads()
+        if host.exact is not None:
+            host.exact.exponents = exponents
+
+    host.shards.pending = PendingStep(context.step + 1, apply, drop)
+
+
 def _gather(host: ApplyHost, context: StepContext) -> str | None:
     """Sharded state, after the optimizer stepped this rank's parts: every rank takes the
     parts it does not own from their primaries (`OptimizerShards.gather`). The gather chaos
@@ -179,6 +232,14 @@ def _gather(host: ApplyHost, context: StepContext) -> str | None:
         host.shards.gather(comm, host.device.type == "cuda" and comm.control is comm)
     except CollectiveError as e:
         return str(e)
+    except Exception as e:
+        if not is_allocation_failure(e):
+            raise
+        # Out of memory for the gather's buffer: this rank's parts are stepped all the same
+        # (not half updated); it leaves the generation, whose next one completes the step.
+        comm.abort()
+        release_frames(e)
+        return f"rank {context.rank} ran out of memory in the gather of step {context.step}: {e}"
     return None
 
 

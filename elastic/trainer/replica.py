@@ -52,7 +52,7 @@ from elastic.trainer.metrics import (
 )
 from elastic.trainer.outcomes import NonFinite, OutOfMemory, StepRecord, UserFailure
 from elastic.trainer.reducers import Reducer, make_reducer, release_frames
-from elastic.trainer.sharding import OptimizerShards, PendingStep, check_shardable, sync_sharded
+from elastic.trainer.sharding import OptimizerShards, check_shardable, sync_sharded
 from elastic.trainer.state import (
     committed_state,
     load_committed,
@@ -86,6 +86,8 @@ logger = logging.getLogger(__name__)
 
 # Largest data set whose indices travel exactly in a float32 buffer.
 _FLOAT32_EXACT = 1 << 24
+# The chaos phases after the reduce (a redone step keeps their faults).
+_LATE = ("optimizer", "gather")
 # Exact mode: redos of one step at a wider scale before giving up (each widens by up to 50+
 # bits, so a float64 gradient from 2**8 to 2**1024 takes about 20).
 _MAX_RESCALES = 40
@@ -105,6 +107,12 @@ class Replica:
     # `_apply_out_of_memory`), leaving the model and the optimizer half updated; None once
     # the step is committed or a committed state is loaded.
     torn_at: int | None = None
+    # Exact mode's exponents before the step being applied (a held step dropped restores them:
+    # `elastic.trainer.apply._hold`).
+    _exponents: list[int] = []
+    # Sharded state: the end of a committed step whose gather failed, until the next
+    # generation forms.
+    unfinished: Callable[[], None] | None = None
 
     def __init__(self, job: TrainJob, config: FitConfig, run_dir: str,
                  device: torch.device | None = None) -> None:
@@ -154,13 +162,7 @@ class Replica:
         # is packed; the worker actor sets it per chunk).
         self.yielding: Callable[[], bool] = lambda: False
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        # Sharded optimizer state: the parts this rank owns (`elastic.trainer.sharding`), and
-        # the end of a committed step whose gather failed, until the next generation forms.
-        self.shards: OptimizerShards | None = None
-        if config.sharding.stage:
-            check_shardable(self.optimizer)
-            self.shards = OptimizerShards(self._params, self.optimizer, config.sharding.replicas)
-        self.unfinished: Callable[[], None] | None = None
+        self.shards = self._shards()
         self.buffers = BufferSync(self.model)
         collective = config.collective
         self._loss_slot = len(self._params)  # exact mode's slot of the loss
@@ -191,6 +193,13 @@ class Replica:
                               "after each evaluation, but the job has no TrainJob.eval_step "
                               "and eval_dataset to evaluate")
         self.extra = build_extra_state(job, self.model, self.optimizer)
+
+    def _shards(self) -> OptimizerShards | None:
+        """Sharded optimizer state: the parts this rank owns (`elastic.trainer.sharding`)."""
+        if not self.config.sharding.stage:
+            return None
+        check_shardable(self.optimizer)
+        return OptimizerShards(self._params, self.optimizer, self.config.sharding.replicas)
 
     def close(self) -> None:
         """Stops the loader processes (they also exit by themselves when this process dies)."""
@@ -236,6 +245,12 @@ class Replica:
         Raises:
             ConfigError: exact mode, and the state was written under another environment.
         """
+        if self.shards is not None and origin == "checkpoint":
+            # What this rank kept of a step of the timeline the checkpoint replaces goes first
+            # (dropping it rolls buffers and exponents back; the checkpoint overwrites them).
+            pending, self.shards.pending, self.unfinished = self.shards.pending, None, None
+            if pending is not None:
+                pending.drop()
         load_committed(self, state, origin)
         if self.shards is not None and origin == "checkpoint":
             self.shards.load_whole()  # a checkpoint holds the whole optimizer state
@@ -323,6 +338,7 @@ class Replica:
             raise ConfigError(f"batch.exact: a plan of {context.pieces} forward passes for "
                               f"{self.exact.groups} groups of the global batch")
         exponents = list(self.exact.exponents) if self.exact is not None else []
+        self._exponents = exponents
         for rescaled in range(_MAX_RESCALES + 1):  # noqa: B007 (read after the loop)
             computed = self._compute(context)
             try:
@@ -344,56 +360,19 @@ class Replica:
             self.buffers.begin(context.pieces)
             self.drop_grads()
             # Injected faults fire once: those of the phases already run are dropped.
-            context = replace(context, chaos=tuple(e for e in context.chaos
-                                                   if e.phase in ("optimizer", "gather")))
+            context = replace(context, chaos=tuple(e for e in context.chaos if e.phase in _LATE))
         else:
             raise ConfigError(f"batch.exact: step {context.step}'s values still did not fit the "
                               f"fixed-point scale after {_MAX_RESCALES} rescales")
         if self.exact is not None and not (isinstance(outcome, Commit) and not outcome.skipped):
             self.exact.exponents = exponents  # only an applied step moves them for good
         if isinstance(outcome, Commit):
-            if self.shards is not None:
-                self._agree(context, computed, reduced, outcome, exponents)
             record = apply_step(self, context, computed, reduced, outcome)
             return replace(record, rescaled=rescaled) if rescaled else record
         self.buffers.rollback()
         self.drop_grads()
         self._enter("idle")
         return outcome
-
-    def _agree(self, context: StepContext, computed: Computed, reduced: Reduced, commit: Commit,
-               exponents: list[int]) -> None:
-        """Sharded state, before a step is applied: one more sum over the control plane, which
-        completes on a rank only once every rank added its part, which each does once its
-        reduce completed. So a rank applies the step only when every rank holds its sums, and
-        no owner of a part can be left a step behind the others (`sharding.PendingStep`).
-
-        Raises:
-            CollectiveError: the sum failed; this rank keeps the step, unapplied, for the next
-                generation to apply or drop (`OptimizerShards.pending`).
-        """
-        try:
-            context.comm.control.allreduce(torch.ones(1, dtype=torch.float64))
-        except CollectiveError:
-            self._hold(context, computed, reduced, commit, exponents)
-            raise
-
-    def _hold(self, context: StepContext, computed: Computed, reduced: Reduced, commit: Commit,
-              exponents: list[int]) -> None:
-        """Keeps a step whose agreement failed, to apply or drop as the next generation forms."""
-        assert self.shards is not None
-        quiet = replace(context, chaos=())
-
-        def apply() -> None:
-            apply_step(self, quiet, computed, reduced, commit, alone=True)
-
-        def drop() -> None:
-            self.buffers.rollback()
-            self.drop_grads()
-            if self.exact is not None:
-                self.exact.exponents = exponents
-
-        self.shards.pending = PendingStep(context.step + 1, apply, drop)
 
     def _begin(self, plan: BatchPlan, chaos: list[ChaosEvent], lr_factor: float) -> StepContext:
         """Fixes what the step reads and clears the gradients (allocating nothing on the

@@ -11,7 +11,7 @@ sends its new values to everyone (`gather`). The owners of a part compute the sa
 from the same summed gradient and state, so they hold the same bits.
 
 A rank applies a step only once it knows that every rank holds the step's sums (one more
-sum over the control plane first: `Replica._agree`); where that fails, the rank keeps the
+sum over the control plane first: `elastic.trainer.apply.agree`); where that fails, the rank keeps the
 step unapplied (`PendingStep`) and the next generation has it apply or drop it, so that no
 owner is left a step behind. The step is committed once the owned parameters are stepped.
 If the gather fails (a peer died in it), the rank holds its owned parts at the new step but
@@ -48,7 +48,7 @@ _GATHER_ELEMENTS = 1 << 24
 @dataclass(frozen=True)
 class PendingStep:
     """A step whose sums this rank holds but did not apply: its reduce completed, but the
-    agreement after it (`Replica._agree`) failed, so this rank cannot know whether every rank
+    agreement after it (`elastic.trainer.apply.agree`) failed, so this rank cannot know whether every rank
     holds the sums. If any rank applied the step (the agreement completed there, so every
     rank's reduce did), the next generation takes `step` as its step and this rank applies
     it first (`apply`, with no collective); else it drops it (`drop`). Either way no owner of
@@ -254,11 +254,6 @@ class OptimizerShards:
         return {self.state_ids[part]: dict(state[self.params[part]]) for part in sorted(parts)
                 if self.params[part] in state and self.state_ids[part] is not None}
 
-    def primary_parts(self) -> list[int]:
-        """The parts this rank is the primary owner of (it writes them to checkpoints)."""
-        assert self.ownership is not None
-        return [part for part in range(len(self.params))
-                if self.ownership.primary(part) == self.rank]
 
 
 def describe(parts: Collection[int]) -> str:
@@ -314,7 +309,7 @@ def _move_state(control: Any, plan: Sequence[Move], mine: dict[int, dict[str, An
     buffers: dict[int, torch.Tensor] = {}
     for src, size in sizes_in.items():
         announced = int(size.item())
-        limit = _state_bound(params, incoming[src])
+        limit = _state_bound(params, incoming[src], mine)
         if not 0 <= announced <= limit:
             raise CollectiveError(f"rank {src} announced {announced} bytes of optimizer state "
                                   f"for {len(incoming[src])} parameter(s) of at most {limit}; "
@@ -355,10 +350,27 @@ _STATE_SLOTS = 3
 _STATE_SLACK = 1 << 20
 
 
-def _state_bound(params: Sequence[torch.nn.Parameter], parts: Sequence[int]) -> int:
-    """The most bytes the optimizer state of `parts` can take serialised (float64 at worst)."""
-    return sum(_STATE_SLOTS * params[part].numel() * 8 + _STATE_SLACK // 16 for part in parts) \
-        + _STATE_SLACK
+def _state_bound(params: Sequence[torch.nn.Parameter], parts: Sequence[int],
+                 mine: dict[int, dict[str, Any]]) -> int:
+    """The most bytes a peer may announce for the optimizer state of `parts`, checked before
+    they are allocated: `_STATE_SLOTS` float64 tensors of each part's size, or, for an
+    optimizer that keeps more (preconditioners), twice what this rank's own parts' state
+    takes per element."""
+    held = sum(_tensor_bytes(state) for state in mine.values())
+    elements = sum(params[part].numel() for part in mine) or 1
+    per_element = max(_STATE_SLOTS * 8, 2 * held / elements)
+    return int(sum(per_element * params[part].numel() + _STATE_SLACK // 16 for part in parts)
+               + _STATE_SLACK)
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
 
 
 class ShardedHost(Protocol):
@@ -425,19 +437,26 @@ def check_shardable(optimizer: torch.optim.Optimizer) -> None:
             + "; set sharding.stage=0")
 
 
-def joined_optimizer_state(own: dict[str, Any], others: Sequence[dict[str, Any]],
-                           step: int) -> dict[str, Any]:
+def joined_optimizer_state(shards: OptimizerShards, own: dict[str, Any],
+                           others: Sequence[dict[str, Any] | None], step: int) -> dict[str, Any]:
     """The whole optimizer state dict, as one unsharded optimizer's `state_dict()`, from this
-    rank's (`own`: the parts it holds) and the other members' primary parts
-    (`{"step": ..., "state": {state-dict id: state}}`).
+    rank's (`own`: its `optimizer.state_dict()`, the parts it holds) and the other members'
+    (`WorkerActor.optimizer_parts`: `{"step", "held", "state"}`, None for a member that did not
+    answer); members at another step than this rank's `step` are left out.
 
     Raises:
-        ValueError: a member's parts are of another step than this rank's `step`.
+        ValueError: some part is held by no member at `step` (a member holding it died).
     """
     state = dict(own["state"])
+    covered = set(shards.held)
     for other in others:
-        if other["step"] != step:
-            raise ValueError(f"a member's optimizer parts are of step {other['step']}, this "
-                             f"rank's of step {step}")
-        state.update(other["state"])
+        if other is None or other["step"] != step:
+            continue
+        for key, value in other["state"].items():
+            state.setdefault(key, value)
+        covered.update(other["held"])
+    missing = set(range(len(shards.params))) - covered
+    if missing:
+        raise ValueError(f"no member that answered holds the optimizer state of step {step} "
+                         f"of parameter(s) {describe(missing)}")
     return {**own, "state": dict(sorted(state.items()))}

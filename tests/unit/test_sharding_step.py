@@ -16,6 +16,7 @@ from elastic.adapt.plan import plan_batch
 from elastic.collective import RendezvousServer
 from elastic.config import TrainingConfig
 from elastic.errors import CollectiveError, ConfigError
+from elastic.trainer import apply as apply_module
 from elastic.trainer.replica import Replica, StepRecord
 from tests import sharding
 from tests.sharding import adamw as _adamw
@@ -227,20 +228,21 @@ class _Unsure(Replica):
 
     at, unsure = -1, False
 
-    def _agree(self, context, computed, reduced, commit, exponents):
-        super()._agree(context, computed, reduced, commit, exponents)
-        if context.step != self.at:
-            return
-        if self.unsure:
-            self._hold(context, computed, reduced, commit, exponents)
-            raise CollectiveError("injected: the agreement failed here")
-        gather = self.shards.gather
 
-        def fail_once(comm, host_staged):
-            self.shards.gather = gather
-            raise CollectiveError("injected: a peer died in the gather")
+def _agree_then_fail(host, context, computed, reduced, commit, agree=apply_module.agree):
+    agree(host, context, computed, reduced, commit)
+    if context.step != host.at:
+        return
+    if host.unsure:
+        apply_module.hold(host, context, computed, reduced, commit)
+        raise CollectiveError("injected: the agreement failed here")
+    gather = host.shards.gather
 
-        self.shards.gather = fail_once
+    def fail_once(comm, host_staged):
+        host.shards.gather = gather
+        raise CollectiveError("injected: a peer died in the gather")
+
+    host.shards.gather = fail_once
 
 
 def _generation(server, replicas, members, steps, src=None):
@@ -268,7 +270,9 @@ def _generation(server, replicas, members, steps, src=None):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("everyone", [False, True], ids=["applied_by_peers", "applied_by_none"])
-def test_a_step_held_unapplied_is_applied_or_dropped_as_the_next_generation_forms(tmp_path, everyone):
+def test_a_step_held_unapplied_is_applied_or_dropped_as_the_next_generation_forms(
+        tmp_path, monkeypatch, everyone):
+    monkeypatch.setattr(apply_module, "agree", _agree_then_fail)
     config = _config(tmp_path, stage=1)
     replicas = {}
     for name in "abcd":
@@ -298,3 +302,60 @@ def test_a_step_held_unapplied_is_applied_or_dropped_as_the_next_generation_form
     assert replicas["a"].restorable_step == 5
     for key, value in _reference(_adamw, 5).items():
         torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+@pytest.mark.timeout(120)
+def test_batchnorm_buffers_and_sharded_state_end_on_one_plain_process(tmp_path):
+    from tests import fidelity
+
+    job = fidelity.cnn_job()
+    config = FitConfig(scaling=ScalingConfig(num_workers=4, min_workers=1),
+                       batch=BatchConfig(global_batch_size=24, group_size=6, autotune=False,
+                                         rebalance=False),
+                       sharding=ShardingConfig(stage=1), run_dir=str(tmp_path), max_steps=100,
+                       seed=3)
+    replicas = _run(tmp_path, job, config, [(["a", "b", "c", "d"], 2), (["a", "c", "d"], 2),
+                                            (["a", "c", "d", "e"], 2)], unit=6)
+    final = replicas["e"].model.state_dict()
+    for key, value in fidelity.reference(job, 3, 24, 6, 6).items():
+        if value.dtype == torch.int64:
+            assert torch.equal(final[key], value), key
+        else:
+            torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_a_checkpoint_loaded_drops_what_a_rank_kept_of_the_timeline_it_replaces(tmp_path):
+    from elastic.trainer.sharding import PendingStep
+
+    replicas = _run(tmp_path, _job(), _config(tmp_path, stage=1), [(["a", "b"], 1)])
+    replica = replicas["a"]
+    checkpoint = replica.state()
+    dropped = []
+    replica.shards.pending = PendingStep(2, lambda: pytest.fail("applied"), lambda: dropped.append(1))
+    replica.unfinished = lambda: pytest.fail("a stale step's end ran")
+    replica.load_state(checkpoint, origin="checkpoint")
+    assert dropped == [1] and replica.shards.pending is None and replica.unfinished is None
+    assert replica.shards.held == set(range(len(list(replica.model.parameters()))))
+
+
+def test_a_checkpoint_joins_the_members_parts_and_refuses_a_part_nobody_holds(tmp_path):
+    from elastic.trainer.sharding import joined_optimizer_state
+
+    replicas = _run(tmp_path, _job(), _config(tmp_path, stage=1, replicas=1),
+                    [(["a", "b", "c"], 2)])
+    a, b, c = (replicas[n] for n in "abc")
+
+    def answer(r):
+        return {"step": r.global_step, "held": sorted(r.shards.held),
+                "state": r.shards.part_states(r.shards.held)}
+
+    whole = joined_optimizer_state(a.shards, a.optimizer.state_dict(), [answer(b), answer(c)], 2)
+    expected = sharding.adamw(sharding.model())
+    assert sorted(whole["state"]) == list(range(sum(len(g["params"])
+                                                    for g in expected.param_groups)))
+    assert whole["param_groups"] == a.optimizer.state_dict()["param_groups"]
+    with pytest.raises(ValueError, match="no member that answered holds"):
+        joined_optimizer_state(a.shards, a.optimizer.state_dict(), [answer(b), None], 2)
+    with pytest.raises(ValueError, match="no member that answered holds"):  # another step
+        joined_optimizer_state(a.shards, a.optimizer.state_dict(),
+                               [answer(b), {**answer(c), "step": 1}], 2)
