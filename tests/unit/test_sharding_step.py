@@ -359,3 +359,16 @@ def test_a_checkpoint_joins_the_members_parts_and_refuses_a_part_nobody_holds(tm
     with pytest.raises(ValueError, match="no member that answered holds"):  # another step
         joined_optimizer_state(a.shards, a.optimizer.state_dict(),
                                [answer(b), {**answer(c), "step": 1}], 2)
+
+
+@pytest.mark.timeout(120)
+def test_bf16_autocast_with_sharding_gives_the_weights_of_stage_0(tmp_path):
+    def config(stage):
+        return _config(tmp_path, stage=stage).model_copy(
+            update={"training": TrainingConfig(clip_grad_norm=0.5, precision="bf16-mixed")})
+
+    schedule = [(["a", "b", "c", "d"], 2), (["a", "c", "d"], 2)]
+    sharded = _run(tmp_path, _job(), config(1), schedule)
+    whole = _run(tmp_path, _job(), config(0), schedule)
+    for x, y in zip(sharded["a"].model.parameters(), whole["a"].model.parameters(), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
