@@ -712,8 +712,9 @@ def test_a_half_updated_worker_joins_the_next_generation_offering_no_state(monke
     monkeypatch.setattr(worker_module, "Communicator",
                         lambda *args, **kwargs: SimpleNamespace(transport="shm"))
     actor = _actor(SimpleNamespace(comm=None, registered_bytes=lambda: 0, restorable_step=-1,
-                                   global_step=5))
-    assert actor.connect(0, 2, "127.0.0.1:1", 1, b"secret") == (-1, "shm")
+                                   global_step=5, shards=None))
+    # (step, transport, sharded holdings: None without sharding)
+    assert actor.connect(0, 2, "127.0.0.1:1", 1, b"secret") == (-1, "shm", None)
 
 
 # --- the worker actor ------------------------------------------------------------------------
