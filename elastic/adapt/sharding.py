@@ -156,3 +156,10 @@ def moves(ownership: Ownership, held: Sequence[Collection[int]]) -> list[Move]:
 def lost_parts(held: Sequence[Collection[int]]) -> list[int]:
     """The parts no rank holds."""
     return [part for part, ranks in enumerate(held) if not ranks]
+
+
+def describe(parts: Collection[int]) -> str:
+    """Parts by index (`#3, #7`), at most eight named."""
+    listed = sorted(parts)
+    text = ", ".join(f"#{part}" for part in listed[:8])
+    return text + (f" and {len(listed) - 8} more" if len(listed) > 8 else "")

@@ -26,6 +26,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
+from elastic.trainer.state import tensor_bytes
+
 VOCAB, WIDTH, LAYERS, HEADS, SEQ = 16384, 512, 12, 8, 64
 
 
@@ -76,14 +78,6 @@ def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
 
 
-def _tensor_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    return 0
-
-
 class MemoryProbe:
     """Extra state that measures its worker (see the module) and writes the newest figures to
     `folder/<pid>.json`; it holds no state of its own."""
@@ -100,7 +94,7 @@ class MemoryProbe:
 
     def after_step(self, model: nn.Module) -> None:
         figures = {
-            "optimizer_state_bytes": sum(_tensor_bytes(s) for s in self.optimizer.state.values()),
+            "optimizer_state_bytes": sum(tensor_bytes(s) for s in self.optimizer.state.values()),
             "gradient_bytes": self.grad_bytes,
             "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

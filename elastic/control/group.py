@@ -8,9 +8,10 @@ No Ray here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TypeVar
 
+from elastic.adapt.sharding import describe
 from elastic.control import decisions
 from elastic.control.context import Context
 from elastic.control.cursor import Cursor
@@ -246,7 +247,7 @@ def _source(ctx: Context, steps: list[int], ids: list[int],
                 "holds none)" if any(step < 0 for step in steps) else "")
         if source.lost_parts:
             torn += (f" (sharded optimizer state: every owner of parameter(s) "
-                     f"{_parts(source.lost_parts)} was lost)")
+                     f"{describe(source.lost_parts)} was lost)")
         raise WorkerLostError(
             f"every worker holding the state of step {ctx.step} was lost{torn} and no checkpoint "
             "is available to restore from; the run cannot continue", step=ctx.step)
@@ -255,12 +256,6 @@ def _source(ctx: Context, steps: list[int], ids: list[int],
         # steps after evaluations, whose state went back with the checkpoint, steps again).
         ctx.evaluated_at = None
     return 0
-
-
-def _parts(parts: Sequence[int]) -> str:
-    """Parameter indices, at most eight."""
-    text = ", ".join(f"#{part}" for part in parts[:8])
-    return text + (f" and {len(parts) - 8} more" if len(parts) > 8 else "")
 
 
 def replan(ctx: Context, reason: str) -> None:

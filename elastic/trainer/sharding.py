@@ -28,17 +28,15 @@ peer to peer over the control plane, and each rank drops the state it no longer 
 from __future__ import annotations
 
 import io
-import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from elastic.adapt.sharding import Move, Ownership, assign, lost_parts, moves
+from elastic.adapt.sharding import Move, Ownership, assign, describe, lost_parts, moves
 from elastic.errors import CollectiveError, ConfigError
-
-logger = logging.getLogger(__name__)
+from elastic.trainer.state import tensor_bytes
 
 # Largest buffer of parameter values one gather reduces at a time (elements): the gather
 # allocates no more than this beside the model.
@@ -256,13 +254,6 @@ class OptimizerShards:
 
 
 
-def describe(parts: Collection[int]) -> str:
-    """Parts by index, at most eight."""
-    listed = sorted(parts)
-    text = ", ".join(f"#{part}" for part in listed[:8])
-    return text + (f" and {len(listed) - 8} more" if len(listed) > 8 else "")
-
-
 def _windows(parts: Sequence[int], sizes: Sequence[int], limit: int) -> list[list[int]]:
     """`parts` in runs of at most `limit` elements (a larger part alone)."""
     windows: list[list[int]] = []
@@ -356,21 +347,11 @@ def _state_bound(params: Sequence[torch.nn.Parameter], parts: Sequence[int],
     they are allocated: `_STATE_SLOTS` float64 tensors of each part's size, or, for an
     optimizer that keeps more (preconditioners), twice what this rank's own parts' state
     takes per element."""
-    held = sum(_tensor_bytes(state) for state in mine.values())
+    held = sum(tensor_bytes(state) for state in mine.values())
     elements = sum(params[part].numel() for part in mine) or 1
     per_element = max(_STATE_SLOTS * 8, 2 * held / elements)
     return int(sum(per_element * params[part].numel() + _STATE_SLACK // 16 for part in parts)
                + _STATE_SLACK)
-
-
-def _tensor_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
 
 
 class ShardedHost(Protocol):

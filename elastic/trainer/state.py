@@ -204,17 +204,18 @@ def max_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     tensors = list(model.state_dict().values())
     model_bytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    held = sum(_tensor_bytes(v) for st in optimizer.state.values() for v in st.values())
-    extra_bytes = sum(max(_tensor_bytes(obj.state_dict()), _EXTRA_SLOTS * model_bytes)
+    held = sum(tensor_bytes(v) for st in optimizer.state.values() for v in st.values())
+    extra_bytes = sum(max(tensor_bytes(obj.state_dict()), _EXTRA_SLOTS * model_bytes)
                       for obj in (extra or {}).values())
     return model_bytes + max(_OPTIMIZER_SLOTS * params, held) + extra_bytes + _STATE_SLACK_BYTES
 
 
-def _tensor_bytes(value: Any) -> int:
+def tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors in `value` (a tensor, or lists, tuples and dicts of them)."""
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, (list, tuple)):  # LBFGS keeps its history as lists of tensors
-        return sum(_tensor_bytes(v) for v in value)
+        return sum(tensor_bytes(v) for v in value)
     if isinstance(value, dict):  # an extra state's state_dict
-        return sum(_tensor_bytes(v) for v in value.values())
+        return sum(tensor_bytes(v) for v in value.values())
     return 0
