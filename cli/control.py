@@ -1,4 +1,5 @@
-"""Commands on runs by name, live or ended: `list`, `logs`, `status`, `scale`, `kill`, `stop`.
+"""Commands on runs by name, live or ended: `list`, `logs`, `status`, `scale`, `kill`, `drain`,
+`stop`.
 
 Each one calls the Python API (`elastic.runs`, `elastic.status`, ...) and prints its answer.
 """
@@ -118,6 +119,25 @@ def kill(name: Annotated[str, typer.Argument(help="Run name.")],
     except ElasticError as e:
         raise fail(one_line(e)) from None
     console.print(f"run {name}: killed rank {rank}")
+
+
+def drain(
+    name: Annotated[str, typer.Argument(help="Run name.")],
+    rank: Annotated[int | None, typer.Option(help="Rank of the worker that leaves.")] = None,
+    node: Annotated[str | None, typer.Option(
+        help="Ray node id (or a prefix, as `elastic status` shows): every worker on it leaves.")] = None,
+    deadline: Annotated[float | None, typer.Option(
+        help="Seconds to leave in; a worker still training then is killed and the run recovers.")] = None,
+) -> None:
+    """Let a worker (or a node's workers) leave a live run at the next step boundary: no step
+    redone, a replacement starts."""
+    try:
+        ids = elastic.drain(name, rank=rank, node=node, deadline=deadline)
+    except ElasticError as e:
+        raise fail(one_line(e)) from None
+    who = f"rank {rank}" if rank is not None else f"the workers on node {node}"
+    console.print(f"run {name}: {who} (worker(s) {', '.join(map(str, ids)) or 'none new'}) "
+                  "leave at the next step boundary")
 
 
 def stop(name: Annotated[str, typer.Argument(help="Run name.")]) -> None:

@@ -4,7 +4,7 @@ Bad input exits with code 2 and one line naming what to fix. The commands live b
 
 - `cli/train.py`: `run`, `start`, `demo` (and the option set `run` and `start` share);
 - `cli/report.py`: `report`;
-- `cli/control.py`: `list`, `logs`, `status`, `scale`, `kill`, `stop`;
+- `cli/control.py`: `list`, `logs`, `status`, `scale`, `kill`, `drain`, `stop`;
 - `cli/bench.py`: `bench ...`;
 - `cli/render.py`: events as text; `cli/output.py`: the console, errors, output files.
 """
@@ -28,6 +28,7 @@ app.command()(control.logs)
 app.command()(control.status)
 app.command()(control.scale)
 app.command()(control.kill)
+app.command()(control.drain)
 app.command()(control.stop)
 
 

@@ -1,7 +1,19 @@
 """elastic: elastic, fault-tolerant data-parallel training for PyTorch on Ray."""
 
 from elastic.adapt.groups import forward_seed
-from elastic.api import connect, events, fit, kill, load_checkpoint, runs, scale, start, status, stop
+from elastic.api import (
+    connect,
+    drain,
+    events,
+    fit,
+    kill,
+    load_checkpoint,
+    runs,
+    scale,
+    start,
+    status,
+    stop,
+)
 from elastic.callbacks import Callback
 from elastic.config import (
     BatchConfig,
@@ -55,6 +67,7 @@ __all__ = [
     "TrainingConfig",
     "UserCodeError",
     "connect",
+    "drain",
     "events",
     "fit",
     "forward_seed",

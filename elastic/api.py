@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastic import control
 from elastic.config import FitConfig, storage_root
-from elastic.control.requests import Events, Kill, Request, Scale, Status, Stop
+from elastic.control.requests import Drain, Events, Kill, Request, Scale, Status, Stop
 from elastic.errors import RunNotFoundError
 from elastic.job import TrainJob
 from elastic.registry import LOST, RunRegistry, is_terminal, mark_lost, this_host
@@ -180,6 +180,22 @@ def kill(name: str, rank: int) -> None:
         ConfigError: no such rank.
     """
     _control(name, Kill(rank))
+
+
+def drain(name: str, *, rank: int | None = None, node: str | None = None,
+          deadline: float | None = None) -> list[int]:
+    """Lets the worker at `rank` of run `name`, or every worker on Ray node `node` (its hex id
+    or a prefix of it, as `elastic status` shows), leave at the next step boundary: the
+    others go on with the committed state, no step is redone, and a replacement starts. With
+    `deadline` (seconds), a worker still training then is killed and the run recovers as from
+    a failure. Returns the worker ids told to leave.
+
+    Raises:
+        RunNotFoundError: no such live run.
+        ConfigError: neither or both of rank and node, no such rank or node, or a negative
+            deadline.
+    """
+    return _control(name, Drain(rank, node, deadline))
 
 
 def stop(name: str) -> None:

@@ -305,7 +305,14 @@ class FailureConfig(_Frozen):
     )
     max_failures: int | None = Field(
         default=None, ge=0,
-        description="Worker losses the run tolerates in total; None means unlimited.",
+        description="Worker losses the run tolerates in total; None means unlimited. "
+        "Preemptions are counted apart (max_preemptions).",
+    )
+    max_preemptions: int | None = Field(
+        default=None, ge=0,
+        description="Workers the run lets go on notice (a SIGTERM, a Ray node drained, elastic "
+        "drain) in total, whether they left at a step boundary or died before reaching one; "
+        "None means unlimited. They never count against max_failures.",
     )
     startup_timeout: timedelta = Field(
         default=timedelta(minutes=3), gt=timedelta(0),
@@ -343,7 +350,7 @@ class FailureConfig(_Frozen):
     )
 
 
-ChaosAction = Literal["kill", "hang", "raise", "slow", "oom"]
+ChaosAction = Literal["kill", "hang", "raise", "slow", "oom", "preempt"]
 ChaosPhase = Literal["data", "forward", "backward", "allreduce", "optimizer", "gather",
                      "checkpoint", "evaluate"]
 
@@ -356,7 +363,8 @@ class ChaosEvent(_Frozen):
     action: ChaosAction = Field(
         description="'kill' (SIGKILL the worker), 'hang' (sleep forever), 'raise' (InjectedFault "
         "from user code), 'oom' (torch.OutOfMemoryError from user code), 'slow' (the worker's "
-        "data, forward and backward take `factor` times as long, for `steps` steps)."
+        "data, forward and backward take `factor` times as long, for `steps` steps), "
+        "'preempt' (SIGTERM to the worker's own process, as a scheduler's notice)."
     )
     phase: ChaosPhase = Field(default="forward", description="Where in the step the fault fires "
                               "(ignored by 'slow', which stretches the whole compute part). "

@@ -261,6 +261,17 @@ class StopRequested(Event, kind="stop_requested"):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DrainRequested(Event, kind="drain_requested"):
+    """`elastic drain`: the workers `worker_ids` (the rank asked for, or every worker on the
+    node asked for) leave at the next step boundary, within `deadline_s` seconds if given."""
+
+    worker_ids: list[int]
+    rank: int | None
+    node_id: str | None
+    deadline_s: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Chaos(Event, kind="chaos"):
     """A fault of `FitConfig.chaos` is dispatched (the fields of `ChaosEvent`)."""
 
@@ -381,6 +392,42 @@ class BatchPlanned(Event, kind="batch_planned"):
 
 
 # --- failures and recoveries -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreemptionNotice(Event, kind="preemption_notice"):
+    """Members were told to leave (`source`: 'sigterm', 'ray_drain' or 'drain'): they leave at
+    the next step boundary (`PlannedDeparture`). `deadline`: wall-clock time by which they must
+    be gone (None: the source did not say); `reason`: what the source said."""
+
+    source: str
+    ranks: list[int]
+    worker_ids: list[int]
+    deadline: float | None
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedDeparture(Event, kind="planned_departure"):
+    """Members told to leave left at the step boundary `step`: the others go on with the
+    committed state they hold, no collective aborted and no step redone (`steps_redone`: 0).
+    `notice_to_gone_s`: from the first notice to their removal."""
+
+    ranks: list[int]
+    worker_ids: list[int]
+    sources: list[str]
+    step: int
+    notice_to_gone_s: float
+    steps_redone: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeadlineMissed(Event, kind="deadline_missed"):
+    """A member told to leave was still training at its deadline: it is killed and the run
+    recovers as from a failure (nothing committed is lost; the step in flight is redone)."""
+
+    worker_id: int
+    deadline: float
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,7 +29,9 @@ from elastic.events import (
     CheckpointSkipped,
     CheckpointWritten,
     ControllerRestarted,
+    DeadlineMissed,
     DetachedExit,
+    DrainRequested,
     Evaluate,
     Event,
     Failed,
@@ -45,6 +47,8 @@ from elastic.events import (
     Nonfinite,
     OomBackoff,
     Planned,
+    PlannedDeparture,
+    PreemptionNotice,
     Rebalanced,
     RebalanceJudged,
     Recovered,
@@ -120,6 +124,11 @@ def _batch_planned(e: BatchPlanned) -> str:
 
 
 _RENDERERS: dict[type[Event], Callable[[Any], str | None]] = {
+    PreemptionNotice: lambda e: (f"notice ({e.source}): rank(s) {_ids(e.ranks)} leave at the "
+                                 "next step boundary"),
+    PlannedDeparture: lambda e: (f"rank(s) {_ids(e.ranks)} left at step {e.step} on notice; "
+                                 "no step redone"),
+    DeadlineMissed: lambda e: f"worker {e.worker_id} missed its deadline; recovering",
     WorkerFailure: _worker_failure,
     Recovered: _recovered,
     WorkerJoined: lambda e: f"worker {e.worker_id} joined",
@@ -402,6 +411,10 @@ def _finish(e: Finish) -> str:
             "samples")
 
 
+def _ids(values: list[int]) -> str:
+    return ", ".join(map(str, values)) or "none"
+
+
 _WHY_START = {"replacement": "to replace lost ones", "capacity": "on free capacity"}
 
 
@@ -426,6 +439,16 @@ _LOG_RENDERERS: dict[type[Event], Callable[[Any], str]] = {
     FinalModelWritten: lambda e: f"final model written to {e.path}",
     ScaleRequested: lambda e: f"scale to {e.num_workers} workers requested",
     KillRequested: lambda e: f"kill of rank {e.rank} (worker {e.worker_id}) requested",
+    DrainRequested: lambda e: (f"drain of worker(s) {_ids(e.worker_ids)} requested"
+                               + (f", within {e.deadline_s:g} s" if e.deadline_s is not None
+                                  else "")),
+    PreemptionNotice: lambda e: (f"notice ({e.source}): rank(s) {_ids(e.ranks)} leave at the "
+                                 "next step boundary" + (f"; {e.reason}" if e.reason else "")),
+    PlannedDeparture: lambda e: (f"rank(s) {_ids(e.ranks)} left at step {e.step}, "
+                                 f"{e.notice_to_gone_s:.2f} s after the notice; "
+                                 f"{e.steps_redone} steps redone"),
+    DeadlineMissed: lambda e: (f"worker {e.worker_id} still trained at its deadline; killed "
+                               "(the run recovers as from a failure)"),
     StopRequested: lambda e: "stop requested; the run stops at the next step boundary",
     Chaos: _chaos,
     WorkerStarting: lambda e: (f"starting workers {_WHY_START.get(e.reason, e.reason)} until the "

@@ -3,9 +3,10 @@
 The states, decisions and failure policy live in `elastic.control` and act through the
 `Workers` port, which `elastic.actors.workers.RayWorkers` implements with worker actors. This
 actor holds the run's context, hosts the rendezvous server, answers control requests (the
-records of `elastic.control.requests`: status, events, scale, kill, stop) on other threads
-(they take effect at the next chunk boundary), publishes the run's record, and writes what
-the run leaves behind when it ends. The process that waits for an attached run turns a
+records of `elastic.control.requests`: status, events, scale, kill, stop, drain) on other
+threads (they take effect at the next chunk boundary), turns departure notices (a worker's
+SIGTERM, a Ray node draining, `elastic drain`) into planned departures, publishes the run's
+record, and writes what the run leaves behind when it ends. The process that waits for an attached run turns a
 Ctrl-C into `interrupt` (a stop) and a second one into `abandon` (`elastic.actors.client`).
 """
 
@@ -29,12 +30,22 @@ from elastic.collective import RendezvousServer
 from elastic.config import FitConfig
 from elastic.control import ControlServer
 from elastic.control.context import Context
-from elastic.control.requests import Events, Kill, Request, Scale, Status, Stop
+from elastic.control.port import Notice, NoticeSource
+from elastic.control.requests import Drain, Events, Kill, Request, Scale, Status, Stop
 from elastic.control.run_state import RunState
 from elastic.control.states import Failed, Finished, Machine, State
 from elastic.control.status import RankedWorker, RunStatus, StateName
 from elastic.errors import ConfigError
-from elastic.events import DetachedExit, FinalModelWritten, KillRequested, ScaleRequested, StopRequested
+from elastic.events import (
+    DeadlineMissed,
+    DetachedExit,
+    DrainRequested,
+    FinalModelWritten,
+    KillRequested,
+    PreemptionNotice,
+    ScaleRequested,
+    StopRequested,
+)
 from elastic.events import Failed as RunFailed
 from elastic.job import TrainJob
 from elastic.private import write_private
@@ -79,7 +90,8 @@ class Controller:
         self.log = RunLog(run_dir)
         job = adopt_ray_dataset(job)  # this actor owns the blocks for as long as the run lives
         self.server = RendezvousServer(host=ray.util.get_node_ip_address())
-        self.workers = RayWorkers(job, config, run_dir, checkpoint_key, self.server)
+        self.workers = RayWorkers(job, config, run_dir, checkpoint_key, self.server,
+                                  controller=ray.get_runtime_context().current_actor)
         restarted = detached and ray.get_runtime_context().was_current_actor_reconstructed
         self.ctx = Context(config, name, self.log, self.workers, has_evaluate=job.evaluate is not None,
                            has_eval_step=job.eval_step is not None,
@@ -101,6 +113,10 @@ class Controller:
         self.registry = RunRegistry(home)
         self.control = ControlServer(self.answer)
         self._publish()
+        # Ray marks a node draining (scale-in, `ray drain-node`, a pod deleted under KubeRay)
+        # but tells its processes nothing: the controller looks.
+        self._watching = threading.Event()
+        threading.Thread(target=self._watch_drains, name="elastic-drains", daemon=True).start()
         if detached:
             # A detached run drives itself: it must not depend on the process that started it
             # (that process may exit at once), so the loop starts here, not from a caller.
@@ -170,7 +186,7 @@ class Controller:
                 error_type=type(error).__name__ if error is not None else None,
                 error_message=str(error) if error is not None else None,
                 host=this_host(), pid=os.getpid(), control=self.control.address,
-                updated_at=time.time(),
+                updated_at=time.time(), preemptions=ctx.policy.preemptions,
             )
 
     def answer(self, request: Request) -> Any:
@@ -192,6 +208,8 @@ class Controller:
                 return self.kill(rank)
             case Stop():
                 return self.stop()
+            case Drain(rank=rank, node_id=node_id, deadline_s=deadline_s):
+                return self.drain(rank, node_id, deadline_s)
             case _:
                 raise ValueError(f"not a control request: {request!r}")
 
@@ -247,6 +265,103 @@ class Controller:
             requests.killed_at = time.time()
             requests.killed_on_purpose.add(member.worker_id)
         self.workers.kill(member.worker_id)
+
+    def drain(self, rank: int | None = None, node_id: str | None = None,
+              deadline_s: float | None = None) -> list[int]:
+        """`elastic drain`: the worker at `rank` (of the generation that trains), or every
+        member on Ray node `node_id` (a prefix of its hex id will do), leaves at the next step
+        boundary; within `deadline_s` seconds if given, else it is killed then and the run
+        recovers as from a failure. Returns the worker ids told to leave.
+
+        Raises:
+            ConfigError: neither or both of rank and node, no such rank, no member on that
+                node, or a negative deadline.
+        """
+        if (rank is None) == (node_id is None):
+            raise ConfigError("drain takes a rank or a node, one of them")
+        if deadline_s is not None and deadline_s < 0:
+            raise ConfigError(f"the drain deadline must be 0 or more seconds, not {deadline_s}")
+        if rank is not None:
+            world = self.ctx.roster().world
+            if not 0 <= rank < len(world):
+                raise ConfigError(f"run {self.name!r} has no rank {rank} (world size {len(world)})")
+            ids = [world[rank].worker_id]
+        else:
+            assert node_id is not None
+            ids = [m.worker_id for m in list(self.ctx.members) if m.node_id.startswith(node_id)]
+            if not node_id or not ids:
+                raise ConfigError(f"run {self.name!r} has no worker on a node {node_id!r}; "
+                                  "`elastic status NAME` lists each worker's node")
+        deadline = time.time() + deadline_s if deadline_s is not None else None
+        self.log.emit(DrainRequested(worker_ids=ids, rank=rank, node_id=node_id,
+                                     deadline_s=deadline_s))
+        return self._notice(ids, "drain", deadline, "elastic drain")
+
+    def notify(self, worker_id: int, source: NoticeSource, deadline: float | None,
+               reason: str = "") -> list[int]:
+        """A departure notice for member `worker_id` (from its SIGTERM handler): it leaves at
+        the next step boundary. Returns [worker_id] if it is a member told now, else []."""
+        return self._notice([worker_id], source, deadline, reason)
+
+    def _notice(self, ids: list[int], source: NoticeSource, deadline: float | None,
+                reason: str) -> list[int]:
+        """Records the notices of the members among `ids`, writes one event, ends the chunk
+        in flight after its step (`yield_chunks`) and arms the deadline. Returns the worker
+        ids newly told (a member already told, with an earlier deadline, is not)."""
+        if self.machine.state.label.is_terminal:
+            return []
+        now = time.time()
+        members = [m.worker_id for m in list(self.ctx.members)]
+        told = [w for w in ids if w in members and self.ctx.requests.notice(
+            Notice(w, source, deadline, now, reason))]
+        if not told:
+            return []
+        world = [m.worker_id for m in self.ctx.roster().world]
+        self.log.emit(PreemptionNotice(source=source, ranks=[world.index(w) for w in told
+                                                             if w in world],
+                                       worker_ids=told, deadline=deadline, reason=reason))
+        self.workers.yield_chunks()  # every rank ends its chunk after the step in flight
+        for worker_id in told:
+            if deadline is not None:
+                timer = threading.Timer(max(0.0, deadline - now), self._deadline_passed,
+                                        (worker_id, deadline))
+                timer.daemon = True
+                timer.start()
+        return told
+
+    def _deadline_passed(self, worker_id: int, deadline: float) -> None:
+        """The deadline of a notice: a worker on notice that is still a member did not reach
+        a step boundary in time (or the deadline had already passed), so it is killed and the
+        run recovers as from a failure; its loss counts as a preemption."""
+        with self.ctx.requests.lock:
+            notice = self.ctx.requests.departures.get(worker_id)
+        if notice is None or notice.deadline != deadline:
+            return  # gone at a boundary already, or a later notice moved the deadline
+        if worker_id not in [m.worker_id for m in list(self.ctx.members)]:
+            return
+        self.log.emit(DeadlineMissed(worker_id=worker_id, deadline=deadline))
+        self.workers.kill(worker_id)
+
+    def _watch_drains(self) -> None:
+        """Polls Ray for draining nodes (`DRAIN_POLL_S`) while the run lives: members on
+        one get a notice with the drain's deadline."""
+        warned = False
+        while not self._watching.wait(DRAIN_POLL_S):
+            if self.machine.state.label.is_terminal:
+                return
+            try:
+                draining = draining_nodes()
+            except Exception as e:  # Ray's private call changed: say so once, keep training
+                if not warned:
+                    logger.warning("cannot read Ray's draining nodes (%s); drains are seen only "
+                                   "when their workers die", e)
+                    warned = True
+                continue
+            for node, deadline in draining.items():
+                ids = [m.worker_id for m in list(self.ctx.members) if m.node_id == node]
+                if ids:
+                    self._notice(ids, "ray_drain", deadline,
+                                 f"Ray node {node[:12]} is draining")
 
     def stop(self) -> None:
         """Ends the run gracefully after the step the workers are in (nothing once it has
@@ -325,6 +440,7 @@ class Controller:
             with self._lock:
                 self._ended = True
             self._publish()
+            self._watching.set()
             self.control.close()
             self.log.close()  # a later event (a status call's) opens the file again
         return Outcome(
@@ -332,6 +448,19 @@ class Controller:
             events=list(self.log.events), metrics=list(self.log.metrics),
             evaluation=self.ctx.evaluation, stopped=self.ctx.stopped_early, error=error,
         )
+
+
+DRAIN_POLL_S = 0.5  # how often the controller asks Ray for draining nodes
+
+
+def draining_nodes() -> dict[str, float | None]:
+    """Ray's draining nodes: hex node id -> deadline (seconds since the epoch; None when the
+    drain has none). The one call of Ray's private API for drains (Ray Train, Data and Serve
+    make the same one); there is no public one, nor a push."""
+    from ray._private.state import state
+
+    return {node: (ms / 1000.0 if ms else None)
+            for node, ms in state.get_draining_nodes().items()}
 
 
 RECORD_KEY_PREFIX = "run-record:"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -115,6 +116,44 @@ class _StepThread:
         return future.result()
 
 
+class _SigtermNotice:
+    """SIGTERM as a departure notice (a pod evicted, a Slurm job step signalled, a spot
+    notice): the handler only sets a flag, and a thread reports it to the controller
+    (`Controller.notify`), which lets this worker leave at the next step boundary. A second
+    SIGTERM, or one with no controller to tell, goes to the handler that was there before
+    (Ray's, which ends the process). Installed from `__init__`, which Ray runs on the main
+    thread of a threaded actor (the only thread that may install a handler)."""
+
+    def __init__(self, worker_id: int, controller: Any) -> None:
+        self._worker_id, self._controller = worker_id, controller
+        self._received = threading.Event()
+        self._previous: Any = None
+        if controller is None or threading.current_thread() is not threading.main_thread():
+            return
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        threading.Thread(target=self._report, name="elastic-notice", daemon=True).start()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self._received.is_set():
+            self._received.set()
+            return
+        previous = self._previous
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            raise SystemExit(1)
+
+    def _report(self) -> None:
+        self._received.wait()
+        try:
+            ray.get(self._controller.notify.remote(self._worker_id, "sigterm", None,
+                                                   "the worker's process got SIGTERM"))
+        except Exception as e:  # no controller to tell: the process ends as it would have
+            logger.warning("worker %s: SIGTERM could not be reported (%s); exiting",
+                           self._worker_id, e)
+            os._exit(1)
+
+
 def _on_step_thread(method: Any) -> Any:
     """Runs the actor's `method` on its step thread (`WorkerActor._compute`), after any step
     or call queued there before it."""
@@ -131,8 +170,11 @@ class WorkerActor:
     """One data-parallel worker. Built in the background; joins a generation via `connect`."""
 
     def __init__(self, job: TrainJob, config: FitConfig, run_dir: str, worker_id: int,
-                 checkpoint_key: bytes | None = None) -> None:
+                 checkpoint_key: bytes | None = None, controller: Any = None) -> None:
         self.worker_id = worker_id
+        # First, before the slow part (torch's model, the data): a SIGTERM that comes while
+        # the worker starts is a notice too.
+        self._notice = _SigtermNotice(worker_id, controller)
         self.config = config
         use_gpu = config.scaling.use_gpu
         self.device = resolve_device(use_gpu, ray.get_gpu_ids() if use_gpu else [],

@@ -40,6 +40,7 @@ from elastic.errors import CollectiveError, ConfigError, ElasticError, WorkerLos
 from elastic.job import TrainJob
 
 _NODE_CHECK_S = 0.5  # while waiting on a generation, how often members' nodes are checked
+_RELEASE_S = 10.0  # longest a worker that left on notice takes to exit before it is killed
 
 
 class RayWorkers:
@@ -52,8 +53,10 @@ class RayWorkers:
     """
 
     def __init__(self, job: TrainJob, config: FitConfig, run_dir: str,
-                 checkpoint_key: bytes | None, server: RendezvousServer) -> None:
+                 checkpoint_key: bytes | None, server: RendezvousServer,
+                 controller: Any = None) -> None:
         self.job, self.config, self.run_dir = job, config, run_dir
+        self._controller = controller  # where a worker reports a SIGTERM (`Controller.notify`)
         self._key = checkpoint_key
         self.server = server
         # Every worker started in this run, by worker id; a killed one keeps its handle, so a
@@ -82,7 +85,7 @@ class RayWorkers:
         actor = WorkerActor.options(
             num_cpus=scaling.cpus_per_worker, num_gpus=scaling.gpus_per_worker if scaling.use_gpu else 0,
             max_concurrency=6,  # a chunk, the one ahead, abort, progress
-        ).remote(self.job, self.config, self.run_dir, worker_id, self._key)
+        ).remote(self.job, self.config, self.run_dir, worker_id, self._key, self._controller)
         self.actors[worker_id] = actor
         self._starting[actor.info.remote()] = worker_id
         return worker_id
@@ -144,6 +147,17 @@ class RayWorkers:
         if actor is not None and worker_id not in self._killed:
             self._killed.add(worker_id)
             ray.kill(actor, no_restart=True)
+
+    def release(self, worker_id: int) -> None:
+        actor = self.actors.get(worker_id)
+        if actor is None or worker_id in self._killed:
+            return
+        self._killed.add(worker_id)  # calls to it now fail as calls to a dead worker do
+        actor.__ray_terminate__.remote()  # a clean exit, after the calls queued before it
+        # Killed if it has not exited by then (a step thread stuck in user code).
+        timer = threading.Timer(_RELEASE_S, ray.kill, (actor,), {"no_restart": True})
+        timer.daemon = True
+        timer.start()
 
     def shutdown(self) -> None:
         for worker_id in list(self.actors):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elastic.config import ChaosEvent, FitConfig
@@ -15,7 +15,7 @@ from elastic.control.batching import Batching
 from elastic.control.checkpoints import CheckpointCoordinator
 from elastic.control.cursor import Cursor
 from elastic.control.policy import FailurePolicy
-from elastic.control.port import Member, Workers
+from elastic.control.port import Member, Notice, Workers
 from elastic.recovery import PendingRecovery
 from elastic.runlog import RunLog
 
@@ -32,6 +32,8 @@ class Requests:
         stop: end at the next boundary.
         killed_at: time of the last `kill` request, for the next recovery's timing.
         killed_on_purpose: worker ids killed by `kill` (their loss is planned).
+        departures: members told to leave, by worker id (`notice`); they leave at the next
+            step boundary, or their loss counts as a preemption if they die first.
     """
 
     target: int
@@ -39,7 +41,33 @@ class Requests:
     stop: bool = False
     killed_at: float | None = None
     killed_on_purpose: set[int] = field(default_factory=set)
+    departures: dict[int, Notice] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def notice(self, notice: Notice) -> bool:
+        """Records that `notice.worker_id` must leave; of several notices for one worker the
+        earliest deadline stands (with its source). True if it is new or moved the deadline
+        earlier (worth an event), False if an earlier notice already covers it."""
+        with self.lock:
+            known = self.departures.get(notice.worker_id)
+            if known is not None and (notice.deadline is None or (
+                    known.deadline is not None and known.deadline <= notice.deadline)):
+                return False
+            if known is not None:  # an earlier deadline: the first notice's time stands
+                notice = replace(notice, received=known.received)
+            self.departures[notice.worker_id] = notice
+            return True
+
+    def leaving(self, ids: list[int]) -> list[int]:
+        """The worker ids among `ids` that were told to leave."""
+        with self.lock:
+            return [w for w in ids if w in self.departures]
+
+    def gone(self, ids: list[int]) -> list[Notice]:
+        """Forgets the notices of the workers `ids` (they left or died); returns those there
+        were."""
+        with self.lock:
+            return [n for n in (self.departures.pop(w, None) for w in ids) if n is not None]
 
     def take_killed_at(self) -> float | None:
         with self.lock:

@@ -58,7 +58,8 @@ def chunk_length(*, step: int, steps_per_chunk: int, total_steps: int, steps_lef
 
 def boundary_work(*, end: int, total_steps: int, ends_epoch: bool, tuning: bool,
                   checkpoint_due: bool, evaluation_due: bool, recovering: bool, stop: bool,
-                  world_size: int, target: int, joining: bool) -> str | None:
+                  world_size: int, target: int, joining: bool,
+                  departing: bool = False) -> str | None:
     """What the chunk boundary at step `end` must do before the next chunk, or None when it
     has nothing to do but start it: then the next chunk is handed out ahead, while the current
     one runs, and the workers go on without waiting for the controller.
@@ -76,12 +77,13 @@ def boundary_work(*, end: int, total_steps: int, ends_epoch: bool, tuning: bool,
         joining: a started worker is up and waits to be admitted (at a boundary); workers
             still starting, or waiting for capacity that may never come, do not hold
             chunks back.
+        departing: members were told to leave (a preemption notice): they leave here.
     """
     reasons = [("the run ends", end >= total_steps), ("the epoch ends", ends_epoch),
                ("a micro-batch trial", tuning), ("a checkpoint", checkpoint_due),
                ("an evaluation", evaluation_due), ("a recovery's first chunk", recovering),
                ("a stop request", stop), ("a shrink", world_size > target),
-               ("a worker joins", joining)]
+               ("a worker joins", joining), ("a departure on notice", departing)]
     return next((reason for reason, due in reasons if due), None)
 
 

@@ -72,7 +72,8 @@ def admit(ctx: Context, timeout: float) -> bool:
 
 
 def drop(ctx: Context, ranks: list[int], why: str, *, replace: bool = True) -> None:
-    """Removes dead members, counts them against `max_failures`, and waits for replacements
+    """Removes dead members, counts them against `max_failures` (`max_preemptions` for those
+    told to leave), and waits for replacements
     while below `min_workers`. With `replace` False, replacements start only when needed to
     reach `min_workers` (a recovery leaves the others to `Running`, after its first step).
 
@@ -80,10 +81,14 @@ def drop(ctx: Context, ranks: list[int], why: str, *, replace: bool = True) -> N
         WorkerLostError: more than `failure.max_failures` workers lost.
         InsufficientWorkersError: below `min_workers` for `capacity_timeout`.
     """
+    dropped = []
     for rank in sorted(ranks, reverse=True):
         member = ctx.members.pop(rank)
+        dropped.append(member.worker_id)
         ctx.log.emit(WorkerLost(rank=rank, worker_id=member.worker_id, why=why))
         ctx.workers.kill(member.worker_id)
+    # Workers told to leave that died before a step boundary count as preemptions.
+    preempted = len(ctx.requests.gone(dropped))
     if not ctx.config.failure.replace_lost_workers:
         with ctx.requests.lock:
             # The survivors are the new target; growth waits for a scale request.
@@ -91,7 +96,7 @@ def drop(ctx: Context, ranks: list[int], why: str, *, replace: bool = True) -> N
                                       len(ctx.members) + ctx.workers.starting())
             ctx.requests.scaled_by_user = True
     action = ctx.policy.decide(WorkerLostError(f"{len(ranks)} workers {why}", step=ctx.step),
-                               lost=len(ranks))
+                               lost=len(ranks) - preempted, preempted=preempted)
     if isinstance(action, Fail):
         raise action.error
     if replace or len(ctx.members) < ctx.config.scaling.lower:

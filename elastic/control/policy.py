@@ -18,6 +18,9 @@ recovery each error class documents:
 | `NonFiniteLossError`                  | `Fail` (policy 'stop'; 'skip' never reaches here) |
 | anything else                         | `Fail`                                            |
 
+Workers on notice (`elastic.control.port.Notice`) that leave at a step boundary, or die
+before one, count against `max_preemptions` instead of `max_failures` (`departed`).
+
 No Ray here.
 """
 
@@ -91,12 +94,13 @@ class FailurePolicy:
 
     config: FailureConfig
     workers_lost: int = 0
+    preemptions: int = 0
     user_retries: dict[int, int] = field(default_factory=dict)
     evaluation_retries: dict[int, int] = field(default_factory=dict)
     generation_attempts: int = 0
     unit: int = 1  # the group size with groups on: the smallest micro-batch
 
-    def decide(self, error: ElasticError, *, lost: int = 0,
+    def decide(self, error: ElasticError, *, lost: int = 0, preempted: int = 0,
                micro_batches: dict[int, tuple[int, int]] | None = None,
                step: int | None = None) -> Action:
         """The action for `error`.
@@ -104,6 +108,8 @@ class FailurePolicy:
         Args:
             error: what went wrong.
             lost: workers that died with it (counted against `max_failures`).
+            preempted: workers told to leave that died with it before a step boundary
+                (counted against `max_preemptions` instead).
             micro_batches: for out-of-memory errors, rank -> (worker id, micro-batch it ran).
             step: the run's step, for errors that do not carry one (a generation that fails).
 
@@ -113,7 +119,7 @@ class FailurePolicy:
         """
         match error:
             case WorkerLostError():  # WorkerHangError included
-                return self._lost(lost, error)
+                return self.departed(preempted, error.step) or self._lost(lost, error)
             case RendezvousError():
                 return self._generation_failed(error, step)
             case CollectiveError():
@@ -134,6 +140,17 @@ class FailurePolicy:
                 return Fail(error)
             case _:
                 return Fail(error)
+
+    def departed(self, count: int, step: int | None) -> Fail | None:
+        """`count` workers told to leave are gone (at a step boundary, or dead before one):
+        a `Fail` past `max_preemptions`, else None."""
+        self.preemptions += count
+        limit = self.config.max_preemptions
+        if count and limit is not None and self.preemptions > limit:
+            return Fail(WorkerLostError(
+                f"{self.preemptions} workers preempted, more than failure.max_preemptions = "
+                f"{limit}; raise it (None: unlimited)", step=step))
+        return None
 
     def formed(self) -> None:
         """A generation formed: its retries start over."""

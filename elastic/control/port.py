@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, Union
 
 from elastic.errors import ElasticError
 
@@ -56,6 +56,32 @@ class Gathered(Generic[T]):
     @property
     def ok(self) -> bool:
         return not self.dead and not self.broken
+
+
+NoticeSource = Literal["sigterm", "ray_drain", "drain"]
+"""Where a departure notice came from: the worker's process got SIGTERM (Kubernetes, Slurm,
+a spot notice), Ray marked its node draining (the autoscaler's scale-in, `ray drain-node`,
+KubeRay's pod deletion), or `elastic drain`."""
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A member is told to leave the run by a deadline (a preemption, a scale-in).
+
+    Attributes:
+        worker_id: the member that leaves.
+        source: where the notice came from.
+        deadline: wall-clock time (`Workers.now()`) by which it is gone; None when the source
+            does not say (a SIGTERM: the grace period is the scheduler's).
+        received: when the controller learned of it.
+        reason: what the source said (Ray's drain message, the caller of `elastic drain`).
+    """
+
+    worker_id: int
+    source: NoticeSource
+    deadline: float | None
+    received: float
+    reason: str = ""
 
 
 # --- what one worker reports after a chunk of steps (one union, no status strings) ----------
@@ -241,6 +267,11 @@ class Workers(Protocol):
 
     def kill(self, worker_id: int) -> None:
         """Kills a worker (member or starting); idempotent."""
+        ...
+
+    def release(self, worker_id: int) -> None:
+        """Lets a worker that left the run at a step boundary (a planned departure) end its
+        process on its own, as a clean exit; killed if it has not within a few seconds."""
         ...
 
     def shutdown(self) -> None:

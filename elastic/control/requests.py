@@ -1,5 +1,5 @@
 """Control requests: what a caller asks of a live run's controller (`elastic.status`,
-`events`, `scale`, `kill`, `stop`), one frozen record per kind.
+`events`, `scale`, `kill`, `stop`, `drain`), one frozen record per kind.
 
 The controller dispatches on the record's type (`Controller.answer`), never on a name. They
 travel pickled through Ray, and on the fast channel (`elastic.control.channel`) as a JSON line
@@ -57,9 +57,22 @@ class Stop:
     verb: ClassVar[str] = "stop"
 
 
-Request = Status | Events | Scale | Kill | Stop
+@dataclass(frozen=True)
+class Drain:
+    """The worker at `rank`, or every worker on Ray node `node_id`, leaves the run at the next
+    step boundary (a planned departure), within `deadline_s` seconds if given (else killed
+    then, and the run recovers as from a failure)."""
 
-KINDS: dict[str, type[Request]] = {kind.verb: kind for kind in (Status, Events, Scale, Kill, Stop)}
+    rank: int | None = None
+    node_id: str | None = None
+    deadline_s: float | None = None
+    verb: ClassVar[str] = "drain"
+
+
+Request = Status | Events | Scale | Kill | Stop | Drain
+
+KINDS: dict[str, type[Request]] = {kind.verb: kind
+                                   for kind in (Status, Events, Scale, Kill, Stop, Drain)}
 """Each request kind by its verb on the wire."""
 
 

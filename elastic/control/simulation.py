@@ -147,6 +147,9 @@ class SimulatedWorkers:
             if worker_id in self._starting:
                 self._starting.remove(worker_id)
 
+    def release(self, worker_id: int) -> None:
+        self.kill(worker_id)  # a simulated worker that leaves simply ends
+
     def shutdown(self) -> None:
         for worker_id in list(self.workers):
             self.kill(worker_id)

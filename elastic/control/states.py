@@ -30,7 +30,7 @@ from elastic.control import decisions
 from elastic.control.batching import Batching
 from elastic.control.context import Context
 from elastic.control.cursor import Cursor
-from elastic.control.group import admit, drop, form, on_any_member, top_up
+from elastic.control.group import admit, drop, form, on_any_member, top_up, wait_for_capacity
 from elastic.control.policy import BackOff, Fail, Reconfigure, Recover, Retry
 from elastic.control.port import (
     ChunkInterrupted,
@@ -60,6 +60,7 @@ from elastic.events import (
     Finish,
     Nonfinite,
     Planned,
+    PlannedDeparture,
     Recovered,
     Resized,
     Start,
@@ -211,6 +212,9 @@ class Running(State):
                 ctx.stopped_early = True
                 ctx.log.emit(Stopping(step=ctx.step))
             return Evaluating(scheduled=False) if _evaluation_due(ctx, ending=True) else Finishing()
+        leaving = ctx.requests.leaving(ctx.ids())
+        if leaving:  # members on notice leave here, at a step boundary
+            return Resizing(world_size=len(ctx.members), target=target, leaving=tuple(leaving))
         shrink = len(ctx.members) > target
         # After a recovery, replacements start once its first step is done: a worker's start
         # (an interpreter, torch, the job) would take CPU from the rebuild, restore and step.
@@ -263,7 +267,8 @@ class Running(State):
                 step=end, evaluated_at=ctx.evaluated_at, every_steps=evaluation.every_steps,
                 every_epochs=None, epoch_ended=False, epochs_done=0, at_end=False, ending=False),
             recovering=ctx.recovery is not None, stop=stop, world_size=len(ctx.members),
-            target=target, joining=ctx.workers.joinable())
+            target=target, joining=ctx.workers.joinable(),
+            departing=bool(ctx.requests.leaving(ctx.ids())))
         if work is not None:
             return None
         cursor = ctx.cursor
@@ -272,7 +277,7 @@ class Running(State):
         ahead = self._start(ctx, cursor)
         with ctx.requests.lock:  # one that came meanwhile ends both chunks early
             late = ctx.requests.stop or len(ctx.members) > ctx.requests.target
-        if late:
+        if late or ctx.requests.leaving(ctx.ids()):
             ctx.workers.yield_chunks()
         return ahead
 
@@ -574,16 +579,25 @@ class Recovering(State):
 
 @dataclass
 class Resizing(State):
-    """Removes members above the target, admits started ones, and forms a new generation."""
+    """Lets the members on notice go (`leaving`: a planned departure), removes members above
+    the target, admits started ones, and forms a new generation.
+
+    A planned departure happens at a step boundary: every member holds the committed state,
+    so the others go on with it (no collective aborted, no restore, no step redone) and the
+    target stays, so a replacement starts. Only when nobody would be left is the committed
+    state saved to a checkpoint first (if the run has them), for the replacements to resume."""
 
     world_size: int
     target: int
+    leaving: tuple[int, ...] = ()
     label: ClassVar[RunState] = RunState.RESIZING
 
     def fields(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "target": self.target}
 
     def step(self, ctx: Context) -> State:
+        if self.leaving:
+            _depart(ctx, self.leaving)
         with ctx.requests.lock:  # free capacity may have raised it since the boundary
             target = ctx.requests.target
         while len(ctx.members) > target:
@@ -592,11 +606,40 @@ class Resizing(State):
             ctx.workers.kill(member.worker_id)
         top_up(ctx)
         admit(ctx, timeout=0)
+        if len(ctx.members) < ctx.config.scaling.lower:
+            wait_for_capacity(ctx)
         before = ctx.generation
-        form(ctx, "resize")
+        form(ctx, "departure" if self.leaving else "resize")
         ctx.log.emit(Resized(world_size=len(ctx.members), generation=ctx.generation,
                       previous_generation=before))
         return Running(resized=True)
+
+
+def _depart(ctx: Context, leaving: tuple[int, ...]) -> None:
+    """Members `leaving` (worker ids, on notice) leave the run at this step boundary.
+
+    Raises:
+        WorkerLostError: more than `failure.max_preemptions` workers preempted.
+    """
+    ids = ctx.ids()
+    ranks = [ids.index(w) for w in leaving if w in ids]
+    gone = [ids[r] for r in ranks]
+    if len(gone) == len(ids):
+        # Nobody stays to hand the committed state on: the replacements resume it from a
+        # checkpoint (without checkpoints they start over, which `form` refuses below).
+        on_any_member(ctx, lambda w: ctx.checkpoints.maybe_write(w, ctx.step, len(ids),
+                                                                 final=True))
+    notices = ctx.requests.gone(gone)
+    ctx.members = [m for m in ctx.members if m.worker_id not in gone]
+    for worker_id in gone:
+        ctx.workers.release(worker_id)
+    first = min((n.received for n in notices), default=ctx.workers.now())
+    ctx.log.emit(PlannedDeparture(
+        ranks=ranks, worker_ids=gone, sources=sorted({n.source for n in notices}),
+        step=ctx.step, notice_to_gone_s=max(0.0, ctx.workers.now() - first), steps_redone=0))
+    action = ctx.policy.departed(len(gone), ctx.step)
+    if action is not None:
+        raise action.error
 
 
 # --- the end -------------------------------------------------------------------------------

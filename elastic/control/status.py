@@ -60,6 +60,8 @@ class RunStatus:
         pid: the controller's process id.
         control: the name of the controller's control channel (None where there is none).
         updated_at: when this snapshot was taken.
+        preemptions: workers let go on notice so far (at a step boundary, or dead before
+            one), counted apart from `failures`.
     """
 
     name: str
@@ -87,6 +89,7 @@ class RunStatus:
     pid: int
     control: str | None
     updated_at: float
+    preemptions: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The record: a plain dict whose sequences are lists, as `elastic.status` returns it

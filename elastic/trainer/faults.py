@@ -3,8 +3,9 @@
 `Progress` is read from another thread by the worker's hang watchdog. `FaultInjector` fires
 the step's chaos events in the phase each names: 'kill' (SIGKILL of this process, its moment
 recorded for the recovery breakdown), 'hang', 'raise' (an error of user code), 'oom' (an
-out-of-memory error of user code), and 'slow' (the step's compute stretched by a factor, for
-as many steps as the event says).
+out-of-memory error of user code), 'slow' (the step's compute stretched by a factor, for
+as many steps as the event says) and 'preempt' (SIGTERM to this process, a scheduler's notice:
+the worker's handler reports it and the step goes on).
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class FaultInjector:
                     chaos_kill(self.run_dir, event)
                 case "hang":
                     threading.Event().wait()
+                case "preempt":  # the process goes on; its SIGTERM handler reports the notice
+                    os.kill(os.getpid(), signal.SIGTERM)
                 case "raise":
                     raise InjectedFault(
                         f"injected fault at step {event.step}, rank {event.rank}, phase {phase}"

@@ -214,6 +214,7 @@ def test_the_option_surface_is_what_was_reviewed():
         "status": ["as_json", "name"],
         "scale": ["name", "num_workers"],
         "kill": ["name", "rank"],
+        "drain": ["deadline", "name", "node", "rank"],
         "stop": ["name"],
     }
 

@@ -27,7 +27,7 @@ RECORD_KEYS = (
     "name", "state", "step", "total_steps", "generation", "world_size", "target_workers",
     "global_batch_size", "shares", "micro_batches", "starting_workers", "joining_workers",
     "failures", "workers", "run_dir", "started_at", "ended_at", "last_loss", "detached",
-    "error_type", "error_message", "host", "pid", "control", "updated_at",
+    "error_type", "error_message", "host", "pid", "control", "updated_at", "preemptions",
 )
 
 
@@ -59,7 +59,7 @@ def test_the_wire_keeps_the_shape_of_method_and_args():
     assert encode(Kill(0)) == {"method": "kill", "args": [0]}
     assert encode(Status()) == {"method": "status", "args": []}
     assert decode({"method": "stop"}) == Stop()
-    assert set(KINDS) == {"status", "events", "scale", "kill", "stop"}
+    assert set(KINDS) == {"status", "events", "scale", "kill", "stop", "drain"}
 
 
 def test_an_unknown_verb_is_refused_before_the_controller():

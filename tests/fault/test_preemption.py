@@ -1,0 +1,100 @@
+"""Preemption is not a failure (issue 38), on real worker processes: a SIGTERM to a worker and
+`elastic drain` let the rank leave at a step boundary while the others go on, with nothing
+aborted, restored or redone; a deadline too short for that falls back to the failure path.
+(A Ray node drained with a deadline: tests/fault/test_nodes.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import elastic
+from elastic import BatchConfig, ChaosEvent, FailureConfig, FitConfig, ScalingConfig
+from elastic.errors import ConfigError
+from elastic.events import (
+    DeadlineMissed,
+    DrainRequested,
+    PlannedDeparture,
+    PreemptionNotice,
+    Recovered,
+    WorkerFailure,
+    WorkerLost,
+)
+from tests.events import kinds, of_kind
+from tests.integration.test_fit import Operator
+from tests.jobs import N_SAMPLES, reference_weights, regression_job
+
+pytestmark = pytest.mark.fault
+
+B = 16
+PER_EPOCH = N_SAMPLES // B
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_and_drain_leave_at_a_boundary_and_a_short_deadline_recovers(ray_cluster, tmp_path):
+    name = "preempted-run"
+    config = FitConfig(
+        name=name, run_dir=str(tmp_path / "run"), max_steps=100_000, steps_per_chunk=2,
+        ledger=True, scaling=ScalingConfig(num_workers=3, min_workers=1, max_workers=3),
+        batch=BatchConfig(global_batch_size=B, max_micro_batch=3),
+        # Rank 1 gets SIGTERM in its step 3, as from a scheduler; the process goes on.
+        chaos=(ChaosEvent(step=3, rank=1, action="preempt", phase="backward"),),
+        # No failure is allowed: the departures, even the late one, are preemptions.
+        failure=FailureConfig(max_failures=0))
+    seen = {}
+
+    def script(op):
+        first = op.wait_for(lambda s: s["preemptions"] == 1 and s["state"] == "running")
+        seen["after_sigterm"] = {w["worker_id"]: w["pid"] for w in first["workers"]}
+        with pytest.raises(ConfigError, match="no rank 7"):
+            elastic.drain(name, rank=7)
+        seen["drained"] = elastic.drain(name, rank=0)
+        second = op.wait_for(lambda s: s["preemptions"] == 2 and s["state"] == "running"
+                             and s["world_size"] >= 2)
+        seen["after_drain"] = {w["worker_id"]: w["pid"] for w in second["workers"]}
+        # A deadline that has passed already: no step boundary can come first.
+        seen["late"] = elastic.drain(name, rank=1, deadline=0)
+        op.wait_for(lambda s: s["preemptions"] == 3 and s["state"] == "running"
+                    and s["step"] >= 3 * PER_EPOCH)
+
+    with Operator(name, script):
+        result = elastic.fit(regression_job(), config)
+
+    assert result.stopped
+    torch.testing.assert_close(result.model_state, reference_weights(0, B, result.steps),
+                               rtol=1e-9, atol=1e-10)
+    ledger = [json.loads(line) for line in open(os.path.join(result.run_dir, "ledger.jsonl"))]
+    assert [entry["step"] for entry in ledger] == list(range(result.steps))  # none redone twice
+    for epoch in range(result.steps // PER_EPOCH):
+        seen_indices = [i for e in ledger if e["epoch"] == epoch for i in e["indices"]]
+        assert sorted(seen_indices) == list(range(N_SAMPLES))
+
+    events = result.events
+    notices = of_kind(events, PreemptionNotice)
+    assert [n.source for n in notices] == ["sigterm", "drain", "drain"]
+    assert notices[1].worker_ids == seen["drained"] and notices[2].worker_ids == seen["late"]
+    assert [d.deadline_s for d in of_kind(events, DrainRequested)] == [None, 0.0]
+    # The first two left at a step boundary: no failure, abort or recovery around them, and
+    # the others kept their processes.
+    departures = of_kind(events, PlannedDeparture)
+    assert [d.worker_ids for d in departures] == [notices[0].worker_ids, seen["drained"]]
+    assert [d.sources for d in departures] == [["sigterm"], ["drain"]]
+    assert all(d.steps_redone == 0 for d in departures)
+    order = kinds(events)
+    assert WorkerFailure not in order[:order.index(DeadlineMissed)]
+    assert WorkerLost not in order[:order.index(DeadlineMissed)]
+    sigtermed, drained = notices[0].worker_ids[0], seen["drained"][0]
+    assert sigtermed not in seen["after_sigterm"] and drained not in seen["after_drain"]
+    for worker_id, pid in seen["after_sigterm"].items():
+        if worker_id in seen["after_drain"]:
+            assert seen["after_drain"][worker_id] == pid
+    # The last one could not reach a boundary by its deadline: killed, and the failure path
+    # recovered with nothing committed lost; it counts as a preemption, not a failure.
+    [missed] = of_kind(events, DeadlineMissed)
+    assert [missed.worker_id] == seen["late"]
+    [failure] = of_kind(events, WorkerFailure)
+    assert failure.lost_workers == seen["late"]
+    assert len(of_kind(events, Recovered)) == 1

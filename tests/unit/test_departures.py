@@ -1,0 +1,137 @@
+"""Planned departures (issue 38) in the control loop, without Ray: a member on notice leaves at
+a step boundary with nothing aborted or redone, and preemptions have their own budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.config import BatchConfig, ChaosEvent, FailureConfig, FitConfig, ScalingConfig
+from elastic.control.context import Context, Requests
+from elastic.control.policy import Fail, FailurePolicy, Recover
+from elastic.control.port import Notice
+from elastic.control.simulation import SimulatedWorkers
+from elastic.control.states import Failed, Finished, Machine
+from elastic.errors import WorkerLostError
+from elastic.runlog import RunLog
+
+
+def _config(tmp_path, *, ahead=True, world=4, steps=24, **kwargs) -> FitConfig:
+    return FitConfig(chunks_ahead=ahead, run_dir=str(tmp_path), max_steps=steps,
+                     steps_per_chunk=4,
+                     scaling=ScalingConfig(num_workers=world, min_workers=1, max_workers=world),
+                     batch=BatchConfig(global_batch_size=16, autotune=False), **kwargs)
+
+
+def _machine(tmp_path, config, notices):
+    """Runs `config` on simulated workers; `notices(step, ctx, sim)` makes requests as each
+    chunk is handed out."""
+    holder = {}
+    sim = SimulatedWorkers(dataset_size=16000, capacity=config.scaling.num_workers,
+                           start_delay_s=0.02,
+                           before_chunk=lambda step: notices(step, holder["ctx"], sim))
+    ctx = holder["ctx"] = Context(config, "sim", RunLog(str(tmp_path)), sim)
+    return Machine(ctx).run(), ctx, sim
+
+
+def _kinds(ctx):
+    return [e["event"] for e in ctx.log.events]
+
+
+def _of(ctx, kind):
+    return [e for e in ctx.log.events if e["event"] == kind]
+
+
+def _tell(ctx, sim, worker_id, *, deadline=None, source="sigterm"):
+    """What `Controller.notify` does: record the notice, end the chunks after their step."""
+    if ctx.requests.notice(Notice(worker_id, source, deadline, sim.now(), "test")):
+        sim.yield_chunks()
+
+
+def test_a_member_on_notice_leaves_at_the_step_boundary_and_nothing_is_redone(tmp_path):
+    told = []
+
+    def notices(step, ctx, sim):
+        if step >= 8 and not told:
+            told.append(step)
+            _tell(ctx, sim, worker_id=2)
+
+    end, ctx, sim = _machine(tmp_path, _config(tmp_path), notices)
+    assert isinstance(end, Finished)
+    # Told as the chunk from 8 went out ahead, while the one from 4 ran its first step: that
+    # one ended after it, on every rank, and the member left there.
+    [departure] = _of(ctx, "planned_departure")
+    assert departure["ranks"] == [2] and departure["worker_ids"] == [2]
+    assert departure["step"] == 5 and departure["steps_redone"] == 0
+    assert departure["sources"] == ["sigterm"]
+    # No failure path: nothing lost, aborted, recovered or restored; every step ran once.
+    kinds = _kinds(ctx)
+    for kind in ("worker_failure", "worker_lost", "recovered", "restored_from_checkpoint"):
+        assert kind not in kinds
+    assert ("running", "recovering") not in [(e["previous"], e["state"])
+                                             for e in _of(ctx, "state")]
+    assert [m["step"] for m in ctx.log.metrics] == list(range(24))
+    assert ctx.cursor.samples == 24 * 16  # the global batch held at every size
+    # The generation after it formed without worker 2, which was let go; a replacement
+    # started and joined at a later boundary.
+    generations = _of(ctx, "generation")
+    assert generations[1]["reason"] == "departure" and 2 not in generations[1]["workers"]
+    assert generations[1]["step"] == 5
+    assert not sim.workers[2].alive
+    sizes = [m["world_size"] for m in ctx.log.metrics]
+    assert sizes[:5] == [4] * 5 and sizes[5] == 3 and sizes[-1] == 4
+    assert _of(ctx, "worker_starting")[0]["reason"] == "replacement"
+    assert ctx.policy.preemptions == 1 and ctx.policy.workers_lost == 0
+    assert not ctx.requests.departures
+
+
+def test_a_member_on_notice_that_dies_before_a_boundary_counts_as_a_preemption(tmp_path):
+    # Told at the boundary before the chunk in which it dies (chunks are not handed out ahead
+    # here, so the notice does not end an earlier chunk): the failure path recovers, and the
+    # loss counts against max_preemptions, not max_failures (0 here).
+    def notices(step, ctx, sim):
+        if step == 8:
+            ctx.requests.notice(Notice(1, "ray_drain", None, sim.now()))
+
+    config = _config(tmp_path, ahead=False, chaos=(ChaosEvent(step=8, rank=1, action="kill"),),
+                     failure=FailureConfig(max_failures=0))
+    end, ctx, _ = _machine(tmp_path, config, notices)
+    assert isinstance(end, Finished)
+    assert ctx.policy.preemptions == 1 and ctx.policy.workers_lost == 0
+    assert "planned_departure" not in _kinds(ctx)
+    assert _of(ctx, "worker_failure")[0]["lost_workers"] == [1]
+    assert [m["step"] for m in ctx.log.metrics if m["step"] < 8] == list(range(8))
+
+
+def test_preemptions_past_max_preemptions_fail_the_run_naming_the_setting(tmp_path):
+    def notices(step, ctx, sim):
+        if step >= 4:
+            _tell(ctx, sim, worker_id=ctx.ids()[-1])
+
+    config = _config(tmp_path, failure=FailureConfig(max_preemptions=1, max_failures=0))
+    end, ctx, _ = _machine(tmp_path, config, notices)
+    assert isinstance(end, Failed) and isinstance(end.error, WorkerLostError)
+    assert "failure.max_preemptions = 1" in str(end.error)
+    assert len(_of(ctx, "planned_departure")) == 2
+
+
+def test_several_notices_for_one_worker_keep_the_earliest_deadline_and_first_time():
+    requests = Requests(target=2)
+    assert requests.notice(Notice(3, "sigterm", None, received=10.0))
+    assert requests.notice(Notice(3, "ray_drain", 50.0, received=11.0))
+    assert not requests.notice(Notice(3, "drain", 60.0, received=12.0))
+    assert not requests.notice(Notice(3, "sigterm", None, received=13.0))
+    assert requests.notice(Notice(3, "drain", 40.0, received=14.0))
+    assert requests.departures[3] == Notice(3, "drain", 40.0, received=10.0)
+    assert requests.leaving([1, 3]) == [3]
+    assert requests.gone([3, 1]) == [Notice(3, "drain", 40.0, received=10.0)]
+    assert requests.leaving([1, 3]) == []
+
+
+@pytest.mark.parametrize(("limit", "expected"), [(None, Recover), (2, Recover), (1, Fail)])
+def test_the_policy_counts_preemptions_apart_from_failures(limit, expected):
+    policy = FailurePolicy(FailureConfig(max_failures=0, max_preemptions=limit))
+    assert policy.departed(1, step=3) is None
+    action = policy.decide(WorkerLostError("1 workers actor died", step=4), lost=0, preempted=1)
+    assert isinstance(action, expected)
+    assert policy.preemptions == 2 and policy.workers_lost == 0
+    assert isinstance(policy.decide(WorkerLostError("x", step=5), lost=1), Fail)
