@@ -12,7 +12,9 @@ on the other nodes, so adding and removing nodes adds and removes workers:
 1. node A (2 CPUs): a run starts with 2 workers, max_workers 4;
 2. node B (2 CPUs) joins: the run grows to 4 at a step boundary, survivors keep their pids;
 3. node A is removed: its 2 workers die at once; the run goes on with the 2 on B;
-4. node C (2 CPUs) joins: the waiting replacements start there and join; the run is stopped.
+4. node C (2 CPUs) joins: the waiting replacements start there and join;
+5. node C is drained (Ray's drain call, reason preemption, a deadline): its workers leave at a
+   step boundary as a planned departure, nobody counts as failed; the run is stopped.
 """
 
 from __future__ import annotations
@@ -93,6 +95,18 @@ def nodes(out_path: str) -> None:
         rejoined = wait_for(name, lambda s: s["world_size"] == 4 and s["state"] == "running"
                             and s["step"] > shrunk["step"], "replacements join on node C")
         summary["rejoined_pids"] = sorted(w["pid"] for w in rejoined["workers"])
+
+        # Node C is drained through Ray's own call, as the autoscaler, KubeRay or
+        # `ray drain-node` would: its workers leave at a step boundary, nobody fails.
+        node_c = next(w["node_id"] for w in rejoined["workers"]  # where the replacements run
+                      if w["pid"] not in summary["after_loss_pids"])
+        on_c = [w for w in rejoined["workers"] if w["node_id"] == node_c]
+        summary["drained_workers"] = sorted(w["worker_id"] for w in on_c)
+        summary["failures_before_drain"] = rejoined["failures"]
+        _drain(node_c, deadline_s=60)
+        drained = wait_for(name, lambda s: s["preemptions"] == len(on_c) and s["state"] == "running"
+                           and s["step"] > rejoined["step"], "node C's workers leave")
+        summary["after_drain"] = drained
         elastic.stop(name)
         deadline = time.monotonic() + LIMIT_S
         while not _ended(name) and time.monotonic() < deadline:
@@ -104,6 +118,18 @@ def nodes(out_path: str) -> None:
             json.dump(summary, f)
         ray.shutdown()
         cluster.shutdown()
+
+
+def _drain(node_id: str, deadline_s: float) -> None:
+    """Ray's drain of a node for preemption, with a deadline (what KubeRay's pod deletion and
+    the autoscaler do)."""
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
+    accepted, why = gcs.drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "spot preemption (test)", int((time.time() + deadline_s) * 1000))
+    assert accepted, why
 
 
 def chaos(out_path: str) -> None:

@@ -16,6 +16,8 @@ from elastic.events import (
     DetachedExit,
     FinalModelWritten,
     Finish,
+    PlannedDeparture,
+    PreemptionNotice,
     Recovered,
     WorkerFailure,
     WorkerJoined,
@@ -63,6 +65,18 @@ def test_a_node_joins_and_a_node_is_lost_and_the_run_goes_on(tmp_path):
     assert recovered and recovered[0].world_after == 4 - lost
     assert order.count(WorkerJoined) >= 2 + lost  # two on node B, the replacements on node C
     assert order[-2:] == [FinalModelWritten, DetachedExit]
+    # Node C, drained by Ray with a deadline: its workers were told and left at one step
+    # boundary; no failure, the others kept their processes.
+    drained = summary["drained_workers"]
+    notices = of_kind(events, PreemptionNotice)
+    assert [n.source for n in notices] == ["ray_drain"] and notices[0].worker_ids == drained
+    assert notices[0].deadline is not None
+    [departure] = of_kind(events, PlannedDeparture)
+    assert departure.worker_ids == drained and departure.steps_redone == 0
+    after = summary["after_drain"]
+    assert after["failures"] == summary["failures_before_drain"]
+    assert after["world_size"] == 4 - len(drained)
+    assert {w["pid"] for w in after["workers"]} <= set(summary["rejoined_pids"])
     finish = next(e for e in events if isinstance(e, Finish))
     model = torch.load(os.path.join(summary["run_dir"], "final_model.pt"), weights_only=True)
     torch.testing.assert_close(model, reference_weights(0, 16, finish.step), rtol=1e-9, atol=1e-10)
