@@ -90,6 +90,11 @@ def status(
             f"generation {info['generation']}")
     if joining:
         line += f", {joining} joining"  # admitted, in no generation yet: no rank
+    spares = info.get("spare_workers", 0)  # absent from the records of older runs
+    if spares:
+        line += f", {spares} spare{'s' if spares > 1 else ''} ready"
+    if info.get("preemptions"):
+        line += f", {info['preemptions']} preempted"
     console.print(line)
     if not info["workers"]:
         return

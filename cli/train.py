@@ -29,7 +29,7 @@ from elastic.progress import resolve
 # Command-line option -> dotted FitConfig field; `run` and `start` share them.
 _OPTION_FIELDS = {
     "workers": "scaling.num_workers", "min_workers": "scaling.min_workers",
-    "max_workers": "scaling.max_workers", "gpu": "scaling.use_gpu",
+    "max_workers": "scaling.max_workers", "spares": "scaling.spares", "gpu": "scaling.use_gpu",
     "gpus_per_worker": "scaling.gpus_per_worker",
     "global_batch": "batch.global_batch_size",
     "max_micro_batch": "batch.max_micro_batch", "batch_policy": "batch.policy",
@@ -175,6 +175,9 @@ def _training_options(
     workers: Annotated[int | None, typer.Option(help="Workers to start with.")] = None,
     min_workers: Annotated[int | None, typer.Option(help="Fewest workers to continue with.")] = None,
     max_workers: Annotated[int | None, typer.Option(help="Most workers to grow to.")] = None,
+    spares: Annotated[int | None, typer.Option(
+        help="Hot spares: started workers that take a lost or departing worker's place at "
+        "once (scaling.spares; on top of the world size).")] = None,
     gpu: Annotated[bool | None, typer.Option(
         "--gpu/--no-gpu", help="Give each worker a GPU (scaling.use_gpu): --backend nccl for "
         "one GPU per worker, gloo to reduce over host memory. Default: the config file's, else "

@@ -172,6 +172,16 @@ class ScalingConfig(_Frozen):
         "(collective.backend 'gloo'), since NCCL refuses two ranks on one GPU. Above 1: the "
         "worker reserves several GPUs and computes on the first.")
     cpus_per_worker: float = Field(default=1.0, gt=0, description="CPUs reserved per worker actor.")
+    spares: int = Field(
+        default=0, ge=0,
+        description="Hot spares: worker processes started with the run, their model built and "
+        "data set ready, that train nothing until a member is lost or leaves; one then takes "
+        "its place in the same recovery or departure, so the run keeps its size instead of "
+        "waiting for a cold start. Spares are on top of the world size: max_workers bounds "
+        "the workers that train, and the cluster must have room for num_workers + spares "
+        "workers (spares are started before any growth into free capacity). A spare that is "
+        "promoted or dies is replaced in the background.",
+    )
     threads_per_worker: int | None = Field(
         default=None, ge=1,
         description="torch intra-op threads in each worker (torch.set_num_threads). Default: "

@@ -288,10 +288,10 @@ class Chaos(Event, kind="chaos"):
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerStarting(Event, kind="worker_starting"):
-    """Workers start in the background, to replace lost ones or to use free capacity, until
-    the run has `target` workers."""
+    """Workers start in the background, to replace lost ones, to use free capacity, or as hot
+    spares (`reason`), until the run has `target` workers and its spares."""
 
-    reason: Literal["replacement", "capacity"]
+    reason: Literal["replacement", "capacity", "spare"]
     target: int
 
 
@@ -308,6 +308,31 @@ class WorkerJoined(Event, kind="worker_joined"):
 
     worker_id: int
     pid: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpareReady(Event, kind="spare_ready"):
+    """A started worker waits as a hot spare (`ScalingConfig.spares`): built, training nothing."""
+
+    worker_id: int
+    pid: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparePromoted(Event, kind="spare_promoted"):
+    """Spares took the places of members lost or gone; they join the generation that forms
+    next and take the committed state from a peer."""
+
+    worker_ids: list[int]
+    world_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpareLost(Event, kind="spare_lost"):
+    """A spare's process died while it waited (nothing of the run is touched); another one
+    starts."""
+
+    worker_id: int
 
 
 @dataclass(frozen=True, kw_only=True)

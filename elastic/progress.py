@@ -57,6 +57,9 @@ from elastic.events import (
     Resumed,
     ScaleRequested,
     ShardsLost,
+    SpareLost,
+    SparePromoted,
+    SpareReady,
     Start,
     StateChanged,
     Stopping,
@@ -132,6 +135,8 @@ _RENDERERS: dict[type[Event], Callable[[Any], str | None]] = {
     WorkerFailure: _worker_failure,
     Recovered: _recovered,
     WorkerJoined: lambda e: f"worker {e.worker_id} joined",
+    SparePromoted: lambda e: (f"spare(s) {_ids(e.worker_ids)} took the place(s) of workers gone: "
+                              f"{e.world_size} workers"),
     Resized: lambda e: f"resized to {e.world_size} workers (generation {e.generation})",
     UserError: lambda e: f"user code raised at step {e.step} on ranks {e.ranks}: {e.error}",
     Evaluate: lambda e: (f"evaluation at step {e.step} ({e.epoch} epochs done): "
@@ -415,7 +420,8 @@ def _ids(values: list[int]) -> str:
     return ", ".join(map(str, values)) or "none"
 
 
-_WHY_START = {"replacement": "to replace lost ones", "capacity": "on free capacity"}
+_WHY_START = {"replacement": "to replace lost ones", "capacity": "on free capacity",
+              "spare": "as hot spares"}
 
 
 def _loaded(what: str) -> Callable[[Any], str]:
@@ -455,6 +461,8 @@ _LOG_RENDERERS: dict[type[Event], Callable[[Any], str]] = {
                                f"run has {e.target}"),
     WorkerStartFailed: lambda e: f"a worker failed to start: {e.error}",
     WorkerRemoved: lambda e: f"worker {e.worker_id} removed to shrink the run",
+    SpareReady: lambda e: f"worker {e.worker_id} (pid {e.pid}) waits as a hot spare",
+    SpareLost: lambda e: f"spare worker {e.worker_id} died while it waited; another one starts",
     WorkerLost: lambda e: f"rank {e.rank} (worker {e.worker_id}) dropped: {e.why}",
     MemberUnreachable: lambda e: f"worker {e.worker_id} did not answer",
     WorkerHung: lambda e: (f"rank {e.rank} (worker {e.worker_id}) made no progress in "

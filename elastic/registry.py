@@ -34,6 +34,8 @@ def mark_lost(record: dict[str, Any]) -> dict[str, Any]:
     itself was last published at a chunk boundary, or earlier); only lines this run wrote
     count (a reused run dir holds an earlier run's)."""
     lost = {**record, "state": LOST, "workers": [], "joining_workers": 0, "starting_workers": 0}
+    if "spares" in record:  # absent from the records of older runs
+        lost.update(spares=[], spare_workers=0)
     if record.get("run_dir"):
         last = _last_step(os.path.join(record["run_dir"], "metrics.jsonl"), record.get("started_at") or 0.0)
         lost["step"] = max(record.get("step", 0), last + 1)

@@ -34,7 +34,7 @@ from elastic.control.port import Notice, NoticeSource
 from elastic.control.requests import Drain, Events, Kill, Request, Scale, Status, Stop
 from elastic.control.run_state import RunState
 from elastic.control.states import Failed, Finished, Machine, State
-from elastic.control.status import RankedWorker, RunStatus, StateName
+from elastic.control.status import RankedWorker, RunStatus, SpareWorker, StateName
 from elastic.errors import ConfigError
 from elastic.events import (
     DeadlineMissed,
@@ -156,6 +156,7 @@ class Controller:
         # The ranks of the generation that trains; a worker admitted at a boundary counts in
         # `world_size` only once the resize that admits it has formed its generation.
         roster = ctx.roster()
+        spares = list(ctx.spares)
         with self._lock:
             label = self.machine.state.label
             state: StateName = label.value
@@ -187,6 +188,9 @@ class Controller:
                 error_message=str(error) if error is not None else None,
                 host=this_host(), pid=os.getpid(), control=self.control.address,
                 updated_at=time.time(), preemptions=ctx.policy.preemptions,
+                spare_workers=len(spares), spares=() if abandoned else tuple(
+                    SpareWorker(worker_id=m.worker_id, pid=m.pid, node_id=m.node_id)
+                    for m in spares),
             )
 
     def answer(self, request: Request) -> Any:

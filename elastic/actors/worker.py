@@ -201,6 +201,13 @@ class WorkerActor:
         # which every rank learns of it (`yield_chunks`).
         self._generation = -1
         self._yield_ticket = -1
+        self._taken_in = threading.Event()  # a generation took this worker in (`park`)
+
+    def park(self) -> None:
+        """Waits as a hot spare until a generation takes this worker in (`connect`). The
+        controller holds this call's reference: it fails when the process dies, which is how
+        a spare's death is seen while it trains nothing."""
+        self._taken_in.wait()
 
     def info(self) -> dict[str, Any]:
         """Identity of this worker's process (tests check that survivors keep their pid)."""
@@ -214,6 +221,7 @@ class WorkerActor:
         hand over (-1 if it is half updated: `Replica.restorable_step`) and the communicator's
         transport."""
         bind_thread(self.device)  # NCCL binds its communicator to the caller's device
+        self._taken_in.set()
         with self._lock:
             self._abort = threading.Event()
             signal_ = self._abort

@@ -65,6 +65,7 @@ class RayWorkers:
         self._killed: set[int] = set()
         self._node_of: dict[int, str] = {}  # worker id -> Ray node id
         self._starting: dict[Any, int] = {}  # info() ref -> worker id
+        self._parked: dict[Any, int] = {}  # park() ref of each hot spare -> worker id
         self._next_id = 0
         # Chunks handed out and not finished, oldest first: (ids, ref -> rank); and the ticket
         # of the next one in this generation (the order in which each worker runs them).
@@ -84,7 +85,7 @@ class RayWorkers:
         scaling = self.config.scaling
         actor = WorkerActor.options(
             num_cpus=scaling.cpus_per_worker, num_gpus=scaling.gpus_per_worker if scaling.use_gpu else 0,
-            max_concurrency=6,  # a chunk, the one ahead, abort, progress
+            max_concurrency=6,  # a chunk, the one ahead, abort, progress, park
         ).remote(self.job, self.config, self.run_dir, worker_id, self._key, self._controller)
         self.actors[worker_id] = actor
         self._starting[actor.info.remote()] = worker_id
@@ -148,6 +149,22 @@ class RayWorkers:
             self._killed.add(worker_id)
             ray.kill(actor, no_restart=True)
 
+    def park(self, worker_id: int) -> None:
+        self._parked[self.actors[worker_id].park.remote()] = worker_id
+
+    def parked_lost(self) -> list[int]:
+        if not self._parked:
+            return []
+        ready, _ = ray.wait(list(self._parked), num_returns=len(self._parked), timeout=0)
+        lost = []
+        for ref in ready:
+            worker_id = self._parked.pop(ref)
+            try:
+                ray.get(ref)  # returned: a generation took it in meanwhile
+            except (RayActorError, RayTaskError):
+                lost.append(worker_id)
+        return lost
+
     def release(self, worker_id: int) -> None:
         actor = self.actors.get(worker_id)
         if actor is None or worker_id in self._killed:
@@ -169,6 +186,8 @@ class RayWorkers:
     def connect(self, ids: Sequence[int], generation: int) -> Gathered[tuple[int, str]]:
         endpoint = str(self.server.endpoint)
         self._members = list(ids)
+        taken = set(ids)  # spares promoted into this generation: no longer watched
+        self._parked = {ref: w for ref, w in self._parked.items() if w not in taken}
         with self._chunk_lock:
             self._chunks.clear()  # a new generation: chunks of the old one are abandoned
             self._ticket, self._generation = 0, generation

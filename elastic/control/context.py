@@ -105,6 +105,8 @@ class Context:
         restarted: this controller is a restarted one (it must resume from a checkpoint).
         publish: writes the run's record to the index (after every state change and chunk).
         members: the current members in rank order.
+        spares: hot spares (`ScalingConfig.spares`): started workers that train nothing until
+            one takes a member's place (`elastic.control.group.promote`).
         generation: the current generation (-1 before the first); it counts up as a
             generation starts to form.
         formed: the last generation formed and its members' worker ids, set once every rank
@@ -137,6 +139,7 @@ class Context:
     restarted: bool = False
     publish: Callable[[], None] = lambda: None
     members: list[Member] = field(default_factory=list)
+    spares: list[Member] = field(default_factory=list)
     generation: int = -1
     formed: tuple[int, frozenset[int]] = (-1, frozenset())
     cursor: Cursor = field(default_factory=Cursor)

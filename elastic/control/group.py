@@ -23,6 +23,9 @@ from elastic.events import (
     GenerationFailed,
     MemberUnreachable,
     ShardsLost,
+    SpareLost,
+    SparePromoted,
+    SpareReady,
     WorkerJoined,
     WorkerLost,
     WorkerStartFailed,
@@ -33,49 +36,97 @@ T = TypeVar("T")
 
 
 def top_up(ctx: Context) -> None:
-    """Starts workers in the background until members plus starting ones reach the target;
-    then, unless the user set the size with `scale`, uses free cluster capacity up to
-    max_workers (a node that joins is used at the next boundary)."""
+    """Starts workers in the background until members plus starting ones reach the target,
+    then hot spares (`ScalingConfig.spares`); then, unless the user set the size with
+    `scale`, uses free cluster capacity up to max_workers (a node that joins is used at the
+    next boundary)."""
     requests = ctx.requests
     with requests.lock:
         target, grow = requests.target, not requests.scaled_by_user
-    while len(ctx.members) + ctx.workers.starting() < target:
+    spares = ctx.config.scaling.spares
+    # A started worker joins the members while they are below the target and waits as a
+    # spare otherwise (`admit`): `held` counts both, and those starting.
+    while _held(ctx) < target + spares:
+        reason = ("replacement" if len(ctx.members) + ctx.workers.starting() < target
+                  else "spare")
         ctx.workers.spawn()
-        ctx.log.emit(WorkerStarting(reason="replacement", target=target))
+        ctx.log.emit(WorkerStarting(reason=reason, target=target))
     scaling = ctx.config.scaling
     upper = scaling.upper
     if scaling.use_gpu and scaling.gpus_per_worker < 1:
         # Free fractions of GPUs may lie on different GPUs: no more workers than fit
         # (`elastic.control.decisions.gpu_worker_slots`).
         upper = min(upper, ctx.workers.placeable())
-    while grow and len(ctx.members) + ctx.workers.starting() < upper and ctx.workers.free_slot():
+    while grow and _held(ctx) - spares < upper and ctx.workers.free_slot():
         ctx.workers.spawn()
         with requests.lock:
             grow = not requests.scaled_by_user  # a scale() since: its target stands
             if grow:
-                requests.target = max(requests.target, len(ctx.members) + ctx.workers.starting())
+                requests.target = max(requests.target, _held(ctx) - spares)
             target = requests.target
         ctx.log.emit(WorkerStarting(reason="capacity", target=target))
 
 
+def _held(ctx: Context) -> int:
+    """Members, spares and workers starting."""
+    return len(ctx.members) + len(ctx.spares) + ctx.workers.starting()
+
+
 def admit(ctx: Context, timeout: float) -> bool:
-    """Moves started workers into the members (not yet into a generation)."""
+    """Moves started workers into the members (not yet into a generation) while they are
+    below the target, else into the spares while they are short. True if members joined."""
     if not ctx.workers.starting():
         return False
     started = ctx.workers.admit(None, timeout)
     for error in started.failed:
         ctx.log.emit(WorkerStartFailed(error=first_line(error)))
+    with ctx.requests.lock:
+        target = ctx.requests.target
+    joined = False
     for member in started.members:
+        if len(ctx.members) >= target and len(ctx.spares) < ctx.config.scaling.spares:
+            ctx.spares.append(member)
+            ctx.workers.park(member.worker_id)
+            ctx.log.emit(SpareReady(worker_id=member.worker_id, pid=member.pid))
+            continue
         ctx.members.append(member)
         ctx.log.emit(WorkerJoined(worker_id=member.worker_id, pid=member.pid))
-    return bool(started.members)
+        joined = True
+    return joined
+
+
+def promote(ctx: Context) -> list[int]:
+    """Spares take the places of members up to the target (the generation that forms next
+    takes them in); spares that died are dropped first. Returns the promoted worker ids."""
+    check_spares(ctx)
+    with ctx.requests.lock:
+        target = ctx.requests.target
+    promoted = []
+    while len(ctx.members) < target and ctx.spares:
+        member = ctx.spares.pop(0)
+        ctx.members.append(member)
+        promoted.append(member.worker_id)
+    if promoted:
+        ctx.log.emit(SparePromoted(worker_ids=promoted, world_size=len(ctx.members)))
+    return promoted
+
+
+def check_spares(ctx: Context) -> None:
+    """Drops the spares whose process died while they waited: nothing of the run is
+    touched, and `top_up` starts others."""
+    if not ctx.spares:
+        return
+    for worker_id in ctx.workers.parked_lost():
+        ctx.spares = [m for m in ctx.spares if m.worker_id != worker_id]
+        ctx.workers.kill(worker_id)
+        ctx.log.emit(SpareLost(worker_id=worker_id))
 
 
 def drop(ctx: Context, ranks: list[int], why: str, *, replace: bool = True) -> None:
     """Removes dead members, counts them against `max_failures` (`max_preemptions` for those
-    told to leave), and waits for replacements
-    while below `min_workers`. With `replace` False, replacements start only when needed to
-    reach `min_workers` (a recovery leaves the others to `Running`, after its first step).
+    told to leave), promotes hot spares to their places, and waits for replacements while
+    below `min_workers`. With `replace` False, replacements start only when needed to reach
+    `min_workers` (a recovery leaves the others to `Running`, after its first step).
 
     Raises:
         WorkerLostError: more than `failure.max_failures` workers lost.
@@ -89,6 +140,7 @@ def drop(ctx: Context, ranks: list[int], why: str, *, replace: bool = True) -> N
         ctx.workers.kill(member.worker_id)
     # Workers told to leave that died before a step boundary count as preemptions.
     preempted = len(ctx.requests.gone(dropped))
+    promote(ctx)  # hot spares take the places at once
     if not ctx.config.failure.replace_lost_workers:
         with ctx.requests.lock:
             # The survivors are the new target; growth waits for a scale request.

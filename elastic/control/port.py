@@ -269,6 +269,15 @@ class Workers(Protocol):
         """Kills a worker (member or starting); idempotent."""
         ...
 
+    def park(self, worker_id: int) -> None:
+        """Keeps a started worker as a hot spare: it trains nothing and holds no share until a
+        generation takes it in (`connect`); its death meanwhile shows in `parked_lost`."""
+        ...
+
+    def parked_lost(self) -> list[int]:
+        """Spares (`park`) whose process died since the last look, by worker id."""
+        ...
+
     def release(self, worker_id: int) -> None:
         """Lets a worker that left the run at a step boundary (a planned departure) end its
         process on its own, as a clean exit; killed if it has not within a few seconds."""

@@ -101,6 +101,7 @@ class SimulatedWorkers:
         # [ids, plan, start, steps, chaos, handed out while another chunk was queued, yielded]
         self._queued: list[list[Any]] = []
         self.ahead = 0  # chunks handed out while another one was queued
+        self.parked: set[int] = set()  # hot spares, until a generation takes them in
 
     def now(self) -> float:
         return self.clock
@@ -147,6 +148,14 @@ class SimulatedWorkers:
             if worker_id in self._starting:
                 self._starting.remove(worker_id)
 
+    def park(self, worker_id: int) -> None:
+        self.parked.add(worker_id)
+
+    def parked_lost(self) -> list[int]:
+        lost = sorted(w for w in self.parked if not self.workers[w].alive)
+        self.parked -= set(lost)
+        return lost
+
     def release(self, worker_id: int) -> None:
         self.kill(worker_id)  # a simulated worker that leaves simply ends
 
@@ -157,6 +166,7 @@ class SimulatedWorkers:
     # --- generations -------------------------------------------------------------------------
 
     def connect(self, ids: Sequence[int], generation: int) -> Gathered[tuple[int, str]]:
+        self.parked -= set(ids)
         dead = [r for r, w in enumerate(ids) if not self.workers[w].alive]
         self.clock += 0.05
         values: list[tuple[int, str] | None] = [

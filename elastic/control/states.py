@@ -30,7 +30,16 @@ from elastic.control import decisions
 from elastic.control.batching import Batching
 from elastic.control.context import Context
 from elastic.control.cursor import Cursor
-from elastic.control.group import admit, drop, form, on_any_member, top_up, wait_for_capacity
+from elastic.control.group import (
+    admit,
+    check_spares,
+    drop,
+    form,
+    on_any_member,
+    promote,
+    top_up,
+    wait_for_capacity,
+)
 from elastic.control.policy import BackOff, Fail, Reconfigure, Recover, Retry
 from elastic.control.port import (
     ChunkInterrupted,
@@ -144,7 +153,7 @@ class Starting(State):
     @staticmethod
     def _start_workers(ctx: Context) -> None:
         scaling, failure = ctx.config.scaling, ctx.config.failure
-        for _ in range(scaling.num_workers):
+        for _ in range(scaling.num_workers + scaling.spares):  # spares start with the run
             ctx.workers.spawn()
         # Do not wait for workers the cluster cannot place at all; they stay starting and join
         # when capacity appears.
@@ -215,6 +224,9 @@ class Running(State):
         leaving = ctx.requests.leaving(ctx.ids())
         if leaving:  # members on notice leave here, at a step boundary
             return Resizing(world_size=len(ctx.members), target=target, leaving=tuple(leaving))
+        check_spares(ctx)
+        if len(ctx.members) < target and ctx.spares:  # a spare fills a place at once
+            return Resizing(world_size=len(ctx.members), target=target)
         shrink = len(ctx.members) > target
         # After a recovery, replacements start once its first step is done: a worker's start
         # (an interpreter, torch, the job) would take CPU from the rebuild, restore and step.
@@ -254,6 +266,7 @@ class Running(State):
         batch, size = ctx.batch.batch_now, ctx.dataset_size
         with ctx.requests.lock:
             stop, target = ctx.requests.stop, ctx.requests.target
+        check_spares(ctx)  # spares are in no generation: one that died is replaced now
         if ctx.recovery is None and not stop and len(ctx.members) <= target:
             top_up(ctx)  # what the boundary would do: free capacity is used at the next one
         end = chunk.start + chunk.num
@@ -580,7 +593,8 @@ class Recovering(State):
 @dataclass
 class Resizing(State):
     """Lets the members on notice go (`leaving`: a planned departure), removes members above
-    the target, admits started ones, and forms a new generation.
+    the target, promotes hot spares to places below it, admits started ones, and forms a new
+    generation.
 
     A planned departure happens at a step boundary: every member holds the committed state,
     so the others go on with it (no collective aborted, no restore, no step redone) and the
@@ -604,6 +618,7 @@ class Resizing(State):
             member = ctx.members.pop()
             ctx.log.emit(WorkerRemoved(worker_id=member.worker_id))
             ctx.workers.kill(member.worker_id)
+        promote(ctx)
         top_up(ctx)
         admit(ctx, timeout=0)
         if len(ctx.members) < ctx.config.scaling.lower:

@@ -31,6 +31,15 @@ class RankedWorker:
 
 
 @dataclass(frozen=True)
+class SpareWorker:
+    """A hot spare (`ScalingConfig.spares`): started, training nothing, no rank."""
+
+    worker_id: int
+    pid: int
+    node_id: str
+
+
+@dataclass(frozen=True)
 class RunStatus:
     """A snapshot of a run, as its controller sees it.
 
@@ -62,6 +71,8 @@ class RunStatus:
         updated_at: when this snapshot was taken.
         preemptions: workers let go on notice so far (at a step boundary, or dead before
             one), counted apart from `failures`.
+        spare_workers: hot spares ready (`ScalingConfig.spares`), in no generation.
+        spares: those spares.
     """
 
     name: str
@@ -90,12 +101,14 @@ class RunStatus:
     control: str | None
     updated_at: float
     preemptions: int = 0
+    spare_workers: int = 0
+    spares: tuple[SpareWorker, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The record: a plain dict whose sequences are lists, as `elastic.status` returns it
         and the run index stores it."""
         record = asdict(self)
-        for key in ("shares", "micro_batches", "workers"):
+        for key in ("shares", "micro_batches", "workers", "spares"):
             if record[key] is not None:
                 record[key] = list(record[key])
         return record

@@ -1,12 +1,14 @@
 """Preemption is not a failure (issue 38), on real worker processes: a SIGTERM to a worker and
 `elastic drain` let the rank leave at a step boundary while the others go on, with nothing
-aborted, restored or redone; a deadline too short for that falls back to the failure path.
+aborted, restored or redone; a deadline too short for that falls back to the failure path; a
+hot spare takes a lost or departing worker's place at once.
 (A Ray node drained with a deadline: tests/fault/test_nodes.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 import torch
@@ -20,6 +22,8 @@ from elastic.events import (
     PlannedDeparture,
     PreemptionNotice,
     Recovered,
+    SpareLost,
+    SparePromoted,
     WorkerFailure,
     WorkerLost,
 )
@@ -98,3 +102,56 @@ def test_sigterm_and_drain_leave_at_a_boundary_and_a_short_deadline_recovers(ray
     [failure] = of_kind(events, WorkerFailure)
     assert failure.lost_workers == seen["late"]
     assert len(of_kind(events, Recovered)) == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_hot_spare_takes_the_place_of_a_killed_and_of_a_drained_worker(ray_cluster, tmp_path):
+    name = "spare-run"
+    config = FitConfig(
+        name=name, run_dir=str(tmp_path / "run"), max_steps=100_000, steps_per_chunk=2,
+        ledger=True,
+        scaling=ScalingConfig(num_workers=3, min_workers=1, max_workers=3, spares=1),
+        batch=BatchConfig(global_batch_size=B, max_micro_batch=3))
+    seen = {}
+
+    def ready_spare(status, other_than=()):
+        return (status["state"] == "running" and status["spare_workers"] == 1
+                and status["spares"][0]["worker_id"] not in other_than)
+
+    def script(op):
+        first = op.wait_for(ready_spare)
+        seen["first_spare"] = first["spares"][0]
+        elastic.kill(name, rank=1)
+        # The spare took the place in the same recovery; a new spare started cold meanwhile.
+        second = op.wait_for(lambda s: s["failures"] == 1 and ready_spare(
+            s, other_than=[seen["first_spare"]["worker_id"]]))
+        seen["after_kill"] = second
+        # A spare that dies while it waits is replaced; the run does not notice.
+        os.kill(second["spares"][0]["pid"], signal.SIGKILL)
+        third = op.wait_for(lambda s: ready_spare(
+            s, other_than=[seen["first_spare"]["worker_id"], second["spares"][0]["worker_id"]]))
+        seen["spare_before_drain"] = third["spares"][0]
+        elastic.drain(name, rank=0)
+        op.wait_for(lambda s: s["preemptions"] == 1 and s["state"] == "running"
+                    and s["step"] >= 2 * PER_EPOCH)
+
+    with Operator(name, script):
+        result = elastic.fit(regression_job(), config)
+
+    torch.testing.assert_close(result.model_state, reference_weights(0, B, result.steps),
+                               rtol=1e-9, atol=1e-10)
+    ledger = [json.loads(line) for line in open(os.path.join(result.run_dir, "ledger.jsonl"))]
+    assert [entry["step"] for entry in ledger] == list(range(result.steps))
+    # Full size at every step: each place was filled in the recovery or departure itself.
+    assert {m["world_size"] for m in result.metrics} == {3}
+    events = result.events
+    promoted = of_kind(events, SparePromoted)
+    assert [p.worker_ids for p in promoted] == [[seen["first_spare"]["worker_id"]],
+                                                [seen["spare_before_drain"]["worker_id"]]]
+    [recovered] = of_kind(events, Recovered)
+    assert recovered.world_before == 3 and recovered.world_after == 3
+    [departure] = of_kind(events, PlannedDeparture)
+    assert departure.steps_redone == 0
+    assert [e.worker_id for e in of_kind(events, SpareLost)] == [
+        seen["after_kill"]["spares"][0]["worker_id"]]
+    assert len(of_kind(events, WorkerFailure)) == 1  # the spare's death is not a failure

@@ -135,3 +135,86 @@ def test_the_policy_counts_preemptions_apart_from_failures(limit, expected):
     assert isinstance(action, expected)
     assert policy.preemptions == 2 and policy.workers_lost == 0
     assert isinstance(policy.decide(WorkerLostError("x", step=5), lost=1), Fail)
+
+
+# --- hot spares ------------------------------------------------------------------------------
+
+
+def _spare_config(tmp_path, *, spares=1, max_workers=4, **kwargs) -> FitConfig:
+    return FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
+                     scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=max_workers,
+                                           spares=spares),
+                     batch=BatchConfig(global_batch_size=16, autotune=False), **kwargs)
+
+
+def _spare_run(tmp_path, config, capacity=5, before=lambda step, ctx, sim: None):
+    holder = {}
+    sim = SimulatedWorkers(dataset_size=16000, capacity=capacity, start_delay_s=0.02,
+                           before_chunk=lambda step: before(step, holder["ctx"], sim))
+    ctx = holder["ctx"] = Context(config, "sim", RunLog(str(tmp_path)), sim)
+    return Machine(ctx).run(), ctx, sim
+
+
+def test_a_spare_takes_a_lost_members_place_in_the_same_recovery(tmp_path):
+    config = _spare_config(tmp_path, chaos=(ChaosEvent(step=8, rank=1, action="kill"),))
+    end, ctx, _ = _spare_run(tmp_path, config)
+    assert isinstance(end, Finished)
+    [ready, *_] = _of(ctx, "spare_ready")
+    [promoted] = _of(ctx, "spare_promoted")
+    assert promoted["worker_ids"] == [ready["worker_id"]] and promoted["world_size"] == 4
+    # The recovery's generation has the spare: the run never ran a step below full size.
+    recovery = next(g for g in _of(ctx, "generation") if g["reason"] == "recovery")
+    assert ready["worker_id"] in recovery["workers"] and len(recovery["workers"]) == 4
+    assert _of(ctx, "recovered")[0]["world_after"] == 4
+    assert {m["world_size"] for m in ctx.log.metrics} == {4}
+    assert [m["step"] for m in ctx.log.metrics if m["step"] < 8] == list(range(8))
+    # Another spare started in its place, after the recovery's first step, and is ready.
+    assert [e["reason"] for e in _of(ctx, "worker_starting")] == ["spare"]
+    assert len(ctx.spares) == 1 and ctx.spares[0].worker_id != ready["worker_id"]
+    assert ctx.policy.workers_lost == 1
+
+
+def test_a_spare_takes_a_departing_members_place_at_the_boundary(tmp_path):
+    def before(step, ctx, sim):
+        if step >= 12 and not ctx.requests.departures and ctx.policy.preemptions == 0:
+            _tell(ctx, sim, worker_id=0)
+
+    end, ctx, _ = _spare_run(tmp_path, _spare_config(tmp_path), before=before)
+    assert isinstance(end, Finished)
+    [departure] = _of(ctx, "planned_departure")
+    departed = next(g for g in _of(ctx, "generation") if g["reason"] == "departure")
+    assert 0 not in departed["workers"] and len(departed["workers"]) == 4
+    assert {m["world_size"] for m in ctx.log.metrics} == {4}
+    assert ctx.policy.preemptions == 1 and ctx.policy.workers_lost == 0
+    assert departure["steps_redone"] == 0
+
+
+def test_a_spare_that_dies_idle_is_replaced_without_touching_the_run(tmp_path):
+    killed = []
+
+    def before(step, ctx, sim):
+        if ctx.spares and not killed:
+            killed.append(ctx.spares[0].worker_id)
+            sim.kill(killed[0])
+
+    end, ctx, _ = _spare_run(tmp_path, _spare_config(tmp_path), before=before)
+    assert isinstance(end, Finished)
+    assert [e["worker_id"] for e in _of(ctx, "spare_lost")] == killed
+    for kind in ("worker_failure", "worker_lost", "recovered", "resized"):
+        assert kind not in _kinds(ctx)
+    assert len(_of(ctx, "generation")) == 1  # the generation never changed
+    assert len(ctx.spares) == 1 and ctx.spares[0].worker_id != killed[0]
+    assert ctx.policy.workers_lost == 0
+
+
+def test_spares_are_started_before_growth_into_free_capacity(tmp_path):
+    # Room for 5 workers, max_workers 5: the fifth place is the spare's, not a fifth rank's.
+    end, ctx, _ = _spare_run(tmp_path, _spare_config(tmp_path, max_workers=5), capacity=5)
+    assert isinstance(end, Finished)
+    assert {m["world_size"] for m in ctx.log.metrics} == {4}
+    assert len(ctx.spares) == 1 and "resized" not in _kinds(ctx)
+    # With room for 6, the sixth is used to grow.
+    end, ctx, _ = _spare_run(tmp_path / "six", _spare_config(tmp_path / "six", max_workers=5),
+                             capacity=6)
+    assert isinstance(end, Finished)
+    assert max(m["world_size"] for m in ctx.log.metrics) == 5 and len(ctx.spares) == 1
