@@ -136,6 +136,47 @@ def bench_recovery(
     save_json(json_path, result.to_json())
 
 
+@app.command("preemption")
+def bench_preemption(
+    workers: Annotated[int, typer.Option(help="Workers in each run.")] = 4,
+    spares: Annotated[str, typer.Option(
+        help="Spare counts to compare, one run each (comma-separated).")] = "0,1",
+    trials: Annotated[int, typer.Option(help="SIGTERMs and SIGKILLs per run (one each per trial).")] = 5,
+    seed: Annotated[int, typer.Option(help="Seed of the ranks hit.")] = 0,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Time planned departures (SIGTERM) and kills with and without hot spares."""
+    from elastic.bench.preemption import Summary, run_preemption_bench
+
+    try:
+        counts = [int(part) for part in spares.split(",") if part.strip()]
+    except ValueError:
+        raise fail(f"--spares: comma-separated counts such as 0,1, got {spares!r}") from None
+    try:
+        result = run_preemption_bench(workers, counts, trials, seed=seed)
+    except (ValueError, ElasticError) as e:
+        raise fail(one_line(e)) from None
+    table = Table(title=f"preemption and spares, {workers} workers, {trials} trials per run")
+    for column in ("spares", "SIGTERM -> gone ms", "SIGTERM -> next step ms", "steps redone",
+                   "kill -> full size ms", "steady step ms", "idle spare"):
+        table.add_column(column, justify="right")
+
+    def cell(values: list[float]) -> str:
+        summary = Summary.of(values)
+        return f"{summary.median_s * 1e3:.0f} (max {summary.max_s * 1e3:.0f})" if summary else "-"
+
+    for run in result.runs:
+        cost = run.spare_cost
+        table.add_row(str(run.spares), cell(run.sigterm_to_gone_s), cell(run.sigterm_to_next_step_s),
+                      str(sum(run.steps_redone)), cell(run.kill_to_full_size_s),
+                      f"{run.steady_step_s * 1e3:.2f}",
+                      f"{cost.cpu_fraction:.1%} CPU, {cost.rss_mb:.0f} MB" if cost else "-")
+    console.print(table)
+    console.print("medians (max) over the trials; run dirs: "
+                  + ", ".join(run.run_dir for run in result.runs))
+    save_json(json_path, result.to_json())
+
+
 @app.command("adapt")
 def bench_adapt(
     workers: Annotated[int, typer.Option(help="Workers in the run (the last one is slowed).")] = 4,

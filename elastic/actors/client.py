@@ -57,7 +57,8 @@ def _init(config: FitConfig | None, start: bool) -> None:
     kwargs: dict[str, Any] = {}
     if config is not None and not os.environ.get("RAY_ADDRESS"):
         scaling = config.scaling
-        kwargs["num_cpus"] = max(os.cpu_count() or 1, int(scaling.upper * scaling.cpus_per_worker + 0.999))
+        wanted = (scaling.upper + scaling.spares) * scaling.cpus_per_worker  # spares: on top
+        kwargs["num_cpus"] = max(os.cpu_count() or 1, int(wanted + 0.999))
     try:
         ray.init(address="auto", namespace=NAMESPACE, log_to_driver=_worker_logs(),
                  logging_level=logging.WARNING)
