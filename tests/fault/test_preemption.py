@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import elastic
-from elastic import BatchConfig, ChaosEvent, FailureConfig, FitConfig, ScalingConfig
+from elastic import BatchConfig, FailureConfig, FitConfig, ScalingConfig
 from elastic.errors import ConfigError
 from elastic.events import (
     DeadlineMissed,
@@ -37,6 +37,14 @@ B = 16
 PER_EPOCH = N_SAMPLES // B
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @pytest.mark.timeout(300)
 def test_sigterm_and_drain_leave_at_a_boundary_and_a_short_deadline_recovers(ray_cluster, tmp_path):
     name = "preempted-run"
@@ -44,15 +52,19 @@ def test_sigterm_and_drain_leave_at_a_boundary_and_a_short_deadline_recovers(ray
         name=name, run_dir=str(tmp_path / "run"), max_steps=100_000, steps_per_chunk=2,
         ledger=True, scaling=ScalingConfig(num_workers=3, min_workers=1, max_workers=3),
         batch=BatchConfig(global_batch_size=B, max_micro_batch=3),
-        # Rank 1 gets SIGTERM in its step 3, as from a scheduler; the process goes on.
-        chaos=(ChaosEvent(step=3, rank=1, action="preempt", phase="backward"),),
         # No failure is allowed: the departures, even the late one, are preemptions.
         failure=FailureConfig(max_failures=0))
     seen = {}
 
     def script(op):
+        start = op.wait_for(lambda s: s["state"] == "running" and s["step"] >= 2)
+        # Rank 1's process gets SIGTERM, as from a scheduler; it goes on to the boundary.
+        seen["sigtermed"] = start["workers"][1]["worker_id"]
+        os.kill(start["workers"][1]["pid"], signal.SIGTERM)
         first = op.wait_for(lambda s: s["preemptions"] == 1 and s["state"] == "running")
         seen["after_sigterm"] = {w["worker_id"]: w["pid"] for w in first["workers"]}
+        # It left, and its process ended on its own.
+        op.wait_for(lambda s: not _alive(start["workers"][1]["pid"]))
         with pytest.raises(ConfigError, match="no rank 7"):
             elastic.drain(name, rank=7)
         seen["drained"] = elastic.drain(name, rank=0)
@@ -79,6 +91,7 @@ def test_sigterm_and_drain_leave_at_a_boundary_and_a_short_deadline_recovers(ray
     events = result.events
     notices = of_kind(events, PreemptionNotice)
     assert [n.source for n in notices] == ["sigterm", "drain", "drain"]
+    assert notices[0].worker_ids == [seen["sigtermed"]] and notices[0].ranks == [1]
     assert notices[1].worker_ids == seen["drained"] and notices[2].worker_ids == seen["late"]
     assert [d.deadline_s for d in of_kind(events, DrainRequested)] == [None, 0.0]
     # The first two left at a step boundary: no failure, abort or recovery around them, and

@@ -120,7 +120,8 @@ def _flags(argv: list[str]) -> set[str]:
 
 
 def test_every_readme_command_has_a_smoke_entry_that_keeps_its_flags(tmp_path):
-    kinds = {"run", "start", "list", "logs", "status", "scale", "kill", "stop", "demo", "report",
+    kinds = {"run", "start", "list", "logs", "status", "scale", "kill", "drain", "stop", "demo",
+             "report",
              "bench allreduce", "bench recovery", "bench checkpoint", "bench control", "bench adapt",
              "bench overhead", "bench scaling", "bench decisions", "bench exact", "bench data",
              "bench drift",
@@ -192,6 +193,10 @@ def _check(kind: str, output: str, out: pathlib.Path) -> None:
                        limit=120)
         case "kill":
             wait_until(lambda: (s := _status()) and s["failures"] == 1 and s["state"] == "running",
+                       limit=120)
+        case "drain":
+            assert "leave at the next step boundary" in output
+            wait_until(lambda: (s := _status()) and s["preemptions"] == 1 and s["state"] == "running",
                        limit=120)
         case "stop":
             wait_until(lambda: (s := _status()) and s["state"] == "stopped", limit=120)

@@ -218,3 +218,21 @@ def test_spares_are_started_before_growth_into_free_capacity(tmp_path):
                              capacity=6)
     assert isinstance(end, Finished)
     assert max(m["world_size"] for m in ctx.log.metrics) == 5 and len(ctx.spares) == 1
+
+
+def test_chaos_preempt_sends_sigterm_to_the_workers_own_process_and_the_step_goes_on(tmp_path):
+    import signal
+    import threading
+
+    from elastic.trainer.faults import FaultInjector
+
+    received = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.set())
+    try:
+        FaultInjector(str(tmp_path)).fire(
+            [ChaosEvent(step=3, rank=0, action="preempt", phase="backward")], "backward")
+        FaultInjector(str(tmp_path)).fire(
+            [ChaosEvent(step=3, rank=0, action="preempt", phase="backward")], "forward")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert received.is_set()  # delivered to the main thread before `fire` returned
