@@ -352,6 +352,18 @@ class FailureConfig(_Frozen):
         "False: the run goes on with the survivors and grows again only when scaled "
         "(elastic scale) - for capacity that is gone for good.",
     )
+    straggler_factor: float | None = Field(
+        default=None, gt=1,
+        description="Opt-in straggler swap: a member whose measured compute throughput "
+        "(samples per second) stays at most 1/straggler_factor of the median of the others' "
+        "for straggler_window chunks in a row leaves at a step boundary, and a ready hot "
+        "spare (scaling.spares) takes its place. Without a ready spare nothing happens (the "
+        "rebalancer already gives it a smaller share). Not counted as a preemption.",
+    )
+    straggler_window: int = Field(
+        default=4, ge=1,
+        description="Chunks in a row a member must be slow to be swapped (straggler_factor).",
+    )
     hang_timeout: timedelta = Field(
         default=timedelta(minutes=5), gt=timedelta(0),
         description="A worker that stays this long in one phase of a step (or on one evaluation "

@@ -447,6 +447,20 @@ class PlannedDeparture(Event, kind="planned_departure"):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StragglerFound(Event, kind="straggler_found"):
+    """The member at `rank` computed at most 1/`factor` of the others' median throughput for
+    `window` chunks in a row (`FailureConfig.straggler_factor`): it leaves at the next step
+    boundary and a hot spare takes its place."""
+
+    rank: int
+    worker_id: int
+    samples_per_s: float
+    others_median_samples_per_s: float
+    factor: float
+    window: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class DeadlineMissed(Event, kind="deadline_missed"):
     """A member told to leave was still training at its deadline: it is killed and the run
     recovers as from a failure (nothing committed is lost; the step in flight is redone)."""

@@ -64,6 +64,7 @@ from elastic.events import (
     StateChanged,
     Stopping,
     StopRequested,
+    StragglerFound,
     UserError,
     WorkerFailure,
     WorkerHung,
@@ -132,6 +133,9 @@ _RENDERERS: dict[type[Event], Callable[[Any], str | None]] = {
     PlannedDeparture: lambda e: (f"rank(s) {_ids(e.ranks)} left at step {e.step} on notice; "
                                  "no step redone"),
     DeadlineMissed: lambda e: f"worker {e.worker_id} missed its deadline; recovering",
+    StragglerFound: lambda e: (f"rank {e.rank} (worker {e.worker_id}) is a straggler: "
+                               f"{e.samples_per_s:.0f} samples/s against "
+                               f"{e.others_median_samples_per_s:.0f}; a spare takes its place"),
     WorkerFailure: _worker_failure,
     Recovered: _recovered,
     WorkerJoined: lambda e: f"worker {e.worker_id} joined",

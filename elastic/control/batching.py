@@ -17,6 +17,7 @@ from elastic.adapt.balance import Rebalancer, ThroughputTracker
 from elastic.adapt.groups import Grouping, decide_grouping
 from elastic.adapt.lr import LrRamp, global_batch_for, resize
 from elastic.adapt.plan import BatchPlan, plan_batch
+from elastic.adapt.stragglers import StragglerWatch
 from elastic.adapt.tuning import MicroBatchTuner, OomBackoff, candidates
 from elastic.config import FitConfig
 from elastic.control import decisions
@@ -59,6 +60,11 @@ class Batching:
                                           config.scaling.num_workers, world_size)
         self.lr_ramp: LrRamp | None = None
         self.tracker = ThroughputTracker()
+        failure = config.failure
+        self.stragglers: StragglerWatch | None = (
+            StragglerWatch(failure.straggler_factor, failure.straggler_window)
+            if failure.straggler_factor else None)
+        self.slow: list[int] = []  # the stragglers after the last completed chunk, slowest first
         self.rebalancer = Rebalancer(batch.rebalance_threshold)
         self.rates: dict[int, float] = {}  # worker id -> rate at the last rebalance
         self.micro_caps: dict[int, int] = {}  # worker id -> cap after out-of-memory errors
@@ -91,6 +97,9 @@ class Batching:
             self.batch_now = decision.global_batch_size
             self.lr_ramp = decision.ramp
         self.rebalancer.membership_changed()
+        if self.stragglers is not None:
+            self.stragglers.reset()
+            self.slow = []
         self.tuner = None
         if batch.autotune and not self.grouping.on and not self.grouping.pinned:
             largest = max(plan_batch(self.batch_now, n, batch.max_micro_batch,
@@ -146,6 +155,11 @@ class Batching:
         if trial is not None and self.tuner is not None:
             self._tuned(trial, list(step_times.values()), step)
             return
+        if self.stragglers is not None and self.plan is not None:
+            working = [w for w, share in zip(ids, self.plan.shares, strict=False) if share > 0]
+            if len(working) >= 2 and all(self.tracker.count(w) >= 2 for w in working):
+                self.slow = self.stragglers.observe({w: self.tracker.rate(w) or 0.0
+                                                     for w in working})
         if not self.config.batch.rebalance or self.grouping.pinned or len(ids) < 2 \
                 or self.plan is None or not step_times:
             return

@@ -58,10 +58,11 @@ class Gathered(Generic[T]):
         return not self.dead and not self.broken
 
 
-NoticeSource = Literal["sigterm", "ray_drain", "drain"]
+NoticeSource = Literal["sigterm", "ray_drain", "drain", "straggler"]
 """Where a departure notice came from: the worker's process got SIGTERM (Kubernetes, Slurm,
 a spot notice), Ray marked its node draining (the autoscaler's scale-in, `ray drain-node`,
-KubeRay's pod deletion), or `elastic drain`."""
+KubeRay's pod deletion), `elastic drain`, or the run itself swaps a straggler for a hot spare
+(`FailureConfig.straggler_factor`; not a preemption)."""
 
 
 @dataclass(frozen=True)

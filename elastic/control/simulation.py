@@ -71,6 +71,7 @@ class SimulatedWorkers:
             others report the chunk interrupted.
         oom_in_apply: as `oom_in_collective`, in the apply phase: the ranks it names are also
             left half updated and offer no state (`Replica.restorable_step`) until they sync.
+        slow: worker id -> factor by which its compute is slower (a straggler).
     """
 
     def __init__(self, dataset_size: int, capacity: int, step_time_s: float = 0.01,
@@ -79,10 +80,12 @@ class SimulatedWorkers:
                  votes: dict[int, list[Any]] | None = None,
                  traits: dict[str, int] | None = None,
                  metrics: Callable[[int], dict[str, float]] | None = None,
-                 oom_in_collective: bool = False, oom_in_apply: bool = False) -> None:
+                 oom_in_collective: bool = False, oom_in_apply: bool = False,
+                 slow: dict[int, float] | None = None) -> None:
         self.dataset_size = dataset_size
         self.oom_in_collective = oom_in_collective or oom_in_apply
         self.oom_in_apply = oom_in_apply
+        self.slow = dict(slow or {})
         self.capacity = capacity
         self.step_time_s = step_time_s
         self.start_delay_s = start_delay_s
@@ -233,7 +236,8 @@ class SimulatedWorkers:
                 records[rank].append(StepRecord(
                     step=step, epoch=epoch, loss=1.0 / (step + 1), world_size=world,
                     global_batch_size=batch, shares=shares, micro_batch=plan.micro_batches[rank],
-                    step_time_s=self.step_time_s, compute_time_s=self.step_time_s / 2,
+                    step_time_s=self.step_time_s,
+                    compute_time_s=self.step_time_s / 2 * self.slow.get(ids[rank], 1.0),
                     end_time=self.clock, lr=0.1))
             cursor, step = cursor.advance(self.dataset_size, batch), step + 1
         self._commit(ids, cursor)

@@ -20,6 +20,7 @@ No Ray here.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
@@ -48,6 +49,7 @@ from elastic.control.port import (
     EvalReport,
     EvalVotedDown,
     Hung,
+    Notice,
 )
 from elastic.control.run_state import RunState
 from elastic.errors import (
@@ -75,6 +77,7 @@ from elastic.events import (
     Start,
     StateChanged,
     Stopping,
+    StragglerFound,
     UserError,
     WorkerFailure,
     WorkerHung,
@@ -377,6 +380,7 @@ class Running(State):
         assert cursor is not None  # a completed chunk: every rank answered
         ctx.cursor = cursor
         ctx.batch.adapt(chunk.trial, records, ids, ctx.step, chunk.plan)
+        _swap_straggler(ctx, ids)
 
     def _failed(self, ctx: Context, error: ElasticError, report: ChunkReport,
                 chaos: list[ChaosEvent], micro_batches: tuple[int, ...], ids: list[int]) -> State:
@@ -417,6 +421,26 @@ class Running(State):
             # Out of memory in a collective broke the generation: re-form it (nobody is lost).
             return Recovering(lost=[], report=report, chaos=chaos, detected=ctx.workers.now())
         return self
+
+
+def _swap_straggler(ctx: Context, ids: list[int]) -> None:
+    """The slowest straggler (`Batching.slow`) leaves at the next step boundary when a hot
+    spare is ready to take its place: a planned departure of source 'straggler'."""
+    slow = [w for w in ctx.batch.slow if w in ids]
+    if not slow or not ctx.spares or ctx.requests.leaving(ids):
+        return
+    worker_id = slow[0]
+    tracker, failure = ctx.batch.tracker, ctx.config.failure
+    rate = tracker.rate(worker_id) or 0.0
+    median = statistics.median(tracker.rate(w) or 0.0 for w in ids if w != worker_id)
+    assert failure.straggler_factor is not None
+    ctx.log.emit(StragglerFound(rank=ids.index(worker_id), worker_id=worker_id,
+                                samples_per_s=round(rate, 2),
+                                others_median_samples_per_s=round(median, 2),
+                                factor=failure.straggler_factor, window=failure.straggler_window))
+    if ctx.requests.notice(Notice(worker_id, "straggler", None, ctx.workers.now(),
+                                  f"{rate:.0f} samples/s against {median:.0f}")):
+        ctx.workers.yield_chunks()  # a chunk handed out ahead ends after its step
 
 
 def _hung(ctx: Context) -> Hung:
@@ -652,7 +676,8 @@ def _depart(ctx: Context, leaving: tuple[int, ...]) -> None:
     ctx.log.emit(PlannedDeparture(
         ranks=ranks, worker_ids=gone, sources=sorted({n.source for n in notices}),
         step=ctx.step, notice_to_gone_s=max(0.0, ctx.workers.now() - first), steps_redone=0))
-    action = ctx.policy.departed(len(gone), ctx.step)
+    # A straggler swapped for a spare is the run's own choice, not a preemption.
+    action = ctx.policy.departed(sum(n.source != "straggler" for n in notices), ctx.step)
     if action is not None:
         raise action.error
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import elastic
-from elastic import BatchConfig, FailureConfig, FitConfig, ScalingConfig
+from elastic import BatchConfig, ChaosEvent, FailureConfig, FitConfig, ScalingConfig
 from elastic.errors import ConfigError
 from elastic.events import (
     DeadlineMissed,
@@ -24,6 +24,7 @@ from elastic.events import (
     Recovered,
     SpareLost,
     SparePromoted,
+    StragglerFound,
     WorkerFailure,
     WorkerLost,
 )
@@ -168,3 +169,36 @@ def test_a_hot_spare_takes_the_place_of_a_killed_and_of_a_drained_worker(ray_clu
     assert [e.worker_id for e in of_kind(events, SpareLost)] == [
         seen["after_kill"]["spares"][0]["worker_id"]]
     assert len(of_kind(events, WorkerFailure)) == 1  # the spare's death is not a failure
+
+
+@pytest.mark.timeout(300)
+def test_a_straggler_is_swapped_for_a_hot_spare(ray_cluster, tmp_path):
+    # Rank 1's compute is 6 times as slow for the rest of its life; a spare is ready.
+    name = "straggler-run"
+    config = FitConfig(
+        name=name, run_dir=str(tmp_path / "run"), max_steps=100_000, steps_per_chunk=2,
+        scaling=ScalingConfig(num_workers=3, min_workers=1, max_workers=3, spares=1),
+        batch=BatchConfig(global_batch_size=B, max_micro_batch=3),
+        chaos=(ChaosEvent(step=0, rank=1, action="slow", factor=6.0, steps=None),),
+        failure=FailureConfig(straggler_factor=2.0, straggler_window=3, max_preemptions=0))
+
+    def swapped(_status):
+        return any(e["event"] == "planned_departure" for e in elastic.events(name))
+
+    def script(op):
+        op.wait_for(swapped)
+
+    with Operator(name, script):
+        result = elastic.fit(regression_job(), config)
+
+    torch.testing.assert_close(result.model_state, reference_weights(0, B, result.steps),
+                               rtol=1e-9, atol=1e-10)
+    events = result.events
+    [found] = of_kind(events, StragglerFound)
+    assert found.rank == 1
+    [departure] = of_kind(events, PlannedDeparture)
+    assert departure.worker_ids == [found.worker_id] and departure.sources == ["straggler"]
+    [promoted] = of_kind(events, SparePromoted)
+    assert promoted.world_size == 3
+    assert {m["world_size"] for m in result.metrics} == {3}
+    assert not of_kind(events, WorkerFailure)

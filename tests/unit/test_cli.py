@@ -136,8 +136,9 @@ def test_demo_on_one_worker_exits_2_before_training():
 
 
 @pytest.mark.parametrize("command", ["run", "start", "demo", "report", "list", "logs", "status",
-                                     "scale", "kill", "stop", "bench allreduce", "bench recovery",
-                                     "bench overhead", "bench scaling"])
+                                     "scale", "kill", "drain", "stop", "bench allreduce",
+                                     "bench recovery", "bench preemption", "bench overhead",
+                                     "bench scaling"])
 def test_help_shows_every_option_help_whole_square_brackets_included(command):
     import typer.main
 
@@ -182,6 +183,7 @@ def test_the_option_surface_is_what_was_reviewed():
         "bench allreduce": ["algorithms", "hosts", "json_path", "plot", "registered",
                             "segment_bytes", "shared_memory", "sizes", "world_size"],
         "bench recovery": ["json_path", "replace", "seed", "sharding_stage", "trials", "workers"],
+        "bench preemption": ["json_path", "seed", "spares", "trials", "workers"],
         "bench checkpoint": ["directory", "json_path", "size_mb", "trials"],
         "bench scaling": ["batch_sizes", "json_path", "model", "plot", "steps", "workers"],
         "bench adapt": ["batch", "json_path", "slow_factor", "steps", "workers"],

@@ -236,3 +236,40 @@ def test_chaos_preempt_sends_sigterm_to_the_workers_own_process_and_the_step_goe
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert received.is_set()  # delivered to the main thread before `fire` returned
+
+
+def test_a_straggler_is_swapped_for_a_ready_spare_and_it_is_no_preemption(tmp_path):
+    config = _spare_config(tmp_path, failure=FailureConfig(straggler_factor=2.0,
+                                                           straggler_window=2, max_preemptions=0))
+    holder = {}
+    sim = SimulatedWorkers(dataset_size=16000, capacity=5, start_delay_s=0.02, slow={1: 3.0})
+    ctx = holder["ctx"] = Context(config.model_copy(update={"max_steps": 40}), "sim",
+                                  RunLog(str(tmp_path)), sim)
+    end = Machine(ctx).run()
+    assert isinstance(end, Finished)
+    [found] = _of(ctx, "straggler_found")
+    assert found["worker_id"] == 1 and found["rank"] == 1
+    assert found["samples_per_s"] * 2.0 <= found["others_median_samples_per_s"]
+    [departure] = _of(ctx, "planned_departure")
+    assert departure["worker_ids"] == [1] and departure["sources"] == ["straggler"]
+    assert departure["steps_redone"] == 0
+    assert _of(ctx, "spare_promoted")[0]["world_size"] == 4
+    assert {m["world_size"] for m in ctx.log.metrics} == {4}
+    assert ctx.policy.preemptions == 0  # max_preemptions 0 and the run finished
+
+
+def test_a_straggler_stays_without_a_ready_spare_and_a_fast_member_is_never_one(tmp_path):
+    end, ctx, _ = _machine(tmp_path, _config(
+        tmp_path, failure=FailureConfig(straggler_factor=2.0, straggler_window=2)),
+        lambda step, ctx, sim: None)
+    assert isinstance(end, Finished) and "straggler_found" not in _kinds(ctx)
+    from elastic.adapt.stragglers import StragglerWatch
+
+    watch = StragglerWatch(factor=2.0, window=2)
+    assert watch.observe({1: 100.0, 2: 40.0}) == []  # 2.5x slower, once
+    assert watch.observe({1: 100.0, 2: 50.0}) == [2]  # twice in a row: a straggler
+    assert watch.observe({1: 100.0, 2: 51.0}) == []  # not slow enough: starts over
+    assert watch.observe({1: 100.0, 2: 10.0, 3: 90.0}) == []
+    assert watch.observe({1: 100.0, 2: 10.0, 3: 40.0}) == [2]  # 3 is 2.4x below 1 but not
+    watch.reset()                                               # below the others' median
+    assert watch.observe({1: 100.0, 2: 10.0}) == []
