@@ -336,6 +336,15 @@ class SpareLost(Event, kind="spare_lost"):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SpareRetired(Event, kind="spare_retired"):
+    """A spare on notice (its node drains, `elastic drain --node`) was let go before it could
+    be promoted; another one starts elsewhere."""
+
+    worker_id: int
+    source: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkerRemoved(Event, kind="worker_removed"):
     """A worker is removed to shrink the run."""
 

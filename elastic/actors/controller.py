@@ -292,7 +292,8 @@ class Controller:
             ids = [world[rank].worker_id]
         else:
             assert node_id is not None
-            ids = [m.worker_id for m in list(self.ctx.members) if m.node_id.startswith(node_id)]
+            ids = [m.worker_id for m in list(self.ctx.members) + list(self.ctx.spares)
+                   if m.node_id.startswith(node_id)]
             if not node_id or not ids:
                 raise ConfigError(f"run {self.name!r} has no worker on a node {node_id!r}; "
                                   "`elastic status NAME` lists each worker's node")
@@ -315,7 +316,8 @@ class Controller:
         if self.machine.state.label.is_terminal:
             return []
         now = time.time()
-        members = [m.worker_id for m in list(self.ctx.members)]
+        # Spares on notice are retired at the next boundary (`check_spares`); they have no rank.
+        members = [m.worker_id for m in list(self.ctx.members) + list(self.ctx.spares)]
         told = [w for w in ids if w in members and self.ctx.requests.notice(
             Notice(w, source, deadline, now, reason))]
         if not told:
@@ -362,7 +364,8 @@ class Controller:
                     warned = True
                 continue
             for node, deadline in draining.items():
-                ids = [m.worker_id for m in list(self.ctx.members) if m.node_id == node]
+                ids = [m.worker_id for m in list(self.ctx.members) + list(self.ctx.spares)
+                       if m.node_id == node]
                 if ids:
                     self._notice(ids, "ray_drain", deadline,
                                  f"Ray node {node[:12]} is draining")

@@ -26,6 +26,7 @@ from elastic.events import (
     SpareLost,
     SparePromoted,
     SpareReady,
+    SpareRetired,
     WorkerJoined,
     WorkerLost,
     WorkerStartFailed,
@@ -112,14 +113,19 @@ def promote(ctx: Context) -> list[int]:
 
 
 def check_spares(ctx: Context) -> None:
-    """Drops the spares whose process died while they waited: nothing of the run is
-    touched, and `top_up` starts others."""
+    """Drops the spares whose process died while they waited, and retires those on notice
+    (their node drains): nothing of the run is touched, and `top_up` starts others."""
     if not ctx.spares:
         return
     for worker_id in ctx.workers.parked_lost():
         ctx.spares = [m for m in ctx.spares if m.worker_id != worker_id]
+        ctx.requests.gone([worker_id])
         ctx.workers.kill(worker_id)
         ctx.log.emit(SpareLost(worker_id=worker_id))
+    for notice in ctx.requests.gone(ctx.requests.leaving([m.worker_id for m in ctx.spares])):
+        ctx.spares = [m for m in ctx.spares if m.worker_id != notice.worker_id]
+        ctx.workers.release(notice.worker_id)
+        ctx.log.emit(SpareRetired(worker_id=notice.worker_id, source=notice.source))
 
 
 def drop(ctx: Context, ranks: list[int], why: str, *, replace: bool = True) -> None:

@@ -273,3 +273,21 @@ def test_a_straggler_stays_without_a_ready_spare_and_a_fast_member_is_never_one(
     assert watch.observe({1: 100.0, 2: 10.0, 3: 40.0}) == [2]  # 3 is 2.4x below 1 but not
     watch.reset()                                               # below the others' median
     assert watch.observe({1: 100.0, 2: 10.0}) == []
+
+
+def test_a_spare_on_notice_is_retired_and_another_starts(tmp_path):
+    told = []
+
+    def before(step, ctx, sim):
+        if ctx.spares and not told:
+            told.append(ctx.spares[0].worker_id)
+            ctx.requests.notice(Notice(told[0], "ray_drain", None, sim.now()))
+
+    end, ctx, sim = _spare_run(tmp_path, _spare_config(tmp_path), before=before)
+    assert isinstance(end, Finished)
+    assert [(e["worker_id"], e["source"]) for e in _of(ctx, "spare_retired")] == [
+        (told[0], "ray_drain")]
+    assert not sim.workers[told[0]].alive and len(ctx.spares) == 1
+    for kind in ("planned_departure", "worker_failure", "spare_promoted"):
+        assert kind not in _kinds(ctx)
+    assert ctx.policy.preemptions == 0 and not ctx.requests.departures
