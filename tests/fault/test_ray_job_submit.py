@@ -65,8 +65,13 @@ def test_a_submitted_job_is_scaled_killed_stopped_and_succeeds_and_ray_job_stop_
     assert _run([str(BIN / "elastic"), "kill", "sj", "--rank", "0"], elastic_env).returncode == 0
     wait_until(lambda: (s := status()) and s["failures"] == 1 and s["state"] == "running",
                 limit=180)
+    # A notice reaches a submitted run as any other: the rank leaves at a step boundary.
+    assert _run([str(BIN / "elastic"), "drain", "sj", "--rank", "1"], elastic_env).returncode == 0
+    wait_until(lambda: (s := status()) and s["preemptions"] == 1 and s["state"] == "running",
+                limit=180)
     logs = _run([str(BIN / "elastic"), "logs", "sj"], elastic_env)
     assert "on purpose" in logs.stdout and "resized" in logs.stdout
+    assert "0 steps redone" in logs.stdout  # the planned departure's line
     assert _run([str(BIN / "elastic"), "stop", "sj"], elastic_env).returncode == 0
 
     def finished(job: str) -> str | None:
