@@ -78,6 +78,11 @@ def status(
     if info.get("ended_at"):
         line += f", ended {_when(info['ended_at'])}"
     console.print(line + f", {info['failures']} failures; run dir {info['run_dir']}")
+    resumed = info.get("resumed_from")  # absent from the records of older runs
+    if resumed:
+        console.print(f"resumed from step {resumed['step']}"
+                      + (f" of run {resumed['run']}" if resumed.get("run") else "")
+                      + f" ({resumed['path']})")
     if info.get("error_type"):
         console.print(f"error: {info['error_type']}: {info['error_message']}")
     if info["state"] == "lost":

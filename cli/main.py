@@ -2,7 +2,7 @@
 
 Bad input exits with code 2 and one line naming what to fix. The commands live by concern:
 
-- `cli/train.py`: `run`, `start`, `demo` (and the option set `run` and `start` share);
+- `cli/train.py`: `run`, `start`, `resume`, `demo` (and the option set `run` and `start` share);
 - `cli/report.py`: `report`;
 - `cli/control.py`: `list`, `logs`, `status`, `scale`, `kill`, `drain`, `stop`;
 - `cli/bench.py`: `bench ...`;
@@ -21,6 +21,7 @@ app.add_typer(bench.app, name="bench")
 # In the order `elastic --help` lists them.
 app.command()(train.run)
 app.command()(train.start)
+app.command()(train.resume)
 app.command()(train.demo)
 app.command()(report.report)
 app.command("list")(control.list_runs)

@@ -11,6 +11,7 @@ import pathlib
 import re
 import signal
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, get_type_hints
 
@@ -24,6 +25,7 @@ from cli.render import describe
 from elastic.api import run_dir_of
 from elastic.errors import ElasticError
 from elastic.events import Evaluate, Recovered, parse
+from elastic.launch import write_launch
 from elastic.progress import resolve
 
 # Command-line option -> dotted FitConfig field; `run` and `start` share them.
@@ -38,11 +40,14 @@ _OPTION_FIELDS = {
     "algorithm": "collective.algorithm", "loader_workers": "data.loader_workers",
     "tensorboard": "logging.tensorboard", "csv": "logging.csv",
     "sharding_stage": "sharding.stage", "shard_replicas": "sharding.replicas",
+    "checkpoint": "checkpoint.path", "keep_last": "checkpoint.keep_last",
 }
 
 # Dotted FitConfig field -> the option that sets it, for naming the option in errors.
 _FLAGS = {dotted: "--" + option.replace("_", "-") for option, dotted in _OPTION_FIELDS.items()}
-_FLAGS.update({"chaos": "--kill-at", "ledger": "--ledger", "batch.exact": "--exact"})
+_FLAGS.update({"chaos": "--kill-at", "ledger": "--ledger", "batch.exact": "--exact",
+               "checkpoint.every_steps": "--checkpoint-every",
+               "checkpoint.every_seconds": "--checkpoint-every"})
 _NO_END = "set epochs or max_steps"  # the start of FitConfig's message when neither is set
 
 
@@ -83,6 +88,9 @@ def _config_tree(options: dict[str, Any]) -> dict[str, Any]:
     tree = _load_config_file(config) if config else {}
     for dotted, value in _overrides(options).items():
         _set(tree, dotted, value)
+    every = options["checkpoint_every"]
+    if every is not None:
+        _set(tree, *_checkpoint_every(every))
     if options["ledger"]:
         tree["ledger"] = True
     if options["exact"]:  # a flag: only ever turns it on over a config file
@@ -211,6 +219,14 @@ def _training_options(
     shard_replicas: Annotated[int | None, typer.Option(
         help="Workers owning each parameter's optimizer state with --sharding-stage 1 "
         "(default 2; any replicas - 1 may be lost).")] = None,
+    checkpoint: Annotated[str | None, typer.Option(
+        help="Checkpoint root (a folder or an fsspec URL): the run resumes from its newest "
+        "checkpoint there, and `elastic resume NAME` restarts it (checkpoint.path).")] = None,
+    checkpoint_every: Annotated[str | None, typer.Option(
+        help="Write a checkpoint every N steps, or every 30s, 10m or 2h "
+        "(checkpoint.every_steps or every_seconds).")] = None,
+    keep_last: Annotated[int | None, typer.Option(
+        help="Checkpoints kept (checkpoint.keep_last, default 3).")] = None,
     kill_at: Annotated[list[str] | None, typer.Option(help="Chaos: kill RANK at STEP (STEP:RANK).")] = None,
     ledger: Annotated[bool, typer.Option(help="Record the indices of every step.")] = False,
     exact: Annotated[bool, typer.Option(
@@ -234,6 +250,27 @@ def _training_command(body: Callable[[dict[str, Any]], None]) -> Callable[..., N
     command.__signature__ = inspect.signature(_training_options, eval_str=True)  # type: ignore[attr-defined]
     command.__annotations__ = get_type_hints(_training_options, include_extras=True)
     return command
+
+
+_SECONDS = {"s": 1, "m": 60, "h": 3600}
+
+
+def _checkpoint_every(value: str) -> tuple[str, float | int]:
+    """`--checkpoint-every`: N (steps) or a duration (30s, 10m, 2h) -> (dotted field, value).
+
+    Raises:
+        ValueError: neither.
+    """
+    text = value.strip().lower()
+    if text.isdigit():
+        return "checkpoint.every_steps", int(text)
+    try:
+        if text[-1:] in _SECONDS:
+            return "checkpoint.every_seconds", float(text[:-1]) * _SECONDS[text[-1]]
+    except ValueError:
+        pass
+    raise ValueError(f"--checkpoint-every: a number of steps (500) or a duration (30s, 10m, "
+                     f"2h), got {value!r}")
 
 
 def _load_config_file(path: pathlib.Path) -> dict:
@@ -272,6 +309,7 @@ def run(options: dict[str, Any]) -> None:
     console.print(f"run [bold]{run_name}[/bold]: {fit_config.scaling.num_workers} workers, "
                   f"global batch {fit_config.batch.global_batch_size}, run dir {directory}")
     try:
+        write_launch(directory, options["target"])  # what `elastic resume` restarts it from
         result = elastic.fit(job, fit_config)
     except ElasticError as e:
         if options["debug"]:
@@ -323,13 +361,57 @@ def _recoveries(records: list[dict[str, Any]]) -> int:
 def start(options: dict[str, Any]) -> None:
     """Start TARGET as a detached run on a running Ray cluster and return at once."""
     fit_config, job = _prepare(options)
+    name = fit_config.name or f"run-{uuid.uuid4().hex[:8]}"
+    fit_config = fit_config.model_copy(update={"name": name})
     try:
+        write_launch(run_dir_of(fit_config.run_dir, name), options["target"])
         run_name = elastic.start(job, fit_config)
     except ElasticError as e:
         if options["debug"]:
             raise
         raise fail(one_line(e)) from None
     console.print(f"started run {run_name}; follow it with `elastic status {run_name}`")
+
+
+def resume(
+    name: Annotated[str, typer.Argument(help="Run name.")],
+    workers: Annotated[int | None, typer.Option(
+        help="Another world size (the run's bounds widen to take it).")] = None,
+    address: Annotated[str | None, typer.Option(
+        help="Ray cluster address (default: RAY_ADDRESS; attached, a local cluster is started "
+        "if there is none).")] = None,
+    detach: Annotated[bool, typer.Option(
+        help="Start it detached on a running cluster and return at once.")] = False,
+    force: Annotated[bool, typer.Option(
+        help="Resume although the target's file changed since the run started.")] = False,
+    debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
+) -> None:
+    """Start a lost, failed or stopped run again from its newest checkpoint, with the target
+    and configuration it started with."""
+    if address:
+        os.environ["RAY_ADDRESS"] = address
+    progress = "off" if detach else (
+        resolve("auto", console.is_terminal, otherwise="lines") or "off")
+    console.print(f"resuming run [bold]{name}[/bold] from its newest checkpoint")
+    try:
+        outcome = elastic.resume(name, num_workers=workers, detach=detach, force=force,
+                                 overrides={"logging.progress": progress})
+    except ElasticError as e:
+        if debug:
+            raise
+        raise fail(f"{type(e).__name__}: {one_line(e)}") from None
+    except KeyboardInterrupt as e:
+        _ignore_ctrl_c()
+        if e.args:
+            console.print(str(e), markup=False, highlight=False)
+        raise
+    except SystemExit:
+        _ignore_ctrl_c()
+        raise
+    if isinstance(outcome, str):
+        console.print(f"resumed run {outcome} detached; follow it with `elastic status {outcome}`")
+        return
+    _print_summary(outcome)
 
 
 def demo(

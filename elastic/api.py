@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from elastic import control
 from elastic.config import FitConfig, storage_root
 from elastic.control.requests import Drain, Events, Kill, Request, Scale, Status, Stop
-from elastic.errors import RunNotFoundError
+from elastic.errors import ConfigError, RunNotFoundError
 from elastic.job import TrainJob
 from elastic.registry import LOST, RunRegistry, is_terminal, mark_lost, this_host
 from elastic.runlog import read_jsonl
@@ -262,6 +262,60 @@ def _from_record(record: dict[str, Any], request: Request) -> Any:
     what = f"{record['state']} at step {record['step']}"
     raise RunNotFoundError(f"run {record['name']!r} is not running ({what}); there is nothing to "
                            f"{request.verb}")
+
+
+def resume(name: str, job: TrainJob | None = None, *, num_workers: int | None = None,
+           detach: bool = False, force: bool = False,
+           overrides: Mapping[str, Any] | None = None) -> FitResult | str:
+    """Starts lost, failed or stopped run `name` again from its newest valid checkpoint, with
+    the configuration it started with (its `start` event), under the same name and run dir.
+
+    Args:
+        name: the run, as `elastic list` shows it.
+        job: the `TrainJob` (needed for a run started from Python; a run started with
+            `elastic run`/`start` is rebuilt from its recorded target).
+        num_workers: another world size (the run's bounds widen to take it).
+        detach: start it detached (as `start`) and return its name; else run it attached (as
+            `fit`) and return its `FitResult`.
+        force: resume although the target's file changed since the run started.
+        overrides: dotted FitConfig fields to change (`{"logging.progress": "lines"}`).
+
+    Raises:
+        RunNotFoundError: no run of that name in the index.
+        ConfigError: the run is still live, has no valid checkpoint, was started from Python
+            and `job` is missing, or its target's file changed (without `force`).
+    """
+    from elastic.launch import file_sha256, read_launch, resume_config, target_file
+    from elastic.targets import load_target
+
+    record = RunRegistry().read(name)
+    if record is None:
+        raise RunNotFoundError(f"no run named {name!r} in the run index "
+                               f"({RunRegistry().directory})")
+    record = _refresh(record)
+    launch = read_launch(record["run_dir"])
+    config = resume_config(name, record, launch, num_workers, overrides)
+    if job is None:
+        if launch is None or launch.target is None:
+            raise ConfigError(f"run {name!r} was started from Python with a TrainJob: pass it "
+                              "again, elastic.resume(name, job=...)")
+        path = target_file(launch.target, launch.cwd)
+        digest = file_sha256(path)
+        if launch.target_sha256 and digest != launch.target_sha256 and not force:
+            raise ConfigError(
+                f"{path} changed since run {name!r} started (SHA-256 {launch.target_sha256[:12]}, "
+                f"now {(digest or 'missing')[:12]}); resume with --force (force=True) to train "
+                "the file as it is now")
+        module_part, _, attr = launch.target.rpartition(":")
+        spec = f"{path}:{attr}" if module_part.endswith(".py") and path else launch.target
+        job = load_target(spec)
+    checkpoint = config.checkpoint
+    assert checkpoint is not None  # resume_config refuses a run without
+    if load_checkpoint(checkpoint.path, key_file=checkpoint.key_file,
+                       signed=checkpoint.sign) is None:
+        raise ConfigError(f"run {name!r} has no valid checkpoint under {checkpoint.path!r}: "
+                          "nothing to resume from")
+    return start(job, config) if detach else fit(job, config)
 
 
 def load_checkpoint(path: str, step: int | None = None, *, key_file: str | None = None,

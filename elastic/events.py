@@ -67,7 +67,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 from elastic.config import ChaosAction, ChaosPhase
@@ -615,7 +615,14 @@ class _CheckpointLoaded(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Resumed(_CheckpointLoaded, kind="resumed"):
-    """The run resumed from the newest checkpoint at its start."""
+    """The run resumed from the newest checkpoint at its start: written by run `from_run` at
+    world size `world_size_then` (None: a checkpoint of an older version), resumed at
+    `world_size_now`; `changes` says what differs (the world size, the math of a step)."""
+
+    from_run: str | None = None
+    world_size_then: int | None = None
+    world_size_now: int | None = None
+    changes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -128,7 +128,16 @@ def _batch_planned(e: BatchPlanned) -> str:
             f"{e.lr_factor_from:.3g} -> {e.lr_factor_to:.3g} over {e.warmup_steps} steps")
 
 
+def _resumed(e: Resumed) -> str:
+    by = f" of run {e.from_run}" if e.from_run else ""
+    at = f" at world size {e.world_size_then}" if e.world_size_then is not None else ""
+    changed = "; changed: " + "; ".join(e.changes) if e.changes else ""
+    return (f"resumed from step {e.step}{by}, written{at} ({e.path}); {e.work_lost_steps} steps "
+            f"redone{changed}")
+
+
 _RENDERERS: dict[type[Event], Callable[[Any], str | None]] = {
+    Resumed: _resumed,
     PreemptionNotice: lambda e: (f"notice ({e.source}): rank(s) {_ids(e.ranks)} leave at the "
                                  "next step boundary"),
     PlannedDeparture: lambda e: (f"rank(s) {_ids(e.ranks)} left at step {e.step} on notice; "
@@ -480,7 +489,7 @@ _LOG_RENDERERS: dict[type[Event], Callable[[Any], str]] = {
     Nonfinite: lambda e: (f"non-finite loss or gradients at step {e.step} on ranks "
                           f"{', '.join(map(str, e.ranks))}; policy {e.policy}"),
     RebalanceJudged: _rebalance_judged,
-    Resumed: _loaded("resumed from"),
+    Resumed: lambda e: _resumed(e),
     RestoredFromCheckpoint: _loaded("no survivor held the state; restored"),
     ShardsLost: lambda e: (f"every owner of the optimizer state of {len(e.parts)} parameter(s) "
                            f"was lost at step {e.step}; restoring the newest checkpoint"),

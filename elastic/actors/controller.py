@@ -191,6 +191,7 @@ class Controller:
                 spare_workers=len(spares), spares=() if abandoned else tuple(
                     SpareWorker(worker_id=m.worker_id, pid=m.pid, node_id=m.node_id)
                     for m in spares),
+                resumed_from=ctx.checkpoints.resumed,
             )
 
     def answer(self, request: Request) -> Any:

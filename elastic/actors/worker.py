@@ -469,7 +469,9 @@ class WorkerActor:
                                  if isinstance(e, CheckpointSignatureError)]}
         self.replica.load_state(loaded.parts)
         return {"step": loaded.step, "path": loaded.path, "skipped": loaded.skipped,
-                "fingerprint": loaded.manifest.get("fingerprint")}
+                "fingerprint": loaded.manifest.get("fingerprint"),
+                "world_size": loaded.manifest.get("world_size"),
+                "run": loaded.manifest.get("run")}
 
     def abort(self) -> None:
         """Releases this worker from any collective it is blocked in (any thread)."""

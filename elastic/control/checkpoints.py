@@ -20,6 +20,7 @@ from elastic.events import (
     CheckpointFailed,
     CheckpointSkipped,
     CheckpointWritten,
+    Resumed,
 )
 from elastic.runlog import RunLog
 
@@ -42,6 +43,8 @@ class CheckpointCoordinator:
         self.group_size = 1  # G with groups on (set once the grouping is decided)
         self._monitored: tuple[int, float] | None = None  # (step, value) of the last evaluation
         self._written: tuple[int, bool] | None = None  # (step, with a monitored value) submitted
+        self.run_name = ""  # recorded in each checkpoint's manifest (who wrote it)
+        self.resumed: dict[str, Any] | None = None  # the checkpoint this run resumed from
 
     @property
     def enabled(self) -> bool:
@@ -53,9 +56,11 @@ class CheckpointCoordinator:
         base = f"B={self.config.batch.global_batch_size};seed={self.config.seed}"
         return base if self.group_size == 1 else f"{base};G={self.group_size}"
 
-    def restore(self, worker_id: int, event: str, current_step: int) -> int | None:
+    def restore(self, worker_id: int, event: str, current_step: int,
+                world_size: int | None = None) -> int | None:
         """Loads the newest valid checkpoint into worker `worker_id`'s replica; returns its
-        step or None."""
+        step or None. A resume (`event` 'resumed', at `world_size`) says which run wrote the
+        checkpoint, at which world size, and what changed since."""
         info = self.workers.call(worker_id, "restore_checkpoint")
         for path, reason in info["skipped"]:
             self.log.emit(CheckpointSkipped(path=path, reason=reason))
@@ -76,8 +81,21 @@ class CheckpointCoordinator:
                            note=f"global batch, seed or group size differ from the run that "
                                 f"wrote it ({info['fingerprint']}; this run: "
                                 f"{self.fingerprint()})"))
-        self.log.event(event, step=info["step"], path=info["path"],
-                       work_lost_steps=max(0, current_step - info["step"]))
+        if event == "resumed":
+            then, changes = info.get("world_size"), []
+            if then is not None and world_size is not None and then != world_size:
+                changes.append(f"world size {then} -> {world_size}")
+            if info.get("fingerprint") not in (None, self.fingerprint()):
+                changes.append(f"{info['fingerprint']} -> {self.fingerprint()} (the math of "
+                               "a step: global batch, seed or group size)")
+            self.resumed = {"step": info["step"], "run": info.get("run"), "path": info["path"]}
+            self.log.emit(Resumed(step=info["step"], path=info["path"],
+                                  work_lost_steps=max(0, current_step - info["step"]),
+                                  from_run=info.get("run"), world_size_then=then,
+                                  world_size_now=world_size, changes=changes))
+        else:
+            self.log.event(event, step=info["step"], path=info["path"],
+                           work_lost_steps=max(0, current_step - info["step"]))
         self._last_step = int(info["step"])
         return self._last_step
 
@@ -128,7 +146,7 @@ class CheckpointCoordinator:
         self.maybe_write(worker_id, step, world_size)
 
     def _write(self, worker_id: int, step: int, world_size: int) -> None:
-        meta = {"world_size": world_size, "fingerprint": self.fingerprint(),
+        meta = {"world_size": world_size, "fingerprint": self.fingerprint(), "run": self.run_name,
                 **self._monitor_meta(step)}
         answer = self.workers.call(worker_id, "checkpoint", meta)
         if answer["submitted"]:

@@ -160,6 +160,7 @@ class Context:
     def __post_init__(self) -> None:
         self.policy = FailurePolicy(self.config.failure)
         self.checkpoints = CheckpointCoordinator(self.config, self.log, self.workers)
+        self.checkpoints.run_name = self.name
         self.requests = Requests(target=self.config.scaling.num_workers)
         self.chaos = sorted(self.config.chaos, key=lambda e: e.step)
 

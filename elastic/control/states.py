@@ -149,7 +149,8 @@ class Starting(State):
         ctx.log.emit(Planned(dataset_size=ctx.dataset_size,
                       steps_per_epoch=ctx.dataset_size // b, total_steps=ctx.total_steps))
         if ctx.checkpoints.enabled:
-            ctx.checkpoints.restore(ctx.members[0].worker_id, "resumed", ctx.step)
+            ctx.checkpoints.restore(ctx.members[0].worker_id, "resumed", ctx.step,
+                                    world_size=len(ctx.members))
         form(ctx, "start")
         return Running()
 

@@ -73,6 +73,8 @@ class RunStatus:
             one), counted apart from `failures`.
         spare_workers: hot spares ready (`ScalingConfig.spares`), in no generation.
         spares: those spares.
+        resumed_from: the checkpoint the run resumed from at its start ({"step", "run",
+            "path"}; None: it started fresh).
     """
 
     name: str
@@ -103,6 +105,7 @@ class RunStatus:
     preemptions: int = 0
     spare_workers: int = 0
     spares: tuple[SpareWorker, ...] = ()
+    resumed_from: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The record: a plain dict whose sequences are lists, as `elastic.status` returns it

@@ -1,0 +1,167 @@
+"""What started a run, kept for `elastic resume`: the launch record in its run dir, and the
+configuration a resume starts from.
+
+`elastic run` and `elastic start` write `launch.json` into the run dir before the run starts:
+the target (`path/to/file.py:job` or `package.module:job`), the SHA-256 of the target's file,
+the working directory, and the `ELASTIC_HOME` whose signing key the checkpoints are signed
+with. The configuration itself is in the run's `start` event (every run writes one), so a
+run started from Python is resumed from it too, given its job again.
+
+No Ray, no torch here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from elastic.config import HOME_ENV, FitConfig, storage_root
+from elastic.errors import ConfigError
+from elastic.private import ensure_private_dir, write_private
+from elastic.runlog import read_jsonl
+
+LAUNCH_FILE = "launch.json"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What started a run.
+
+    Attributes:
+        target: the CLI's target (None: started from Python with a `TrainJob`).
+        target_sha256: the SHA-256 of the target's file (a module target: of its source file,
+            when it has one).
+        cwd: the working directory of the process that started it (a relative target is
+            relative to it).
+        elastic_home: that process's storage root (its signing key signs the checkpoints).
+    """
+
+    target: str | None
+    target_sha256: str | None
+    cwd: str
+    elastic_home: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"target": self.target, "target_sha256": self.target_sha256, "cwd": self.cwd,
+                "elastic_home": self.elastic_home}
+
+
+def target_file(target: str, cwd: str | None = None) -> str | None:
+    """The file a target's code lives in: a file target's path, a module target's source
+    file (None if it has none or cannot be found)."""
+    module_part = target.rpartition(":")[0]
+    if module_part.endswith(".py"):
+        return os.path.abspath(os.path.join(cwd or os.getcwd(), module_part))
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module_part)
+    except (ImportError, ValueError):
+        return None
+    return spec.origin if spec is not None and spec.origin and os.path.isfile(spec.origin) else None
+
+
+def file_sha256(path: str | None) -> str | None:
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def write_launch(run_dir: str, target: str | None) -> Launch:
+    """Records what starts the run in `run_dir` (created private if missing)."""
+    launch = Launch(target=target,
+                    target_sha256=file_sha256(target_file(target)) if target else None,
+                    cwd=os.getcwd(), elastic_home=storage_root())
+    ensure_private_dir(run_dir, "run_dir")
+    write_private(os.path.join(run_dir, LAUNCH_FILE),
+                  json.dumps(launch.to_json(), indent=1).encode())
+    return launch
+
+
+def read_launch(run_dir: str) -> Launch | None:
+    """The launch record of the run in `run_dir` (None: started from Python, or by a version
+    that wrote none)."""
+    try:
+        with open(os.path.join(run_dir, LAUNCH_FILE)) as f:
+            return Launch(**json.load(f))
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{os.path.join(run_dir, LAUNCH_FILE)} is not a launch record: {e}") from None
+
+
+def started_config(run_dir: str) -> FitConfig:
+    """The configuration of the newest run in `run_dir`, from its `start` event.
+
+    Raises:
+        ConfigError: the run dir has no `start` event (or none this version reads).
+    """
+    path = os.path.join(run_dir, "events.jsonl")
+    starts = [e for e in read_jsonl(path) if e.get("event") == "start"] if os.path.exists(path) else []
+    if not starts:
+        raise ConfigError(f"{path} has no start event: the run's configuration is unknown")
+    try:
+        return FitConfig.model_validate(starts[-1]["config"])
+    except Exception as e:
+        raise ConfigError(f"the configuration recorded in {path} does not load in this version "
+                          f"of elastic: {str(e).splitlines()[0]}") from None
+
+
+def resume_config(name: str, record: dict[str, Any], launch: Launch | None,
+                  num_workers: int | None = None,
+                  overrides: Mapping[str, Any] | None = None) -> FitConfig:
+    """The configuration that resumes run `name` (its `record` in the run index): the one it
+    started with, under the same name and run dir, without its chaos (a drill is not redone),
+    with its checkpoint key found in the home that signed it, `num_workers` if given, and the
+    dotted fields of `overrides` (`{"logging.progress": "lines"}`).
+
+    Raises:
+        ConfigError: the run is still live, or has no checkpoints.
+    """
+    from elastic.registry import LOST, is_terminal
+
+    if not is_terminal(record) and record.get("state") != LOST:
+        raise ConfigError(f"run {name!r} is still {record['state']}; only a lost, failed or "
+                          f"stopped run is resumed (`elastic stop {name}` first)")
+    config = started_config(record["run_dir"])
+    checkpoint = config.checkpoint
+    if checkpoint is None:
+        raise ConfigError(f"run {name!r} wrote no checkpoints (checkpoint.path was not set), so "
+                          "there is nothing to resume from; start it again with --checkpoint DIR")
+    update: dict[str, Any] = {"name": name, "run_dir": record["run_dir"], "chaos": ()}
+    if checkpoint.sign and checkpoint.key_file is None and launch is not None \
+            and launch.elastic_home != storage_root():
+        update["checkpoint"] = checkpoint.model_copy(update={
+            "key_file": os.path.join(launch.elastic_home, "keys", "checkpoint.key")})
+    if num_workers is not None:
+        scaling = config.scaling
+        update["scaling"] = scaling.model_copy(update={
+            "num_workers": num_workers,
+            "max_workers": max(scaling.upper, num_workers),
+            "min_workers": min(scaling.lower, num_workers)})
+    tree = FitConfig.model_validate({**config.model_dump(), **update}).model_dump()
+    for dotted, value in (overrides or {}).items():
+        *parents, leaf = dotted.split(".")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return FitConfig.model_validate(tree)
+
+
+__all__ = [
+    "HOME_ENV",
+    "LAUNCH_FILE",
+    "Launch",
+    "file_sha256",
+    "read_launch",
+    "resume_config",
+    "started_config",
+    "target_file",
+    "write_launch",
+]

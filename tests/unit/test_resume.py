@@ -1,0 +1,128 @@
+"""`elastic resume` and checkpoints on the command line (issue 42), without Ray: the options
+map to CheckpointConfig, and a resume refuses what it cannot resume, each with one clear
+message. (The whole path, a driver killed with SIGKILL then `elastic resume NAME`:
+tests/integration/test_resume.py.)"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+import elastic
+from cli.main import app
+from elastic.config import BatchConfig, CheckpointConfig, ChaosEvent, FitConfig, ScalingConfig
+from elastic.errors import ConfigError, RunNotFoundError
+from elastic.launch import read_launch, resume_config, write_launch
+from elastic.registry import RunRegistry
+
+runner = CliRunner()
+
+
+def _options(**values):
+    from cli.train import _training_options
+
+    options = {n: p.default for n, p in inspect.signature(_training_options).parameters.items()}
+    options.update(values)
+    return options
+
+
+@pytest.mark.parametrize(("every", "field", "value"), [("500", "every_steps", 500),
+                                                       ("30s", "every_seconds", 30.0),
+                                                       ("10m", "every_seconds", 600.0),
+                                                       ("2h", "every_seconds", 7200.0)])
+def test_checkpoint_options_map_to_checkpoint_config(every, field, value):
+    from cli.train import _config_tree
+
+    tree = _config_tree(_options(checkpoint="/ckpt", checkpoint_every=every, keep_last=2))
+    assert tree["checkpoint"] == {"path": "/ckpt", field: value, "keep_last": 2}
+
+
+def test_a_bad_checkpoint_interval_or_one_without_a_folder_exits_2_naming_the_option():
+    args = ["run", "examples/spirals.py:job", "--workers", "2", "--global-batch", "8",
+            "--max-steps", "1"]
+    result = runner.invoke(app, [*args, "--checkpoint", "/tmp/x", "--checkpoint-every", "10x"])
+    assert result.exit_code == 2 and "--checkpoint-every" in result.output
+    result = runner.invoke(app, [*args, "--checkpoint-every", "5"])
+    assert result.exit_code == 2 and "--checkpoint is required" in result.output
+
+
+def _ended_run(home, tmp_path, name="r1", *, state="lost", checkpoint=True, target=None):
+    """A run's record, run dir (its start event) and launch record, as a run leaves them."""
+    run_dir = tmp_path / "runs" / name
+    config = FitConfig(
+        name=name, run_dir=str(run_dir), max_steps=40,
+        scaling=ScalingConfig(num_workers=2, max_workers=2),
+        batch=BatchConfig(global_batch_size=16),
+        checkpoint=CheckpointConfig(path=str(tmp_path / "ckpt"), every_steps=5) if checkpoint else None,
+        chaos=(ChaosEvent(step=3, rank=1, action="kill"),))
+    os.makedirs(run_dir, mode=0o700)
+    with open(run_dir / "events.jsonl", "w") as f:
+        f.write(json.dumps({"time": 1.0, "event": "start", "name": name,
+                            "config": config.model_dump(mode="json")}) + "\n")
+    RunRegistry(str(home)).write({"name": name, "state": state, "step": 12, "run_dir": str(run_dir),
+                                  "total_steps": 40})
+    if target is not None:
+        write_launch(str(run_dir), target)
+    return run_dir
+
+
+def test_resume_config_is_the_started_one_without_its_chaos_and_takes_a_new_size(tmp_path):
+    run_dir = _ended_run(tmp_path / "home", tmp_path)
+    record = RunRegistry(str(tmp_path / "home")).read("r1")
+    config = resume_config("r1", record, None)
+    assert config.name == "r1" and config.run_dir == str(run_dir) and config.chaos == ()
+    assert config.checkpoint.path == str(tmp_path / "ckpt") and config.max_steps == 40
+    wider = resume_config("r1", record, None, num_workers=3,
+                          overrides={"logging.progress": "lines"})
+    assert (wider.scaling.num_workers, wider.scaling.upper) == (3, 3)
+    assert wider.logging.progress == "lines"
+
+
+def test_resume_refuses_a_live_run_and_one_without_checkpoints(tmp_path):
+    _ended_run(tmp_path / "home", tmp_path, "live", state="running")
+    _ended_run(tmp_path / "home", tmp_path, "bare", checkpoint=False)
+    registry = RunRegistry(str(tmp_path / "home"))
+    with pytest.raises(ConfigError, match="still running.*elastic stop live"):
+        resume_config("live", registry.read("live"), None)
+    with pytest.raises(ConfigError, match="wrote no checkpoints.*--checkpoint DIR"):
+        resume_config("bare", registry.read("bare"), None)
+
+
+def test_the_checkpoint_key_comes_from_the_home_that_signed_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("ELASTIC_HOME", str(tmp_path / "signer"))
+    run_dir = _ended_run(tmp_path / "home", tmp_path, target="examples/spirals.py:job")
+    monkeypatch.setenv("ELASTIC_HOME", str(tmp_path / "other"))
+    launch = read_launch(str(run_dir))
+    assert launch.elastic_home == str(tmp_path / "signer") and launch.target_sha256
+    config = resume_config("r1", RunRegistry(str(tmp_path / "home")).read("r1"), launch)
+    assert config.checkpoint.key_file == str(tmp_path / "signer" / "keys" / "checkpoint.key")
+
+
+def test_resume_by_name_refuses_what_it_cannot_resume(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("ELASTIC_HOME", str(home))
+    with pytest.raises(RunNotFoundError, match="no run named 'nope'"):
+        elastic.resume("nope")
+    _ended_run(home, tmp_path, "from-python")  # started from Python: no launch record
+    with pytest.raises(ConfigError, match=r"pass it again, elastic.resume\(name, job=...\)"):
+        elastic.resume("from-python")
+    # A target file changed since the run started: refused unless forced.
+    target = tmp_path / "job_file.py"
+    shutil.copy("examples/spirals.py", target)
+    monkeypatch.chdir(tmp_path)
+    _ended_run(home, tmp_path, "changed", target="job_file.py:job")
+    target.write_text(target.read_text() + "\n# edited\n")
+    result = runner.invoke(app, ["resume", "changed"])
+    assert result.exit_code == 2 and "changed since run 'changed' started" in result.output
+    assert "--force" in result.output
+    # Forced: the target loads, and with no checkpoint under its path, nothing is resumed.
+    from elastic.checkpoint.signing import load_or_create_key
+
+    load_or_create_key()  # the home's key exists; no checkpoint was signed with it
+    result = runner.invoke(app, ["resume", "changed", "--force"])
+    assert result.exit_code == 2 and "has no valid checkpoint under" in result.output
