@@ -1,0 +1,81 @@
+"""A run whose driver is killed with SIGKILL is resumed by name (issue 42): `elastic resume
+NAME` finds its target, configuration and checkpoints, says what it resumed from, and ends
+on the weights of an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import elastic
+from elastic.events import Resumed, read_events
+from tests.events import of_kind
+from tests.head import wait_until
+from tests.jobs import reference_weights
+
+pytestmark = pytest.mark.integration
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = pathlib.Path(sys.executable).parent
+LIMIT_S = 120
+STEPS = 60
+
+
+def _status(name: str) -> dict | None:
+    try:
+        return elastic.status(name)
+    except elastic.errors.RunNotFoundError:
+        return None
+
+
+@pytest.mark.timeout(400)
+def test_a_driver_killed_with_sigkill_is_resumed_by_name_and_ends_on_the_reference(
+        ray_cluster, tmp_path):
+    name = "resume-run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    checkpoints = tmp_path / "ckpt"
+    with open(tmp_path / "first.txt", "w") as sink:
+        proc = subprocess.Popen(
+            [str(BIN / "elastic"), "run", "tests.jobs:regression_job", "--name", name,
+             "--workers", "2", "--global-batch", "16", "--max-steps", str(STEPS),
+             "--run-dir", str(tmp_path / "run"), "--checkpoint", str(checkpoints),
+             "--checkpoint-every", "4", "--keep-last", "2"],
+            cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        # Training, with a checkpoint behind it: then the driver dies at once.
+        wait_until(lambda: (s := _status(name)) and s["state"] == "running" and s["step"] >= 12
+                   and any(e.get("event") == "checkpoint_written" for e in elastic.events(name)),
+                   LIMIT_S)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=LIMIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # Its controller died with it (Ray ends the actors a driver owns): the run reads as lost.
+    lost = wait_until(lambda: (s := _status(name)) and s["state"] == "lost" and s, LIMIT_S)
+    assert lost["step"] < STEPS
+
+    done = subprocess.run([str(BIN / "elastic"), "resume", name], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    [resumed] = of_kind(read_events(tmp_path / "run"), Resumed)
+    assert resumed.from_run == name and resumed.world_size_then == 2
+    assert resumed.world_size_now == 2 and resumed.changes == []
+    assert f"resumed from step {resumed.step} of run {name}" in output
+    status = elastic.status(name)
+    assert status["state"] == "finished" and status["step"] == STEPS
+    assert status["resumed_from"]["step"] == resumed.step
+    # The final checkpoint holds the weights of an uninterrupted run of the same configuration.
+    final = elastic.load_checkpoint(str(checkpoints))
+    assert final is not None and final.step == STEPS
+    torch.testing.assert_close(final.parts["model"], reference_weights(0, 16, STEPS),
+                               rtol=1e-9, atol=1e-10)
