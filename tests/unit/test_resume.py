@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import elastic
 from cli.main import app
-from elastic.config import BatchConfig, CheckpointConfig, ChaosEvent, FitConfig, ScalingConfig
+from elastic.config import BatchConfig, ChaosEvent, CheckpointConfig, FitConfig, ScalingConfig
 from elastic.errors import ConfigError, RunNotFoundError
 from elastic.launch import read_launch, resume_config, write_launch
 from elastic.registry import RunRegistry
