@@ -87,9 +87,9 @@ def test_resume_refuses_a_live_run_and_one_without_checkpoints(tmp_path):
     _ended_run(tmp_path / "home", tmp_path, "live", state="running")
     _ended_run(tmp_path / "home", tmp_path, "bare", checkpoint=False)
     registry = RunRegistry(str(tmp_path / "home"))
-    with pytest.raises(ConfigError, match="still running.*elastic stop live"):
+    with pytest.raises(ConfigError, match=r"still running.*elastic stop live"):
         resume_config("live", registry.read("live"), None)
-    with pytest.raises(ConfigError, match="wrote no checkpoints.*--checkpoint DIR"):
+    with pytest.raises(ConfigError, match=r"wrote no checkpoints.*--checkpoint DIR"):
         resume_config("bare", registry.read("bare"), None)
 
 
