@@ -157,7 +157,7 @@ def bench_preemption(
     except (ValueError, ElasticError) as e:
         raise fail(one_line(e)) from None
     table = Table(title=f"preemption and spares, {workers} workers, {trials} trials per run")
-    for column in ("spares", "SIGTERM -> gone ms", "SIGTERM -> next step ms", "steps redone",
+    for column in ("spares", "SIGTERM -> left ms", "SIGTERM -> next step ms", "steps redone",
                    "kill -> full size ms", "steady step ms", "idle spare"):
         table.add_column(column, justify="right")
 

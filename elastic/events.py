@@ -336,12 +336,13 @@ class SpareLost(Event, kind="spare_lost"):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SpareRetired(Event, kind="spare_retired"):
-    """A spare on notice (its node drains, `elastic drain --node`) was let go before it could
-    be promoted; another one starts elsewhere."""
+class WorkerRetired(Event, kind="worker_retired"):
+    """A worker on notice that held no rank (`role`: a 'spare', or a worker 'starting') was
+    let go before it trained; another one starts elsewhere."""
 
     worker_id: int
     source: str
+    role: Literal["spare", "starting"]
 
 
 @dataclass(frozen=True, kw_only=True)

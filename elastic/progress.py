@@ -60,7 +60,6 @@ from elastic.events import (
     SpareLost,
     SparePromoted,
     SpareReady,
-    SpareRetired,
     Start,
     StateChanged,
     Stopping,
@@ -72,6 +71,7 @@ from elastic.events import (
     WorkerJoined,
     WorkerLost,
     WorkerRemoved,
+    WorkerRetired,
     WorkerStartFailed,
     WorkerStarting,
     parse,
@@ -477,8 +477,8 @@ _LOG_RENDERERS: dict[type[Event], Callable[[Any], str]] = {
     WorkerRemoved: lambda e: f"worker {e.worker_id} removed to shrink the run",
     SpareReady: lambda e: f"worker {e.worker_id} (pid {e.pid}) waits as a hot spare",
     SpareLost: lambda e: f"spare worker {e.worker_id} died while it waited; another one starts",
-    SpareRetired: lambda e: (f"spare worker {e.worker_id} let go on notice ({e.source}); another "
-                             "one starts"),
+    WorkerRetired: lambda e: (f"{e.role} worker {e.worker_id} let go on notice ({e.source}); "
+                              "another one starts"),
     WorkerLost: lambda e: f"rank {e.rank} (worker {e.worker_id}) dropped: {e.why}",
     MemberUnreachable: lambda e: f"worker {e.worker_id} did not answer",
     WorkerHung: lambda e: (f"rank {e.rank} (worker {e.worker_id}) made no progress in "

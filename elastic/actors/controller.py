@@ -317,9 +317,10 @@ class Controller:
         if self.machine.state.label.is_terminal:
             return []
         now = time.time()
-        # Spares on notice are retired at the next boundary (`check_spares`); they have no rank.
-        members = [m.worker_id for m in list(self.ctx.members) + list(self.ctx.spares)]
-        told = [w for w in ids if w in members and self.ctx.requests.notice(
+        # Spares, and workers still starting, on notice are let go when next looked at
+        # (`check_spares`, `admit`): they have no rank.
+        alive = set(self.workers.alive())
+        told = [w for w in ids if w in alive and self.ctx.requests.notice(
             Notice(w, source, deadline, now, reason))]
         if not told:
             return []
@@ -327,7 +328,9 @@ class Controller:
         self.log.emit(PreemptionNotice(source=source, ranks=[world.index(w) for w in told
                                                              if w in world],
                                        worker_ids=told, deadline=deadline, reason=reason))
-        self.workers.yield_chunks()  # every rank ends its chunk after the step in flight
+        members = {m.worker_id for m in list(self.ctx.members)}
+        if members & set(told):
+            self.workers.yield_chunks()  # every rank ends its chunk after the step in flight
         for worker_id in told:
             if deadline is not None:
                 timer = threading.Timer(max(0.0, deadline - now), self._deadline_passed,

@@ -169,12 +169,25 @@ class RayWorkers:
         actor = self.actors.get(worker_id)
         if actor is None or worker_id in self._killed:
             return
+        parked = [ref for ref, w in self._parked.items() if w == worker_id]
+        if parked or worker_id in self._starting.values():
+            # A spare (or a worker still starting) trains nothing: its `park` call would hold
+            # a clean exit back forever, so it simply ends.
+            for ref in parked:
+                del self._parked[ref]
+            self._starting = {r: w for r, w in self._starting.items() if w != worker_id}
+            self.kill(worker_id)
+            return
         self._killed.add(worker_id)  # calls to it now fail as calls to a dead worker do
         actor.__ray_terminate__.remote()  # a clean exit, after the calls queued before it
         # Killed if it has not exited by then (a step thread stuck in user code).
         timer = threading.Timer(_RELEASE_S, ray.kill, (actor,), {"no_restart": True})
         timer.daemon = True
         timer.start()
+
+    def alive(self) -> list[int]:
+        """Every worker started and not killed, members, spares and starting ones."""
+        return [w for w in self.actors if w not in self._killed]
 
     def shutdown(self) -> None:
         for worker_id in list(self.actors):

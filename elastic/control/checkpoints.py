@@ -125,6 +125,12 @@ class CheckpointCoordinator:
         if final:
             self._log_writes(self.workers.call(worker_id, "flush_checkpoints"))
 
+    def flush(self, worker_id: int) -> None:
+        """Waits for worker `worker_id`'s checkpoint writes in flight (before it leaves the
+        run: its writer thread would die with its process) and logs how they ended."""
+        if self.enabled:
+            self._log_writes(self.workers.call(worker_id, "flush_checkpoints"))
+
     def after_evaluation(self, worker_id: int, step: int, world_size: int,
                          metrics: dict[str, Any]) -> None:
         """Right after the evaluation at `step`: with `checkpoint.monitor`, records its value

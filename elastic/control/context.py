@@ -50,7 +50,9 @@ class Requests:
         earlier (worth an event), False if an earlier notice already covers it."""
         with self.lock:
             known = self.departures.get(notice.worker_id)
-            if known is not None and (notice.deadline is None or (
+            # A notice from outside (a preemption) outranks the run's own straggler swap.
+            outranks = known is not None and known.source == "straggler" != notice.source
+            if known is not None and not outranks and (notice.deadline is None or (
                     known.deadline is not None and known.deadline <= notice.deadline)):
                 return False
             if known is not None:  # an earlier deadline: the first notice's time stands

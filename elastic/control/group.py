@@ -16,6 +16,7 @@ from elastic.control import decisions
 from elastic.control.context import Context
 from elastic.control.cursor import Cursor
 from elastic.control.policy import Fail
+from elastic.control.port import Member
 from elastic.errors import CallbackError, RendezvousError, WorkerLostError
 from elastic.events import (
     CheckpointFailed,
@@ -26,9 +27,9 @@ from elastic.events import (
     SpareLost,
     SparePromoted,
     SpareReady,
-    SpareRetired,
     WorkerJoined,
     WorkerLost,
+    WorkerRetired,
     WorkerStartFailed,
     WorkerStarting,
 )
@@ -85,15 +86,27 @@ def admit(ctx: Context, timeout: float) -> bool:
         target = ctx.requests.target
     joined = False
     for member in started.members:
-        if len(ctx.members) >= target and len(ctx.spares) < ctx.config.scaling.spares:
-            ctx.spares.append(member)
-            ctx.workers.park(member.worker_id)
-            ctx.log.emit(SpareReady(worker_id=member.worker_id, pid=member.pid))
-            continue
-        ctx.members.append(member)
-        ctx.log.emit(WorkerJoined(worker_id=member.worker_id, pid=member.pid))
-        joined = True
+        for notice in ctx.requests.gone([member.worker_id]):  # told to leave while starting
+            ctx.workers.release(member.worker_id)
+            ctx.log.emit(WorkerRetired(worker_id=member.worker_id, source=notice.source,
+                                       role="starting"))
+            break
+        else:
+            joined |= _place(ctx, member, target)
     return joined
+
+
+def _place(ctx: Context, member: Member, target: int) -> bool:
+    """A started worker joins the members (True) while they are below `target`, else waits
+    as a spare while the spares are short (else it joins)."""
+    if len(ctx.members) >= target and len(ctx.spares) < ctx.config.scaling.spares:
+        ctx.spares.append(member)
+        ctx.workers.park(member.worker_id)
+        ctx.log.emit(SpareReady(worker_id=member.worker_id, pid=member.pid))
+        return False
+    ctx.members.append(member)
+    ctx.log.emit(WorkerJoined(worker_id=member.worker_id, pid=member.pid))
+    return True
 
 
 def promote(ctx: Context) -> list[int]:
@@ -125,7 +138,8 @@ def check_spares(ctx: Context) -> None:
     for notice in ctx.requests.gone(ctx.requests.leaving([m.worker_id for m in ctx.spares])):
         ctx.spares = [m for m in ctx.spares if m.worker_id != notice.worker_id]
         ctx.workers.release(notice.worker_id)
-        ctx.log.emit(SpareRetired(worker_id=notice.worker_id, source=notice.source))
+        ctx.log.emit(WorkerRetired(worker_id=notice.worker_id, source=notice.source,
+                                   role="spare"))
 
 
 def drop(ctx: Context, ranks: list[int], why: str, *, replace: bool = True) -> None:

@@ -160,6 +160,7 @@ class SimulatedWorkers:
         return lost
 
     def release(self, worker_id: int) -> None:
+        self.parked.discard(worker_id)
         self.kill(worker_id)  # a simulated worker that leaves simply ends
 
     def shutdown(self) -> None:

@@ -260,6 +260,10 @@ class Running(State):
         chaos = [e for e in ctx.chaos if e.step == step and e.phase != "evaluate"]
         ctx.chaos = [e for e in ctx.chaos if e.step != step or e.phase == "evaluate"]
         ctx.workers.start_chunk(ids, plan, step, num, chaos, ctx.batch.lr_ramp)
+        # A notice that came while no chunk was out (a resize, a recovery, an evaluation)
+        # found nothing to end: this chunk ends after its first step instead.
+        if ctx.requests.leaving(ids):
+            ctx.workers.yield_chunks()
         return _Chunk(step, num, plan, trial, chaos)
 
     def _ahead(self, ctx: Context, chunk: _Chunk) -> _Chunk | None:
@@ -428,7 +432,9 @@ def _swap_straggler(ctx: Context, ids: list[int]) -> None:
     """The slowest straggler (`Batching.slow`) leaves at the next step boundary when a hot
     spare is ready to take its place: a planned departure of source 'straggler'."""
     slow = [w for w in ctx.batch.slow if w in ids]
-    if not slow or not ctx.spares or ctx.requests.leaving(ids):
+    sharding = ctx.config.sharding
+    if not slow or not ctx.spares or ctx.requests.leaving(ids) or (
+            sharding.stage and sharding.replicas < 2):  # its parts would be lost with it
         return
     worker_id = slow[0]
     tracker, failure = ctx.batch.tracker, ctx.config.failure
@@ -635,8 +641,7 @@ class Resizing(State):
         return {"world_size": self.world_size, "target": self.target}
 
     def step(self, ctx: Context) -> State:
-        if self.leaving:
-            _depart(ctx, self.leaving)
+        departed = _depart(ctx, self.leaving) if self.leaving else None
         with ctx.requests.lock:  # free capacity may have raised it since the boundary
             target = ctx.requests.target
         while len(ctx.members) > target:
@@ -648,15 +653,21 @@ class Resizing(State):
         admit(ctx, timeout=0)
         if len(ctx.members) < ctx.config.scaling.lower:
             wait_for_capacity(ctx)
-        before = ctx.generation
+        before, step = ctx.generation, ctx.step
         form(ctx, "departure" if self.leaving else "resize")
+        if departed is not None:
+            # Steps redone: 0, unless the leavers held state nobody else did (sharded optimizer
+            # state with replicas 1) and the run went back to a checkpoint.
+            ctx.log.emit(replace(departed, steps_redone=step - ctx.step))
         ctx.log.emit(Resized(world_size=len(ctx.members), generation=ctx.generation,
                       previous_generation=before))
         return Running(resized=True)
 
 
-def _depart(ctx: Context, leaving: tuple[int, ...]) -> None:
-    """Members `leaving` (worker ids, on notice) leave the run at this step boundary.
+def _depart(ctx: Context, leaving: tuple[int, ...]) -> PlannedDeparture:
+    """Members `leaving` (worker ids, on notice) leave the run at this step boundary; returns
+    the event that says so, to be written once the next generation has formed (it counts the
+    steps redone).
 
     Raises:
         WorkerLostError: more than `failure.max_preemptions` workers preempted.
@@ -669,18 +680,25 @@ def _depart(ctx: Context, leaving: tuple[int, ...]) -> None:
         # checkpoint (without checkpoints they start over, which `form` refuses below).
         on_any_member(ctx, lambda w: ctx.checkpoints.maybe_write(w, ctx.step, len(ids),
                                                                  final=True))
+    for worker_id in gone:  # a checkpoint write in flight would die with its process
+        try:
+            ctx.checkpoints.flush(worker_id)
+        except WorkerLostError:
+            pass  # it died meanwhile: nothing of it to wait for
     notices = ctx.requests.gone(gone)
     ctx.members = [m for m in ctx.members if m.worker_id not in gone]
     for worker_id in gone:
         ctx.workers.release(worker_id)
     first = min((n.received for n in notices), default=ctx.workers.now())
-    ctx.log.emit(PlannedDeparture(
+    departed = PlannedDeparture(
         ranks=ranks, worker_ids=gone, sources=sorted({n.source for n in notices}),
-        step=ctx.step, notice_to_gone_s=max(0.0, ctx.workers.now() - first), steps_redone=0))
+        step=ctx.step, notice_to_gone_s=max(0.0, ctx.workers.now() - first), steps_redone=0)
     # A straggler swapped for a spare is the run's own choice, not a preemption.
     action = ctx.policy.departed(sum(n.source != "straggler" for n in notices), ctx.step)
     if action is not None:
+        ctx.log.emit(departed)
         raise action.error
+    return departed
 
 
 # --- the end -------------------------------------------------------------------------------

@@ -285,9 +285,26 @@ def test_a_spare_on_notice_is_retired_and_another_starts(tmp_path):
 
     end, ctx, sim = _spare_run(tmp_path, _spare_config(tmp_path), before=before)
     assert isinstance(end, Finished)
-    assert [(e["worker_id"], e["source"]) for e in _of(ctx, "spare_retired")] == [
+    assert [(e["worker_id"], e["source"]) for e in _of(ctx, "worker_retired")] == [
         (told[0], "ray_drain")]
     assert not sim.workers[told[0]].alive and len(ctx.spares) == 1
-    for kind in ("planned_departure", "worker_failure", "spare_promoted"):
+    for kind in ("planned_departure", "worker_failure", "spare_promoted", "spare_lost"):
         assert kind not in _kinds(ctx)
     assert ctx.policy.preemptions == 0 and not ctx.requests.departures
+
+
+def test_a_notice_made_while_no_chunk_was_out_ends_the_next_chunk_after_its_first_step(tmp_path):
+    # Recorded without ending any chunk (as when it comes during a resize or a recovery):
+    # the chunk handed out next ends after its first step, not after all of its steps.
+    told = []
+
+    def notices(step, ctx, sim):
+        if step >= 8 and not told:
+            told.append(step)
+            ctx.requests.notice(Notice(2, "drain", None, sim.now()))
+
+    end, ctx, _ = _machine(tmp_path, _config(tmp_path, ahead=False), notices)
+    assert isinstance(end, Finished)
+    [departure] = _of(ctx, "planned_departure")
+    assert told == [8]
+    assert departure["step"] == 9 and departure["steps_redone"] == 0

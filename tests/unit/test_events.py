@@ -47,7 +47,7 @@ SAMPLES = {
     "spare_ready": {"worker_id": 7, "pid": 4343},
     "spare_promoted": {"worker_ids": [7], "world_size": 4},
     "spare_lost": {"worker_id": 7},
-    "spare_retired": {"worker_id": 7, "source": "ray_drain"},
+    "worker_retired": {"worker_id": 7, "source": "ray_drain", "role": "spare"},
     "straggler_found": {"rank": 1, "worker_id": 3, "samples_per_s": 410.5,
                         "others_median_samples_per_s": 1290.0, "factor": 2.0, "window": 4},
     "chaos": {"step": 8, "rank": 2, "action": "kill", "phase": "allreduce", "factor": 2.0,
