@@ -21,7 +21,7 @@ import site
 import sys
 import sysconfig
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 # A walk that visits more objects than this stops: a factory that holds a data set in a
@@ -172,3 +172,70 @@ def _editable_top_levels() -> frozenset[str]:
     tops = {top for top, names in importlib.metadata.packages_distributions().items()
             if editable.intersection(names)}
     return frozenset(tops | {"elastic", "cli"})
+
+
+def unpicklable(fields: dict[str, Any], dumps: Callable[[Any], bytes]) -> str | None:
+    """Names what keeps a job from reaching the workers: the first of `fields` (TrainJob field
+    -> value) that `dumps` (cloudpickle's) refuses, down the path of references to the object
+    that cannot be pickled (a lock, a file, a socket, a CUDA context). None if all pickle."""
+    for name, value in fields.items():
+        error = _refused(value, dumps)
+        if error is not None:
+            start = getattr(value, "__qualname__", None) or type(value).__qualname__
+            path, culprit, why = _culprit(value, dumps, error, start, set())
+            kind = f"{type(culprit).__module__}.{type(culprit).__qualname__}".removeprefix(
+                "builtins.")
+            return (f"TrainJob.{name} cannot be sent to the workers: {path} is a {kind} that "
+                    f"cannot be pickled ({why}); create it inside the factory instead of "
+                    "capturing it")
+    return None
+
+
+def _refused(obj: Any, dumps: Callable[[Any], bytes]) -> str | None:
+    try:
+        dumps(obj)
+    except Exception as e:  # what cloudpickle raises varies: TypeError, PicklingError, ...
+        return f"{type(e).__name__}: {e}".splitlines()[0]
+    return None
+
+
+def _culprit(obj: Any, dumps: Callable[[Any], bytes], error: str, path: str,
+             seen: set[int]) -> tuple[str, Any, str]:
+    """Descends from `obj` (which `dumps` refuses) along a reference that is refused too, as
+    deep as one goes; returns that path, the object and its error."""
+    seen.add(id(obj))
+    if len(seen) < 200:
+        for label, ref in _labelled(obj):
+            if id(ref) in seen or ref is None or isinstance(ref, _LEAVES):
+                continue
+            why = _refused(ref, dumps)
+            if why is not None:
+                return _culprit(ref, dumps, why, f"{path} -> {label}", seen)
+    return path, obj, error
+
+
+def _labelled(obj: Any) -> list[tuple[str, Any]]:
+    """What `obj` refers to, each with how a reader finds it."""
+    if isinstance(obj, functools.partial):
+        return [("func", obj.func), *((f"argument {i}", a) for i, a in enumerate(obj.args)),
+                *((f"keyword {k}", v) for k, v in obj.keywords.items())]
+    if isinstance(obj, types.MethodType):
+        return [("self", obj.__self__), ("function", obj.__func__)]
+    if isinstance(obj, types.FunctionType):
+        refs: list[tuple[str, Any]] = []
+        for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or (), strict=False):
+            try:
+                refs.append((f"closure variable {name!r}", cell.cell_contents))
+            except ValueError:
+                continue
+        refs += [(f"global {n!r}", obj.__globals__[n]) for n in sorted(_global_names(obj.__code__))
+                 if n in obj.__globals__ and not isinstance(obj.__globals__[n], types.ModuleType)]
+        refs += [(f"default {i}", d) for i, d in enumerate(obj.__defaults__ or ())]
+        return refs
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [(f"item {i}", v) for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        return [(f"key {k!r}", v) for k, v in obj.items()]
+    if isinstance(obj, type):
+        return []
+    return [(f"attribute {k!r}", v) for k, v in getattr(obj, "__dict__", {}).items()]

@@ -32,7 +32,7 @@ from elastic.control.requests import Request
 from elastic.errors import ConfigError, RunNotFoundError
 from elastic.job import TrainJob
 from elastic.private import ensure_private_dir, open_private_append, write_private
-from elastic.shipping import user_modules
+from elastic.shipping import unpicklable, user_modules
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +144,18 @@ def _launch(job: TrainJob, config: FitConfig, name: str, run_dir: str, detached:
     key = None
     if config.checkpoint is not None and config.checkpoint.sign:
         key = load_or_create_key(config.checkpoint.key_file)
-    return RemoteController.options(
-        name=controller_name(name), namespace=NAMESPACE, num_cpus=0, max_concurrency=16,
-        lifetime="detached" if detached else None, resources={HEAD_RESOURCE: 0.001},
-        max_restarts=config.failure.controller_restarts if detached else 0,
-    ).remote(job, config, name, run_dir, detached, os.environ.get(HOME_ENV), key)
+    try:
+        return RemoteController.options(
+            name=controller_name(name), namespace=NAMESPACE, num_cpus=0, max_concurrency=16,
+            lifetime="detached" if detached else None, resources={HEAD_RESOURCE: 0.001},
+            max_restarts=config.failure.controller_restarts if detached else 0,
+        ).remote(job, config, name, run_dir, detached, os.environ.get(HOME_ENV), key)
+    except TypeError:  # Ray's "Could not serialize the argument TrainJob(...)", a page long
+        problem = unpicklable({f.name: getattr(job, f.name) for f in dataclasses.fields(job)},
+                              ray.cloudpickle.dumps)
+        if problem is None:
+            raise
+        raise ConfigError(problem) from None
 
 
 def _check_run_dir(run_dir: str) -> None:

@@ -55,6 +55,14 @@ def _tiny_dataset():
     return TensorDataset(x, x[:, :1])
 
 
+_LOCK = threading.Lock()
+
+
+def _dataset_behind_a_lock():  # reaches a module-level lock: the factory cannot be pickled
+    with _LOCK:
+        return make_dataset()
+
+
 def job(**replace) -> elastic.TrainJob:
     base = {"model": make_model, "optimizer": make_optimizer, "loss": mse, "dataset": make_dataset}
     return elastic.TrainJob(**{**base, **replace})
@@ -127,6 +135,9 @@ RUN_ROWS = [
                 batch=BatchConfig(global_batch_size=16, policy="scale_with_workers")),
      ConfigError, "lower batch.global_batch_size or scaling.max_workers"),
     ("checkpoint path is a file", regression_job, "FILE", ConfigError, "is a file, not a directory"),
+    ("a factory that cannot be pickled", lambda: job(dataset=_dataset_behind_a_lock), fit_config(),
+     ConfigError, "TrainJob.dataset cannot be sent to the workers: _dataset_behind_a_lock -> "
+     "global '_LOCK' is a _thread.lock that cannot be pickled"),
     ("checkpoint URL with an unknown protocol", regression_job,
      fit_config(checkpoint=CheckpointConfig(path="nosuchfs://bucket/x")), ConfigError,
      "cannot be used"),
