@@ -239,3 +239,45 @@ def _labelled(obj: Any) -> list[tuple[str, Any]]:
     if isinstance(obj, type):
         return []
     return [(f"attribute {k!r}", v) for k, v in getattr(obj, "__dict__", {}).items()]
+
+
+def package_origin() -> tuple[str, str]:
+    """Where this process's `elastic` comes from and its version: (folder, version)."""
+    import elastic
+
+    folder = os.path.dirname(elastic.__file__) if getattr(elastic, "__file__", None) else (
+        "a namespace package at " + ", ".join(getattr(elastic, "__path__", []) or ["?"]))
+    try:
+        version = importlib.metadata.version("elastic")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return folder, version
+
+
+def shadowing_folder(cwd: str) -> str | None:
+    """A folder or module named `elastic` in `cwd` that is not the package this process
+    imported: Ray's processes start in the driver's working directory (or a job's), where it
+    would be imported instead of the package."""
+    here = os.path.realpath(package_origin()[0])
+    for name in ("elastic", "elastic.py"):
+        candidate = os.path.join(cwd, name)
+        if os.path.exists(candidate) and os.path.realpath(candidate) != here:
+            return candidate
+    return None
+
+
+def check_origin(expected: tuple[str, str], where: str) -> None:
+    """Refuses to go on in a process (`where`: 'the controller', 'worker 3') that imported
+    another `elastic` than the driver's (`expected`: its `package_origin`).
+
+    Raises:
+        ConfigError: another version, or a namespace package (a folder named elastic).
+    """
+    from elastic.errors import ConfigError
+
+    folder, version = package_origin()
+    if version != expected[1] or folder.startswith("a namespace package"):
+        raise ConfigError(
+            f"{where} imports elastic {version} from {folder}, but the driver runs elastic "
+            f"{expected[1]} from {expected[0]}: install the same version everywhere, and rename "
+            "any folder named 'elastic' in the working directory")

@@ -32,7 +32,7 @@ from elastic.control.requests import Request
 from elastic.errors import ConfigError, RunNotFoundError
 from elastic.job import TrainJob
 from elastic.private import ensure_private_dir, open_private_append, write_private
-from elastic.shipping import unpicklable, user_modules
+from elastic.shipping import package_origin, shadowing_folder, unpicklable, user_modules
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,11 @@ def new_run_name() -> str:
 
 
 def _launch(job: TrainJob, config: FitConfig, name: str, run_dir: str, detached: bool) -> Any:
-    """Creates the named controller actor of a run (the job's code travels with it)."""
+    """Creates the named controller actor of a run (the job's code travels with it).
+
+    Raises:
+        ConfigError: the name is taken, or a factory cannot be pickled.
+    """
     ship_job_code(job)
     try:
         ray.get_actor(controller_name(name), namespace=NAMESPACE)
@@ -149,7 +153,8 @@ def _launch(job: TrainJob, config: FitConfig, name: str, run_dir: str, detached:
             name=controller_name(name), namespace=NAMESPACE, num_cpus=0, max_concurrency=16,
             lifetime="detached" if detached else None, resources={HEAD_RESOURCE: 0.001},
             max_restarts=config.failure.controller_restarts if detached else 0,
-        ).remote(job, config, name, run_dir, detached, os.environ.get(HOME_ENV), key)
+        ).remote(job, config, name, run_dir, detached, os.environ.get(HOME_ENV), key,
+                 package_origin())
     except TypeError:  # Ray's "Could not serialize the argument TrainJob(...)", a page long
         problem = unpicklable({f.name: getattr(job, f.name) for f in dataclasses.fields(job)},
                               ray.cloudpickle.dumps)
@@ -159,8 +164,16 @@ def _launch(job: TrainJob, config: FitConfig, name: str, run_dir: str, detached:
 
 
 def _check_run_dir(run_dir: str) -> None:
-    """The run folder is private and its event log can be written (no planted link or file):
-    refused here, in the caller's process, with a ConfigError naming it."""
+    """The run folder is private and its event log can be written (no planted link or file),
+    and no folder named elastic in the working directory would shadow the package in Ray's
+    processes (they start there): refused here, in the caller's process, before any actor,
+    with a ConfigError naming it."""
+    shadow = shadowing_folder(os.getcwd())
+    if shadow is not None:
+        raise ConfigError(
+            f"{shadow} would be imported as elastic by Ray's processes (they start in this "
+            f"working directory) instead of the package at {package_origin()[0]}: rename it, "
+            "or start the run from another directory")
     ensure_private_dir(run_dir, "run_dir")
     os.close(open_private_append(os.path.join(run_dir, "events.jsonl")))
 

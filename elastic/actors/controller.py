@@ -51,6 +51,7 @@ from elastic.job import TrainJob
 from elastic.private import write_private
 from elastic.registry import RunRegistry, is_terminal, this_host
 from elastic.runlog import RunLog
+from elastic.shipping import check_origin
 from elastic.sinks import RunSinks
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,10 @@ class Controller:
 
     def __init__(self, job: TrainJob, config: FitConfig, name: str, run_dir: str,
                  detached: bool = False, home: str | None = None,
-                 checkpoint_key: bytes | None = None) -> None:
+                 checkpoint_key: bytes | None = None,
+                 origin: tuple[str, str] | None = None) -> None:
+        if origin is not None:  # the driver's elastic (`elastic.shipping.package_origin`)
+            check_origin(origin, "the controller")
         self.config = config
         self.name = name
         self.run_dir = run_dir
@@ -91,7 +95,8 @@ class Controller:
         job = adopt_ray_dataset(job)  # this actor owns the blocks for as long as the run lives
         self.server = RendezvousServer(host=ray.util.get_node_ip_address())
         self.workers = RayWorkers(job, config, run_dir, checkpoint_key, self.server,
-                                  controller=ray.get_runtime_context().current_actor)
+                                  controller=ray.get_runtime_context().current_actor,
+                                  origin=origin)
         restarted = detached and ray.get_runtime_context().was_current_actor_reconstructed
         self.ctx = Context(config, name, self.log, self.workers, has_evaluate=job.evaluate is not None,
                            has_eval_step=job.eval_step is not None,

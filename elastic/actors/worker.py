@@ -60,6 +60,7 @@ from elastic.control.port import (
 )
 from elastic.errors import AfterStepError, CheckpointSignatureError, CollectiveError, InjectedFault
 from elastic.job import TrainJob
+from elastic.shipping import check_origin
 from elastic.trainer.device import (
     bind_thread,
     is_out_of_memory,
@@ -170,7 +171,10 @@ class WorkerActor:
     """One data-parallel worker. Built in the background; joins a generation via `connect`."""
 
     def __init__(self, job: TrainJob, config: FitConfig, run_dir: str, worker_id: int,
-                 checkpoint_key: bytes | None = None, controller: Any = None) -> None:
+                 checkpoint_key: bytes | None = None, controller: Any = None,
+                 origin: tuple[str, str] | None = None) -> None:
+        if origin is not None:  # the driver's elastic (`elastic.shipping.package_origin`)
+            check_origin(origin, f"worker {worker_id}")
         self.worker_id = worker_id
         # First, before the slow part (torch's model, the data): a SIGTERM that comes while
         # the worker starts is a notice too.

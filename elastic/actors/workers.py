@@ -54,9 +54,10 @@ class RayWorkers:
 
     def __init__(self, job: TrainJob, config: FitConfig, run_dir: str,
                  checkpoint_key: bytes | None, server: RendezvousServer,
-                 controller: Any = None) -> None:
+                 controller: Any = None, origin: tuple[str, str] | None = None) -> None:
         self.job, self.config, self.run_dir = job, config, run_dir
         self._controller = controller  # where a worker reports a SIGTERM (`Controller.notify`)
+        self._origin = origin  # the driver's elastic, which every worker must import too
         self._key = checkpoint_key
         self.server = server
         # Every worker started in this run, by worker id; a killed one keeps its handle, so a
@@ -86,7 +87,8 @@ class RayWorkers:
         actor = WorkerActor.options(
             num_cpus=scaling.cpus_per_worker, num_gpus=scaling.gpus_per_worker if scaling.use_gpu else 0,
             max_concurrency=6,  # a chunk, the one ahead, abort, progress, park
-        ).remote(self.job, self.config, self.run_dir, worker_id, self._key, self._controller)
+        ).remote(self.job, self.config, self.run_dir, worker_id, self._key, self._controller,
+                 self._origin)
         self.actors[worker_id] = actor
         self._starting[actor.info.remote()] = worker_id
         return worker_id

@@ -126,3 +126,56 @@ def test_resume_by_name_refuses_what_it_cannot_resume(tmp_path, monkeypatch):
     load_or_create_key()  # the home's key exists; no checkpoint was signed with it
     result = runner.invoke(app, ["resume", "changed", "--force"])
     assert result.exit_code == 2 and "has no valid checkpoint under" in result.output
+
+
+# --- errors that name the cause ------------------------------------------------------------
+
+
+def test_a_folder_named_elastic_in_the_working_directory_is_refused_naming_both(tmp_path,
+                                                                                monkeypatch):
+    from elastic.shipping import package_origin
+
+    (tmp_path / "elastic").mkdir()
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["run", f"{os.path.dirname(elastic.__file__)}/../examples/"
+                                        "spirals.py:job", "--workers", "2", "--global-batch", "8",
+                                 "--max-steps", "1", "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert f"{tmp_path}/elastic would be imported as elastic" in text
+    assert package_origin()[0] in text.replace(" ", "")  # wrapped lines joined again
+
+
+def test_a_process_with_another_elastic_than_the_drivers_refuses_naming_both(monkeypatch):
+    from elastic import shipping
+
+    folder, version = shipping.package_origin()
+    shipping.check_origin((folder, version), "worker 3")  # the same: nothing to say
+    with pytest.raises(ConfigError) as raised:
+        shipping.check_origin(("/other/site-packages/elastic", "9.9.9"), "worker 3")
+    message = str(raised.value)
+    assert f"worker 3 imports elastic {version} from {folder}" in message
+    assert "the driver runs elastic 9.9.9 from /other/site-packages/elastic" in message
+    import elastic as package
+
+    monkeypatch.delattr(package, "__file__")  # a namespace package: a folder named elastic
+    with pytest.raises(ConfigError, match="a namespace package"):
+        shipping.check_origin((folder, version), "the controller")
+
+
+def test_an_unpicklable_factory_is_named_down_to_the_object():
+    import threading
+
+    import cloudpickle
+
+    from elastic.shipping import unpicklable
+
+    lock = threading.Lock()
+
+    def make_model():
+        return lock
+
+    assert unpicklable({"model": print}, cloudpickle.dumps) is None
+    message = unpicklable({"optimizer": print, "model": make_model}, cloudpickle.dumps)
+    assert message.startswith("TrainJob.model cannot be sent to the workers: ")
+    assert "make_model -> closure variable 'lock' is a _thread.lock" in message
