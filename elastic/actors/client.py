@@ -46,7 +46,7 @@ def ensure_ray(config: FitConfig | None = None, start: bool = True) -> None:
     with _INIT_LOCK:
         if not ray.is_initialized():
             _init(config, start)
-            _route_ray_messages()
+        _route_ray_messages()  # also where the caller connected Ray itself (idempotent)
 
 
 # Control calls from other threads (an operator thread beside `fit`) may connect concurrently.
