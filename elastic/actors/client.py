@@ -17,6 +17,7 @@ from typing import Any
 import ray
 from ray.experimental import internal_kv
 
+from elastic import reaper
 from elastic.actors.controller import (
     FINAL_MODEL,
     NAMESPACE,
@@ -51,6 +52,9 @@ def ensure_ray(config: FitConfig | None = None, start: bool = True) -> None:
 
 # Control calls from other threads (an operator thread beside `fit`) may connect concurrently.
 _INIT_LOCK = threading.Lock()
+# The reaper of the local cluster this process started (`elastic.reaper`): held for as long
+# as this process lives, since its pipe closing is what tells it to end the cluster.
+_reaper: list[Any] = []
 
 
 def _init(config: FitConfig | None, start: bool) -> None:
@@ -67,6 +71,10 @@ def _init(config: FitConfig | None, start: bool) -> None:
             raise
         ray.init(namespace=NAMESPACE, log_to_driver=_worker_logs(), logging_level=logging.WARNING,
                  **kwargs)
+        # This process started the cluster: it ends with this process, however that ends.
+        node = getattr(ray._private.worker, "_global_node", None)
+        if node is not None:
+            _reaper.append(reaper.start(node.get_session_dir_path()))
 
 
 def _worker_logs() -> bool:

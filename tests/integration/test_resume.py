@@ -1,14 +1,17 @@
 """A run whose driver is killed with SIGKILL is resumed by name (issue 42): `elastic resume
 NAME` finds its target, configuration and checkpoints, says what it resumed from, and ends
-on the weights of an uninterrupted run."""
+on the weights of an uninterrupted run. A local cluster that such a driver started ends with
+it."""
 
 from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -79,3 +82,45 @@ def test_a_driver_killed_with_sigkill_is_resumed_by_name_and_ends_on_the_referen
     assert final is not None and final.step == STEPS
     torch.testing.assert_close(final.parts["model"], reference_weights(0, 16, STEPS),
                                rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.timeout(300)
+def test_a_local_cluster_ends_with_its_driver_killed_with_sigkill(tmp_path):
+    # A Ray temp folder of its own: the run finds no cluster and starts a local one, as on a
+    # fresh machine (a short path: Ray puts unix sockets under it).
+    from elastic.reaper import cluster_processes
+
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp}
+    env.pop("RAY_ADDRESS", None)
+    name = "reaped-run"
+    with open(tmp_path / "out.txt", "w") as sink:
+        proc = subprocess.Popen(
+            [str(BIN / "elastic"), "run", "tests.jobs:regression_job", "--name", name,
+             "--workers", "2", "--global-batch", "16", "--max-steps", "10000000",
+             "--run-dir", str(tmp_path / "run")],
+            cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: (s := _status(name)) and s["state"] == "running" and s["step"] > 0,
+                   LIMIT_S)
+        cluster = cluster_processes(ray_tmp)
+        assert len(cluster) >= 4  # the GCS, the raylet, the controller, two workers, ...
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=LIMIT_S)
+        # Every process of the cluster ends: none is left running.
+        wait_until(lambda: not {p for p in cluster if _running(p)}, LIMIT_S)
+        assert not cluster_processes(ray_tmp)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (one that ended and waits for its parent to read its status)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
