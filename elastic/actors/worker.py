@@ -69,6 +69,7 @@ from elastic.trainer.device import (
     to_host,
 )
 from elastic.trainer.evaluation import EvalFailure, LazyDataset, eval_batch_size, evaluate_share
+from elastic.trainer.exact import environment
 from elastic.trainer.replica import (
     NonFinite,
     OutOfMemory,
@@ -472,7 +473,15 @@ class WorkerActor:
                     "unsigned": [(d, str(e)) for d, e in skipped
                                  if isinstance(e, CheckpointSignatureError)]}
         self.replica.load_state(loaded.parts)
+        change = None
+        if self.config.batch.exact:  # allowed by checkpoint.allow_environment_change
+            there = (loaded.parts.get("exact") or {}).get("environment") or {}
+            here = environment()
+            if there and there != here:
+                change = "environment " + ", ".join(
+                    f"{k} {there.get(k)!r} -> {v!r}" for k, v in here.items() if there.get(k) != v)
         return {"step": loaded.step, "path": loaded.path, "skipped": loaded.skipped,
+                "environment_change": change,
                 "fingerprint": loaded.manifest.get("fingerprint"),
                 "world_size": loaded.manifest.get("world_size"),
                 "run": loaded.manifest.get("run")}

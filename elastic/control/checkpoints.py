@@ -88,6 +88,9 @@ class CheckpointCoordinator:
             if info.get("fingerprint") not in (None, self.fingerprint()):
                 changes.append(f"{info['fingerprint']} -> {self.fingerprint()} (the math of "
                                "a step: global batch, seed or group size)")
+            if info.get("environment_change"):
+                changes.append(f"{info['environment_change']} (exact mode: the bits from here "
+                               "on are this environment's; checkpoint.allow_environment_change)")
             self.resumed = {"step": info["step"], "run": info.get("run"), "path": info["path"]}
             self.log.emit(Resumed(step=info["step"], path=info["path"],
                                   work_lost_steps=max(0, current_step - info["step"]),

@@ -179,3 +179,30 @@ def test_an_unpicklable_factory_is_named_down_to_the_object():
     message = unpicklable({"optimizer": print, "model": make_model}, cloudpickle.dumps)
     assert message.startswith("TrainJob.model cannot be sent to the workers: ")
     assert "make_model -> closure variable 'lock' is a _thread.lock" in message
+
+
+def test_the_resumed_event_says_which_run_wrote_the_checkpoint_and_what_changed(tmp_path):
+    from elastic.control.checkpoints import CheckpointCoordinator
+    from elastic.runlog import RunLog
+
+    class Worker:  # what `WorkerActor.restore_checkpoint` answers
+        def call(self, worker_id, method):
+            assert method == "restore_checkpoint"
+            return {"step": 200, "path": "/ckpt/step-200", "skipped": [],
+                    "fingerprint": "B=16;seed=0", "world_size": 2, "run": "resume3",
+                    "environment_change": "environment torch '2.12.0' -> '2.13.0'"}
+
+    config = FitConfig(max_steps=300, scaling=ScalingConfig(num_workers=3),
+                       batch=BatchConfig(global_batch_size=16),
+                       checkpoint=CheckpointConfig(path=str(tmp_path / "ckpt")))
+    log = RunLog(str(tmp_path))
+    coordinator = CheckpointCoordinator(config, log, Worker())
+    coordinator.group_size = 4
+    assert coordinator.restore(0, "resumed", 0, world_size=3) == 200
+    [event] = [e for e in log.events if e["event"] == "resumed"]
+    assert event["from_run"] == "resume3" and event["world_size_then"] == 2
+    assert event["world_size_now"] == 3
+    assert event["changes"][0] == "world size 2 -> 3"
+    assert event["changes"][1].startswith("B=16;seed=0 -> B=16;seed=0;G=4 (the math of a step")
+    assert event["changes"][2].startswith("environment torch '2.12.0' -> '2.13.0' (exact mode")
+    assert coordinator.resumed == {"step": 200, "run": "resume3", "path": "/ckpt/step-200"}
