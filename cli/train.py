@@ -23,7 +23,7 @@ import elastic
 from cli.output import console, fail, one_line
 from cli.render import describe
 from elastic.api import run_dir_of
-from elastic.errors import ElasticError
+from elastic.errors import ConfigError, ElasticError
 from elastic.events import Evaluate, Recovered, parse
 from elastic.launch import write_launch
 from elastic.progress import resolve
@@ -91,6 +91,9 @@ def _config_tree(options: dict[str, Any]) -> dict[str, Any]:
     every = options["checkpoint_every"]
     if every is not None:
         _set(tree, *_checkpoint_every(every))
+    path = options["checkpoint"]
+    if path is not None and "://" not in path:  # `elastic resume` may run from elsewhere
+        _set(tree, "checkpoint.path", os.path.abspath(path))
     if options["ledger"]:
         tree["ledger"] = True
     if options["exact"]:  # a flag: only ever turns it on over a config file
@@ -309,6 +312,7 @@ def run(options: dict[str, Any]) -> None:
     console.print(f"run [bold]{run_name}[/bold]: {fit_config.scaling.num_workers} workers, "
                   f"global batch {fit_config.batch.global_batch_size}, run dir {directory}")
     try:
+        _refuse_live(run_name)  # before its launch record is written over
         write_launch(directory, options["target"])  # what `elastic resume` restarts it from
         result = elastic.fit(job, fit_config)
     except ElasticError as e:
@@ -324,6 +328,24 @@ def run(options: dict[str, Any]) -> None:
         _ignore_ctrl_c()
         raise
     _print_summary(result)
+
+
+def _refuse_live(name: str) -> None:
+    """A run of that name that is live (by its record in the run index) is refused here,
+    before anything of it is written.
+
+    Raises:
+        ConfigError: such a run is live.
+    """
+    from elastic.api import _refresh
+    from elastic.registry import LOST, RunRegistry, is_terminal
+
+    record = RunRegistry().read(name)
+    if record is not None and not is_terminal(record) and record.get("state") != LOST:
+        record = _refresh(record)
+        if not is_terminal(record) and record.get("state") != LOST:
+            raise ConfigError(f"a run named {name!r} is already {record['state']}; choose "
+                              "another --name")
 
 
 def _ignore_ctrl_c() -> None:
@@ -364,6 +386,7 @@ def start(options: dict[str, Any]) -> None:
     name = fit_config.name or f"run-{uuid.uuid4().hex[:8]}"
     fit_config = fit_config.model_copy(update={"name": name})
     try:
+        _refuse_live(name)  # before its launch record is written over
         write_launch(run_dir_of(fit_config.run_dir, name), options["target"])
         run_name = elastic.start(job, fit_config)
     except ElasticError as e:
@@ -376,7 +399,7 @@ def start(options: dict[str, Any]) -> None:
 def resume(
     name: Annotated[str, typer.Argument(help="Run name.")],
     workers: Annotated[int | None, typer.Option(
-        help="Another world size (the run's bounds widen to take it).")] = None,
+        min=1, help="Another world size (the run's bounds widen to take it).")] = None,
     address: Annotated[str | None, typer.Option(
         help="Ray cluster address (default: RAY_ADDRESS; attached, a local cluster is started "
         "if there is none).")] = None,

@@ -285,7 +285,7 @@ def resume(name: str, job: TrainJob | None = None, *, num_workers: int | None = 
         ConfigError: the run is still live, has no valid checkpoint, was started from Python
             and `job` is missing, or its target's file changed (without `force`).
     """
-    from elastic.launch import file_sha256, read_launch, resume_config, target_file
+    from elastic.launch import file_sha256, read_launch, resume_config, target_file, update_launch
     from elastic.targets import load_target
 
     record = RunRegistry().read(name)
@@ -300,22 +300,40 @@ def resume(name: str, job: TrainJob | None = None, *, num_workers: int | None = 
             raise ConfigError(f"run {name!r} was started from Python with a TrainJob: pass it "
                               "again, elastic.resume(name, job=...)")
         path = target_file(launch.target, launch.cwd)
+        if path is None:
+            raise ConfigError(f"the target of run {name!r}, {launch.target!r}, cannot be found "
+                              f"from here (it started in {launch.cwd}); run elastic resume there")
         digest = file_sha256(path)
-        if launch.target_sha256 and digest != launch.target_sha256 and not force:
-            raise ConfigError(
-                f"{path} changed since run {name!r} started (SHA-256 {launch.target_sha256[:12]}, "
-                f"now {(digest or 'missing')[:12]}); resume with --force (force=True) to train "
-                "the file as it is now")
+        if launch.target_sha256 and digest != launch.target_sha256:
+            if not force:
+                raise ConfigError(
+                    f"{path} changed since run {name!r} started (SHA-256 "
+                    f"{launch.target_sha256[:12]}, now {(digest or 'missing')[:12]}); resume "
+                    "with --force (force=True) to train the file as it is now")
+            launch = update_launch(record["run_dir"], launch, digest)  # the file as it is now
         module_part, _, attr = launch.target.rpartition(":")
-        spec = f"{path}:{attr}" if module_part.endswith(".py") and path else launch.target
+        spec = f"{path}:{attr}" if module_part.endswith(".py") else launch.target
         job = load_target(spec)
     checkpoint = config.checkpoint
     assert checkpoint is not None  # resume_config refuses a run without
-    if load_checkpoint(checkpoint.path, key_file=checkpoint.key_file,
-                       signed=checkpoint.sign) is None:
+    if not _has_checkpoint(checkpoint.path, checkpoint.key_file, checkpoint.sign):
         raise ConfigError(f"run {name!r} has no valid checkpoint under {checkpoint.path!r}: "
                           "nothing to resume from")
     return start(job, config) if detach else fit(job, config)
+
+
+def _has_checkpoint(path: str, key_file: str | None, signed: bool) -> bool:
+    """A complete checkpoint signed with the key (its manifest and file sizes; the run that
+    resumes verifies every byte as it loads it)."""
+    import os as _os
+
+    from elastic.checkpoint.signing import default_key_file, read_key
+    from elastic.checkpoint.store import has_complete_checkpoint
+
+    key_path = key_file or default_key_file()
+    if signed and not _os.path.exists(key_path):
+        return False  # no key: nothing was signed with it
+    return has_complete_checkpoint(path, read_key(key_path) if signed else None)
 
 
 def load_checkpoint(path: str, step: int | None = None, *, key_file: str | None = None,

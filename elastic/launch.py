@@ -83,6 +83,15 @@ def write_launch(run_dir: str, target: str | None) -> Launch:
     return launch
 
 
+def update_launch(run_dir: str, launch: Launch, sha256: str | None) -> Launch:
+    """Records that the run now trains its target's file as it is (a resume with --force)."""
+    updated = Launch(target=launch.target, target_sha256=sha256, cwd=launch.cwd,
+                     elastic_home=launch.elastic_home)
+    write_private(os.path.join(run_dir, LAUNCH_FILE),
+                  json.dumps(updated.to_json(), indent=1).encode())
+    return updated
+
+
 def read_launch(run_dir: str) -> Launch | None:
     """The launch record of the run in `run_dir` (None: started from Python, or by a version
     that wrote none)."""
@@ -95,16 +104,18 @@ def read_launch(run_dir: str) -> Launch | None:
         raise ConfigError(f"{os.path.join(run_dir, LAUNCH_FILE)} is not a launch record: {e}") from None
 
 
-def started_config(run_dir: str) -> FitConfig:
-    """The configuration of the newest run in `run_dir`, from its `start` event.
+def started_config(run_dir: str, name: str) -> FitConfig:
+    """The configuration of run `name`'s newest start in `run_dir`, from its `start` event.
 
     Raises:
-        ConfigError: the run dir has no `start` event (or none this version reads).
+        ConfigError: the run dir has no `start` event of it (or none this version reads).
     """
     path = os.path.join(run_dir, "events.jsonl")
-    starts = [e for e in read_jsonl(path) if e.get("event") == "start"] if os.path.exists(path) else []
+    starts = [e for e in read_jsonl(path) if e.get("event") == "start"
+              and e.get("name") == name] if os.path.exists(path) else []
     if not starts:
-        raise ConfigError(f"{path} has no start event: the run's configuration is unknown")
+        raise ConfigError(f"{path} has no start event of run {name!r}: its configuration is "
+                          "unknown")
     try:
         return FitConfig.model_validate(starts[-1]["config"])
     except Exception as e:
@@ -123,35 +134,51 @@ def resume_config(name: str, record: dict[str, Any], launch: Launch | None,
     Raises:
         ConfigError: the run is still live, or has no checkpoints.
     """
-    from elastic.registry import LOST, is_terminal
-
-    if not is_terminal(record) and record.get("state") != LOST:
-        raise ConfigError(f"run {name!r} is still {record['state']}; only a lost, failed or "
-                          f"stopped run is resumed (`elastic stop {name}` first)")
-    config = started_config(record["run_dir"])
+    state = record.get("state")
+    if state == "finished":
+        raise ConfigError(f"run {name!r} finished: there is nothing to resume")
+    if state not in ("lost", "failed", "stopped"):
+        raise ConfigError(f"run {name!r} is still {state}; only a lost, failed or stopped run "
+                          f"is resumed (`elastic stop {name}` first)")
+    config = started_config(record["run_dir"], name)
     checkpoint = config.checkpoint
     if checkpoint is None:
         raise ConfigError(f"run {name!r} wrote no checkpoints (checkpoint.path was not set), so "
                           "there is nothing to resume from; start it again with --checkpoint DIR")
-    update: dict[str, Any] = {"name": name, "run_dir": record["run_dir"], "chaos": ()}
-    if checkpoint.sign and checkpoint.key_file is None and launch is not None \
-            and launch.elastic_home != storage_root():
-        update["checkpoint"] = checkpoint.model_copy(update={
-            "key_file": os.path.join(launch.elastic_home, "keys", "checkpoint.key")})
+    tree = config.model_dump()
+    tree.update(name=name, run_dir=record["run_dir"], chaos=())
+    if launch is not None:  # paths as the run that wrote them meant them
+        tree["checkpoint"]["path"] = _from(launch.cwd, checkpoint.path)
+        if checkpoint.key_file is not None:
+            tree["checkpoint"]["key_file"] = _from(launch.cwd, checkpoint.key_file)
+        elif checkpoint.sign and launch.elastic_home != storage_root():
+            tree["checkpoint"]["key_file"] = os.path.join(launch.elastic_home, "keys",
+                                                          "checkpoint.key")
     if num_workers is not None:
-        scaling = config.scaling
-        update["scaling"] = scaling.model_copy(update={
-            "num_workers": num_workers,
-            "max_workers": max(scaling.upper, num_workers),
-            "min_workers": min(scaling.lower, num_workers)})
-    tree = FitConfig.model_validate({**config.model_dump(), **update}).model_dump()
+        scaling = tree["scaling"]
+        scaling.update(num_workers=num_workers,
+                       max_workers=max(config.scaling.upper, num_workers),
+                       min_workers=min(config.scaling.lower, num_workers))
     for dotted, value in (overrides or {}).items():
         *parents, leaf = dotted.split(".")
         node = tree
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = value
-    return FitConfig.model_validate(tree)
+    try:
+        return FitConfig.model_validate(tree)
+    except ValueError as e:  # pydantic's ValidationError: one line naming the setting
+        errors = getattr(e, "errors", lambda: [])()
+        first = errors[0] if errors else {"loc": (), "msg": str(e)}
+        where = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"run {name!r} cannot be resumed so: "
+                          f"{where + ': ' if where else ''}"
+                          f"{first['msg'].removeprefix('Value error, ')}") from None
+
+
+def _from(cwd: str, path: str) -> str:
+    """`path` as seen from `cwd` (a URL, or an absolute path, as it is)."""
+    return path if "://" in path or os.path.isabs(path) else os.path.join(cwd, path)
 
 
 __all__ = [

@@ -255,15 +255,22 @@ def package_origin() -> tuple[str, str]:
 
 
 def shadowing_folder(cwd: str) -> str | None:
-    """A folder or module named `elastic` in `cwd` that is not the package this process
-    imported: Ray's processes start in the driver's working directory (or a job's), where it
-    would be imported instead of the package."""
-    here = os.path.realpath(package_origin()[0])
-    for name in ("elastic", "elastic.py"):
-        candidate = os.path.join(cwd, name)
-        if os.path.exists(candidate) and os.path.realpath(candidate) != here:
-            return candidate
-    return None
+    """A module or package named `elastic` in `cwd` that is not the package this process
+    imported: Ray's processes start in the driver's working directory (or a job's), first on
+    their path, where it would be imported instead. A plain folder named elastic (no
+    `__init__.py`, a namespace package) shadows only a package that is not itself on the path
+    (an editable install's finder); an installed package wins over it."""
+    folder = package_origin()[0]
+    here = os.path.realpath(folder)
+    on_path = {os.path.realpath(p or os.getcwd()) for p in sys.path}
+    regular = os.path.realpath(os.path.dirname(folder)) in on_path
+    package = os.path.join(cwd, "elastic")
+    modules = [os.path.join(cwd, name) for name in os.listdir(cwd)
+               if name == "elastic.py" or (name.startswith("elastic.") and name.endswith(".so"))]
+    if os.path.isdir(package) and os.path.realpath(package) != here and (
+            not regular or os.path.exists(os.path.join(package, "__init__.py"))):
+        return package
+    return modules[0] if modules else None
 
 
 def check_origin(expected: tuple[str, str], where: str) -> None:

@@ -73,8 +73,13 @@ def _init(config: FitConfig | None, start: bool) -> None:
                  **kwargs)
         # This process started the cluster: it ends with this process, however that ends.
         node = getattr(ray._private.worker, "_global_node", None)
-        if node is not None:
-            _reaper.append(reaper.start(node.get_session_dir_path()))
+        if node is not None and getattr(node, "head", False):
+            pids = [info.process.pid for infos in getattr(node, "all_processes", {}).values()
+                    for info in infos if getattr(info, "process", None) is not None]
+            for old in _reaper:  # a cluster of this process's that ray.shutdown() ended
+                if old is not None and old.stdin is not None:
+                    old.stdin.close()
+            _reaper[:] = [reaper.start(pids)]
 
 
 def _worker_logs() -> bool:
@@ -264,6 +269,15 @@ def _wait(controller: Any, name: str, run_dir: str) -> Outcome:
     with _sigterm_interrupts() as received:
         try:
             return ray.get(pending)
+        except ray.exceptions.RayActorError as e:
+            # The controller's constructor refused (another elastic than this process's):
+            # Ray passes its ConfigError on only as text.
+            own = "elastic.errors.ConfigError: "
+            lines = [line.strip() for line in str(getattr(e, "error_msg", e)).splitlines()]
+            refusal = next((line for line in reversed(lines) if line.startswith(own)), None)
+            if getattr(e, "actor_init_failed", False) and refusal is not None:
+                raise ConfigError(refusal[len(own):]) from None
+            raise
         except KeyboardInterrupt:
             by = _interruption(received)
         try:
@@ -328,6 +342,11 @@ def start_detached(job: TrainJob, config: FitConfig, name: str, run_dir: str) ->
             "a detached run needs a running Ray cluster that outlives this process: start one "
             "with `ray start --head` (or pass --address); `elastic run` uses a local one"
         ) from e
+    if any(r is not None for r in _reaper):  # the cluster is this process's own (`connect`)
+        raise ConfigError(
+            "a detached run needs a Ray cluster that outlives this process, but the connected "
+            "one was started by it and ends with it: start one with `ray start --head` (or "
+            "pass --address)")
     controller = _launch(job, config, name, run_dir, detached=True)
     # Wait until it exists (its constructor ran), so that status works right after this.
     ray.get(controller.status.remote())

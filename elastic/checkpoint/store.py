@@ -263,6 +263,13 @@ def newest_checkpoint(root: str, key: bytes | None = None
     return None, skipped
 
 
+def has_complete_checkpoint(root: str, key: bytes | None = None) -> bool:
+    """Whether `root` holds a checkpoint whose manifest is committed, whose files have their
+    recorded sizes and (with `key`) is validly signed, without reading its data (a run that
+    resumes verifies every byte when it loads it)."""
+    return any(_retention_state(root, step, key)[0] == "valid" for step in list_steps(root))
+
+
 def _retention_state(root: str, step: int, key: bytes | None) -> tuple[str, dict[str, Any]]:
     """Cheap validity for retention (full verification reads and hashes every byte;
     `load_checkpoint` does that), and the manifest: "incomplete" without a committed manifest

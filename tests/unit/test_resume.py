@@ -83,14 +83,42 @@ def test_resume_config_is_the_started_one_without_its_chaos_and_takes_a_new_size
     assert wider.logging.progress == "lines"
 
 
-def test_resume_refuses_a_live_run_and_one_without_checkpoints(tmp_path):
+def test_resume_refuses_a_live_or_finished_run_one_without_checkpoints_and_a_bad_size(tmp_path):
     _ended_run(tmp_path / "home", tmp_path, "live", state="running")
+    _ended_run(tmp_path / "home", tmp_path, "done", state="finished")
     _ended_run(tmp_path / "home", tmp_path, "bare", checkpoint=False)
+    _ended_run(tmp_path / "home", tmp_path, "r1")
     registry = RunRegistry(str(tmp_path / "home"))
     with pytest.raises(ConfigError, match=r"still running.*elastic stop live"):
         resume_config("live", registry.read("live"), None)
+    with pytest.raises(ConfigError, match="finished: there is nothing to resume"):
+        resume_config("done", registry.read("done"), None)
     with pytest.raises(ConfigError, match=r"wrote no checkpoints.*--checkpoint DIR"):
         resume_config("bare", registry.read("bare"), None)
+    # A change the configuration refuses is one line naming the setting, not a traceback.
+    with pytest.raises(ConfigError) as raised:
+        resume_config("r1", registry.read("r1"), None,
+                      overrides={"batch.global_batch_size": 0})
+    assert str(raised.value).startswith("run 'r1' cannot be resumed so: batch.global_batch_size:")
+    assert "\n" not in str(raised.value)
+    result = runner.invoke(app, ["resume", "r1", "--workers", "0"])
+    assert result.exit_code == 2 and "--workers" in result.output
+
+
+def test_a_relative_checkpoint_folder_is_found_from_where_the_run_started(tmp_path, monkeypatch):
+    from cli.train import _config_tree
+
+    monkeypatch.chdir(tmp_path)
+    tree = _config_tree(_options(checkpoint="ckpt", checkpoint_every="5"))
+    assert tree["checkpoint"]["path"] == str(tmp_path / "ckpt")  # made absolute at the start
+    # A record of an older start that kept it relative: resolved against its directory.
+    home = tmp_path / "home"
+    run_dir = _ended_run(home, tmp_path, "rel", target="examples/spirals.py:job")
+    events = (run_dir / "events.jsonl").read_text().replace(str(tmp_path / "ckpt"), "ckpt")
+    (run_dir / "events.jsonl").write_text(events)
+    monkeypatch.chdir("/")
+    config = resume_config("rel", RunRegistry(str(home)).read("rel"), read_launch(str(run_dir)))
+    assert config.checkpoint.path == str(tmp_path / "ckpt")
 
 
 def test_the_checkpoint_key_comes_from_the_home_that_signed_it(tmp_path, monkeypatch):
@@ -126,6 +154,9 @@ def test_resume_by_name_refuses_what_it_cannot_resume(tmp_path, monkeypatch):
     load_or_create_key()  # the home's key exists; no checkpoint was signed with it
     result = runner.invoke(app, ["resume", "changed", "--force"])
     assert result.exit_code == 2 and "has no valid checkpoint under" in result.output
+    # The file as it is now is the run's target from then on: no --force needed again.
+    result = runner.invoke(app, ["resume", "changed"])
+    assert "changed since" not in result.output and "has no valid checkpoint" in result.output
 
 
 # --- errors that name the cause ------------------------------------------------------------
@@ -136,6 +167,7 @@ def test_a_folder_named_elastic_in_the_working_directory_is_refused_naming_both(
     from elastic.shipping import package_origin
 
     (tmp_path / "elastic").mkdir()
+    (tmp_path / "elastic" / "__init__.py").write_text("")  # shadows any install
     monkeypatch.chdir(tmp_path)
     result = runner.invoke(app, ["run", f"{os.path.dirname(elastic.__file__)}/../examples/"
                                         "spirals.py:job", "--workers", "2", "--global-batch", "8",
