@@ -405,6 +405,8 @@ def resume(
         "if there is none).")] = None,
     detach: Annotated[bool, typer.Option(
         help="Start it detached on a running cluster and return at once.")] = False,
+    max_steps: Annotated[int | None, typer.Option(
+        min=1, help="Train to this step instead (max_steps; to train longer).")] = None,
     force: Annotated[bool, typer.Option(
         help="Resume although the target's file changed since the run started.")] = False,
     debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
@@ -417,8 +419,11 @@ def resume(
         resolve("auto", console.is_terminal, otherwise="lines") or "off")
     console.print(f"resuming run [bold]{name}[/bold] from its newest checkpoint")
     try:
+        overrides: dict[str, Any] = {"logging.progress": progress}
+        if max_steps is not None:
+            overrides["max_steps"] = max_steps
         outcome = elastic.resume(name, num_workers=workers, detach=detach, force=force,
-                                 overrides={"logging.progress": progress})
+                                 overrides=overrides)
     except ElasticError as e:
         if debug:
             raise

@@ -59,11 +59,13 @@ _reaper: list[Any] = []
 
 def _init(config: FitConfig | None, start: bool) -> None:
     kwargs: dict[str, Any] = {}
-    if config is not None and not os.environ.get("RAY_ADDRESS"):
+    if config is not None and os.environ.get("RAY_ADDRESS") in (None, "", "local"):
         scaling = config.scaling
         wanted = (scaling.upper + scaling.spares) * scaling.cpus_per_worker  # spares: on top
         kwargs["num_cpus"] = max(os.cpu_count() or 1, int(wanted + 0.999))
     try:
+        if os.environ.get("RAY_ADDRESS") == "local":  # Ray's own word for a fresh local one
+            raise ConnectionError("RAY_ADDRESS=local")
         ray.init(address="auto", namespace=NAMESPACE, log_to_driver=_worker_logs(),
                  logging_level=logging.WARNING)
     except ConnectionError:

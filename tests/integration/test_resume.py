@@ -47,7 +47,7 @@ def test_a_driver_killed_with_sigkill_is_resumed_by_name_and_ends_on_the_referen
     with open(tmp_path / "first.txt", "w") as sink:
         proc = subprocess.Popen(
             [str(BIN / "elastic"), "run", "tests.jobs:regression_job", "--name", name,
-             "--workers", "2", "--global-batch", "16", "--max-steps", str(STEPS),
+             "--workers", "2", "--global-batch", "16", "--max-steps", "10000000",
              "--run-dir", str(tmp_path / "run"), "--checkpoint", str(checkpoints),
              "--checkpoint-every", "4", "--keep-last", "2"],
             cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
@@ -64,23 +64,25 @@ def test_a_driver_killed_with_sigkill_is_resumed_by_name_and_ends_on_the_referen
             proc.wait()
     # Its controller died with it (Ray ends the actors a driver owns): the run reads as lost.
     lost = wait_until(lambda: (s := _status(name)) and s["state"] == "lost" and s, LIMIT_S)
-    assert lost["step"] < STEPS
-
-    done = subprocess.run([str(BIN / "elastic"), "resume", name], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    # Resumed to train STEPS steps past where it was lost (a run's weights up to a step do not
+    # depend on its max_steps).
+    end = lost["step"] + STEPS
+    done = subprocess.run([str(BIN / "elastic"), "resume", name, "--max-steps", str(end)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     [resumed] = of_kind(read_events(tmp_path / "run"), Resumed)
     assert resumed.from_run == name and resumed.world_size_then == 2
     assert resumed.world_size_now == 2 and resumed.changes == []
     assert f"resumed from step {resumed.step} of run {name}" in output
+    assert resumed.step <= lost["step"]
     status = elastic.status(name)
-    assert status["state"] == "finished" and status["step"] == STEPS
+    assert status["state"] == "finished" and status["step"] == end
     assert status["resumed_from"]["step"] == resumed.step
     # The final checkpoint holds the weights of an uninterrupted run of the same configuration.
     final = elastic.load_checkpoint(str(checkpoints))
-    assert final is not None and final.step == STEPS
-    torch.testing.assert_close(final.parts["model"], reference_weights(0, 16, STEPS),
+    assert final is not None and final.step == end
+    torch.testing.assert_close(final.parts["model"], reference_weights(0, 16, end),
                                rtol=1e-9, atol=1e-10)
 
 
@@ -88,11 +90,9 @@ def test_a_driver_killed_with_sigkill_is_resumed_by_name_and_ends_on_the_referen
 def test_a_local_cluster_ends_with_its_driver_killed_with_sigkill(tmp_path):
     # A Ray temp folder of its own: the run finds no cluster and starts a local one, as on a
     # fresh machine (a short path: Ray puts unix sockets under it).
-    from elastic.reaper import cluster_processes
-
     ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp}
-    env.pop("RAY_ADDRESS", None)
+    # RAY_ADDRESS=local: a fresh local cluster even beside this session's own.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp, "RAY_ADDRESS": "local"}
     name = "reaped-run"
     with open(tmp_path / "out.txt", "w") as sink:
         proc = subprocess.Popen(
@@ -103,18 +103,35 @@ def test_a_local_cluster_ends_with_its_driver_killed_with_sigkill(tmp_path):
     try:
         wait_until(lambda: (s := _status(name)) and s["state"] == "running" and s["step"] > 0,
                    LIMIT_S)
-        cluster = cluster_processes(ray_tmp)
+        cluster = _cluster(ray_tmp)
         assert len(cluster) >= 4  # the GCS, the raylet, the controller, two workers, ...
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=LIMIT_S)
         # Every process of the cluster ends: none is left running.
         wait_until(lambda: not {p for p in cluster if _running(p)}, LIMIT_S)
-        assert not cluster_processes(ray_tmp)
+        assert not _cluster(ray_tmp)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _cluster(ray_tmp: str) -> set[int]:
+    """The processes of the cluster under `ray_tmp`: those that name it (the GCS, the raylet,
+    ...) and all below them (Ray's workers rename themselves)."""
+    from elastic import reaper
+
+    roots = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                named = ray_tmp.encode() in f.read()
+        except OSError:
+            continue
+        if entry.isdigit() and named and (info := reaper._stat(int(entry))) is not None:
+            roots[int(entry)] = info[1]
+    return set(reaper.tree(roots))
 
 
 def _running(pid: int) -> bool:

@@ -209,7 +209,7 @@ def test_the_option_surface_is_what_was_reviewed():
                  "max_micro_batch", "max_steps", "max_workers", "min_workers", "name", "run_dir",
                  "seed", "shard_replicas", "sharding_stage", "spares", "target", "tensorboard",
                  "workers"],
-        "resume": ["address", "debug", "detach", "force", "name", "workers"],
+        "resume": ["address", "debug", "detach", "force", "max_steps", "name", "workers"],
         "list": ["live"],
         "demo": ["epochs", "run_dir", "workers"],
         "report": ["out", "run_dir", "trace"],
