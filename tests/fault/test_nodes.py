@@ -69,10 +69,10 @@ def test_a_node_joins_and_a_node_is_lost_and_the_run_goes_on(tmp_path):
     # boundary; no failure, the others kept their processes.
     drained = summary["drained_workers"]
     notices = of_kind(events, PreemptionNotice)
-    assert [n.source for n in notices] == ["ray_drain"] and notices[0].worker_ids == drained
+    assert [n.source for n in notices] == ["ray_drain"] and sorted(notices[0].worker_ids) == drained
     assert notices[0].deadline is not None
     [departure] = of_kind(events, PlannedDeparture)
-    assert departure.worker_ids == drained and departure.steps_redone == 0
+    assert sorted(departure.worker_ids) == drained and departure.steps_redone == 0
     after = summary["after_drain"]
     assert after["failures"] == summary["failures_before_drain"]
     assert after["world_size"] == 4 - len(drained)

@@ -74,8 +74,8 @@ def test_sigterm_and_drain_leave_at_a_boundary_and_a_short_deadline_recovers(ray
         seen["after_drain"] = {w["worker_id"]: w["pid"] for w in second["workers"]}
         # A deadline that has passed already: no step boundary can come first.
         seen["late"] = elastic.drain(name, rank=1, deadline=0)
-        op.wait_for(lambda s: s["preemptions"] == 3 and s["state"] == "running"
-                    and s["step"] >= 3 * PER_EPOCH)
+        op.wait_for(lambda s: s["preemptions"] == 3 and s["step"] >= 3 * PER_EPOCH
+                    and any(e["event"] == "recovered" for e in elastic.events(name)))
 
     with Operator(name, script):
         result = elastic.fit(regression_job(), config)
