@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.connection
 import os
 import pathlib
 import pickle
+import threading
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+if TYPE_CHECKING:
+    from elastic.config import FitConfig
+    from elastic.job import TrainJob
+    from elastic.result import FitResult
 
 
 def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -79,3 +87,59 @@ def _failed(context: Any, rank: int) -> None:
     raise mp.ProcessExitedException(
         f"DDP baseline rank {rank} ended (exit code {process.exitcode}) before its work was over",
         error_index=rank, error_pid=process.pid, exit_code=process.exitcode or 0)
+
+
+def fit_with_operator(job: TrainJob, config: FitConfig,
+                      operate: Callable[[threading.Event], None]) -> FitResult:
+    """`elastic.fit(job, config)` with `operate(finished)` beside it on a thread (the bench's
+    operator: kills, SIGTERMs, scale requests); the run is stopped once `operate` returns, and
+    an error of `operate` is raised after the run ended. `finished` is set when the run has
+    ended (an operator waiting on the run gives up then)."""
+    from elastic.api import fit, stop
+    from elastic.errors import RunNotFoundError
+
+    assert config.name is not None, "the operator finds the run by its name"
+    errors: list[BaseException] = []
+    finished = threading.Event()
+
+    def operator() -> None:
+        try:
+            operate(finished)
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            with contextlib.suppress(RunNotFoundError):
+                stop(config.name)
+
+    thread = threading.Thread(target=operator, daemon=True)
+    thread.start()
+    try:
+        result = fit(job, config)
+    finally:
+        finished.set()
+        thread.join()
+    if errors:
+        raise errors[0]
+    return result
+
+
+def wait_status(name: str, finished: threading.Event, timeout_s: float,
+                predicate: Callable[[dict], bool]) -> dict:
+    """Polls run `name`'s status until `predicate` holds; returns that status.
+
+    Raises:
+        TimeoutError: not within `timeout_s`, or the run ended first (`finished`).
+    """
+    from elastic.api import status
+    from elastic.errors import RunNotFoundError
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not finished.is_set():
+        try:
+            current = status(name)
+        except RunNotFoundError:
+            current = None
+        if current is not None and predicate(current):
+            return current
+        finished.wait(0.01)
+    raise TimeoutError(f"run {name} did not reach the expected state within {timeout_s}s")

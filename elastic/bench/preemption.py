@@ -17,7 +17,6 @@ process is sampled for CPU and memory while it waits: the cost of keeping a spar
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import random
@@ -30,11 +29,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from elastic.api import connect, fit, kill, status, stop
-from elastic.bench import classification_loss, sgd
+from elastic.api import connect, kill, status
+from elastic.bench import classification_loss, fit_with_operator, sgd, wait_status
 from elastic.bench.recovery import _dataset, _model
 from elastic.config import BatchConfig, FitConfig, ScalingConfig
-from elastic.errors import RunNotFoundError
 from elastic.events import PlannedDeparture, parse
 from elastic.job import TrainJob
 
@@ -126,47 +124,33 @@ def _one_run(workers: int, spares: int, trials: int, rng: random.Random,
                    loss=classification_loss, dataset=_dataset)
     out = PreemptionRun(spares=spares, run_dir=directory)
     marks: dict[str, list] = {"sigterm": [], "kill": []}  # times (and generations) sent
-    errors: list[BaseException] = []
-    finished = threading.Event()
 
     def full(s: dict) -> bool:
         return (s["state"] == "running" and s["world_size"] == workers
                 and s["joining_workers"] == 0 and s.get("spare_workers", 0) == spares)
 
-    def operator() -> None:
-        try:
-            first = _wait(name, finished, timeout_s, lambda s: full(s) and s["step"] > 0)
-            _wait(name, finished, timeout_s, lambda s: s["step"] > first["step"] + _STEADY_STEPS)
-            if spares:
-                spare = status(name)["spares"][0]
-                out.spare_cost = _sample(spare["pid"], _IDLE_S)
-            for trial in range(trials):
-                current = _wait(name, finished, timeout_s, lambda s, t=trial: full(s)
-                                and s["preemptions"] == t and s["step"] > 0)
-                pid = current["workers"][rng.randrange(workers)]["pid"]
-                marks["sigterm"].append(time.time())
-                os.kill(pid, signal.SIGTERM)
-                current = _wait(name, finished, timeout_s, lambda s, t=trial: full(s)
-                                and s["preemptions"] == t + 1 and s["failures"] == t)
-                marks["kill"].append((time.time(), current["generation"]))
-                kill(name, rng.randrange(workers))
-                _wait(name, finished, timeout_s, lambda s, t=trial, at=current["step"]: full(s)
-                      and s["failures"] == t + 1 and s["step"] > at + 2)
-        except BaseException as e:
-            errors.append(e)
-        finally:
-            with contextlib.suppress(RunNotFoundError):
-                stop(name)
+    def operate(finished: threading.Event) -> None:
+        def wait(predicate: Callable[[dict], bool]) -> dict:
+            return wait_status(name, finished, timeout_s, predicate)
 
-    thread = threading.Thread(target=operator, daemon=True)
-    thread.start()
-    try:
-        result = fit(job, config)
-    finally:
-        finished.set()
-        thread.join()
-    if errors:
-        raise errors[0]
+        first = wait(lambda s: full(s) and s["step"] > 0)
+        wait(lambda s: s["step"] > first["step"] + _STEADY_STEPS)
+        if spares:
+            spare = status(name)["spares"][0]
+            out.spare_cost = _sample(spare["pid"], _IDLE_S)
+        for trial in range(trials):
+            current = wait(lambda s, t=trial: full(s) and s["preemptions"] == t and s["step"] > 0)
+            pid = current["workers"][rng.randrange(workers)]["pid"]
+            marks["sigterm"].append(time.time())
+            os.kill(pid, signal.SIGTERM)
+            current = wait(lambda s, t=trial: full(s) and s["preemptions"] == t + 1
+                           and s["failures"] == t)
+            marks["kill"].append((time.time(), current["generation"]))
+            kill(name, rng.randrange(workers))
+            wait(lambda s, t=trial, at=current["step"]: full(s) and s["failures"] == t + 1
+                 and s["step"] > at + 2)
+
+    result = fit_with_operator(job, config, operate)
     events = [parse(e) for e in result.events]
     metrics = result.metrics
     first_generation = [m for m in metrics if m["generation"] == 0]
@@ -205,17 +189,3 @@ def _sample(pid: int, seconds: float) -> SpareCost:
     with open(f"/proc/{pid}/status") as f:
         rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     return SpareCost(cpu_fraction=used / elapsed, rss_mb=rss_kb / 1024)
-
-
-def _wait(name: str, finished: threading.Event, timeout_s: float,
-          predicate: Callable[[dict], bool]) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not finished.is_set():
-        try:
-            current = status(name)
-        except RunNotFoundError:
-            current = None
-        if current is not None and predicate(current):
-            return current
-        finished.wait(0.01)
-    raise TimeoutError(f"run {name} did not reach the expected state within {timeout_s}s")

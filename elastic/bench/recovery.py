@@ -8,25 +8,21 @@ the background and join at a later boundary, which is reported separately as `jo
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import random
 import statistics
 import tempfile
 import threading
-import time
 import uuid
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic.api import events, fit, kill, scale, status, stop
-from elastic.bench import classification_loss, sgd
+from elastic.api import events, kill, scale
+from elastic.bench import classification_loss, fit_with_operator, sgd, wait_status
 from elastic.config import BatchConfig, FailureConfig, FitConfig, ScalingConfig, ShardingConfig
-from elastic.errors import RunNotFoundError
 from elastic.events import Recovered, WorkerJoined, parse, to_record
 from elastic.job import TrainJob
 
@@ -101,27 +97,8 @@ def run_recovery_bench(workers: int, trials: int, seed: int = 0,
     )
     optimizer = _momentum if sharding_stage else _optimizer
     job = TrainJob(model=_model, optimizer=optimizer, loss=classification_loss, dataset=_dataset)
-    errors: list[BaseException] = []
-    finished = threading.Event()
-
-    def operator() -> None:
-        try:
-            _kill_trials(name, workers, trials, rng, replace, finished, timeout_s)
-        except BaseException as e:
-            errors.append(e)
-        finally:
-            with contextlib.suppress(RunNotFoundError):
-                stop(name)
-
-    thread = threading.Thread(target=operator, daemon=True)
-    thread.start()
-    try:
-        result = fit(job, config)
-    finally:
-        finished.set()
-        thread.join()
-    if errors:
-        raise errors[0]
+    result = fit_with_operator(job, config, lambda finished: _kill_trials(
+        name, workers, trials, rng, replace, finished, timeout_s))
     typed = [parse(e) for e in result.events]
     recoveries = [e for e in typed if isinstance(e, Recovered)]
     return RecoveryBenchResult(
@@ -136,21 +113,21 @@ def _kill_trials(name: str, workers: int, trials: int, rng: random.Random, repla
     """The operator of the bench: `trials` kills, each once the run is back to `workers`;
     returns once the last recovery is recorded."""
     for trial in range(trials):
-        current = _wait_status(name, finished, timeout_s, lambda s, t=trial: (
+        current = wait_status(name, finished, timeout_s, lambda s, t=trial: (
             s["state"] == "running" and s["world_size"] == workers
             and s["failures"] == t and s["step"] > 0))
         kill(name, rng.randrange(current["world_size"]))
         if not replace:
             # No replacement starts while the survivors recover; once they have, the
             # operator scales back up for the next trial.
-            _wait_status(name, finished, timeout_s, lambda s, t=trial: (
+            wait_status(name, finished, timeout_s, lambda s, t=trial: (
                 s["failures"] == t + 1 and s["state"] == "running"
                 and s["world_size"] == workers - 1 and s["starting_workers"] == 0))
             scale(name, workers)
-    _wait_status(name, finished, timeout_s, lambda s: s["failures"] == trials
+    wait_status(name, finished, timeout_s, lambda s: s["failures"] == trials
                  and s["state"] == "running" and s["generation"] > 0)
     # The last recovery is recorded at its first completed step.
-    _wait_status(name, finished, timeout_s, lambda s: sum(
+    wait_status(name, finished, timeout_s, lambda s: sum(
         isinstance(parse(e), Recovered) for e in events(name)) == trials)
 
 
@@ -162,17 +139,3 @@ def _stages(recoveries: list[Recovered]) -> list[StageSummary]:
         if values:
             stages.append(StageSummary(stage, statistics.median(values), max(values)))
     return stages
-
-
-def _wait_status(name: str, finished: threading.Event, timeout_s: float,
-                 predicate: Callable[[dict], bool]) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not finished.is_set():
-        try:
-            current = status(name)
-        except RunNotFoundError:
-            current = None
-        if current is not None and predicate(current):
-            return current
-        finished.wait(0.01)
-    raise TimeoutError(f"run {name} did not reach the expected state within {timeout_s}s")
