@@ -11,8 +11,9 @@ are ready):
    committed at full size again - by a spare in the recovery itself, or by a cold replacement
    that joins later.
 
-Before the first fault, the run's steady steps are timed, and with a spare, the spare's
-process is sampled for CPU and memory while it waits: the cost of keeping a spare.
+Before the first fault, once the run is at full size with its spares ready, the run's steady
+steps are timed, and with a spare, the spare's process is sampled for CPU and memory while it
+waits: the cost of keeping a spare.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def _one_run(workers: int, spares: int, trials: int, rng: random.Random,
     job = TrainJob(model=_model, optimizer=functools.partial(sgd, lr=0.05),
                    loss=classification_loss, dataset=_dataset)
     out = PreemptionRun(spares=spares, run_dir=directory)
-    marks: dict[str, list] = {"sigterm": [], "kill": []}  # times (and generations) sent
+    # Times (and generations) of the signals sent; where the steady steps start.
+    marks: dict[str, list] = {"sigterm": [], "kill": [], "steady": []}
 
     def full(s: dict) -> bool:
         return (s["state"] == "running" and s["world_size"] == workers
@@ -134,6 +136,7 @@ def _one_run(workers: int, spares: int, trials: int, rng: random.Random,
             return wait_status(name, finished, timeout_s, predicate)
 
         first = wait(lambda s: full(s) and s["step"] > 0)
+        marks["steady"].append((first["step"], first["generation"]))
         wait(lambda s: s["step"] > first["step"] + _STEADY_STEPS)
         if spares:
             spare = status(name)["spares"][0]
@@ -153,8 +156,10 @@ def _one_run(workers: int, spares: int, trials: int, rng: random.Random,
     result = fit_with_operator(job, config, operate)
     events = [parse(e) for e in result.events]
     metrics = result.metrics
-    first_generation = [m for m in metrics if m["generation"] == 0]
-    steady = [m["step_time_s"] for m in first_generation[1:_STEADY_STEPS + 1]]
+    # Once the run and its spares are up (a spare still starting takes a core from the steps).
+    start, generation = marks["steady"][0] if marks["steady"] else (0, 0)
+    steady = [m["step_time_s"] for m in metrics if m["generation"] == generation
+              and start < m["step"] <= start + _STEADY_STEPS]
     out.steady_step_s = statistics.median(steady) if steady else 0.0
     departures = [e for e in events if isinstance(e, PlannedDeparture)]
     for sent, departure in zip(marks["sigterm"], departures, strict=False):
