@@ -22,10 +22,9 @@ from rich.table import Table
 import elastic
 from cli.output import console, fail, one_line
 from cli.render import describe
-from elastic.api import run_dir_of
-from elastic.errors import ConfigError, ElasticError
+from elastic.api import record_launch, run_dir_of
+from elastic.errors import ElasticError
 from elastic.events import Evaluate, Recovered, parse
-from elastic.launch import write_launch
 from elastic.progress import resolve
 
 # Command-line option -> dotted FitConfig field; `run` and `start` share them.
@@ -312,8 +311,7 @@ def run(options: dict[str, Any]) -> None:
     console.print(f"run [bold]{run_name}[/bold]: {fit_config.scaling.num_workers} workers, "
                   f"global batch {fit_config.batch.global_batch_size}, run dir {directory}")
     try:
-        _refuse_live(run_name)  # before its launch record is written over
-        write_launch(directory, options["target"])  # what `elastic resume` restarts it from
+        record_launch(run_name, directory, options["target"])  # what `resume` restarts
         result = elastic.fit(job, fit_config)
     except ElasticError as e:
         if options["debug"]:
@@ -328,24 +326,6 @@ def run(options: dict[str, Any]) -> None:
         _ignore_ctrl_c()
         raise
     _print_summary(result)
-
-
-def _refuse_live(name: str) -> None:
-    """A run of that name that is live (by its record in the run index) is refused here,
-    before anything of it is written.
-
-    Raises:
-        ConfigError: such a run is live.
-    """
-    from elastic.api import _refresh
-    from elastic.registry import LOST, RunRegistry, is_terminal
-
-    record = RunRegistry().read(name)
-    if record is not None and not is_terminal(record) and record.get("state") != LOST:
-        record = _refresh(record)
-        if not is_terminal(record) and record.get("state") != LOST:
-            raise ConfigError(f"a run named {name!r} is already {record['state']}; choose "
-                              "another --name")
 
 
 def _ignore_ctrl_c() -> None:
@@ -386,8 +366,7 @@ def start(options: dict[str, Any]) -> None:
     name = fit_config.name or f"run-{uuid.uuid4().hex[:8]}"
     fit_config = fit_config.model_copy(update={"name": name})
     try:
-        _refuse_live(name)  # before its launch record is written over
-        write_launch(run_dir_of(fit_config.run_dir, name), options["target"])
+        record_launch(name, run_dir_of(fit_config.run_dir, name), options["target"])
         run_name = elastic.start(job, fit_config)
     except ElasticError as e:
         if options["debug"]:

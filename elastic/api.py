@@ -264,6 +264,25 @@ def _from_record(record: dict[str, Any], request: Request) -> Any:
                            f"{request.verb}")
 
 
+def record_launch(name: str, run_dir: str, target: str) -> None:
+    """Records in `run_dir` that run `name` is started from `target` (`path.py:attr` or
+    `package.module:attr`), for `resume` to start it again (`elastic.launch`). A live run of
+    that name is refused first: its launch record is never written over.
+
+    Raises:
+        ConfigError: a run of that name is live, or the run dir cannot be made private.
+    """
+    from elastic.launch import write_launch
+
+    record = RunRegistry().read(name)
+    if record is not None and not is_terminal(record) and record.get("state") != LOST:
+        record = _refresh(record)
+        if not is_terminal(record) and record.get("state") != LOST:
+            raise ConfigError(f"a run named {name!r} is already {record['state']}; choose "
+                              "another --name")
+    write_launch(run_dir, target)
+
+
 def resume(name: str, job: TrainJob | None = None, *, num_workers: int | None = None,
            detach: bool = False, force: bool = False,
            overrides: Mapping[str, Any] | None = None) -> FitResult | str:
