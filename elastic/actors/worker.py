@@ -69,7 +69,7 @@ from elastic.trainer.device import (
     to_host,
 )
 from elastic.trainer.evaluation import EvalFailure, LazyDataset, eval_batch_size, evaluate_share
-from elastic.trainer.exact import environment
+from elastic.trainer.exact import environment_changes
 from elastic.trainer.replica import (
     NonFinite,
     OutOfMemory,
@@ -474,12 +474,12 @@ class WorkerActor:
                                  if isinstance(e, CheckpointSignatureError)]}
         self.replica.load_state(loaded.parts)
         change = None
-        if self.config.batch.exact:  # allowed by checkpoint.allow_environment_change
-            there = (loaded.parts.get("exact") or {}).get("environment") or {}
-            here = environment()
-            if there and there != here:
+        there = (loaded.parts.get("exact") or {}).get("environment")
+        if self.config.batch.exact and there:  # allowed by checkpoint.allow_environment_change
+            changes = environment_changes(there)
+            if changes:
                 change = "environment " + ", ".join(
-                    f"{k} {there.get(k)!r} -> {v!r}" for k, v in here.items() if there.get(k) != v)
+                    f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
         return {"step": loaded.step, "path": loaded.path, "skipped": loaded.skipped,
                 "environment_change": change,
                 "fingerprint": loaded.manifest.get("fingerprint"),

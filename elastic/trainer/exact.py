@@ -92,6 +92,13 @@ def environment() -> dict[str, Any]:
             "device": device}
 
 
+def environment_changes(saved: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """What differs between the `environment()` a state was written under (`saved`) and this
+    process's: key -> (then, now)."""
+    here = environment()
+    return {k: (saved.get(k), v) for k, v in here.items() if saved.get(k) != v}
+
+
 def make_deterministic(threads: int) -> None:
     """Fixes this process's torch for exact mode: `threads` intra-op threads and deterministic
     kernels wherever the backend has a choice (an operation without one raises, naming it)."""

@@ -19,7 +19,7 @@ from elastic.config import FitConfig
 from elastic.errors import CollectiveError, ConfigError
 from elastic.trainer.data import Cursor, SampleOrder
 from elastic.trainer.device import rng_state, set_rng_state, to_device_like
-from elastic.trainer.exact import ExactSum, environment
+from elastic.trainer.exact import ExactSum, environment_changes
 from elastic.trainer.training import Training, load_extra_state
 
 
@@ -123,18 +123,16 @@ def _check_exact(host: StateHost, saved: dict[str, Any] | None, origin: str) -> 
             host.exact.check_state(saved)
         except ValueError as e:
             raise ConfigError(f"batch.exact: {e}") from None
-    here = environment()
     there = (saved or {}).get("environment") or {}
-    if there == here:
+    changes = environment_changes(there)
+    if not changes:
         return
     ckpt = host.config.checkpoint
     if origin == "checkpoint" and ckpt is not None and ckpt.allow_environment_change:
         return
     what = ("was written without batch.exact" if saved is None or not there else
-            "was written under " + ", ".join(f"{k}={there.get(k)!r}" for k in here
-                                              if there.get(k) != here[k])
-            + "; this worker has " + ", ".join(f"{k}={here[k]!r}" for k in here
-                                              if there.get(k) != here[k]))
+            "was written under " + ", ".join(f"{k}={a!r}" for k, (a, _) in changes.items())
+            + "; this worker has " + ", ".join(f"{k}={b!r}" for k, (_, b) in changes.items()))
     if origin == "peer":
         raise ConfigError(f"batch.exact: the state of a peer {what}; every worker of an "
                           "exact run needs the same torch build, threads and hardware type")
