@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -95,8 +96,19 @@ def update_launch(run_dir: str, launch: Launch, sha256: str | None) -> Launch:
 def read_launch(run_dir: str) -> Launch | None:
     """The launch record of the run in `run_dir` (None: started from Python, or by a version
     that wrote none)."""
+    path = os.path.join(run_dir, LAUNCH_FILE)
     try:
-        with open(os.path.join(run_dir, LAUNCH_FILE)) as f:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    # It names code that `resume` imports and runs: only a file of this user's that no one
+    # else could have written (in a run dir that is private too) is taken.
+    ensure_private_dir(run_dir, "run_dir")
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise ConfigError(f"refusing {path}: not a plain file of this user's that only it can "
+                          "write (it names the code a resume runs)")
+    try:
+        with open(path) as f:
             return Launch(**json.load(f))
     except FileNotFoundError:
         return None

@@ -238,3 +238,16 @@ def test_the_resumed_event_says_which_run_wrote_the_checkpoint_and_what_changed(
     assert event["changes"][1].startswith("B=16;seed=0 -> B=16;seed=0;G=4 (the math of a step")
     assert event["changes"][2].startswith("environment torch '2.12.0' -> '2.13.0' (exact mode")
     assert coordinator.resumed == {"step": 200, "run": "resume3", "path": "/ckpt/step-200"}
+
+
+def test_a_launch_record_another_could_have_written_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    write_launch(str(run_dir), "examples/spirals.py:job")
+    assert read_launch(str(run_dir)).target == "examples/spirals.py:job"
+    os.chmod(run_dir / "launch.json", 0o666)  # it names the code `resume` runs
+    with pytest.raises(ConfigError, match="refusing .*launch.json"):
+        read_launch(str(run_dir))
+    os.chmod(run_dir / "launch.json", 0o600)
+    os.chmod(run_dir, 0o777)
+    with pytest.raises(ConfigError, match="writable by group or others"):
+        read_launch(str(run_dir))
