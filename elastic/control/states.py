@@ -298,7 +298,7 @@ class Running(State):
         ahead = self._start(ctx, cursor)
         with ctx.requests.lock:  # one that came meanwhile ends both chunks early
             late = ctx.requests.stop or len(ctx.members) > ctx.requests.target
-        if late or ctx.requests.leaving(ctx.ids()):
+        if late:  # (a notice that came meanwhile: `_start` ended them already)
             ctx.workers.yield_chunks()
         return ahead
 
