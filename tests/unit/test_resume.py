@@ -245,7 +245,7 @@ def test_a_launch_record_another_could_have_written_is_refused(tmp_path):
     write_launch(str(run_dir), "examples/spirals.py:job")
     assert read_launch(str(run_dir)).target == "examples/spirals.py:job"
     os.chmod(run_dir / "launch.json", 0o666)  # it names the code `resume` runs
-    with pytest.raises(ConfigError, match="refusing .*launch.json"):
+    with pytest.raises(ConfigError, match=r"refusing .*launch\.json"):
         read_launch(str(run_dir))
     os.chmod(run_dir / "launch.json", 0o600)
     os.chmod(run_dir, 0o777)
