@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from elastic import control
-from elastic.config import FitConfig, storage_root
+from elastic.config import FitConfig, storage_root, with_job_settings
 from elastic.control.requests import Drain, Events, Kill, Request, Scale, Status, Stop
 from elastic.errors import ConfigError, RunNotFoundError
 from elastic.job import TrainJob
@@ -74,6 +74,7 @@ def fit(job: TrainJob, config: FitConfig) -> FitResult:
 
     if not isinstance(job, TrainJob):
         raise TypeError(f"fit needs an elastic.TrainJob, got {type(job).__name__}")
+    config = with_job_settings(config, job.settings, job.source)
     name = config.name or client.new_run_name()
     run_dir = run_dir_of(config.run_dir, name)
     with follow(run_dir, config.logging.progress):  # a bar on a terminal (LoggingConfig.progress)
@@ -110,6 +111,7 @@ def start(job: TrainJob, config: FitConfig) -> str:
 
     if not isinstance(job, TrainJob):
         raise TypeError(f"start needs an elastic.TrainJob, got {type(job).__name__}")
+    config = with_job_settings(config, job.settings, job.source)
     name = config.name or client.new_run_name()
     run_dir = run_dir_of(config.run_dir, name)
     client.start_detached(job, config.model_copy(update={"name": name}), name, run_dir)

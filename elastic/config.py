@@ -8,8 +8,9 @@ are read here only, from the named constants below.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -836,3 +837,43 @@ class FitConfig(_Frozen):
                 f"{upper} workers (scaling.max_workers, default scaling.num_workers), ranks 0 to "
                 f"{upper - 1}; use a chaos rank below {upper} or raise scaling.max_workers")
         return self
+
+
+def with_job_settings(config: FitConfig, settings: Mapping[str, Any], source: str) -> FitConfig:
+    """`config` with a job's `settings` (dotted FitConfig fields -> values, as a framework
+    adapter derives them from the user's module: precision, clipping, how the scheduler
+    steps) applied where `config` leaves them unset.
+
+    Args:
+        config: the run's configuration, as the user gave it.
+        settings: `TrainJob.settings`.
+        source: what the settings come from, for messages ("the Lightning module").
+
+    Raises:
+        ConfigError: `config` sets one of them to another value, or one names no field.
+    """
+    from elastic.errors import ConfigError
+
+    if not settings:
+        return config
+    data = config.model_dump(exclude_unset=True)
+    for dotted, value in settings.items():
+        *parents, leaf = dotted.split(".")
+        model: Any = config
+        explicit = True
+        for part in [*parents, leaf]:
+            if not isinstance(model, BaseModel) or part not in type(model).model_fields:
+                raise ConfigError(f"{source} sets {dotted!r}, which is not a FitConfig field")
+            explicit = explicit and part in model.model_fields_set
+            model = getattr(model, part)
+        if explicit:
+            if model != value:
+                raise ConfigError(f"{source} implies {dotted}={value!r}, but the configuration "
+                                  f"sets {dotted}={model!r}: leave {dotted} out of the "
+                                  f"configuration, or change it where {source} is built")
+            continue
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return FitConfig.model_validate(data)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.errors import ConfigError
@@ -60,6 +60,11 @@ class TrainJob:
             the pinned memory of `data.pin_memory`); on a CPU worker the batch is passed through
             untouched. Give one for a batch type that holds tensors elsewhere, or to move only
             part of a batch; a given one is called on CPU workers too.
+        settings: FitConfig fields the job implies, as dotted names -> values (a framework
+            adapter's: `{"training.precision": "bf16-mixed"}` from a Lightning `precision`).
+            `fit`, `start`, `resume` and `elastic run` apply each that the run's configuration
+            leaves unset, and refuse a configuration that sets one to another value.
+        source: what built the job, for messages about its settings.
     """
 
     model: Callable[[], Any]
@@ -75,8 +80,13 @@ class TrainJob:
     callbacks: tuple[Any, ...] = ()
     extra_state: Callable[[Any, Any], Any] | None = None
     move_batch: Callable[[Any, Any], Any] | None = None
+    settings: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    source: str = "the job"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.settings, Mapping) or not all(isinstance(k, str) for k in self.settings):
+            raise ConfigError("TrainJob.settings must map dotted FitConfig field names to values")
+        object.__setattr__(self, "settings", dict(self.settings))
         if self.transform is not None and not is_ray_dataset(self.dataset):
             raise ConfigError("TrainJob.transform applies to a Ray Dataset only; a sharded "
                               "source takes its own transform")

@@ -103,9 +103,11 @@ def _references(obj: Any, module: types.ModuleType | None) -> list[Any]:
     if isinstance(obj, dict):
         return [*obj.keys(), *obj.values()]
     # An instance (a callable object, a model, a config): its class, and its attributes when
-    # that class is the user's (a library object's internals are the library's business).
+    # that class is the user's (a library object's internals are the library's business) or
+    # one of our framework adapters (which hold the user's module classes and functions).
     refs = [type(obj)]
-    if module is not None and is_user_module(module):
+    if module is not None and (is_user_module(module)
+                               or module.__name__.startswith("elastic.integrations.")):
         refs.extend(getattr(obj, "__dict__", {}).values())
     return refs
 

@@ -19,6 +19,7 @@ from elastic.adapt.plan import BatchPlan
 from elastic.config import FitConfig
 from elastic.job import TrainJob
 from elastic.trainer.buffers import BufferSync
+from elastic.trainer.current import set_current_step
 from elastic.trainer.data import Cursor, SampleOrder
 from elastic.trainer.device import MoveBatch, is_allocation_failure, release_cached_memory
 from elastic.trainer.faults import FaultInjector
@@ -101,6 +102,7 @@ def compute(host: ComputeHost, context: StepContext) -> Computed:
     metrics, form = MetricSums(), LossForm.NONE
     error, vote, used = None, Vote.OK, None
     host.reducer.reset(context.meta_len)  # each attempt of the step sums afresh
+    set_current_step(context.step)
     try:
         host.reducer.begin(context)  # buckets: allocated here, inside the vote
         host.faults.enter("data")

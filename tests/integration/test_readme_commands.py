@@ -66,6 +66,8 @@ EXTRA = {
     "bench exact": ["--steps", "8", "--batch", "64"],
     "demo": ["--workers", "2", "--epochs", "2"],
     "bench data": ["--steps", "9", "--batch", "16", "--image-size", "24", "--rounds", "1"],
+    "run lightning_mnist_like": ["--max-steps", "12"],  # its max_epochs=3 is 69 steps
+    "run hf_text_classification": ["--max-steps", "8"],  # its 3 epochs are 96 steps
 }
 
 
@@ -125,7 +127,8 @@ def test_every_readme_command_has_a_smoke_entry_that_keeps_its_flags(tmp_path):
              "bench allreduce", "bench recovery", "bench checkpoint", "bench control", "bench adapt",
              "bench overhead", "bench scaling", "bench decisions", "bench exact", "bench data",
              "bench drift",
-             "run images", "run parquet_shards", "run classifier"}
+             "run images", "run parquet_shards", "run classifier", "run lightning_mnist_like",
+             "run hf_text_classification"}
     for line in readme_commands():
         argv = shlex.split(line)
         assert argv[0] == "elastic" and _kind(argv) in kinds, f"README command without a smoke entry: {line}"
@@ -174,6 +177,14 @@ def _check(kind: str, output: str, out: pathlib.Path) -> None:
             assert [e.step for e in train.Scalars("train/accuracy")] == list(range(6))
             assert [e.step for e in train.Scalars("grad_norm")] == list(range(6))  # clipping on
             assert [e.step for e in held_out.Scalars("eval/accuracy")] == [6]
+        case "run lightning_mnist_like":  # the module's self.log and validation_step
+            assert "killed rank 1 on purpose at step 10" in output
+            assert re.search(r"steps\s*│\s*12\b", output), output[-2000:]
+            assert re.search(r"val_accuracy\s*│\s*0\.\d+", output), output[-2000:]
+        case "run hf_text_classification":  # the arguments' global batch, compute_metrics
+            assert "killed rank 1 on purpose at step 6" in output
+            assert re.search(r"steps\s*│\s*8\b", output) and re.search(r"samples\s*│\s*256\b", output)
+            assert re.search(r"accuracy\s*│\s*[01]\.\d+", output), output[-2000:]
         case "run parquet_shards":  # 5132 rows in 8 shards, batch 64: 80 steps, each row once
             ledger = [json.loads(line) for line in open(out / "shards" / "ledger.jsonl")]
             assert [e["step"] for e in ledger] == list(range(80))

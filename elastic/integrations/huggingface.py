@@ -1,0 +1,335 @@
+"""A Hugging Face `Trainer` setup, trained elastically: `hf_job(model_init, args,
+train_dataset, ...)` returns the `elastic.TrainJob` that does what `transformers.Trainer` would
+with the same arguments, step for step.
+
+What is taken from where:
+
+- The optimizer is `Trainer`'s: its decay groups (weight decay on every parameter but biases
+  and norm weights, `Trainer.get_decay_parameter_names`) and the class and arguments that
+  `args.optim` names (`Trainer.get_optimizer_cls_and_kwargs`).
+- The scheduler is `transformers.get_scheduler(args.lr_scheduler_type, ...)` with
+  `args.get_warmup_steps(n)` over the run's n optimizer steps, as `Trainer.create_scheduler`.
+- The global batch is `per_device_train_batch_size * gradient_accumulation_steps` (the
+  batch one `Trainer` process takes per optimizer step); `per_device_train_batch_size` is the
+  largest micro-batch (`batch.max_micro_batch`). The world size then changes nothing.
+- The loss: a model whose loss takes `num_items_in_batch` (causal and masked language models,
+  token classification) is trained on `LossSum(total, count)`: the summed token loss and the
+  number of tokens that count (labels that are not -100, shifted for a causal LM), which is
+  what `Trainer` divides by across its accumulated batches; the result does not depend on how
+  the batch is split. Other models' losses are per-sample means.
+- `max_grad_norm` (clipping), `bf16`/`fp16`, `seed`, `num_train_epochs`/`max_steps`,
+  `eval_strategy`/`eval_steps`, `per_device_eval_batch_size` become the job's `settings`.
+- Evaluation (with `eval_dataset` and an `eval_strategy` other than "no"): the model's loss
+  on each batch weighted by its number of samples ("loss", as `Trainer`'s eval_loss), and
+  `compute_metrics` called on each batch's `EvalPrediction`, each value weighted by the
+  batch's samples: exact for metrics that are means over samples (accuracy), not for others
+  (F1, AUC), which need the whole set at once.
+- The data: `train_dataset` and `eval_dataset` travel to the workers with the job (a
+  `datasets.Dataset` as references to its Arrow files); columns the model's `forward` does not
+  take are dropped (`remove_unused_columns`); `data_collator` (default:
+  `transformers.default_data_collator`) makes the batches. The order is elastic's public one.
+
+Refused, each with what to do instead: DeepSpeed, FSDP, `torch_compile`, label smoothing,
+`group_by_length`, optimizers outside torch's, `batch_eval_metrics`, fractional epochs, and
+gradient accumulation with a loss that `Trainer` would scale by the accumulation steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from elastic.errors import ConfigError
+from elastic.job import TrainJob
+from elastic.trainer.loss import LossSum
+
+__all__ = ["hf_job"]
+
+SOURCE = "the Hugging Face TrainingArguments"
+
+# `args.optim` values whose optimizer is torch's own (or transformers' Adafactor).
+SUPPORTED_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad",
+                        "rmsprop")
+_TOKEN_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss", "ForTokenClassification")
+
+
+def hf_job(model_init: Callable[[], Any], args: Any, train_dataset: Any, eval_dataset: Any = None,
+           data_collator: Callable[[list[Any]], Any] | None = None,
+           compute_metrics: Callable[[Any], Mapping[str, float]] | None = None) -> TrainJob:
+    """The `TrainJob` (with its `settings`) that trains as `transformers.Trainer(model_init=
+    model_init, args=args, ...)` would.
+
+    Args:
+        model_init: `() -> PreTrainedModel`, called on every worker under `args.seed`.
+        args: the `transformers.TrainingArguments`.
+        train_dataset: a map-style dataset (a `datasets.Dataset`, a torch Dataset).
+        eval_dataset: the evaluation set, evaluated as `args.eval_strategy` says.
+        data_collator: list of samples -> batch; default `transformers.default_data_collator`.
+        compute_metrics: `EvalPrediction -> {name: value}`, called per evaluation batch.
+
+    Raises:
+        ConfigError: an argument asks for what elastic cannot do with the same meaning.
+    """
+    _refuse(args)
+    spec = _HuggingFace(model_init, args, train_dataset, eval_dataset, data_collator,
+                        compute_metrics)
+    settings = spec.inspect()
+    evaluates = eval_dataset is not None and _strategy(args.eval_strategy) != "no"
+    return TrainJob(
+        model=spec.model, optimizer=spec.optimizer, loss=spec.loss, dataset=spec.dataset,
+        collate_fn=spec.collate, lr_scheduler=spec.scheduler,
+        eval_dataset=spec.eval_data if evaluates else None,
+        eval_step=spec.eval_step if evaluates else None,
+        settings=settings, source=SOURCE,
+    )
+
+
+def _strategy(value: Any) -> str:
+    return str(getattr(value, "value", value))
+
+
+def _refuse(args: Any) -> None:
+    def arg(name: str, default: Any = None) -> Any:  # fields differ between versions
+        return getattr(args, name, default)
+
+    checks = [
+        (bool(arg("deepspeed")), "deepspeed", "elastic shards optimizer state itself: "
+         "FitConfig(sharding=elastic.ShardingConfig(stage=1))"),
+        (bool(arg("fsdp")), "fsdp", "elastic is data-parallel; for optimizer state that does "
+         "not fit, use FitConfig(sharding=elastic.ShardingConfig(stage=1))"),
+        (bool(arg("torch_compile")), "torch_compile", "compile inside model_init if you need "
+         "it (untested with elastic)"),
+        (arg("label_smoothing_factor", 0) != 0, "label_smoothing_factor", "put the smoothing "
+         "in the model's loss (elastic takes the model's loss as it is)"),
+        (bool(arg("group_by_length")), "group_by_length", "elastic visits samples in its "
+         "public order; sort or bucket the dataset yourself"),
+        (bool(arg("batch_eval_metrics")), "batch_eval_metrics", "compute_metrics is already "
+         "called per batch and weighted by the batch's samples"),
+        (_strategy(arg("optim")) not in SUPPORTED_OPTIMIZERS, "optim", "use one of "
+         + ", ".join(SUPPORTED_OPTIMIZERS)),
+        (_strategy(arg("lr_scheduler_type")) == "reduce_lr_on_plateau", "lr_scheduler_type",
+         "Trainer steps it on metric_for_best_model after each evaluation; give elastic a "
+         "TrainJob with a ReduceLROnPlateau and training.scheduler_interval='evaluation'"),
+        (args.max_steps <= 0 and float(args.num_train_epochs) != int(args.num_train_epochs),
+         "num_train_epochs", "use a whole number of epochs, or max_steps"),
+        (_strategy(arg("eval_strategy")) == "steps" and arg("eval_steps") is not None
+         and arg("eval_steps") < 1, "eval_steps", "give a whole number of steps"),
+    ]
+    for bad, name, instead in checks:
+        if bad:
+            raise ConfigError(f"TrainingArguments.{name}={arg(name)!r} is not supported by "
+                              f"elastic: {instead}")
+
+
+class _HuggingFace:
+    """The factories of a Hugging Face job; picklable with the arguments and data sets."""
+
+    def __init__(self, model_init: Callable[[], Any], args: Any, train_dataset: Any,
+                 eval_dataset: Any, data_collator: Any, compute_metrics: Any) -> None:
+        if not callable(model_init) or isinstance(model_init, torch.nn.Module):
+            raise ConfigError("hf_job: model_init must be a function that returns the model "
+                              f"(as Trainer's model_init), got {type(model_init).__name__}")
+        self.model_init, self.args = model_init, args
+        self.train, self.eval = train_dataset, eval_dataset
+        self.collator, self.compute_metrics = data_collator, compute_metrics
+        self.columns: tuple[str, ...] | None = None
+        self.token_loss, self.shifts = False, False
+        self.steps = 0
+
+    def inspect(self) -> dict[str, Any]:
+        """Reads the model (built on the meta device where it can be) and the arguments:
+        the loss form, the forward's columns, the number of steps; returns the settings."""
+        try:
+            with torch.device("meta"):
+                model = self.model_init()
+        except Exception:
+            model = self.model_init()
+        self.token_loss, self.shifts = _loss_form(model)
+        accepts = _accepts_loss_kwargs(model)
+        if self.args.remove_unused_columns:
+            names = list(inspect.signature(model.forward).parameters)
+            self.columns = tuple(dict.fromkeys([*names, "label", "label_ids", "labels",
+                                                *(self.args.label_names or [])]))
+        args = self.args
+        accumulate = int(args.gradient_accumulation_steps)
+        if accumulate > 1 and accepts and not self.token_loss:
+            raise ConfigError(
+                f"TrainingArguments.gradient_accumulation_steps={accumulate}: this model takes "
+                "num_items_in_batch but its loss is a per-batch mean, so Trainer would not "
+                "divide it by the accumulation steps (the update would be that many times "
+                "larger); elastic averages over the global batch: set "
+                "gradient_accumulation_steps=1 and per_device_train_batch_size to the global "
+                "batch (FitConfig.batch.max_micro_batch bounds a worker's memory)")
+        per_device = int(args.per_device_train_batch_size)
+        global_batch = per_device * accumulate
+        settings: dict[str, Any] = {"batch.global_batch_size": global_batch, "seed": int(args.seed)}
+        if accumulate > 1:
+            settings["batch.max_micro_batch"] = per_device
+        if args.max_steps > 0:
+            self.steps = int(args.max_steps)
+            settings["max_steps"] = self.steps
+        else:
+            epochs = int(args.num_train_epochs)
+            per_epoch = len(self.train) // global_batch
+            if per_epoch == 0:
+                raise ConfigError(f"train_dataset has {len(self.train)} samples, fewer than one "
+                                  f"global batch of {global_batch}")
+            self.steps = epochs * per_epoch
+            settings["epochs"] = epochs
+        if args.max_grad_norm and args.max_grad_norm > 0:
+            settings["training.clip_grad_norm"] = float(args.max_grad_norm)
+        if args.bf16 or args.fp16:
+            settings["training.precision"] = "bf16-mixed" if args.bf16 else "fp16-mixed"
+        strategy = _strategy(args.eval_strategy)
+        if self.eval is not None and strategy != "no":
+            settings["evaluation.batch_size"] = int(args.per_device_eval_batch_size)
+            if strategy == "steps":
+                every = args.eval_steps if args.eval_steps is not None else args.logging_steps
+                settings["evaluation.every_steps"] = int(every)
+        return settings
+
+    # --- the factories, called on the workers -------------------------------------------------
+
+    def model(self) -> Any:
+        return self.model_init()
+
+    def optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        from transformers import Trainer
+
+        decay = set(Trainer.get_decay_parameter_names(None, model))
+        groups = [
+            {"params": [p for n, p in model.named_parameters() if n in decay and p.requires_grad],
+             "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in model.named_parameters()
+                        if n not in decay and p.requires_grad], "weight_decay": 0.0},
+        ]
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, model)
+        return cls(groups, **kwargs)
+
+    def scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
+        from transformers import get_scheduler
+
+        args = self.args
+        scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer,
+                                  num_warmup_steps=args.get_warmup_steps(self.steps),
+                                  num_training_steps=self.steps,
+                                  scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+        return AfterAppliedSteps(scheduler, optimizer) if args.fp16 else scheduler
+
+    def loss(self, model: Any, batch: Any) -> Any:
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        if self.token_loss and labels is not None:
+            counted = labels[..., 1:] if self.shifts else labels
+            out = model(**batch, num_items_in_batch=1)  # the model's loss summed over tokens
+            return LossSum(_loss_of(out), counted.ne(-100).sum())
+        return _loss_of(model(**batch))
+
+    def eval_step(self, model: Any, batch: Any) -> dict[str, tuple[Any, float]]:
+        out = model(**batch)
+        size = float(_batch_size(batch))
+        terms: dict[str, tuple[Any, float]] = {}
+        loss = out.get("loss") if isinstance(out, Mapping) else None
+        if loss is not None:
+            terms["loss"] = (loss.detach().double() * size, size)
+        if self.compute_metrics is not None:
+            from transformers import EvalPrediction
+
+            logits = out["logits"] if isinstance(out, Mapping) else out[0]
+            labels = batch.get("labels")
+            values = self.compute_metrics(EvalPrediction(
+                predictions=logits.detach().float().cpu().numpy(),
+                label_ids=None if labels is None else labels.cpu().numpy()))
+            for name, value in values.items():
+                terms[name] = (float(value) * size, size)
+        return terms
+
+    def dataset(self) -> Any:
+        return self.train
+
+    def eval_data(self) -> Any:
+        return self.eval
+
+    def collate(self, samples: list[Any]) -> Any:
+        if self.columns is not None and samples and isinstance(samples[0], Mapping):
+            samples = [{k: v for k, v in s.items() if k in self.columns} for s in samples]
+        if self.collator is not None:
+            return self.collator(samples)
+        from transformers import default_data_collator
+
+        return default_data_collator(samples)
+
+
+def _accepts_loss_kwargs(model: Any) -> bool:
+    """Whether `Trainer` passes `num_items_in_batch` to `model` (its rule)."""
+    accepts = getattr(model, "accepts_loss_kwargs", None)
+    if accepts is None:
+        accepts = any(p.kind == inspect.Parameter.VAR_KEYWORD
+                      for p in inspect.signature(model.forward).parameters.values())
+    return bool(accepts)
+
+
+def _loss_form(model: Any) -> tuple[bool, bool]:
+    """Whether `model`'s loss is a token sum over `num_items_in_batch`: `Trainer` passes it
+    (the forward takes loss keyword arguments), the forward computes its loss with
+    `self.loss_function` (models such as BERT's masked LM or T5 use their own mean
+    cross-entropy and ignore it), and that is a token cross-entropy. And, as `Trainer` counts,
+    whether the count is over `labels[..., 1:]` (`loss_type` maps to the causal LM loss and
+    the model is not an encoder-decoder)."""
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        source = ""
+    function = getattr(model, "loss_function", None)
+    token = (_accepts_loss_kwargs(model) and "self.loss_function(" in source
+             and getattr(function, "__name__", "") in _TOKEN_LOSSES)
+    encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    shifts = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
+    return token, token and shifts and not encoder_decoder
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    loss = out.get("loss") if isinstance(out, Mapping) else out[0]
+    if loss is None:
+        raise ValueError("the model returned no loss: the batch needs its labels (a 'labels' "
+                         "column, or label_names in TrainingArguments)")
+    return loss
+
+
+def _batch_size(batch: Any) -> int:
+    for value in (batch.values() if isinstance(batch, Mapping) else batch):
+        if isinstance(value, torch.Tensor) and value.dim():
+            return int(value.shape[0])
+    raise ValueError("cannot tell the evaluation batch's size: it has no tensor")
+
+
+class AfterAppliedSteps:
+    """A scheduler stepped only after a step the optimizer applied: with fp16, `Trainer`
+    does not step it after a step the gradient scaler skipped (elastic's scheduler steps
+    after every committed step, skipped ones included)."""
+
+    def __init__(self, scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+        self.scheduler, self.optimizer = scheduler, optimizer
+        self.applied = self.seen = 0
+        optimizer.register_step_post_hook(self._applied)
+
+    def _applied(self, *_: Any) -> None:
+        self.applied += 1
+
+    def step(self, *args: Any) -> None:
+        if self.applied > self.seen:
+            self.seen = self.applied
+            self.scheduler.step(*args)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()

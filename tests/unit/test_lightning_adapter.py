@@ -1,0 +1,221 @@
+"""The Lightning adapter without Ray: what `lightning_job` reads from a module and its Trainer
+arguments, what it refuses (each with its message), and its factories in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from elastic import BatchConfig, FitConfig, ScalingConfig, TrainingConfig
+from elastic.config import with_job_settings
+from elastic.errors import ConfigError
+
+L = pytest.importorskip("lightning.pytorch")
+
+from elastic.integrations.lightning import EveryN, _parse_optimizers, lightning_job  # noqa: E402
+from tests.lightning_modules import Data, Regressor  # noqa: E402
+
+
+def _sgd():
+    return torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+
+
+# --- configure_optimizers, every documented form ----------------------------------------------
+
+
+def test_every_documented_configure_optimizers_form_gives_one_optimizer_and_its_scheduler():
+    opt = _sgd()
+    step = torch.optim.lr_scheduler.StepLR(opt, 2)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    assert _parse_optimizers(opt) == (opt, None)
+    assert _parse_optimizers([opt]) == (opt, None)
+    assert _parse_optimizers(([opt], [step])) == (opt, {"scheduler": step})
+    assert _parse_optimizers({"optimizer": opt}) == (opt, None)
+    assert _parse_optimizers({"optimizer": opt, "lr_scheduler": step}) == (opt, {"scheduler": step})
+    assert _parse_optimizers([{"optimizer": opt, "lr_scheduler": {"scheduler": step, "frequency": 3}}]) \
+        == (opt, {"scheduler": step, "frequency": 3})
+    assert _parse_optimizers({"optimizer": opt, "lr_scheduler": plateau, "monitor": "val_loss"}) \
+        == (opt, {"scheduler": plateau, "monitor": "val_loss", "interval": "epoch"})
+
+
+@pytest.mark.parametrize(("conf", "message"), [
+    (lambda o: [o, _sgd()], "2 optimizers"),
+    (lambda o: ([o], [torch.optim.lr_scheduler.StepLR(o, 1), torch.optim.lr_scheduler.StepLR(o, 2)]),
+     "2 schedulers"),
+    (lambda o: [{"optimizer": o}, {"optimizer": _sgd()}], "2 optimizer dicts"),
+    (lambda o: None, "returned NoneType"),
+    (lambda o: {"optimizer": o, "lr_scheduler": {"interval": "step"}}, "needs the key 'scheduler'"),
+])
+def test_what_elastic_cannot_train_is_refused_by_name(conf, message):
+    with pytest.raises(ConfigError, match=message):
+        _parse_optimizers(conf(_sgd()))
+
+
+# --- the module's hooks and the Trainer's arguments ---------------------------------------------
+
+
+class _Manual(Regressor):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class _BatchEnd(Regressor):
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        pass
+
+
+class _AsksTrainer(Regressor):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr / self.trainer.max_epochs)
+
+
+class _NotLightning:
+    pass
+
+
+class _TrainOnlyPlateau(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+                "monitor": "train_loss"}
+
+
+class _ConfiguredLater(Regressor):
+    """Builds its layers in configure_model, as Lightning recommends for large models."""
+
+    def __init__(self):
+        super().__init__()
+        del self.net
+
+    def configure_model(self):
+        if not hasattr(self, "net"):
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize(("module", "kwargs", "message"), [
+    (_Manual, {}, "automatic_optimization = False"),
+    (_BatchEnd, {}, r"_BatchEnd.on_train_batch_end: .*elastic.Callback"),
+    (_AsksTrainer, {}, "reads self.trainer"),
+    (_NotLightning, {}, "not a LightningModule"),
+    (Regressor, {"accumulate_grad_batches": 4}, "global_batch_size to the batch size times 4"),
+    (_TrainOnlyPlateau, {}, "ReduceLROnPlateau on 'train_loss' every epoch without a validation_step"),
+    (Regressor, {"precision": "64-true"}, "precision='64-true'"),
+    (Regressor, {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "l1"}, "'norm' or 'value'"),
+])
+def test_a_hook_or_argument_with_no_elastic_meaning_is_refused_with_what_to_do(module, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        lightning_job(module, Data, **kwargs)
+
+
+def test_an_instance_is_refused_for_every_worker_builds_its_own():
+    with pytest.raises(ConfigError, match="must be a LightningModule class or a function"):
+        lightning_job(Regressor(), Data)
+    with pytest.raises(ConfigError, match="must be a LightningDataModule class or a function"):
+        lightning_job(Regressor, Data())
+
+
+def test_a_module_that_builds_its_layers_in_configure_model_is_read_and_built():
+    job = lightning_job(_ConfiguredLater, Data)
+    model = job.model()
+    assert sum(p.numel() for p in model.parameters()) == 4 * 8 + 8 + 8 + 1
+    assert job.optimizer(model).param_groups[0]["params"]
+
+
+def test_trainer_arguments_and_the_scheduler_become_the_jobs_settings():
+    job = lightning_job(Regressor, Data, precision="16-mixed", gradient_clip_val=0.5,
+                        gradient_clip_algorithm="value", max_epochs=3, check_val_every_n_epoch=2)
+    assert job.settings == {"training.precision": "fp16-mixed", "training.clip_grad_value": 0.5,
+                            "epochs": 3, "evaluation.every_epochs": 2}
+    assert job.lr_scheduler is not None and job.eval_step is not None
+    # A ReduceLROnPlateau on a validation metric steps after each evaluation, as Lightning's
+    # steps after the epoch's validation.
+    plateau = lightning_job(Regressor, Data, scheduler="plateau")
+    assert plateau.settings == {"training.scheduler_interval": "evaluation",
+                                "training.scheduler_monitor": "eval/val_loss"}
+    assert lightning_job(Regressor, Data, scheduler="none").lr_scheduler is None
+
+
+# --- the settings meet the run's configuration ------------------------------------------------
+
+
+def _config(**training) -> FitConfig:
+    return FitConfig(scaling=ScalingConfig(num_workers=2), batch=BatchConfig(global_batch_size=8),
+                     max_steps=4, **({"training": TrainingConfig(**training)} if training else {}))
+
+
+def test_settings_fill_what_the_configuration_leaves_unset_and_refuse_a_contradiction():
+    settings = {"training.precision": "bf16-mixed", "epochs": 2}
+    merged = with_job_settings(_config(), settings, "the Lightning module")
+    assert merged.training.precision == "bf16-mixed" and merged.epochs == 2
+    assert merged.max_steps == 4 and merged.scaling.num_workers == 2
+    same = with_job_settings(_config(precision="bf16-mixed"), settings, "the Lightning module")
+    assert same.training.precision == "bf16-mixed"
+    kept = with_job_settings(_config(clip_grad_norm=1.0), settings, "x")
+    assert kept.training.clip_grad_norm == 1.0 and kept.training.precision == "bf16-mixed"
+    with pytest.raises(ConfigError, match=r"implies training.precision='bf16-mixed', but the "
+                                          r"configuration sets training.precision='32'"):
+        with_job_settings(_config(precision="32"), settings, "the Lightning module")
+    with pytest.raises(ConfigError, match=r"'training.nope', which is not a FitConfig field"):
+        with_job_settings(_config(), {"training.nope": 1}, "x")
+
+
+# --- the factories in one process -----------------------------------------------------------
+
+
+def test_the_factories_train_log_and_evaluate_as_the_module_says():
+    job = lightning_job(Regressor, Data)
+    torch.manual_seed(0)
+    model = job.model()
+    optimizer = job.optimizer(model)
+    scheduler = job.lr_scheduler(optimizer)
+    assert isinstance(scheduler, EveryN) and scheduler.n == 2  # the module's frequency
+    data = job.dataset()
+    batch = job.collate_fn([data[i] for i in range(5)])
+    loss, metrics = job.loss(model, batch)
+    x, y = batch
+    torch.testing.assert_close(loss, torch.nn.functional.mse_loss(model.net(x), y))
+    torch.testing.assert_close(metrics["train_mae"], (model.net(x) - y).abs().mean())
+    terms = job.eval_step(model, batch)
+    assert set(terms) == {"val_loss", "val_mae"} and terms["val_loss"][1] == 5.0
+    with torch.no_grad():
+        assert float(terms["val_loss"][0]) / 5 == pytest.approx(
+            float(torch.nn.functional.mse_loss(model.net(x), y)), rel=1e-6)
+    assert len(job.eval_dataset()) == 40
+
+
+def test_every_n_steps_its_scheduler_every_nth_call_and_keeps_the_count_in_its_state():
+    opt = _sgd()
+    every = EveryN(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5), 3)
+    for _ in range(4):
+        opt.step()
+        every.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    state = every.state_dict()
+    again = EveryN(torch.optim.lr_scheduler.StepLR(_sgd(), step_size=1, gamma=0.5), 3)
+    again.load_state_dict(state)
+    assert again.calls == 4
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        yield from range(3)
+
+
+class _StreamData(Data):
+    def train_dataloader(self):
+        return DataLoader(_Stream())
+
+
+def test_an_iterable_training_set_is_refused_when_the_data_is_built():
+    job = lightning_job(Regressor, _StreamData)
+    with pytest.raises(ConfigError, match="IterableDataset"):
+        job.dataset()
