@@ -738,6 +738,30 @@ class FitConfig(_Frozen):
         default_factory=LoggingConfig, description="Loggers (TensorBoard, CSV, MLflow) and progress."
     )
 
+    @classmethod
+    def for_job(cls, job: Any, **fields: Any) -> FitConfig:
+        """A FitConfig of `fields` with what `job.settings` implies filled in where `fields`
+        leave it: a Lightning module's `max_epochs`, a `TrainingArguments`' global batch and
+        epochs (`elastic.integrations`). `FitConfig.for_job(job, scaling=ScalingConfig(
+        num_workers=4))` is then a whole configuration.
+
+        Raises:
+            ConfigError: `fields` set one of the job's settings to another value.
+        """
+        from elastic.errors import ConfigError
+
+        tree = {name: value.model_dump(exclude_unset=True) if isinstance(value, BaseModel)
+                else value for name, value in fields.items()}
+        for dotted in job.settings:
+            *parents, leaf = dotted.split(".")
+            node = tree
+            for part in parents:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"{job.source} sets {dotted!r}, which is not a FitConfig field")
+            node.setdefault(leaf, job.settings[dotted])
+        return with_job_settings(cls.model_validate(tree), job.settings, job.source)
+
     @model_validator(mode="after")
     def _check(self) -> FitConfig:
         if self.name in (".", ".."):

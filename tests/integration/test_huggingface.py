@@ -61,9 +61,10 @@ def test_a_trainer_setup_through_a_kill_and_a_departure_ends_on_trainers_weights
     chaos = (ChaosEvent(step=2, rank=1, action="kill", phase="backward"),
              ChaosEvent(step=5, rank=0, action="preempt"))
     # The global batch, epochs, seed, clipping and evaluation come from the arguments.
-    config = FitConfig(scaling=ScalingConfig(num_workers=3, min_workers=1, max_workers=3),
-                       batch=elastic.BatchConfig(global_batch_size=hf_setup.GLOBAL),
-                       steps_per_chunk=2, run_dir=str(tmp_path / "run"), chaos=chaos, ledger=True)
+    config = FitConfig.for_job(job, scaling=ScalingConfig(num_workers=3, min_workers=1, max_workers=3),
+                               steps_per_chunk=2, run_dir=str(tmp_path / "run"), chaos=chaos,
+                               ledger=True)
+    assert (config.batch.global_batch_size, config.epochs) == (hf_setup.GLOBAL, EPOCHS)
     result = elastic.fit(job, config)
 
     expected, trainer_evaluations = _trainer_reference(tmp_path)

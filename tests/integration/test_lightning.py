@@ -74,9 +74,11 @@ def test_a_lightning_module_through_a_kill_and_a_departure_ends_on_lightnings_we
                               "callbacks": (Evaluations(evaluations),)})
     chaos = (ChaosEvent(step=4, rank=1, action="kill", phase="backward"),
              ChaosEvent(step=13, rank=0, action="preempt"))
-    config = FitConfig(scaling=ScalingConfig(num_workers=3, min_workers=1, max_workers=3),
-                       batch=BatchConfig(global_batch_size=B), steps_per_chunk=2,
-                       run_dir=str(tmp_path / "run"), chaos=chaos, ledger=True)
+    # The epochs come from the job (max_epochs), the rest from here.
+    config = FitConfig.for_job(job, scaling=ScalingConfig(num_workers=3, min_workers=1, max_workers=3),
+                               batch=BatchConfig(global_batch_size=B), steps_per_chunk=2,
+                               run_dir=str(tmp_path / "run"), chaos=chaos, ledger=True)
+    assert config.epochs == EPOCHS and config.training.clip_grad_norm == CLIP
     result = elastic.fit(job, config)
 
     expected, record, last_lr = _lightning_reference()

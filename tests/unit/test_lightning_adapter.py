@@ -168,6 +168,18 @@ def test_settings_fill_what_the_configuration_leaves_unset_and_refuse_a_contradi
         with_job_settings(_config(), {"training.nope": 1}, "x")
 
 
+def test_for_job_builds_a_whole_configuration_from_the_jobs_settings():
+    job = lightning_job(Regressor, Data, max_epochs=3, precision="bf16-mixed")
+    config = FitConfig.for_job(job, scaling=ScalingConfig(num_workers=2),
+                               batch=BatchConfig(global_batch_size=8),
+                               training=TrainingConfig(clip_grad_norm=1.0))
+    assert (config.epochs, config.training.precision, config.training.clip_grad_norm) == (
+        3, "bf16-mixed", 1.0)
+    with pytest.raises(ConfigError, match="implies epochs=3, but the configuration sets epochs=4"):
+        FitConfig.for_job(job, scaling=ScalingConfig(num_workers=2),
+                          batch=BatchConfig(global_batch_size=8), epochs=4)
+
+
 # --- the factories in one process -----------------------------------------------------------
 
 
