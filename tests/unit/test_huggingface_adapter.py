@@ -110,6 +110,21 @@ def test_a_per_sample_loss_with_accumulation_is_refused_as_trainer_would_scale_i
     assert "batch.max_micro_batch" not in job.settings
 
 
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("deepspeed", {"zero_optimization": {"stage": 2}}, "ShardingConfig"),
+    ("fsdp", "full_shard", "data-parallel"),
+    ("group_by_length", True, "public order"),
+    ("batch_eval_metrics", True, "already called per batch"),
+    ("eval_steps", 0.25, "whole number of steps"),
+])
+def test_a_distributed_or_sampling_argument_is_refused_by_name(tmp_path, field, value, message):
+    args = hf_setup.arguments(str(tmp_path), eval_strategy="steps", eval_steps=2)
+    object.__setattr__(args, field, value)  # set past __post_init__, which needs their packages
+    with pytest.raises(ConfigError, match=rf"TrainingArguments.{field}=.* is not supported by "
+                                          rf"elastic: .*{message}"):
+        hf_job(hf_setup.gpt2, args, hf_setup.Tokens(hf_setup.N, 1))
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1 is not supported"),
     ({"optim": "adamw_bnb_8bit"}, "optim=.* is not supported by elastic: use one of adamw_torch"),

@@ -13,7 +13,7 @@ from elastic.errors import ConfigError
 
 L = pytest.importorskip("lightning.pytorch")
 
-from elastic.integrations.lightning import EveryN, _parse_optimizers, lightning_job  # noqa: E402
+from elastic.integrations.lightning import REFUSED_HOOKS, EveryN, _parse_optimizers, lightning_job  # noqa: E402
 from tests.lightning_modules import Data, Regressor  # noqa: E402
 
 
@@ -114,6 +114,22 @@ class _ConfiguredLater(Regressor):
 def test_a_hook_or_argument_with_no_elastic_meaning_is_refused_with_what_to_do(module, kwargs, message):
     with pytest.raises(ConfigError, match=message):
         lightning_job(module, Data, **kwargs)
+
+
+@pytest.mark.parametrize("hook", [*REFUSED_HOOKS, "on_before_batch_transfer",
+                                  "transfer_batch_to_device", "on_after_batch_transfer"])
+def test_every_refused_hook_is_named_with_what_to_do_instead(hook):
+    module = type(f"With_{hook}", (Regressor,), {hook: lambda self, *a, **k: None})
+    with pytest.raises(ConfigError, match=rf"With_{hook}\.{hook}: elastic does not run "
+                                          rf"LightningModule hook {hook} .*: \w"):
+        lightning_job(module, Data)
+
+
+def test_a_data_module_batch_transfer_hook_is_refused_where_the_data_is_built():
+    data = type("Moving", (Data,), {"transfer_batch_to_device": lambda self, *a: None})
+    job = lightning_job(Regressor, data)
+    with pytest.raises(ConfigError, match=r"Moving.transfer_batch_to_device: .* TrainJob.move_batch"):
+        job.dataset()
 
 
 def test_an_instance_is_refused_for_every_worker_builds_its_own():
