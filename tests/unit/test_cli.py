@@ -318,3 +318,22 @@ def test_run_exact_turns_exact_mode_on_over_a_config_file(tmp_path):
     assert config.batch.exact and config.batch.global_batch_size == 8
     options["exact"] = False
     assert not _prepare(options)[0].batch.exact
+
+
+def test_a_jobs_settings_fill_the_command_line_and_a_contradiction_exits_2_naming_both(tmp_path):
+    from cli.train import _prepare
+
+    target = tmp_path / "framework_job.py"
+    target.write_text(
+        "import torch\nimport elastic\n"
+        "job = elastic.TrainJob(model=lambda: torch.nn.Linear(2, 1), optimizer=torch.optim.SGD,\n"
+        "                       loss=lambda m, b: m(b).sum(), dataset=lambda: torch.zeros(8, 2),\n"
+        "                       settings={'epochs': 2, 'batch.global_batch_size': 8,\n"
+        "                                 'training.clip_grad_norm': 1.0},\n"
+        "                       source='the framework adapter')\n")
+    config, _ = _prepare(_options(target=f"{target}:job", workers=2))
+    assert (config.epochs, config.batch.global_batch_size, config.training.clip_grad_norm) == (2, 8, 1.0)
+    result = runner.invoke(app, ["run", f"{target}:job", "--workers", "2", "--epochs", "5"])
+    assert result.exit_code == 2, result.output
+    assert ("the framework adapter implies epochs=2, but the configuration sets epochs=5"
+            in _text(result.output))
