@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -335,6 +336,11 @@ def resume(name: str, job: TrainJob | None = None, *, num_workers: int | None = 
         module_part, _, attr = launch.target.rpartition(":")
         spec = f"{path}:{attr}" if module_part.endswith(".py") else launch.target
         job = load_target(spec)
+    if overrides or num_workers is not None:
+        # What the resume asks for wins over what the job implies (a longer max_steps, say).
+        asked = set(overrides or ()) | ({"scaling.num_workers"} if num_workers is not None else set())
+        job = dataclasses.replace(job, settings={k: v for k, v in job.settings.items()
+                                                 if k not in asked})
     checkpoint = config.checkpoint
     assert checkpoint is not None  # resume_config refuses a run without
     if not _has_checkpoint(checkpoint.path, checkpoint.key_file, checkpoint.sign):

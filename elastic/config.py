@@ -880,24 +880,42 @@ def with_job_settings(config: FitConfig, settings: Mapping[str, Any], source: st
 
     if not settings:
         return config
+    from pydantic import TypeAdapter, ValidationError
+
     data = config.model_dump(exclude_unset=True)
     for dotted, value in settings.items():
         *parents, leaf = dotted.split(".")
         model: Any = config
         explicit = True
         for part in [*parents, leaf]:
+            if model is None:  # a section left out (checkpoint=None): nothing set below it
+                explicit = False
+                break
             if not isinstance(model, BaseModel) or part not in type(model).model_fields:
                 raise ConfigError(f"{source} sets {dotted!r}, which is not a FitConfig field")
+            field = type(model).model_fields[part]
             explicit = explicit and part in model.model_fields_set
             model = getattr(model, part)
         if explicit:
-            if model != value:
+            try:  # compared as the configuration holds it (30 and timedelta(seconds=30) agree)
+                wanted = TypeAdapter(field.annotation).validate_python(value)
+            except ValidationError:
+                wanted = value
+            if model != wanted:
                 raise ConfigError(f"{source} implies {dotted}={value!r}, but the configuration "
                                   f"sets {dotted}={model!r}: leave {dotted} out of the "
                                   f"configuration, or change it where {source} is built")
             continue
         node = data
         for part in parents:
-            node = node.setdefault(part, {})
+            if not isinstance(node.get(part), dict):  # absent, or a section set to None
+                node[part] = {}
+            node = node[part]
         node[leaf] = value
-    return FitConfig.model_validate(data)
+    try:
+        return FitConfig.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'FitConfig'}: {err['msg']}"
+                             for err in e.errors())
+        raise ConfigError(f"the configuration with what {source} implies ({dict(settings)}) "
+                          f"is invalid: {problems}") from None

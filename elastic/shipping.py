@@ -108,7 +108,11 @@ def _references(obj: Any, module: types.ModuleType | None) -> list[Any]:
     refs = [type(obj)]
     if module is not None and (is_user_module(module)
                                or module.__name__.startswith("elastic.integrations.")):
-        refs.extend(getattr(obj, "__dict__", {}).values())
+        # Code last, so that it is walked first (the stack pops from the end): a large data
+        # set must not use up the visits before the functions and classes are seen.
+        values = list(getattr(obj, "__dict__", {}).values())
+        code = (type, types.FunctionType, types.MethodType, functools.partial)
+        refs += [v for v in values if not isinstance(v, code)] + [v for v in values if isinstance(v, code)]
     return refs
 
 

@@ -24,10 +24,11 @@ What is taken from where:
   `compute_metrics` called on each batch's `EvalPrediction`, each value weighted by the
   batch's samples: exact for metrics that are means over samples (accuracy), not for others
   (F1, AUC), which need the whole set at once.
-- The data: `train_dataset` and `eval_dataset` travel to the workers with the job (a
-  `datasets.Dataset` as references to its Arrow files); columns the model's `forward` does not
-  take are dropped (`remove_unused_columns`); `data_collator` (default:
-  `transformers.default_data_collator`) makes the batches. The order is elastic's public one.
+- The data: `train_dataset` and `eval_dataset` travel to the workers with the job, pickled
+  with it (a data set that holds files by path needs them on every node); columns the
+  model's `forward` does not take are dropped (`remove_unused_columns`); `data_collator`
+  (default: `transformers.default_data_collator`) makes the batches. The order is elastic's
+  public one.
 
 Refused, each with what to do instead: DeepSpeed, FSDP, `torch_compile`, label smoothing,
 `group_by_length`, optimizers outside torch's, `batch_eval_metrics`, fractional epochs, and

@@ -24,7 +24,8 @@ What is taken from the module and how:
   `val_dataloader().dataset`, give the data; `prepare_data` and `setup("fit")` run first in
   every process that reads data. The samples are visited in elastic's public order (a
   permutation per epoch from the run's seed), not in the loader's: its sampler, batch size
-  and workers are not used (`FitConfig.batch` and `FitConfig.data` say those).
+  and workers are not used (`FitConfig.batch` and `FitConfig.data` say those). `prepare_data`
+  runs in every such process, not once per node as in Lightning.
 - `precision`, `gradient_clip_val`, `gradient_clip_algorithm`, `max_epochs`, `max_steps` and
   `check_val_every_n_epoch` mirror `lightning.Trainer`'s arguments; they become the job's
   `settings` (FitConfig fields that `fit` and `elastic run` apply).

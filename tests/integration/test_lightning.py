@@ -14,11 +14,12 @@ from torch.utils.data import DataLoader
 import elastic
 from elastic import BatchConfig, ChaosEvent, FitConfig, ScalingConfig
 from elastic.events import PlannedDeparture, WorkerFailure
-from elastic.integrations.lightning import lightning_job
 from tests.events import of_kind
-from tests.lightning_modules import ContractBatches, Data, N, Regressor
 
 L = pytest.importorskip("lightning.pytorch")
+
+from elastic.integrations.lightning import lightning_job  # noqa: E402
+from tests.lightning_modules import ContractBatches, Data, N, Regressor  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +50,9 @@ class _Record(L.Callback):
 
 
 def _lightning_reference():
-    """`lightning.Trainer.fit` in this process: weights, per-step train_mae, per-epoch val."""
+    """`lightning.Trainer.fit` in this process: weights, per-step train_mae, per-epoch val.
+    (Not `deterministic=True`: one CPU process is, and Lightning would leave
+    `torch.use_deterministic_algorithms` on for every test after this one.)"""
     torch.manual_seed(0)  # elastic builds the model under the run's seed
     module, data = Regressor(), Data()
     data.setup("fit")
@@ -58,7 +61,7 @@ def _lightning_reference():
     trainer = L.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0,
-                        gradient_clip_val=CLIP, deterministic=True, callbacks=[record])
+                        gradient_clip_val=CLIP, callbacks=[record])
     trainer.fit(module, train_dataloaders=DataLoader(data.train, batch_sampler=batches),
                 val_dataloaders=data.val_dataloader())
     assert len(batches.seen) == STEPS and batches.seen[N // B] != batches.seen[0]

@@ -4,6 +4,7 @@ import pydantic
 import pytest
 
 from elastic.config import CollectiveConfig
+from elastic.errors import ConfigError
 
 
 def test_collective_config_defaults_are_gloo_auto():
@@ -97,3 +98,53 @@ def test_a_chaos_rank_the_run_never_has_is_refused_naming_the_setting():
         config(ScalingConfig(num_workers=2, max_workers=3), 3)
     # A rank above the start's workers that a run grown to max_workers has.
     assert config(ScalingConfig(num_workers=2, max_workers=3), 0, 2).chaos[1].rank == 2
+
+
+# --- a job's settings (TrainJob.settings, FitConfig.for_job) -----------------------------------
+
+
+def _job_with(settings):
+    import torch
+
+    from elastic import TrainJob
+
+    return TrainJob(model=lambda: torch.nn.Linear(1, 1), optimizer=torch.optim.SGD,
+                    loss=lambda m, b: m(b).sum(), dataset=lambda: [0.0], settings=settings,
+                    source="the adapter")
+
+
+def _base(**fields):
+    from elastic import BatchConfig, FitConfig, ScalingConfig
+
+    return FitConfig(scaling=ScalingConfig(num_workers=2), batch=BatchConfig(global_batch_size=4),
+                     max_steps=3, **fields)
+
+
+def test_a_setting_is_compared_as_the_configuration_holds_it():
+    from elastic.config import with_job_settings
+
+    config = _base(collective=CollectiveConfig(timeout=timedelta(seconds=30)))
+    same = with_job_settings(config, {"collective.timeout": 30}, "the adapter")
+    assert same.collective.timeout == timedelta(seconds=30)
+    with pytest.raises(ConfigError, match=r"implies collective.timeout=40"):
+        with_job_settings(config, {"collective.timeout": 40}, "the adapter")
+
+
+def test_a_setting_under_a_section_left_out_fills_it_and_a_bad_result_names_the_source():
+    from elastic.config import with_job_settings
+
+    config = _base()  # checkpoint=None
+    with pytest.raises(ConfigError, match=r"the configuration with what the adapter implies .* "
+                                          r"is invalid: checkpoint.path: Field required"):
+        with_job_settings(config, {"checkpoint.every_steps": 5}, "the adapter")
+    filled = with_job_settings(config, {"checkpoint.every_steps": 5, "checkpoint.path": "/tmp/c"},
+                               "the adapter")
+    assert (filled.checkpoint.every_steps, filled.checkpoint.path) == (5, "/tmp/c")
+
+
+def test_for_job_fills_what_the_fields_leave_out():
+    from elastic import FitConfig, ScalingConfig
+
+    job = _job_with({"epochs": 2, "batch.global_batch_size": 8})
+    config = FitConfig.for_job(job, scaling=ScalingConfig(num_workers=2))
+    assert (config.epochs, config.batch.global_batch_size, config.max_steps) == (2, 8, None)
