@@ -23,7 +23,6 @@ import elastic
 from cli.output import console, fail, one_line
 from cli.render import describe
 from elastic.api import record_launch, run_dir_of
-from elastic.config import with_job_settings
 from elastic.errors import ElasticError
 from elastic.events import Evaluate, Recovered, parse
 from elastic.progress import resolve
@@ -63,11 +62,7 @@ def _prepare(options: dict[str, Any]) -> tuple[elastic.FitConfig, elastic.TrainJ
     try:
         job = elastic.load_target(options["target"])
         tree = _config_tree(options)
-        for dotted, value in job.settings.items():  # what the job implies, where left unset
-            if not _has(tree, dotted):
-                _set(tree, dotted, value)
-        fit_config = elastic.FitConfig(**tree)
-        fit_config = with_job_settings(fit_config, job.settings, job.source)
+        fit_config = elastic.FitConfig.for_job(job, **tree)  # with what the job implies
     except Exception as e:
         if options["debug"]:
             raise
@@ -291,15 +286,6 @@ def _load_config_file(path: pathlib.Path) -> dict:
 
         return yaml.safe_load(text) or {}
     raise ValueError(f"--config {path}: use a .toml or .yaml file")
-
-
-def _has(tree: dict, dotted: str) -> bool:
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        tree = tree.get(part)
-        if not isinstance(tree, dict):
-            return False
-    return leaf in tree
 
 
 def _set(tree: dict, dotted: str, value: object) -> None:

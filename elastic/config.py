@@ -748,18 +748,10 @@ class FitConfig(_Frozen):
         Raises:
             ConfigError: `fields` set one of the job's settings to another value.
         """
-        from elastic.errors import ConfigError
-
         tree = {name: value.model_dump(exclude_unset=True) if isinstance(value, BaseModel)
                 else value for name, value in fields.items()}
-        for dotted in job.settings:
-            *parents, leaf = dotted.split(".")
-            node = tree
-            for part in parents:
-                node = node.setdefault(part, {})
-                if not isinstance(node, dict):
-                    raise ConfigError(f"{job.source} sets {dotted!r}, which is not a FitConfig field")
-            node.setdefault(leaf, job.settings[dotted])
+        for dotted, value in job.settings.items():
+            _fill(tree, dotted, value)
         return with_job_settings(cls.model_validate(tree), job.settings, job.source)
 
     @model_validator(mode="after")
@@ -863,6 +855,17 @@ class FitConfig(_Frozen):
         return self
 
 
+def _fill(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Puts `value` at `dotted` in a FitConfig's nested dict where it holds none (a section
+    absent or set to None becomes one)."""
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        if not isinstance(tree.get(part), dict):
+            tree[part] = {}
+        tree = tree[part]
+    tree.setdefault(leaf, value)
+
+
 def with_job_settings(config: FitConfig, settings: Mapping[str, Any], source: str) -> FitConfig:
     """`config` with a job's `settings` (dotted FitConfig fields -> values, as a framework
     adapter derives them from the user's module: precision, clipping, how the scheduler
@@ -906,12 +909,7 @@ def with_job_settings(config: FitConfig, settings: Mapping[str, Any], source: st
                                   f"sets {dotted}={model!r}: leave {dotted} out of the "
                                   f"configuration, or change it where {source} is built")
             continue
-        node = data
-        for part in parents:
-            if not isinstance(node.get(part), dict):  # absent, or a section set to None
-                node[part] = {}
-            node = node[part]
-        node[leaf] = value
+        _fill(data, dotted, value)
     try:
         return FitConfig.model_validate(data)
     except ValidationError as e:
