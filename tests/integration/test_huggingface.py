@@ -8,9 +8,6 @@ Trainer weighs each batch's token mean by its sequences."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
@@ -24,20 +21,12 @@ pytest.importorskip("accelerate")
 
 from elastic.integrations.huggingface import hf_job
 from tests import hf_setup
+from tests.oracles import assert_every_sample_once_per_epoch, evaluations_by_step, with_evaluations
 
 pytestmark = pytest.mark.integration
 
 EPOCHS = 2
 STEPS = EPOCHS * (hf_setup.N // hf_setup.GLOBAL)
-
-
-class Evaluations(elastic.Callback):
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def on_evaluate(self, step, metrics):
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
 
 
 def _trainer_reference(tmp_path):
@@ -56,8 +45,7 @@ def test_a_trainer_setup_through_a_kill_and_a_departure_ends_on_trainers_weights
                  eval_dataset=hf_setup.Tokens(hf_setup.N_EVAL, 2),
                  compute_metrics=hf_setup.accuracy)
     evaluations = str(tmp_path / "evaluations.jsonl")
-    job = elastic.TrainJob(**{**{f: getattr(job, f) for f in job.__dataclass_fields__},
-                              "callbacks": (Evaluations(evaluations),)})
+    job = with_evaluations(job, evaluations)
     chaos = (ChaosEvent(step=2, rank=1, action="kill", phase="backward"),
              ChaosEvent(step=5, rank=0, action="preempt"))
     # The global batch, epochs, seed, clipping and evaluation come from the arguments.
@@ -75,14 +63,9 @@ def test_a_trainer_setup_through_a_kill_and_a_departure_ends_on_trainers_weights
         torch.testing.assert_close(result.model_state[key], value, rtol=1e-5, atol=1e-5, msg=key)
     assert all("grad_norm" in m for m in result.metrics)  # max_grad_norm: clipping on
     # After each epoch: the loss and compute_metrics over the whole evaluation set.
-    got = [json.loads(line) for line in open(evaluations)]
-    by_step = {e["step"]: e for e in got}
+    by_step = evaluations_by_step(evaluations)
     assert sorted(by_step) == [STEPS // EPOCHS * (e + 1) for e in range(EPOCHS)]
     for step, want in zip(sorted(by_step), trainer_evaluations, strict=True):
         assert by_step[step]["loss"] == pytest.approx(want["eval_loss"], rel=1e-5)
         assert by_step[step]["accuracy"] == pytest.approx(want["eval_accuracy"], rel=1e-5)
-    ledger = [json.loads(line) for line in open(os.path.join(result.run_dir, "ledger.jsonl"))]
-    assert [e["step"] for e in ledger] == list(range(STEPS))
-    for epoch in range(EPOCHS):
-        seen = [i for e in ledger if e["epoch"] == epoch for i in e["indices"]]
-        assert len(seen) == len(set(seen)) == hf_setup.N
+    assert_every_sample_once_per_epoch(result.run_dir, STEPS, EPOCHS, hf_setup.N)

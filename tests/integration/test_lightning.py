@@ -4,9 +4,6 @@ batch. The elastic run goes through a kill and a planned departure on 3 workers.
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -20,22 +17,16 @@ L = pytest.importorskip("lightning.pytorch")
 
 from elastic.integrations.lightning import lightning_job  # noqa: E402
 from tests.lightning_modules import ContractBatches, Data, N, Regressor  # noqa: E402
+from tests.oracles import (  # noqa: E402
+    assert_every_sample_once_per_epoch,
+    evaluations_by_step,
+    with_evaluations,
+)
 
 pytestmark = pytest.mark.integration
 
 B, EPOCHS, CLIP = 12, 3, 0.5
 STEPS = EPOCHS * (N // B)
-
-
-class Evaluations(elastic.Callback):
-    """Writes each evaluation's metrics to a file (callbacks run in the controller)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def on_evaluate(self, step, metrics):
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
 
 
 class _Record(L.Callback):
@@ -73,8 +64,7 @@ def test_a_lightning_module_through_a_kill_and_a_departure_ends_on_lightnings_we
         ray_cluster, tmp_path):
     job = lightning_job(Regressor, Data, gradient_clip_val=CLIP, max_epochs=EPOCHS)
     evaluations = str(tmp_path / "evaluations.jsonl")
-    job = elastic.TrainJob(**{**{f: getattr(job, f) for f in job.__dataclass_fields__},
-                              "callbacks": (Evaluations(evaluations),)})
+    job = with_evaluations(job, evaluations)
     chaos = (ChaosEvent(step=4, rank=1, action="kill", phase="backward"),
              ChaosEvent(step=13, rank=0, action="preempt"))
     # The epochs come from the job (max_epochs), the rest from here.
@@ -98,15 +88,10 @@ def test_a_lightning_module_through_a_kill_and_a_departure_ends_on_lightnings_we
     by_step = {m["step"]: m["metrics"]["train_mae"] for m in result.metrics}
     assert [by_step[s] for s in range(STEPS)] == pytest.approx(record.train, rel=1e-5, abs=1e-6)
     # self.log in validation_step: after each epoch, over the whole validation set.
-    evaluated = [json.loads(line) for line in open(evaluations)]
-    per_epoch = {e["step"]: e for e in evaluated}
+    per_epoch = evaluations_by_step(evaluations)
     assert sorted(per_epoch) == [N // B * (e + 1) for e in range(EPOCHS)]
     for got, want in zip([per_epoch[s] for s in sorted(per_epoch)], record.val, strict=True):
         assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5, abs=1e-6)
         assert got["val_mae"] == pytest.approx(want["val_mae"], rel=1e-5, abs=1e-6)
     # Every sample once per epoch, through the kill and the departure.
-    ledger = [json.loads(line) for line in open(os.path.join(result.run_dir, "ledger.jsonl"))]
-    assert [e["step"] for e in ledger] == list(range(STEPS))
-    for epoch in range(EPOCHS):
-        seen = [i for e in ledger if e["epoch"] == epoch for i in e["indices"]]
-        assert len(seen) == len(set(seen)) == N // B * B
+    assert_every_sample_once_per_epoch(result.run_dir, STEPS, EPOCHS, N // B * B)
