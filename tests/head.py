@@ -57,7 +57,9 @@ def own_head(dashboard: bool = True, num_cpus: int = 4, extra_env: dict[str, str
            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), **(extra_env or {})}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}",
+        # Ray's `ray start`, with workers forked from a zygote that has imported torch.
+        [sys.executable, str(pathlib.Path(__file__).with_name("ray_head.py")), "start", "--head",
+         "--block", f"--port={gcs}",
          f"--dashboard-port={dashboard_port}", f"--include-dashboard={str(dashboard).lower()}",
          "--dashboard-host=127.0.0.1", f"--dashboard-agent-listen-port={agent_http}",
          f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
