@@ -333,12 +333,19 @@ class Controller:
         self.log.emit(PreemptionNotice(source=source, ranks=[world.index(w) for w in told
                                                              if w in world],
                                        worker_ids=told, deadline=deadline, reason=reason))
+        if deadline is not None and deadline <= now:
+            # Passed already (`elastic drain --deadline 0`): killed here, before any chunk is
+            # asked to end, so no step boundary can come first (a timer thread could start
+            # after the boundary on a busy machine and find the worker already gone).
+            for worker_id in told:
+                self._deadline_passed(worker_id, deadline)
+            return told
         members = {m.worker_id for m in list(self.ctx.members)}
         if members & set(told):
             self.workers.yield_chunks()  # every rank ends its chunk after the step in flight
         for worker_id in told:
             if deadline is not None:
-                timer = threading.Timer(max(0.0, deadline - now), self._deadline_passed,
+                timer = threading.Timer(deadline - now, self._deadline_passed,
                                         (worker_id, deadline))
                 timer.daemon = True
                 timer.start()

@@ -151,6 +151,7 @@ class Operator:
         deadline = threading.Event()
         timer = threading.Timer(limit, deadline.set)
         timer.start()
+        status = None
         try:
             while not deadline.is_set() and not self.done.is_set():
                 try:
@@ -162,7 +163,9 @@ class Operator:
                 self.done.wait(0.02)
         finally:
             timer.cancel()
-        raise TimeoutError(f"status of {self.name} never satisfied the condition")
+        why = "the run ended" if self.done.is_set() else f"not within {limit} s"
+        raise TimeoutError(f"status of {self.name} never satisfied the condition ({why}); "
+                           f"last status: {status}")
 
     def _run(self):
         try:
@@ -183,7 +186,7 @@ class Operator:
         self.done.set()
         self.thread.join()
         if self.error is not None:
-            raise self.error
+            raise self.error from exc[1]  # the run's own error (if it failed) stays in view
 
 
 def test_ledger_shows_every_index_once_per_epoch_across_failures_and_a_resize(ray_cluster, tmp_path):
