@@ -1,7 +1,6 @@
 """A writer SIGKILLed at random points, many times: the newest checkpoint that loads always
 verifies and holds exactly the state of its step."""
 
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -11,6 +10,7 @@ import torch
 
 from elastic.checkpoint import load_checkpoint, write_checkpoint
 from elastic.checkpoint.store import serialize
+from tests.procs import warm_context
 
 pytestmark = pytest.mark.fault
 
@@ -27,7 +27,7 @@ def _write_forever(root: str, first_step: int, ready) -> None:
 
 def test_sigkill_during_writes_never_leaves_a_bad_newest_checkpoint(tmp_path):
     root = str(tmp_path / "ckpt")
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()
     rng = random.Random(0)
     next_step = 0
     loaded_steps = []

@@ -1,7 +1,6 @@
 """Abort and peer death with real processes: survivors always get a CollectiveError, never
 a hang or a crash, and can form a new generation on the same endpoint."""
 
-import multiprocessing as mp
 import os
 import signal
 from multiprocessing.connection import Connection
@@ -12,7 +11,7 @@ import torch
 from elastic.collective import Communicator, Endpoint, RendezvousServer
 from elastic.config import CollectiveConfig
 from elastic.errors import CollectiveError
-from tests.procs import Ranks
+from tests.procs import Ranks, warm_context
 
 pytestmark = pytest.mark.fault
 
@@ -211,7 +210,7 @@ def test_a_peer_killed_during_a_reducing_receive_fails_it_and_writes_nothing_mor
     # This process is rank 1. Its reducing receive takes the 1020 floats in the ring when
     # posted, then waits for the rest; rank 0 is killed. The wait fails through the pidfd (a
     # plain CollectiveError, not the 300 s timeout), and the tensor keeps what was reduced.
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_send_a_ring_full_then_wait,
                        args=(str(server.endpoint), server.secret, child), daemon=True)

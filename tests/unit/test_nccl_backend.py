@@ -10,7 +10,6 @@ tests/gpu/test_nccl_gpu.py."""
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -35,6 +34,7 @@ from elastic.errors import (
     CollectiveTimeoutError,
     RendezvousError,
 )
+from tests.procs import warm_context
 from tests.threads import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -1148,7 +1148,7 @@ def test_a_peer_killed_with_sigkill_fails_the_survivor_with_a_collective_error(m
 
     monkeypatch.setattr(sim, "NcclCommunicator", Watched)  # in this process: rank 0's
     server = RendezvousServer()
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_dying_rank, args=(str(server.endpoint), server.secret, child),
                        daemon=True)

@@ -5,7 +5,6 @@ Ranks are threads; one test puts a rank in a process of its own and kills it."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from elastic.collective import nccl_sim as sim
+from tests.procs import warm_context
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -309,7 +309,7 @@ def _rank_one(uid, conn) -> None:
 
 
 def test_a_killed_process_is_a_remote_error_for_its_peer():
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()
     uid = sim.get_unique_id()
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_rank_one, args=(uid, child), daemon=True)
