@@ -123,7 +123,8 @@ def _scenario(rank: int, world_size: int, endpoint: str, secret: bytes, scenario
 
 
 # What the children of `warm_context` find imported.
-_PRELOAD = ["torch", "elastic.collective", "elastic.checkpoint", "tests.procs"]
+_PRELOAD = ["torch", "elastic.collective", "elastic.checkpoint", "elastic.trainer.loader",
+            "tests.procs", "tests.fidelity"]
 
 
 def warm_context() -> mp.context.BaseContext:

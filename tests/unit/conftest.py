@@ -6,15 +6,23 @@ import pytest
 import torch
 
 from elastic.trainer.loader import Prefetcher
+from tests.procs import warm_context
 
 
 @pytest.fixture
 def prefetcher():
-    """Makes `Prefetcher`s (spawned loader processes, 2 by default) and closes them after."""
+    """Makes `Prefetcher`s (2 loader processes by default) and closes them after.
+
+    The loaders start with `start_method="forkserver"` from the tests' forkserver, which has
+    imported torch and the loader (`tests.procs.warm_context`): a spawned loader pays 2 s of
+    imports on two cores. The default, "spawn", is what the runs of these tests use
+    (`test_loader.py`'s elastic runs, `tests/fault/test_data_faults.py`) and the owner that
+    is SIGKILLed in `test_loader_processes_exit_when_their_worker_is_sigkilled`."""
     made: list[Prefetcher] = []
+    warm_context()
 
     def make(job, workers: int = 2) -> Prefetcher:
-        p = Prefetcher(job, workers, "spawn", torch.get_rng_state())
+        p = Prefetcher(job, workers, "forkserver", torch.get_rng_state())
         made.append(p)
         return p
 
