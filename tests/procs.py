@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import sys
 import threading
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -125,6 +126,16 @@ def _scenario(rank: int, world_size: int, endpoint: str, secret: bytes, scenario
 # What the children of `warm_context` find imported.
 _PRELOAD = ["torch", "elastic.collective", "elastic.checkpoint", "elastic.trainer.loader",
             "tests.procs", "tests.fidelity"]
+
+
+def _fresh_numpy_entropy() -> None:
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()  # a spawned child draws its own, not its forkserver's
+
+
+# In the forkserver (which imports this module) and wherever else this module forks from.
+os.register_at_fork(after_in_child=_fresh_numpy_entropy)
 
 
 def warm_context() -> mp.context.BaseContext:

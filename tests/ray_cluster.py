@@ -16,11 +16,11 @@ def ray_cluster():
 
     # Workers forked from a process that has imported torch (tests/zygote.py): on two cores a
     # worker's imports cost 2-2.5 s of CPU, most of a short run's.
-    server = None
+    servers = []
     warm = contextlib.nullcontext()
     if zygote.enabled():
-        server, path = zygote.start(tempfile.mkdtemp(prefix="elastic-zygote-"))
-        warm = zygote.workers_from(path)
+        servers, paths = zygote.start(tempfile.mkdtemp(prefix="elastic-zygote-"))
+        warm = zygote.workers_from(paths)
     # No PYTHONPATH for the workers: the test jobs travel by value (client.ship_job_code).
     # address="local": always a cluster of this session's own, even where the machine has another
     # Ray running or a stale /tmp/ray/ray_current_cluster (a killed Cluster leaves one; CI hit it).
@@ -29,6 +29,6 @@ def ray_cluster():
                  log_to_driver=False)
     yield ray
     ray.shutdown()
-    if server is not None:
+    for server in servers:
         server.kill()
         server.wait()

@@ -14,10 +14,11 @@ if __name__ == "__main__":
     if temp is None or not zygote.enabled():
         sys.argv[0] = "ray"
         sys.exit(main())
-    server, path = zygote.start(temp)
+    servers, paths = zygote.start(temp)
     sys.argv = ["ray", *sys.argv[1:]]
     try:
-        with zygote.workers_from(path):
+        with zygote.workers_from(paths):
             main()  # exits
     finally:
-        server.kill()
+        for server in servers:
+            server.kill()

@@ -1,35 +1,44 @@
-"""Warm Ray worker processes for the test session's cluster: a zygote that has imported torch
-once and forks a child per Ray worker, so a worker starts in a fraction of a second of CPU
-instead of the 2-2.5 s its imports cost on a two-core machine.
+"""Warm Ray worker processes for the tests' clusters: zygotes that have imported torch once
+and fork a child per Ray worker, so a worker starts in a fraction of a second of CPU instead of
+the 2-2.5 s its imports cost on a two-core machine.
 
-The session cluster's raylet starts `tests/zygote_worker.py` in place of Ray's
-`default_worker.py` (conftest's `ray_cluster`); that small client hands its arguments,
-environment, working directory and standard streams to this server, which forks, and the child
-runs Ray's `default_worker.py` as `python default_worker.py ...` would: same argv, environment,
-cwd, script folder on `sys.path`, default signal handlers, fresh NumPy entropy.
+The raylet starts `tests/zygote_worker.py` in place of Ray's `default_worker.py`; that small
+client hands its arguments, environment, working directory and standard streams to a zygote,
+which forks; the child runs Ray's `default_worker.py` as `python default_worker.py ...` would:
+the same argv, environment, cwd and script folder on `sys.path`, default signal handlers, fresh
+NumPy entropy, and the interpreter's own exit (atexit handlers, non-daemon threads joined).
+The client waits for the child and ends the way it did (its exit code, or the signal that
+killed it); if the client dies, the child is killed; if a zygote dies, its children die too.
 
-One difference is inherent: OpenMP and MKL read their thread settings (`OMP_NUM_THREADS`...)
-once, when torch loads them, which here is before the fork. The server loads them with
-`THREADS`: `OMP_NUM_THREADS=1`, what Ray sets (when a task starts, after the fork) for every
-task and actor below two CPUs, which is every one these tests start. A worker whose
-environment asks for other settings at its start is started the ordinary way; one that would
-later ask Ray for two or more CPUs would train with one thread instead (no test does:
-tests/integration/test_zygote.py checks a worker's threads). Only torch (and what it
-imports, pydantic) are loaded before the fork; Ray and elastic are imported by the child, after
-its environment is in place. The client waits
-for the child and ends the way it ended (its exit code, or the signal that killed it); if the
-client dies, the child is killed.
+What a child cannot redo, because Python or a library read it once before the fork:
+- The interpreter's start-up settings (`PYTHONPATH`, `PYTHONHASHSEED` and the other `PYTHON*`
+  variables) and the interpreter itself: a worker whose environment or executable differs from
+  the zygote's is started the ordinary way (so `ray job submit --working-dir`, which reaches
+  workers through `PYTHONPATH`, works as without zygotes).
+- The string hash seed: children of one zygote share it, where ordinary workers each draw
+  their own. Two zygotes, each with its own seed, take turns (a counter beside their sockets), so
+  the ranks of a run do not all share one: code whose collective order follows a set's iteration
+  order still meets ranks that disagree.
+- Thread pools: OpenMP and MKL read `OMP_NUM_THREADS` when torch loads them. The zygotes load
+  them with the environment's settings, else `THREADS` (`OMP_NUM_THREADS=1`), what Ray sets,
+  when a task starts and only where the environment has none, for every task and actor below
+  two CPUs, which is every one these tests start. A worker whose environment
+  asks for other settings at its start is started the ordinary way; one that asked Ray for two
+  or more CPUs would train with one thread instead (no test does; tests/integration/
+  test_zygote.py checks a worker's threads).
+Only torch (and what it imports) and pydantic are loaded before the fork; Ray and elastic are
+imported by the child, after its environment is in place.
 
 What runs through here: the workers of the test session's cluster (`tests/ray_cluster.py`)
 and of the heads of `tests/head.py` (the README's commands, `ray job submit`). The clusters a
-test's subprocess starts by itself (`elastic run` without a head, `elastic demo`, the
-multi-node `Cluster`s, the loaders' and benchmarks' own processes) start their workers the
-ordinary way, so the plain path stays covered. `ELASTIC_TEST_ZYGOTE=0` turns this off.
+test's subprocess starts by itself (the multi-node `Cluster`s of tests/fault/test_nodes.py,
+test_resume's local cluster) start their workers the ordinary way, so that path stays
+covered. `ELASTIC_TEST_ZYGOTE=0` turns this off.
 
 Protocol (one Unix stream connection per worker): the client sends a 4-byte length, a JSON
-request {argv, env, cwd} and its fds 0, 1, 2 (SCM_RIGHTS); the server answers the child's pid
-as a line, then, when the child has ended, its wait status as a line; or 0 for "start it
-yourself".
+request {argv, env, cwd, executable} and its fds 0, 1, 2 (SCM_RIGHTS); the server answers the
+child's pid as a line, then, when the child has ended, its wait status as a line; or 0 for
+"start it yourself".
 """
 
 from __future__ import annotations
@@ -46,7 +55,9 @@ import sys
 from collections.abc import Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SWITCH = "ELASTIC_TEST_ZYGOTE"  # the server's socket for zygote_worker.py; "0": no zygote
+# The servers' sockets for zygote_worker.py (os.pathsep between them); "0": no zygote.
+SWITCH = "ELASTIC_TEST_ZYGOTE"
+COUNT = 2  # zygotes per cluster, each with its own string hash seed
 
 
 # Read by OpenMP and MKL when torch loads them, in the server: a worker whose environment has
@@ -59,27 +70,51 @@ def _threads(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(_THREAD_PREFIXES)}
 
 
+def _forkable(request: dict) -> bool:
+    """Whether a child of this server starts as `request`'s worker would by itself: the same
+    interpreter and start-up variables, thread settings as the server's or none yet."""
+    wanted = _threads(request["env"])
+    return (request.get("executable") == sys.executable and request.get("flags") == []
+            and _startup(request["env"]) == _startup(dict(os.environ))
+            and (not wanted or wanted == _threads(dict(os.environ))))
+
+
+def _startup(env: dict[str, str]) -> dict[str, str]:
+    """The variables the interpreter reads as it starts (`PYTHONBREAKPOINT` is read when
+    `breakpoint()` is called; Ray sets it)."""
+    return {k: v for k, v in env.items() if k.startswith("PYTHON") and k != "PYTHONBREAKPOINT"}
+
+
 def enabled() -> bool:
     return os.environ.get(SWITCH) != "0"
 
 
-def start(folder: str) -> tuple[subprocess.Popen, str]:
-    """Starts a server with its socket in `folder`; returns once it has imported torch. It
-    ends with the process that started it."""
-    path = os.path.join(folder, "zygote.socket")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_THREAD_PREFIXES)}
-    server = subprocess.Popen([sys.executable, os.path.join(HERE, "zygote.py"), path],
-                              stdout=subprocess.PIPE, text=True, env={**env, **THREADS})
-    if server.stdout.readline().strip() != "ready":
-        server.kill()
-        raise RuntimeError("the test zygote did not start (see its output above)")
-    return server, path
+def start(folder: str) -> tuple[list[subprocess.Popen], str]:
+    """Starts `COUNT` servers with their sockets in `folder`; returns them and the value of
+    `SWITCH` once each has imported torch. They end with the process that started them."""
+    env = {**THREADS, **os.environ}  # thread settings of the environment, if it has any
+    servers, paths = [], []
+    try:
+        for i in range(COUNT):
+            paths.append(os.path.join(folder, f"zygote{i}.socket"))
+            servers.append(subprocess.Popen([sys.executable, os.path.join(HERE, "zygote.py"),
+                                             paths[-1]], stdout=subprocess.PIPE, text=True,
+                                            env=env))
+        for server in servers:
+            if server.stdout.readline().strip() != "ready":
+                raise RuntimeError("a test zygote did not start (see its output above)")
+    except BaseException:
+        for server in servers:
+            server.kill()
+        raise
+    return servers, os.pathsep.join(paths)
 
 
 @contextlib.contextmanager
-def workers_from(path: str) -> Iterator[None]:
+def workers_from(paths: str) -> Iterator[None]:
     """A Ray node started inside this block (`ray.init`, `ray start`) starts its Python workers
-    through `zygote_worker.py` and the server at `path`: Ray's `worker_path` node parameter,
+    through `zygote_worker.py` and the servers at `paths` (what `start` returns): Ray's
+    `worker_path` node parameter,
     which neither `ray.init` nor `ray start` exposes, defaults to that script meanwhile. The
     raylet inherits the environment that points the script at the server and at Ray's own
     `default_worker.py`; the environment is restored when the block ends."""
@@ -95,7 +130,7 @@ def workers_from(path: str) -> Iterator[None]:
             self.worker_path = os.path.join(HERE, "zygote_worker.py")
 
     saved = {k: os.environ.get(k) for k in (SWITCH, "ELASTIC_TEST_DEFAULT_WORKER")}
-    os.environ[SWITCH] = path
+    os.environ[SWITCH] = paths
     os.environ["ELASTIC_TEST_DEFAULT_WORKER"] = default_worker
     parameter.RayParams.__init__ = init
     try:
@@ -110,66 +145,61 @@ def workers_from(path: str) -> Iterator[None]:
 
 
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
-    head, fds, _, _ = socket.recv_fds(conn, 4, 3)
-    if len(head) < 4:
-        raise EOFError
-    (size,) = struct.unpack("!I", head)
-    body = b""
-    while len(body) < size:
-        chunk = conn.recv(size - len(body))
-        if not chunk:
-            raise EOFError
-        body += chunk
-    return json.loads(body), list(fds)
-
-
-def _become_worker(request: dict, fds: list[int]) -> None:
-    """In the forked child: turn into `python <argv...>` and run it; never returns."""
-    code = 1
+    """The request and the client's fds 0, 1, 2 (close-on-exec here; closed on any error)."""
+    head, fds, _, _ = socket.recv_fds(conn, 4, 3, socket.MSG_CMSG_CLOEXEC)
     try:
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-        for fd in fds:
-            if fd > 2:
-                os.close(fd)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as the interpreter sets it at start
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        if "numpy" in sys.modules:
-            sys.modules["numpy"].random.seed()
-        script, *args = request["argv"]
-        sys.argv = [script, *args]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-        import runpy
-
-        runpy.run_path(script, run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if len(head) < 4 or len(fds) != 3:
+            raise EOFError
+        (size,) = struct.unpack("!I", head)
+        body = b""
+        while len(body) < size:
+            chunk = conn.recv(size - len(body))
+            if not chunk:
+                raise EOFError
+            body += chunk
+        return json.loads(body), list(fds)
     except BaseException:
-        import traceback
+        for fd in fds:
+            os.close(fd)
+        raise
 
-        traceback.print_exc()
-        code = 1
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+
+def _become_worker(request: dict, fds: list[int], zygote: int) -> None:
+    """In the forked child: becomes `python <argv...>` and runs it. Never returns: the
+    worker's end (its `SystemExit`, an exception, or the end of the script) ends this
+    interpreter as it would end `python default_worker.py`."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the zygote
+    if os.getppid() != zygote:
+        os._exit(1)  # it died already
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as the interpreter sets them at start
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    script, *args = request["argv"]
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    import runpy
+
+    runpy.run_path(script, run_name="__main__")
+    raise SystemExit(0)
 
 
 def serve(path: str) -> None:
-    try:  # die with the test process that started this one
-        import ctypes
+    import ctypes
 
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the test process
     import pydantic  # noqa: F401 - imported before the fork, as torch
     import torch  # noqa: F401
 
@@ -181,6 +211,7 @@ def serve(path: str) -> None:
     print("ready", flush=True)
     # One thread only: a fork from a process with other threads could copy a held lock.
     children: dict[int, tuple[socket.socket, int]] = {}  # pid -> (client connection, pidfd)
+    zygote = os.getpid()
     while True:
         for key, _ in sel.select():
             kind, data = key.data
@@ -191,9 +222,8 @@ def serve(path: str) -> None:
                 except (EOFError, OSError, ValueError):
                     conn.close()
                     continue
-                wanted = _threads(request["env"])
-                if wanted and wanted != _threads(dict(os.environ)):
-                    for fd in fds:  # other thread settings: the client starts it itself
+                if not _forkable(request):
+                    for fd in fds:  # the client starts it itself
                         os.close(fd)
                     try:
                         conn.sendall(b"0\n")
@@ -209,7 +239,7 @@ def serve(path: str) -> None:
                         other.close()
                         os.close(pidfd)
                     conn.close()
-                    _become_worker(request, fds)
+                    _become_worker(request, fds, zygote)
                 for fd in fds:
                     os.close(fd)
                 pidfd = os.pidfd_open(pid)

@@ -1,20 +1,30 @@
 """What a replica is built from, checked: the job's model (no layer with sparse gradients),
-its loader processes (started, and waited for while they build the data set), and which of
-its layers draw random numbers (for `batch.groups` 'auto')."""
+its optimizer and scheduler, its data set, its loader processes (started, and waited for while
+they build the data set), and which of its layers draw random numbers (for `batch.groups`
+'auto')."""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.utils.data import default_collate
 
-from elastic.config import DataConfig
+from elastic.config import DataConfig, FitConfig, TrainingConfig
 from elastic.errors import ConfigError
 from elastic.job import TrainJob
+from elastic.trainer.data import SampleOrder, steps_per_epoch
 from elastic.trainer.loader import Prefetcher
+from elastic.trainer.training import Training, build_extra_state, wants_model
 
 logger = logging.getLogger(__name__)
 
+# Largest data set whose indices travel exactly in a float32 buffer (the ledger's).
+_FLOAT32_EXACT = 1 << 24
 # A worker waits for its loader processes to build the data set for at most 3x its own build
 # time, and at least this long (a spawned loader imports torch first: seconds).
 _LOADER_START_MIN_S = 30.0
@@ -40,6 +50,69 @@ def built_model(job: TrainJob) -> torch.nn.Module:
     return model
 
 
+def built_optimizer(job: TrainJob, model: torch.nn.Module, training: TrainingConfig
+                    ) -> tuple[torch.optim.Optimizer, Any, Training, Any]:
+    """The optimizer (from the model's parameters, or from the model when the factory asks
+    for it: `wants_model`), the scheduler, their `Training` and the extra state.
+
+    Raises:
+        ConfigError: the factory returned no optimizer, or the scheduler steps after
+            evaluations of a job that has none.
+    """
+    optimizer = job.optimizer(model if wants_model(job.optimizer) else model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"TrainJob.optimizer returned {type(optimizer).__name__}, not a "
+                          "torch.optim.Optimizer")
+    scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler else None
+    steps = Training(training, scheduler)
+    if training.scheduler_interval == "evaluation" and job.eval_step is None:
+        raise ConfigError("training.scheduler_interval 'evaluation' steps the scheduler "
+                          "after each evaluation, but the job has no TrainJob.eval_step "
+                          "and eval_dataset to evaluate")
+    return optimizer, scheduler, steps, build_extra_state(job, model, optimizer)
+
+
+@dataclass(frozen=True)
+class BuiltData:
+    """The job's training data set and what reads it."""
+
+    dataset: Any
+    collate: Callable[[list[Any]], Any]
+    order: SampleOrder
+    rng_state: torch.Tensor  # torch's generator state in which `job.dataset()` was called
+    built_in: float  # seconds the factory took
+
+
+def built_data(job: TrainJob, config: FitConfig) -> BuiltData:
+    """The job's data set, built under torch's current generator state (the loader processes
+    build it from that state too), checked.
+
+    Raises:
+        ConfigError: not a map-style data set, loader processes for a Ray data set, fewer
+            samples than one global batch, or a ledger over more than 2**24 samples.
+    """
+    rng_state = torch.get_rng_state()
+    building = time.monotonic()
+    dataset = job.dataset()
+    built_in = time.monotonic() - building
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise ConfigError(f"TrainJob.dataset returned {type(dataset).__name__}, not a map-style "
+                          "dataset (it needs __len__ and __getitem__)")
+    if config.data.loader_workers and not getattr(dataset, "uses_loader_processes", True):
+        raise ConfigError(
+            f"data.loader_workers: a {type(dataset).__name__} is read through Ray, and "
+            "loader processes are not Ray workers; set data.loader_workers=0 (Ray Data ran "
+            "its transforms in parallel already)")
+    try:
+        steps_per_epoch(len(dataset), config.batch.global_batch_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if config.ledger and len(dataset) > _FLOAT32_EXACT:
+        raise ConfigError("ledger=True supports data sets of up to 2**24 samples")
+    return BuiltData(dataset, job.collate_fn or default_collate,
+                     SampleOrder(len(dataset), config.seed, dataset), rng_state, built_in)
+
+
 def start_loaders(job: TrainJob, data: DataConfig, data_rng: torch.Tensor,
                    built_in: float) -> Prefetcher | None:
     """The worker's loader processes (none without `data.loader_workers`), started.
@@ -61,6 +134,14 @@ def start_loaders(job: TrainJob, data: DataConfig, data_rng: torch.Tensor,
         prefetcher.close()
         raise
     return prefetcher
+
+
+def model_traits(model: torch.nn.Module) -> dict[str, int]:
+    """What the controller needs to know about the model to cut the batch: its BatchNorm
+    layers and its layers that draw random numbers (`random_layer`; `batch.groups` 'auto')."""
+    modules = list(model.modules())
+    return {"batchnorm": sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in modules),
+            "dropout": sum(map(random_layer, modules))}
 
 
 def random_layer(module: torch.nn.Module) -> bool:

@@ -35,6 +35,7 @@ from elastic.trainer.device import is_allocation_failure, release_cached_memory
 from elastic.trainer.exact import ExactSum
 from elastic.trainer.flat import all_finite, allreduce_flat, flatten_grads, unflatten_grads
 from elastic.trainer.loss import LossForm
+from elastic.trainer.metrics import exchange_names, read_section
 from elastic.trainer.step import Computed, Reduced, StepContext, Vote
 
 logger = logging.getLogger(__name__)
@@ -166,6 +167,40 @@ def take_part(host: StepHost, context: StepContext, allocate: Callable[[], Any])
     # is released.
     release_cached_memory(host.device)
     raise error
+
+
+def left_collectives(context: StepContext, error: BaseException) -> CollectiveError:
+    """An out-of-memory error inside the reduce, past the allocations the vote covers (in the
+    communication itself): this rank may have left the step's collectives half done, so it
+    aborts its communicator and reports a collective error caused by it (which
+    `elastic.trainer.device.is_out_of_memory` classifies as out of memory)."""
+    context.comm.abort()
+    release_frames(error)
+    return CollectiveError(f"rank {context.rank} ran out of memory in the collectives of "
+                           f"step {context.step}: {error}", rank=context.rank)
+
+
+class NamedMetrics(Protocol):
+    metric_names: tuple[str, ...]  # the metric names every rank knows
+
+
+def with_metric_names(host: NamedMetrics, context: StepContext, computed: Computed,
+                      reduced: Reduced) -> Reduced:
+    """After the reduce: the step's metrics under the names every rank knows, learning them
+    into `host.metric_names` first (`metrics.exchange_names`, then one more sum) when some
+    rank's metrics named a new one.
+
+    Raises:
+        CollectiveError: the exchange or the sum failed, or a peer announced malformed names.
+    """
+    new, _ = read_section(reduced.metrics, context.metric_names)
+    if not new:
+        return reduced
+    host.metric_names = exchange_names(context.comm.control, list(computed.metrics.sums),
+                                       host.metric_names)
+    section = computed.metrics.section(host.metric_names)
+    context.comm.control.allreduce(section)
+    return replace(reduced, metrics=section)
 
 
 def release_frames(error: BaseException) -> None:

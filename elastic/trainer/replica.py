@@ -26,19 +26,25 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch.utils.data import default_collate
 
 from elastic.adapt.groups import decide_grouping
 from elastic.adapt.plan import BatchPlan
 from elastic.collective import Communicator
 from elastic.config import ChaosEvent, ChaosPhase, FitConfig
-from elastic.errors import CollectiveError, ConfigError, HalfUpdatedError
+from elastic.errors import ConfigError, HalfUpdatedError
 from elastic.job import TrainJob
 from elastic.trainer.apply import apply_step
 from elastic.trainer.buffers import BufferSync
-from elastic.trainer.build import built_model, random_layer, start_loaders
+from elastic.trainer.build import (
+    built_data,
+    built_model,
+    built_optimizer,
+    model_traits,
+    random_layer,
+    start_loaders,
+)
 from elastic.trainer.compute import ahead, compute
-from elastic.trainer.data import Cursor, SampleOrder, steps_per_epoch
+from elastic.trainer.data import Cursor
 from elastic.trainer.device import (
     MoveBatch,
     default_move,
@@ -46,12 +52,8 @@ from elastic.trainer.device import (
 )
 from elastic.trainer.exact import ExactSum, make_deterministic
 from elastic.trainer.faults import FaultInjector, Progress, chaos_kill
-from elastic.trainer.metrics import (
-    exchange_names,
-    read_section,
-)
 from elastic.trainer.outcomes import NonFinite, OutOfMemory, StepRecord, UserFailure
-from elastic.trainer.reducers import Reducer, make_reducer, release_frames
+from elastic.trainer.reducers import Reducer, left_collectives, make_reducer, with_metric_names
 from elastic.trainer.sharding import OptimizerShards, check_shardable, sync_sharded
 from elastic.trainer.state import (
     committed_state,
@@ -71,11 +73,6 @@ from elastic.trainer.step import (
     pack_meta,
     verdict,
 )
-from elastic.trainer.training import (
-    Training,
-    build_extra_state,
-    wants_model,
-)
 
 # The outcome types, `Progress` and `chaos_kill` are part of this module's interface (the worker
 # actor imports them here).
@@ -84,8 +81,6 @@ __all__ = ["NonFinite", "OutOfMemory", "Progress", "Replica", "StepRecord", "Use
 
 logger = logging.getLogger(__name__)
 
-# Largest data set whose indices travel exactly in a float32 buffer.
-_FLOAT32_EXACT = 1 << 24
 # The chaos phases after the reduce (a redone step keeps their faults).
 _LATE = ("optimizer", "gather")
 # Exact mode: redos of one step at a wider scale before giving up (each widens by up to 50+
@@ -130,30 +125,11 @@ class Replica:
         torch.manual_seed(config.seed)
         self.model = built_model(job)
         self.model.to(self.device)  # before the optimizer: its state follows the parameters
-        self._build_optimizer()
+        self.optimizer, self.scheduler, self.training, self.extra = built_optimizer(
+            job, self.model, config.training)
         self.metric_names: tuple[str, ...] = ()  # committed: the same on every rank
-        data_rng = torch.get_rng_state()  # loader processes build the data set from here too
-        building = time.monotonic()
-        self.dataset = job.dataset()
-        built_in = time.monotonic() - building
-        if not (hasattr(self.dataset, "__len__") and hasattr(self.dataset, "__getitem__")):
-            raise ConfigError(
-                f"TrainJob.dataset returned {type(self.dataset).__name__}, not a map-style "
-                "dataset (it needs __len__ and __getitem__)"
-            )
-        self.collate: Callable[[list[Any]], Any] = job.collate_fn or default_collate
-        if config.data.loader_workers and not getattr(self.dataset, "uses_loader_processes", True):
-            raise ConfigError(
-                f"data.loader_workers: a {type(self.dataset).__name__} is read through Ray, and "
-                "loader processes are not Ray workers; set data.loader_workers=0 (Ray Data ran "
-                "its transforms in parallel already)")
-        try:
-            steps_per_epoch(len(self.dataset), config.batch.global_batch_size)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        self.order = SampleOrder(len(self.dataset), config.seed, self.dataset)
-        if config.ledger and len(self.dataset) > _FLOAT32_EXACT:
-            raise ConfigError("ledger=True supports data sets of up to 2**24 samples")
+        data = built_data(job, config)
+        self.dataset, self.collate, self.order = data.dataset, data.collate, data.order
         self.cursor = Cursor()
         self.faults = FaultInjector(run_dir)
         self.progress: Progress = self.faults.progress
@@ -173,26 +149,7 @@ class Replica:
             self, self._params, collective.overlap_enabled, collective.bucket_bytes,
             collective.first_bucket_bytes, self.exact, self._loss_slot)
         # Last: nothing above may fail after loader processes exist.
-        self.prefetcher = start_loaders(job, config.data, data_rng, built_in)
-
-    def _build_optimizer(self) -> None:
-        """The optimizer (from the model's parameters, or from the model when the factory
-        asks for it: `wants_model`), the scheduler, their `Training` and the extra state."""
-        job = self.job
-        self.optimizer = job.optimizer(self.model if wants_model(job.optimizer)
-                                       else self.model.parameters())
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise ConfigError(
-                f"TrainJob.optimizer returned {type(self.optimizer).__name__}, not a "
-                "torch.optim.Optimizer"
-            )
-        self.scheduler = job.lr_scheduler(self.optimizer) if job.lr_scheduler else None
-        self.training = Training(self.config.training, self.scheduler)
-        if self.config.training.scheduler_interval == "evaluation" and job.eval_step is None:
-            raise ConfigError("training.scheduler_interval 'evaluation' steps the scheduler "
-                              "after each evaluation, but the job has no TrainJob.eval_step "
-                              "and eval_dataset to evaluate")
-        self.extra = build_extra_state(job, self.model, self.optimizer)
+        self.prefetcher = start_loaders(job, config.data, data.rng_state, data.built_in)
 
     def _shards(self) -> OptimizerShards | None:
         """Sharded optimizer state: the parts this rank owns (`elastic.trainer.sharding`)."""
@@ -222,13 +179,9 @@ class Replica:
     # --- state --------------------------------------------------------------------------
 
     def traits(self) -> dict[str, int]:
-        """What the controller needs to know about the model to cut the batch: its BatchNorm
-        layers and its layers that draw random numbers (`random_layer`; `batch.groups`
-        'auto')."""
-        modules = list(self.model.modules())
-        return {"batchnorm": sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-                                 for m in modules),
-                "dropout": sum(map(random_layer, modules))}
+        """What the controller needs to know about the model to cut the batch
+        (`elastic.trainer.build.model_traits`)."""
+        return model_traits(self.model)
 
     def state(self) -> dict[str, Any]:
         """The committed state (`elastic.trainer.state.committed_state`).
@@ -343,11 +296,11 @@ class Replica:
             computed = self._compute(context)
             try:
                 reduced = self._reduce(context, computed)
-                reduced = self._learn_metric_names(context, computed, reduced)
+                reduced = with_metric_names(self, context, computed, reduced)
             except BaseException as e:
                 self._abandon(exponents)
                 if is_allocation_failure(e):  # past the allocations the vote covers
-                    raise self._left_collectives(context, e) from e
+                    raise left_collectives(context, e) from e
                 raise
             outcome = verdict(context.step, reduced.votes, self.training.nonfinite_policy(
                               self.config.failure.nonfinite),
@@ -441,17 +394,6 @@ class Replica:
         if self.exact is not None:
             self.exact.exponents = exponents
 
-    @staticmethod
-    def _left_collectives(context: StepContext, error: BaseException) -> CollectiveError:
-        """An out-of-memory error inside the reduce, past the allocations the vote covers (in
-        the communication itself): this rank may have left the step's collectives half done,
-        so it aborts its communicator and reports a collective error caused by it (which
-        `elastic.trainer.device.is_out_of_memory` classifies as out of memory)."""
-        context.comm.abort()
-        release_frames(error)
-        return CollectiveError(f"rank {context.rank} ran out of memory in the collectives of "
-                               f"step {context.step}: {error}", rank=context.rank)
-
     def _used(self) -> torch.Tensor:
         """At the end of the compute phase: 1 for each parameter this rank's backward passes
         gave a gradient (in exact mode, whose slot they added to), else 0 (`pack_meta`'s
@@ -461,23 +403,6 @@ class Replica:
             TypeError: a backward pass left a sparse gradient (`reducers.used_params`).
         """
         return self.reducer.used()
-
-    def _learn_metric_names(self, context: StepContext, computed: Computed,
-                            reduced: Reduced) -> Reduced:
-        """The step's metrics under the names every rank knows (`metrics.exchange_names`,
-        when some rank's metrics named a new one).
-
-        Raises:
-            CollectiveError: the exchange failed, or a peer announced malformed names.
-        """
-        new, _ = read_section(reduced.metrics, context.metric_names)
-        if not new:
-            return reduced
-        self.metric_names = exchange_names(context.comm.control, list(computed.metrics.sums),
-                                           self.metric_names)
-        section = computed.metrics.section(self.metric_names)
-        context.comm.control.allreduce(section)
-        return replace(reduced, metrics=section)
 
     def drop_grads(self) -> None:
         """Sets every parameter's gradient to None."""

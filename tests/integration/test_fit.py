@@ -186,7 +186,9 @@ class Operator:
         self.done.set()
         self.thread.join()
         if self.error is not None:
-            raise self.error from exc[1]  # the run's own error (if it failed) stays in view
+            if exc[1] is not None:
+                raise self.error from exc[1]  # the run's own error stays in view
+            raise self.error
 
 
 def test_ledger_shows_every_index_once_per_epoch_across_failures_and_a_resize(ray_cluster, tmp_path):

@@ -16,13 +16,14 @@ def prefetcher():
     The loaders start with `start_method="forkserver"` from the tests' forkserver, which has
     imported torch and the loader (`tests.procs.warm_context`): a spawned loader pays 2 s of
     imports on two cores. The default, "spawn", is what the runs of these tests use
-    (`test_loader.py`'s elastic runs, `tests/fault/test_data_faults.py`) and the owner that
-    is SIGKILLed in `test_loader_processes_exit_when_their_worker_is_sigkilled`."""
+    (`test_loader.py`'s elastic runs, `tests/fault/test_data_faults.py`), the owner that is
+    SIGKILLed in `test_loader_processes_exit_when_their_worker_is_sigkilled`, and a test that
+    needs slow starts (`start_method="spawn"`)."""
     made: list[Prefetcher] = []
     warm_context()
 
-    def make(job, workers: int = 2) -> Prefetcher:
-        p = Prefetcher(job, workers, "forkserver", torch.get_rng_state())
+    def make(job, workers: int = 2, start_method: str = "forkserver") -> Prefetcher:
+        p = Prefetcher(job, workers, start_method, torch.get_rng_state())
         made.append(p)
         return p
 

@@ -135,9 +135,10 @@ def _marked_job(directory, fail: str | None = None) -> TrainJob:
 
 
 def test_wait_started_returns_once_every_loader_has_built_the_data_set(prefetcher, tmp_path):
-    loader = prefetcher(_marked_job(tmp_path), workers=3)
+    # Spawned: a spawned loader imports torch before it builds anything, so without the wait
+    # there would be no file yet.
+    loader = prefetcher(_marked_job(tmp_path), workers=3, start_method="spawn")
     loader.wait_started()
-    # A spawned loader imports torch before it builds anything: without the wait, no file yet.
     assert sorted(int(f) for f in os.listdir(tmp_path)) == sorted(loader.pids())
     loader.wait_started()  # again: returns at once
     piece = Piece(0, 1, (2, 5))
