@@ -1,6 +1,6 @@
 """`python tests/ray_head.py start --head ...`: Ray's own `ray start`, with the node's Python
-workers forked from a zygote that has imported torch (tests/zygote.py), for the heads of
-tests/head.py. The zygote's socket lies in the head's `--temp-dir`, so the processes that
+workers forked from zygotes that have imported torch (tests/zygote.py), for the heads of
+tests/head.py. The zygotes' sockets lie in the head's `--temp-dir`, so the processes that
 mention that folder are this head's."""
 
 import sys

@@ -58,6 +58,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # The servers' sockets for zygote_worker.py (os.pathsep between them); "0": no zygote.
 SWITCH = "ELASTIC_TEST_ZYGOTE"
 COUNT = 2  # zygotes per cluster, each with its own string hash seed
+_MAX_REQUEST = 1 << 24  # bytes of one request (argv, environment, cwd)
 
 
 # Read by OpenMP and MKL when torch loads them, in the server: a worker whose environment has
@@ -114,10 +115,10 @@ def start(folder: str) -> tuple[list[subprocess.Popen], str]:
 def workers_from(paths: str) -> Iterator[None]:
     """A Ray node started inside this block (`ray.init`, `ray start`) starts its Python workers
     through `zygote_worker.py` and the servers at `paths` (what `start` returns): Ray's
-    `worker_path` node parameter,
-    which neither `ray.init` nor `ray start` exposes, defaults to that script meanwhile. The
-    raylet inherits the environment that points the script at the server and at Ray's own
-    `default_worker.py`; the environment is restored when the block ends."""
+    `worker_path` node parameter, which neither `ray.init` nor `ray start` exposes, defaults to
+    that script meanwhile. The raylet inherits the environment that points the script at the
+    servers and at Ray's own `default_worker.py`; the environment is restored when the block
+    ends."""
     from ray._private import parameter
 
     default_worker = os.path.join(os.path.dirname(parameter.__file__), "workers",
@@ -151,6 +152,8 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
         if len(head) < 4 or len(fds) != 3:
             raise EOFError
         (size,) = struct.unpack("!I", head)
+        if size > _MAX_REQUEST:
+            raise ValueError(f"a request of {size} bytes")
         body = b""
         while len(body) < size:
             chunk = conn.recv(size - len(body))
@@ -263,18 +266,9 @@ def serve(path: str) -> None:
                 except OSError:
                     pass
                 conn.close()
-            else:  # the client spoke or went away: it only ever goes away
-                pid = data
-                if pid in children:
-                    try:
-                        if not children[pid][0].recv(1, socket.MSG_DONTWAIT):
-                            os.kill(pid, signal.SIGKILL)
-                            sel.unregister(children[pid][0])
-                    except BlockingIOError:
-                        pass
-                    except OSError:
-                        os.kill(pid, signal.SIGKILL)
-                        sel.unregister(children[pid][0])
+            elif data in children:  # its client never speaks: readable means it went away
+                sel.unregister(children[data][0])  # (not if this batch reaped it already)
+                os.kill(data, signal.SIGKILL)  # reaped at its "exit" event
 
 
 if __name__ == "__main__":
