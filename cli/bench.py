@@ -111,14 +111,14 @@ def bench_recovery(
         "goes on with the survivors and is scaled back up after each recovery.")] = True,
     sharding_stage: Annotated[int, typer.Option(
         help="1: the optimizer state sharded over 2 owners per parameter (SGD with momentum), "
-        "moved at each recovery.")] = 0,
+        "moved at each recovery; 2: the summed gradients sharded too.")] = 0,
     json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """SIGKILL a random worker at a random phase TRIALS times in one run; time each recovery."""
     from elastic.bench.recovery import run_recovery_bench
 
-    if sharding_stage not in (0, 1):
-        raise fail(f"--sharding-stage: 0 or 1, got {sharding_stage}")
+    if sharding_stage not in (0, 1, 2):
+        raise fail(f"--sharding-stage: 0, 1 or 2, got {sharding_stage}")
     try:
         result = run_recovery_bench(workers, trials, seed=seed, replace=replace,
                                     sharding_stage=sharding_stage)
@@ -526,14 +526,15 @@ def bench_drift(
 def bench_memory(
     model: Annotated[str, typer.Option(help="The model: 'gpt' (a 55M-parameter decoder).")] = "gpt",
     workers: Annotated[int, typer.Option(help="World size.")] = 4,
-    stages: Annotated[str, typer.Option(help="Sharding stages, comma-separated.")] = "0,1",
+    stages: Annotated[str, typer.Option(help="Sharding stages, comma-separated.")] = "0,1,2",
     replicas: Annotated[int, typer.Option(help="Owners per parameter when sharded.")] = 2,
     steps: Annotated[int, typer.Option(help="Steps per stage (the first is left out of the "
                                              "median).")] = 5,
     json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """What each worker holds (optimizer state, gradients, parameters, peak memory) with the
-    optimizer state whole (stage 0) or sharded (stage 1), and the median step time."""
+    optimizer state whole (stage 0), sharded (stage 1), or sharded with the summed gradients
+    (stage 2), and the median step time."""
     from dataclasses import asdict
 
     from elastic.bench.memory import run_memory
@@ -544,8 +545,8 @@ def bench_memory(
         wanted = sorted({int(s) for s in stages.split(",") if s.strip()})
     except ValueError:
         raise fail(f"--stages: whole numbers separated by commas, got {stages!r}") from None
-    if not wanted or any(s not in (0, 1) for s in wanted):
-        raise fail(f"--stages: 0 and 1 are built (stage 2 is not yet), got {stages!r}")
+    if not wanted or any(s not in (0, 1, 2) for s in wanted):
+        raise fail(f"--stages: 0, 1 or 2, got {stages!r}")
     if not 1 <= replicas <= workers:
         raise fail(f"--replicas: between 1 and --workers ({workers}), got {replicas}")
     results = run_memory(wanted, workers, replicas, steps)

@@ -217,9 +217,10 @@ def _training_options(
         help="CSV file of the committed steps and evaluations, one row each.")] = None,
     sharding_stage: Annotated[int | None, typer.Option(
         help="0 (default): every worker holds the whole optimizer state; 1: each holds the "
-        "state of the parameters it owns (sharding.stage).")] = None,
+        "state of the parameters it owns; 2: and only their summed gradients "
+        "(sharding.stage).")] = None,
     shard_replicas: Annotated[int | None, typer.Option(
-        help="Workers owning each parameter's optimizer state with --sharding-stage 1 "
+        help="Workers owning each parameter's optimizer state with --sharding-stage 1 or 2 "
         "(default 2; any replicas - 1 may be lost).")] = None,
     checkpoint: Annotated[str | None, typer.Option(
         help="Checkpoint root (a folder or an fsspec URL): the run resumes from its newest "

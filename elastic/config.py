@@ -393,7 +393,7 @@ class ChaosEvent(_Frozen):
                               "(ignored by 'slow', which stretches the whole compute part). "
                               "'checkpoint': a 'kill' during the first checkpoint write at or "
                               "after `step`, once a part is on disk and before the manifest "
-                              "(rank 0 writes checkpoints). 'gather': with sharding.stage 1, "
+                              "(rank 0 writes checkpoints). 'gather': with sharding.stage 1 or 2, "
                               "after the optimizer stepped this rank's parts, before the "
                               "parameters are gathered. 'evaluate': in the evaluation at "
                               "committed step `step` (if one runs there), before the rank reads "
@@ -428,15 +428,17 @@ class ChaosEvent(_Frozen):
 class ShardingConfig(_Frozen):
     """How the optimizer state is spread over the workers (docs/training.md#sharded-optimizer-state)."""
 
-    stage: Literal[0, 1] = Field(
+    stage: Literal[0, 1, 2] = Field(
         default=0,
         description="0: every worker holds the whole optimizer state. 1: each worker holds the "
         "optimizer state of the parameters it owns (whole tensors, each owned by `replicas` "
-        "workers) and steps only those; the updated parameters are gathered after each step.",
+        "workers) and steps only those; the updated parameters are gathered after each step. "
+        "2: as 1, and each worker keeps the summed gradients of the parameters it owns only "
+        "(gradients reduced in buckets during the backward pass).",
     )
     replicas: int = Field(
         default=2, ge=1,
-        description="Workers that own each parameter's optimizer state (stage 1): any "
+        description="Workers that own each parameter's optimizer state (stages 1 and 2): any "
         "replicas - 1 of them may be lost and a survivor still holds it (else the run restores "
         "its newest checkpoint). When the run shrinks below it, every worker owns every part.",
     )
@@ -721,7 +723,7 @@ class FitConfig(_Frozen):
     )
     sharding: ShardingConfig = Field(
         default_factory=ShardingConfig, description="Optimizer state sharded over the workers "
-        "(stage 1) or held whole by each (stage 0, the default)."
+        "(stage 1; stage 2 the summed gradients too) or held whole by each (stage 0, the default)."
     )
     data: DataConfig = Field(
         default_factory=DataConfig, description="Background loading (loader processes, "
@@ -797,7 +799,21 @@ class FitConfig(_Frozen):
         sharding = self.sharding
         if not sharding.stage and any(e.phase == "gather" for e in self.chaos):
             raise ValueError("chaos phase 'gather' fires when the parameters are gathered after "
-                             "a sharded optimizer step; set sharding.stage=1 or pick another phase")
+                             "a sharded optimizer step; set sharding.stage=1 (or 2) or pick another phase")
+        if sharding.stage == 2 and batch.exact:
+            raise ValueError("sharding.stage 2 keeps each worker's share of the summed "
+                             "gradients, but batch.exact sums every gradient in one integer "
+                             "buffer; set sharding.stage=1 (exact mode shards the optimizer "
+                             "state) or batch.exact=False")
+        if sharding.stage == 2 and self.collective.overlap is False:
+            raise ValueError("sharding.stage 2 sums the gradients in buckets while the "
+                             "backward pass runs, keeping each worker's share; "
+                             "collective.overlap=False asks for one buffer after it: set "
+                             "collective.overlap=None (or True), or sharding.stage=1")
+        if sharding.stage == 2 and scaling.use_gpu and self.collective.backend != "nccl":
+            raise ValueError("sharding.stage 2 sums GPU gradients in buckets over NCCL; GPU "
+                             "workers on backend 'gloo' sum them over host memory after the "
+                             "backward pass: set collective.backend='nccl' or sharding.stage=1")
         if sharding.stage and sharding.replicas > scaling.num_workers:
             raise ValueError(
                 f"sharding.replicas ({sharding.replicas}) exceeds scaling.num_workers "

@@ -1,12 +1,13 @@
-"""`elastic bench memory`: what each worker holds with the optimizer state whole (stage 0) or
-sharded (stage 1), and what a step costs.
+"""`elastic bench memory`: what each worker holds with the optimizer state whole (stage 0),
+sharded (stage 1), or sharded with the summed gradients (stage 2), and what a step costs.
 
 A decoder-only transformer (GPT-like, about 55M parameters: 12 layers of width 512, a
 vocabulary of 16384, an untied output layer) with AdamW, trained by `elastic.fit` on
 `workers` workers for a few steps per stage. A probe in each worker (an extra state object)
-measures, right before each optimizer step, the gradient bytes it holds (an optimizer step
-pre-hook), and after it the optimizer-state bytes, the parameter bytes and the process's peak
-resident memory. The median step time comes from the run's metrics (the first step, which
+measures, right before each optimizer step, the bytes the gradients hold (an optimizer step
+pre-hook; every storage a gradient lives in, whole: a gradient that is a view of a flat buffer
+keeps the whole buffer), and after it the optimizer-state bytes, the parameter bytes and the
+process's peak resident memory. The median step time comes from the run's metrics (the first step, which
 allocates the state, left out).
 """
 
@@ -88,9 +89,12 @@ class MemoryProbe:
         optimizer.register_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.grad_bytes = sum(p.grad.numel() * p.grad.element_size()
-                              for group in optimizer.param_groups for p in group["params"]
-                              if p.grad is not None)
+        # The memory the gradients hold: each storage once, whole (a gradient that is a view
+        # of a flat buffer or a bucket keeps all of it).
+        storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                    for group in optimizer.param_groups for p in group["params"]
+                    if p.grad is not None}
+        self.grad_bytes = sum(storages.values())
 
     def after_step(self, model: nn.Module) -> None:
         figures = {

@@ -121,7 +121,7 @@ def _apply(host: ApplyHost, context: StepContext, computed: Computed, reduced: R
         lr = float(host.optimizer.param_groups[0]["lr"]) * context.lr_factor
     else:
         _assign_grads(host, reduced, commit)
-        grad_norm = host.training.unscale_and_clip(host._params)
+        grad_norm = host.training.unscale_and_clip(host._params, _norms(host, commit))
         if host.shards is not None:
             host.shards.drop_unowned_grads()  # the optimizer steps this rank's parts only
         # From here until the step is committed, the model and the optimizer may be half
@@ -253,6 +253,16 @@ def _assign_grads(host: ApplyHost, reduced: Reduced, commit: Commit) -> None:
         for p in host._params:
             if p.grad is not None:
                 p.grad.div_(commit.divisor)
+
+
+def _norms(host: ApplyHost, commit: Commit) -> list[torch.Tensor] | None:
+    """Sharded gradients: every parameter's summed gradient's norm (`Reducer.grad_norms`,
+    divided by the global count with `LossSum` losses, as the gradients are), for clipping
+    over all of them; else None."""
+    norms = host.reducer.grad_norms()
+    if norms is not None and commit.divisor is not None:
+        norms = [n / commit.divisor for n in norms]
+    return norms
 
 
 def _unreached(host: ApplyHost, used: torch.Tensor) -> None:

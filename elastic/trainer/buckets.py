@@ -23,11 +23,22 @@ step, not once per bucket (each check waits for the device). The
 buffers are allocated when a step begins (`begin`), which the replica runs inside the step's
 vote: a rank whose allocation runs out of memory votes the step down and allocates again
 (with its gradients freed) to take part in the collectives.
+
+Sharded gradients (`keep`, stage 2 of `ShardingConfig`): a rank keeps the summed gradients of
+the parameters it owns only. `begin` allocates those (the rank's share); a bucket's buffer is
+allocated when its first gradient arrives and freed once it is reduced and the owned
+gradients are copied out of it; each parameter's own gradient is freed as soon as its hook
+copied it. So after the backward pass a rank holds its share and the buckets still in
+flight, and at the optimizer step its share alone. Every rank still sees each bucket's whole
+sum (an allreduce, as DeepSpeed's ZeRO-2 does with `reduce_scatter` off), from which it
+computes each parameter's gradient norm (`norms`), so that clipping uses the norm over all
+parameters with no further collective.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -46,7 +57,7 @@ class _Bucket:
 
 @dataclass
 class _StepState:
-    buffers: list[torch.Tensor]
+    buffers: list[torch.Tensor | None]  # None: not allocated yet, or freed once reduced (keep)
     ready: list[threading.Event]
     filled: list[int]
     copied: set[int]
@@ -58,6 +69,11 @@ class _StepState:
     # per bucket: the streams its copies were made on (GPU only), fenced when it is complete
     streams: list[dict[int, object]] = field(default_factory=list)
     fences: list[list[object]] = field(default_factory=list)
+    # Sharded gradients: parameter index -> its summed gradient, for the parameters this
+    # rank keeps; and each parameter's summed gradient's 2-norm (when norms are wanted).
+    kept: dict[int, torch.Tensor] | None = None
+    norms: list[torch.Tensor | None] | None = None
+    reduced: set[int] = field(default_factory=set)  # buckets reduced and freed (keep)
 
 
 class _CudaStreams:
@@ -74,6 +90,11 @@ class _CudaStreams:
     def wait(self, event: object) -> None:
         torch.cuda.current_stream().wait_event(event)
 
+    def retire(self, tensor: torch.Tensor) -> None:
+        """`tensor` (allocated on another stream) is freed once the current stream's work on
+        it is done, not before."""
+        tensor.record_stream(torch.cuda.current_stream())
+
 
 class GradientBuckets:
     """Owns the hooks, the bucket layout and the communication thread of one replica.
@@ -82,11 +103,18 @@ class GradientBuckets:
         params: the parameters that take gradients, in model order.
         bucket_bytes: the size of every bucket but the first.
         first_bucket_bytes: the size of the first bucket (the last layers' gradients).
+        keep: sharded gradients (see the module): returns, as each step begins, the indices
+            of the parameters whose summed gradients this rank keeps. None: all, in the
+            buckets (stage 0 and 1).
+        norms: with `keep`, whether to compute every parameter's gradient norm (`norms`).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], bucket_bytes: int,
-                 first_bucket_bytes: int, streams: object | None = None) -> None:
+                 first_bucket_bytes: int, streams: object | None = None,
+                 keep: Callable[[], Collection[int]] | None = None, norms: bool = False) -> None:
         self.params = params
+        self._keep, self._want_norms = keep, norms
+        self._index = {id(p): i for i, p in enumerate(params)}
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> bucket, offset in it
         cap = first_bucket_bytes
@@ -135,12 +163,22 @@ class GradientBuckets:
         with self._lock:
             self._state = None  # the last step's buffers go before the new ones are allocated
         self._joined = self._meta_fits_last and comm.control is comm
-        state = _StepState(buffers=self._allocate(meta_len if self._joined else 0),
+        if self._keep is None:
+            buffers: list[torch.Tensor | None] = self._allocate(meta_len if self._joined else 0)
+            kept = None
+        else:  # the buffers come as their gradients do (`_buffer`)
+            buffers = [None] * len(self.buckets)
+            kept = {i: torch.empty(self.params[i].shape, dtype=self.params[i].dtype,
+                                   device=self.params[i].device)
+                    for i in sorted(self._keep())}
+        state = _StepState(buffers=buffers,
                            ready=[threading.Event() for _ in self.buckets],
                            filled=[0] * len(self.buckets), copied=set(), meta_len=meta_len,
                            vote_slot=vote_slot, nonfinite_vote=nonfinite_vote,
                            streams=[{} for _ in self.buckets],
-                           fences=[[] for _ in self.buckets])
+                           fences=[[] for _ in self.buckets], kept=kept,
+                           norms=[None] * len(self.params) if kept is not None and self._want_norms
+                           else None)
         with self._lock:
             self._state = state
         state.future = self._pool.submit(self._reduce_all, comm, state)
@@ -152,6 +190,33 @@ class GradientBuckets:
         return [torch.empty(bucket.numel + (meta_room if i == last else 0), dtype=bucket.dtype,
                             device=bucket.params[0].device)
                 for i, bucket in enumerate(self.buckets)]
+
+    def _buffer(self, state: _StepState, b: int) -> torch.Tensor:
+        """Bucket `b`'s buffer, allocated now if it is not yet (sharded gradients; the last
+        bucket with room for the metadata when it carries it). Called with the lock held."""
+        buffer = state.buffers[b]
+        if buffer is None:
+            assert b not in state.reduced, f"bucket {b} was reduced and freed"
+            bucket = self.buckets[b]
+            room = state.meta_len if self._joined and b == len(self.buckets) - 1 else 0
+            buffer = state.buffers[b] = torch.empty(bucket.numel + room, dtype=bucket.dtype,
+                                                    device=bucket.params[0].device)
+        return buffer
+
+    def materialise(self) -> None:
+        """Sharded gradients: allocates every bucket buffer not allocated yet (those whose
+        gradients did not all come through hooks), before `finish` fills them in; a no-op
+        otherwise.
+
+        Raises:
+            torch.OutOfMemoryError: some did not fit (those that did are kept).
+        """
+        with self._lock:
+            state = self._state
+            assert state is not None, "materialise without begin"
+            for b in range(len(self.buckets)):
+                if b not in state.reduced:
+                    self._buffer(state, b)
 
     def arm(self, armed: bool) -> None:
         """Hooks copy gradients only while armed (the step's last backward pass)."""
@@ -165,9 +230,11 @@ class GradientBuckets:
             if state is None:
                 return
             b, offset = self._where[id(p)]
-            state.buffers[b][offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+            self._buffer(state, b)[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
             self._copied_on(state, b)
             state.copied.add(id(p))
+            if state.kept is not None:
+                p.grad = None  # in its bucket now; the rank keeps its share of the sums only
             state.filled[b] += 1
             last = b == len(self.buckets) - 1
             if state.filled[b] == len(self.buckets[b].params) and not last:
@@ -198,14 +265,17 @@ class GradientBuckets:
                 if id(p) in state.copied:
                     continue
                 b, offset = self._where[id(p)]
-                target = state.buffers[b][offset : offset + p.numel()]
+                target = self._buffer(state, b)[offset : offset + p.numel()]
                 if p.grad is not None:
                     target.copy_(p.grad.reshape(-1))
                 else:
                     target.zero_()
                 self._copied_on(state, b)
+                if state.kept is not None:
+                    p.grad = None
             if self._joined:
-                state.buffers[-1][-state.meta_len :].copy_(meta.to(self.buckets[-1].dtype))
+                self._buffer(state, len(self.buckets) - 1)[-state.meta_len :].copy_(
+                    meta.to(self.buckets[-1].dtype))
                 self._copied_on(state, len(self.buckets) - 1)
             else:
                 state.meta_separate = meta.clone()
@@ -225,17 +295,48 @@ class GradientBuckets:
         if done is not None and self._streams is not None:
             self._streams.wait(done)  # what the step reads next follows the reductions
         if self._joined:
-            return state.buffers[-1][-state.meta_len :].to("cpu", torch.float64)
-        assert state.meta_separate is not None
-        return state.meta_separate
+            last = state.buffers[-1]
+            assert last is not None
+            meta = last[-state.meta_len :].to("cpu", torch.float64)
+        else:
+            assert state.meta_separate is not None
+            meta = state.meta_separate
+        if state.kept is not None:
+            with self._lock:  # the rank's share is copied out: the last bucket goes too
+                state.buffers[-1] = None
+        return meta
 
     def assign_grads(self) -> None:
-        """Sets every parameter's gradient to its reduced slice (a view, no copy)."""
+        """Sets every parameter's gradient to its reduced slice (a view, no copy); with
+        sharded gradients, the kept parameters' to their summed gradients and the others'
+        to None."""
         state = self._state
         assert state is not None
+        if state.kept is not None:
+            for i, p in enumerate(self.params):
+                p.grad = state.kept.get(i)
+            return
         for p in self.params:
             b, offset = self._where[id(p)]
-            p.grad = state.buffers[b][offset : offset + p.numel()].view_as(p)
+            buffer = state.buffers[b]
+            assert buffer is not None
+            p.grad = buffer[offset : offset + p.numel()].view_as(p)
+
+    def reached(self) -> list[bool]:
+        """At the end of the compute phase: per parameter, whether this rank's backward
+        passes gave it a gradient (copied by a hook, or still in `grad`)."""
+        state = self._state
+        copied = state.copied if state is not None else set()
+        return [id(p) in copied or p.grad is not None for p in self.params]
+
+    def norms(self) -> list[torch.Tensor] | None:
+        """Sharded gradients with norms: every parameter's summed gradient's 2-norm (a 0-d
+        tensor on its device), the same on every rank; else None."""
+        state = self._state
+        if state is None or state.norms is None:
+            return None
+        assert all(n is not None for n in state.norms), "norms read before the reduce ended"
+        return [n for n in state.norms if n is not None]
 
     def _reduce_all(self, comm: Communicator, state: _StepState) -> object | None:
         """The communication thread's step: every bucket reduced in order, each after its
@@ -248,17 +349,41 @@ class GradientBuckets:
                 for fence in state.fences[i]:
                     self._streams.wait(fence)
             buffer = state.buffers[i]
+            assert buffer is not None, f"bucket {i} released without a buffer"
             # A sum is not finite iff an element is not (or the sum overflows): 30x cheaper
             # than torch.isfinite(...).all() on a CPU. Read once, before the metadata goes.
             sums.append(buffer[: bucket.numel].sum().reshape(1).to(torch.float64))
             if i == last and self._joined:
                 self._vote_nonfinite(buffer[bucket.numel :], state, _finite(sums))
             comm.allreduce(buffer)
+            if state.kept is not None:
+                self._keep_share(state, i, buffer, last=i == last)
         if not self._joined:
             assert state.meta_separate is not None
             self._vote_nonfinite(state.meta_separate, state, _finite(sums))
             comm.control.allreduce(state.meta_separate)
         return self._streams.fence(self._streams.current()) if self._streams is not None else None
+
+    def _keep_share(self, state: _StepState, b: int, buffer: torch.Tensor, last: bool) -> None:
+        """Sharded gradients, on the communication thread once bucket `b` is summed: the
+        norms of its parameters' sums (if wanted), the kept parameters' sums copied out, and
+        the buffer freed (the last one once `wait` read the metadata in it)."""
+        assert state.kept is not None
+        for p in self.buckets[b].params:
+            i = self._index[id(p)]
+            _, offset = self._where[id(p)]
+            piece = buffer[offset : offset + p.numel()]
+            if state.norms is not None:
+                state.norms[i] = torch.linalg.vector_norm(piece)
+            if i in state.kept:
+                state.kept[i].view(-1).copy_(piece)
+        if last:
+            return
+        if self._streams is not None:
+            self._streams.retire(buffer)  # allocated on the backward's stream
+        with self._lock:
+            state.buffers[b] = None
+            state.reduced.add(b)
 
     @staticmethod
     def _vote_nonfinite(meta: torch.Tensor, state: _StepState, finite: bool) -> None:

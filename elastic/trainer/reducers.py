@@ -8,6 +8,9 @@ summed gradients of the global batch, and the step's metadata with them.
 - `BucketReducer`: buckets reduced while the backward pass runs (`elastic.trainer.buckets`).
 - `ExactReducer`: exact mode's fixed-point integer sums (`elastic.trainer.exact`), the same
   bits for any split.
+- `ShardedReducer`: buckets as `BucketReducer`, each rank keeping the summed gradients of the
+  parameters it owns only (sharding stage 2), and every parameter's gradient norm for
+  clipping.
 
 The replica picks one when it is built (`make_reducer`) and drives it through the step: `reset`
 as the step begins, `begin` first in the compute phase (inside the step's vote: what it
@@ -23,7 +26,7 @@ import logging
 import math
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -103,16 +106,30 @@ class Reducer(Protocol):
         ...
 
     def assign(self, reduced: Reduced) -> None:
-        """Sets every parameter's `grad` to its summed gradient."""
+        """Sets every parameter's `grad` to its summed gradient (None where this rank does
+        not keep it: sharded gradients)."""
+        ...
+
+    def grad_norms(self) -> list[torch.Tensor] | None:
+        """After `assign`: every parameter's summed gradient's 2-norm, when this rank does not
+        hold every summed gradient (sharded gradients with clipping on); else None (the norms
+        come from the gradients themselves)."""
         ...
 
 
 def make_reducer(host: StepHost, params: list[torch.nn.Parameter], overlap: bool,
                  bucket_bytes: int, first_bucket_bytes: int,
-                 exact: ExactSum | None, loss_slot: int) -> Reducer:
-    """Exact mode's reducer when `exact` is given, else buckets with `overlap`, else flat."""
+                 exact: ExactSum | None, loss_slot: int,
+                 keep: Callable[[], Collection[int]] | None = None,
+                 norms: bool = False) -> Reducer:
+    """Exact mode's reducer when `exact` is given, else sharded buckets with `keep` (the
+    indices of the parameters whose sums this rank keeps; `norms`: clipping needs the
+    norms), else buckets with `overlap`, else flat."""
     if exact is not None:
         return ExactReducer(params, exact, loss_slot)
+    if keep is not None:
+        return ShardedReducer(host, params, GradientBuckets(
+            params, bucket_bytes, first_bucket_bytes, keep=keep, norms=norms))
     if overlap:
         return BucketReducer(host, params, GradientBuckets(params, bucket_bytes, first_bucket_bytes))
     return FlatReducer(host, params)
@@ -237,6 +254,9 @@ class _Hooks:
     def used(self) -> torch.Tensor:
         return used_params(self.params)
 
+    def grad_norms(self) -> list[torch.Tensor] | None:
+        return None
+
 
 class FlatReducer(_Hooks):
     """One buffer per dtype after the backward pass, each summed in one allreduce."""
@@ -346,6 +366,59 @@ class BucketReducer(_Hooks):
 
     def assign(self, reduced: Reduced) -> None:
         self.buckets.assign_grads()
+
+
+class ShardedReducer(BucketReducer):
+    """Buckets whose sums each rank keeps only for the parameters it owns (`GradientBuckets`
+    with `keep`: each parameter's gradient is freed once its hook copied it, each bucket once
+    it is summed and the owned sums copied out)."""
+
+    def used(self) -> torch.Tensor:
+        """The parameters this rank's backward passes reached, those whose gradient a hook
+        already took into a bucket (and freed) included."""
+        for p in self.params:
+            if p.grad is not None and p.grad.is_sparse:
+                used_params(self.params)  # raises its error
+        return torch.tensor(self.buckets.reached(), dtype=torch.float64)
+
+    def reduce(self, context: StepContext, computed: Computed, pack: Pack,
+               comm_start: float) -> Reduced:
+        if self.buckets.begun:
+            vote = self._materialise(context, computed.vote)
+            if vote != computed.vote:
+                computed = replace(computed, vote=vote)
+        return super().reduce(context, computed, pack, comm_start)
+
+    def _materialise(self, context: StepContext, vote: Vote) -> Vote:
+        """The bucket buffers that no hook allocated (their gradients come in `finish`),
+        before the metadata is packed: if they do not fit, the allocator's cache is released
+        and they are allocated once more; if they still do not fit, this rank votes the step
+        down as out of memory (if it voted OK) and allocates them with its gradients freed.
+
+        Raises:
+            CollectiveError: they did not fit even then (`take_part`).
+        """
+        if vote != Vote.OK:
+            take_part(self.host, context, self.buckets.materialise)
+            return vote
+        for attempt in range(2):
+            failed = False
+            try:
+                self.buckets.materialise()
+                return vote
+            except Exception as e:
+                if not is_allocation_failure(e):
+                    raise
+                failed = True  # retried below: out of this block, its frames released
+            if failed and attempt == 0:
+                release_cached_memory(self.host.device)
+        logger.warning("rank %d: out of memory for the gradient buckets of step %d; the step "
+                       "is voted down as out of memory", context.rank, context.step)
+        take_part(self.host, context, self.buckets.materialise)
+        return Vote.OUT_OF_MEMORY
+
+    def grad_norms(self) -> list[torch.Tensor] | None:
+        return self.buckets.norms()
 
 
 class ExactReducer(_Hooks):

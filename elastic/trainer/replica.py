@@ -147,7 +147,9 @@ class Replica:
         # or flat buffers after it (`elastic.trainer.reducers`), chosen once.
         self.reducer: Reducer = make_reducer(
             self, self._params, collective.overlap_enabled, collective.bucket_bytes,
-            collective.first_bucket_bytes, self.exact, self._loss_slot)
+            collective.first_bucket_bytes, self.exact, self._loss_slot,
+            keep=self._kept_grads(), norms=config.training.clip_grad_norm is not None
+            or config.training.clip_grad_value is not None)
         # Last: nothing above may fail after loader processes exist.
         self.prefetcher = start_loaders(job, config.data, data.rng_state, data.built_in)
 
@@ -157,6 +159,14 @@ class Replica:
             return None
         check_shardable(self.optimizer)
         return OptimizerShards(self._params, self.optimizer, self.config.sharding.replicas)
+
+    def _kept_grads(self) -> Callable[[], frozenset[int]] | None:
+        """Sharding stage 2: the parts whose summed gradients this rank keeps (those it owns
+        as each step begins); None: every rank keeps every sum."""
+        shards = self.shards
+        if shards is None or self.config.sharding.stage < 2:
+            return None
+        return lambda: shards.owned
 
     def close(self) -> None:
         """Stops the loader processes (they also exit by themselves when this process dies)."""

@@ -94,13 +94,27 @@ class Training:
         with torch.autocast(device_type=device, dtype=dtype):
             yield
 
-    def unscale_and_clip(self, params: list[torch.nn.Parameter]) -> float | None:
+    def unscale_and_clip(self, params: list[torch.nn.Parameter],
+                         norms: list[torch.Tensor] | None = None) -> float | None:
         """Divides the summed gradients by the loss scale, then clips them; returns their
-        global 2-norm before clipping when clipping is on (None otherwise)."""
+        global 2-norm before clipping when clipping is on (None otherwise). `norms`: every
+        parameter's gradient norm before the loss scale is divided out, where this rank holds
+        only some of the gradients (sharded gradients): the global norm comes from them."""
         grads = [p.grad for p in params if p.grad is not None]
         if self.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scale)  # a power of two: exact
+            if norms is not None:
+                norms = [n * (1.0 / self.scale) for n in norms]
         config = self.config
+        if norms is not None and (config.clip_grad_norm is not None
+                                  or config.clip_grad_value is not None):
+            total = (torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+                     if norms else torch.zeros(()))
+            if config.clip_grad_norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(params, config.clip_grad_norm, total)
+            else:
+                torch.nn.utils.clip_grad_value_(params, config.clip_grad_value)
+            return float(total)
         if config.clip_grad_norm is not None:
             return float(torch.nn.utils.clip_grad_norm_(params, config.clip_grad_norm))
         if config.clip_grad_value is not None:

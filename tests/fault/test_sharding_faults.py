@@ -1,11 +1,12 @@
-"""Sharded optimizer state (stage 1) through real kills on local Ray: a lost owner's parts come
-from their other owner (no checkpoint), a kill while the parameters are gathered, every owner
-of a part lost (the checkpoint), and checkpoints that hold the whole optimizer state and load
-at stage 0 on another world size; against the plain-PyTorch loop of `tests/sharding.py`,
-every sample once."""
+"""Sharded optimizer state (stages 1 and 2) through real kills on local Ray: a lost owner's
+parts come from their other owner (no checkpoint), a kill while the parameters are gathered,
+every owner of a part lost (the checkpoint), and checkpoints that hold the whole optimizer
+state and load at stage 0 and stage 1 on other world sizes; against the plain-PyTorch loop of
+`tests/sharding.py`, every sample once."""
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from elastic import (
     ShardingConfig,
     TrainingConfig,
 )
-from elastic.events import Generation, RestoredFromCheckpoint, ShardsLost, WorkerFailure
+from elastic.events import Generation, RestoredFromCheckpoint, Resumed, ShardsLost, WorkerFailure
 from tests import sharding
 from tests.events import of_kind
 
@@ -56,12 +57,14 @@ def _assert_every_sample_once(result):
 
 
 @pytest.mark.timeout(300)
-def test_lost_owners_parts_come_from_their_other_owner_even_mid_gather(ray_cluster, tmp_path):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_lost_owners_parts_come_from_their_other_owner_even_mid_gather(ray_cluster, tmp_path,
+                                                                       stage):
     # The gather kill comes while the warm-up still moves the learning rate: the survivors
     # finish that step's schedule only once the next generation has the whole model.
     chaos = (ChaosEvent(step=1, rank=0, action="kill", phase="gather"),
              ChaosEvent(step=4, rank=1, action="kill", phase="backward"))
-    result = elastic.fit(sharding.job(), _config(tmp_path, chaos))
+    result = elastic.fit(sharding.job(), _config(tmp_path, chaos, stage=stage))
     assert result.steps == STEPS
     failures = of_kind(result.events, WorkerFailure)
     assert [(f.lost_ranks, f.step) for f in failures] == [([0], 2), ([1], 4)]
@@ -89,11 +92,12 @@ def test_every_owner_of_a_part_lost_restores_the_checkpoint(ray_cluster, tmp_pat
 
 
 @pytest.mark.timeout(300)
-def test_a_stage_1_checkpoint_holds_the_whole_optimizer_state_and_resumes_at_stage_0(
+def test_a_stage_2_checkpoint_holds_the_whole_optimizer_state_and_resumes_at_stages_0_and_1(
         ray_cluster, tmp_path):
     checkpoint = CheckpointConfig(path=str(tmp_path / "ckpt"), every_steps=2, sign=False,
                                   async_write=False, keep_last=5)
-    elastic.fit(sharding.job(), _config(tmp_path, workers=3, checkpoint=checkpoint, steps=4))
+    elastic.fit(sharding.job(), _config(tmp_path, workers=3, stage=2, checkpoint=checkpoint,
+                                        steps=4))
     loaded = elastic.load_checkpoint(checkpoint.path, signed=False)
     assert loaded.step == 4
     # In the optimizer's order (its parameter groups), as one unsharded AdamW saves it.
@@ -102,8 +106,17 @@ def test_a_stage_1_checkpoint_holds_the_whole_optimizer_state_and_resumes_at_sta
     assert sorted(state) == list(range(len(params)))  # every parameter's state, once
     for index, p in enumerate(params):
         assert state[index]["exp_avg"].shape == state[index]["exp_avg_sq"].shape == p.shape
-    # The same folder resumed by one stage-0 worker ends on the uninterrupted loop.
+    # A copy of the folder for the second resume (the first writes on in its own).
+    copy = CheckpointConfig(**{**checkpoint.model_dump(), "path": str(tmp_path / "ckpt-copy")})
+    shutil.copytree(checkpoint.path, copy.path)
+    # Resumed by one stage-0 worker, and by two stage-1 workers: each ends on the
+    # uninterrupted loop.
     resumed = elastic.fit(sharding.job(), _config(tmp_path, workers=1, replicas=1, stage=0,
                                                   checkpoint=checkpoint, run="resumed"))
     assert resumed.steps == STEPS
     _assert_reference(resumed)
+    again = elastic.fit(sharding.job(), _config(tmp_path, workers=2, stage=1, checkpoint=copy,
+                                                run="resumed-1"))
+    assert again.steps == STEPS
+    assert [r.step for r in of_kind(again.events, Resumed)] == [4]
+    _assert_reference(again)

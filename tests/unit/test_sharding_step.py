@@ -1,7 +1,8 @@
-"""Sharded optimizer state (stage 1) in the step, ranks as threads of the test process (no
-Ray): the weights of a plain single-process loop and of stage 0, through generations that lose
-ranks and take fresh ones; each rank holds the state of the parameters it owns only; exact mode
-bit-identical to stage 0; a part whose every owner was lost is named."""
+"""Sharded optimizer state (stages 1 and 2) in the step, ranks as threads of the test process
+(no Ray): the weights of a plain single-process loop and of stage 0, through generations that
+lose ranks and take fresh ones; each rank holds the state (and at stage 2 the summed gradients)
+of the parameters it owns only; exact mode bit-identical to stage 0; a part whose every owner
+was lost is named."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from elastic import BatchConfig, FitConfig, ScalingConfig, ShardingConfig, TrainJob
 from elastic.adapt.plan import plan_batch
 from elastic.collective import RendezvousServer
-from elastic.config import TrainingConfig
+from elastic.config import CollectiveConfig, TrainingConfig
 from elastic.errors import CollectiveError, ConfigError
 from elastic.trainer import apply as apply_module
 from elastic.trainer.replica import Replica, StepRecord
@@ -35,6 +36,8 @@ def _config(tmp_path, stage: int, replicas: int = 2, exact: bool = False) -> Fit
                                        group_size=6 if exact else None),
                      training=TrainingConfig(clip_grad_norm=0.5),
                      sharding=ShardingConfig(stage=stage, replicas=replicas),
+                     # stage 2: buckets of 1 KB, so that the small model's gradients take several
+                     collective=CollectiveConfig(bucket_bytes=1024, first_bucket_bytes=1024),
                      run_dir=str(tmp_path), max_steps=100, seed=SEED)
 
 
@@ -42,7 +45,7 @@ _building = threading.Lock()  # models are built under the process-wide seed
 
 
 def _run(tmp_path, job: TrainJob, config: FitConfig, schedule, unit: int = 1,
-         chaos=None) -> dict[str, Replica]:
+         chaos=None, make=Replica) -> dict[str, Replica]:
     """Runs `schedule`, a list of (members, steps): each a new generation of the replicas
     named by `members` (a new name is a fresh replica; a name left out is a lost one), which
     forms as the controller forms one (every rank syncs from the newest step's lowest rank)
@@ -55,7 +58,7 @@ def _run(tmp_path, job: TrainJob, config: FitConfig, schedule, unit: int = 1,
             for name in members:
                 if name not in replicas:
                     with _building:
-                        replicas[name] = Replica(job, config, str(tmp_path))
+                        replicas[name] = make(job, config, str(tmp_path))
             world = len(members)
             held = [replicas[name].restorable_step for name in members]
             src = max(range(world), key=lambda r: (held[r], -r))
@@ -95,9 +98,11 @@ SCHEDULE = [(["a", "b", "c", "d"], 3),  # four workers
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("optimizer", [_adamw, _sgd], ids=["adamw_groups", "sgd_momentum"])
-def test_stage_1_ends_with_the_weights_of_one_plain_process_through_losses_and_joins(tmp_path, optimizer):
-    replicas = _run(tmp_path, _job(optimizer), _config(tmp_path, stage=1), SCHEDULE)
+def test_sharded_stages_end_with_the_weights_of_one_plain_process_through_losses_and_joins(
+        tmp_path, optimizer, stage):
+    replicas = _run(tmp_path, _job(optimizer), _config(tmp_path, stage=stage), SCHEDULE)
     final = replicas["e"].model.state_dict()
     expected = _reference(optimizer, 9)
     for key, value in expected.items():
@@ -269,11 +274,12 @@ def _generation(server, replicas, members, steps, src=None):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("everyone", [False, True], ids=["applied_by_peers", "applied_by_none"])
 def test_a_step_held_unapplied_is_applied_or_dropped_as_the_next_generation_forms(
-        tmp_path, monkeypatch, everyone):
+        tmp_path, monkeypatch, everyone, stage):
     monkeypatch.setattr(apply_module, "agree", _agree_then_fail)
-    config = _config(tmp_path, stage=1)
+    config = _config(tmp_path, stage=stage)
     replicas = {}
     for name in "abcd":
         with _building:
@@ -305,15 +311,16 @@ def test_a_step_held_unapplied_is_applied_or_dropped_as_the_next_generation_form
 
 
 @pytest.mark.timeout(120)
-def test_batchnorm_buffers_and_sharded_state_end_on_one_plain_process(tmp_path):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_batchnorm_buffers_and_sharded_state_end_on_one_plain_process(tmp_path, stage):
     from tests import fidelity
 
     job = fidelity.cnn_job()
     config = FitConfig(scaling=ScalingConfig(num_workers=4, min_workers=1),
                        batch=BatchConfig(global_batch_size=24, group_size=6, autotune=False,
                                          rebalance=False),
-                       sharding=ShardingConfig(stage=1), run_dir=str(tmp_path), max_steps=100,
-                       seed=3)
+                       sharding=ShardingConfig(stage=stage), run_dir=str(tmp_path),
+                       max_steps=100, seed=3)
     replicas = _run(tmp_path, job, config, [(["a", "b", "c", "d"], 2), (["a", "c", "d"], 2),
                                             (["a", "c", "d", "e"], 2)], unit=6)
     final = replicas["e"].model.state_dict()
@@ -362,13 +369,76 @@ def test_a_checkpoint_joins_the_members_parts_and_refuses_a_part_nobody_holds(tm
 
 
 @pytest.mark.timeout(120)
-def test_bf16_autocast_with_sharding_gives_the_weights_of_stage_0(tmp_path):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_autocast_with_sharding_gives_the_weights_of_stage_0(tmp_path, stage):
     def config(stage):
         return _config(tmp_path, stage=stage).model_copy(
             update={"training": TrainingConfig(clip_grad_norm=0.5, precision="bf16-mixed")})
 
     schedule = [(["a", "b", "c", "d"], 2), (["a", "c", "d"], 2)]
-    sharded = _run(tmp_path, _job(), config(1), schedule)
+    sharded = _run(tmp_path, _job(), config(stage), schedule)
     whole = _run(tmp_path, _job(), config(0), schedule)
     for x, y in zip(sharded["a"].model.parameters(), whole["a"].model.parameters(), strict=True):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+class _Watched(Replica):
+    """Records, at each optimizer step, which parameters have a gradient, which this rank
+    owns, and how many gradient buckets are still allocated; and each step's gradient norm."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.seen: list[tuple[frozenset[int], frozenset[int], int]] = []
+        self.norms: list[float | None] = []
+        self.optimizer.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        with_grad = frozenset(i for i, p in enumerate(self._params) if p.grad is not None)
+        state = getattr(getattr(self.reducer, "buckets", None), "_state", None)
+        held = sum(b is not None for b in state.buffers) if state is not None else -1
+        owned = frozenset(self.shards.owned) if self.shards is not None else frozenset()
+        self.seen.append((with_grad, owned, held))
+
+    def run_step(self, *args, **kwargs):
+        record = super().run_step(*args, **kwargs)
+        self.norms.append(record.grad_norm)
+        return record
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_stage_2_keeps_the_summed_gradients_of_its_parts_only_and_clips_over_all(tmp_path, clip):
+    training = (TrainingConfig(clip_grad_norm=0.05) if clip == "norm"
+                else TrainingConfig(clip_grad_value=0.01))
+    schedule = [(["a", "b", "c", "d"], 2), (["a", "c", "d"], 2)]
+
+    def config(stage):
+        return _config(tmp_path, stage=stage).model_copy(update={"training": training})
+
+    sharded = _run(tmp_path, _job(), config(2), schedule, make=_Watched)
+    whole = _run(tmp_path, _job(), config(0), schedule, make=_Watched)
+    params = len(list(sharded["a"].model.parameters()))
+    assert len(sharded["a"].reducer.buckets.buckets) >= 3
+    for replica in sharded.values():
+        assert replica.seen
+        for with_grad, owned, buckets_held in replica.seen:
+            assert with_grad == owned and 0 < len(owned) < params  # its share, no more
+            assert buckets_held == 0  # every bucket freed by the optimizer step
+    # the norm over all parameters, not over this rank's share, as in stage 0
+    for name in "acd":
+        torch.testing.assert_close(sharded[name].norms, whole[name].norms, rtol=1e-6, atol=0)
+    for x, y in zip(sharded["a"].model.parameters(), whole["a"].model.parameters(), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_stage_2_refuses_exact_mode_and_one_buffer_after_the_backward_pass():
+    def config(**batch):
+        return dict(scaling=ScalingConfig(num_workers=2), max_steps=1,
+                    batch=BatchConfig(global_batch_size=8, **batch),
+                    sharding=ShardingConfig(stage=2))
+
+    with pytest.raises(ValueError, match=r"set sharding\.stage=1 .*or batch\.exact=False"):
+        FitConfig(**config(exact=True, groups="on", group_size=4))
+    with pytest.raises(ValueError, match=r"collective\.overlap=False .* set collective\.overlap=None"):
+        FitConfig(**config(), collective=CollectiveConfig(overlap=False))
+    FitConfig(**config(), collective=CollectiveConfig(overlap=True))

@@ -1,0 +1,133 @@
+"""Sharded gradients in the buckets (sharding stage 2), one rank with a fake communicator
+whose sum doubles each buffer (as two ranks with the same gradients would): each parameter's
+gradient is freed once its hook copied it, each bucket once it is summed (on a GPU, after the
+communication stream's work on it: fake streams here), the rank keeps the sums of its own
+parameters only, and every parameter's norm comes from the whole sum; a parameter the backward
+pass did not reach is filled with zeros and reported unreached."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from elastic.trainer.buckets import GradientBuckets
+
+
+class Streams:
+    def __init__(self) -> None:
+        self.retired: list[int] = []
+        self.lock = threading.Lock()
+
+    def current(self) -> str:
+        return "stream"
+
+    def fence(self, stream: str) -> tuple:
+        return ("event", stream)
+
+    def wait(self, event: tuple) -> None:
+        return
+
+    def retire(self, tensor: torch.Tensor) -> None:
+        with self.lock:
+            self.retired.append(tensor.numel())
+
+
+class Doubling:
+    """A communicator whose allreduce sums two equal contributions."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self) -> None:
+        self.control = self
+        self.sizes: list[int] = []
+
+    def allreduce(self, tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        self.sizes.append(tensor.numel())
+        tensor.mul_(2)
+        return tensor
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1))
+
+
+def test_a_rank_keeps_its_share_of_the_sums_and_frees_the_rest_as_it_goes():
+    model = _model()
+    params = list(model.parameters())
+    x = torch.randn(8, 16)
+    model(x).sum().backward()
+    expected = [2 * p.grad.clone() for p in params]
+    model.zero_grad(set_to_none=True)
+
+    keep = {0, 3, 7}
+    streams = Streams()
+    buckets = GradientBuckets(params, bucket_bytes=1024, first_bucket_bytes=1024,
+                              streams=streams, keep=lambda: keep, norms=True)
+    assert len(buckets.buckets) >= 3
+    comm = Doubling()
+    meta = torch.zeros(3, dtype=torch.float64)
+    buckets.begin(comm, meta_len=len(meta), vote_slot=0, nonfinite_vote=2.0)
+    state = buckets._state
+    assert all(b is None for b in state.buffers)  # allocated as their gradients come
+    buckets.arm(True)
+    model(x).sum().backward()
+    assert all(p.grad is None for p in params)  # each freed once in its bucket
+    assert buckets.reached() == [True] * len(params)
+    buckets.materialise()
+    buckets.finish(meta)
+    buckets.wait()
+    assert all(b is None for b in state.buffers)  # every bucket freed, the last after wait
+    # On a GPU each freed bucket is first tied to the communication stream's work on it.
+    assert len(streams.retired) == len(buckets.buckets) - 1
+    buckets.assign_grads()
+    for i, p in enumerate(params):
+        if i in keep:
+            assert torch.equal(p.grad, expected[i])
+        else:
+            assert p.grad is None
+    norms = buckets.norms()
+    assert norms is not None and len(norms) == len(params)
+    for norm, grad in zip(norms, expected, strict=True):
+        torch.testing.assert_close(norm, torch.linalg.vector_norm(grad))
+
+
+def test_a_parameter_the_backward_did_not_reach_is_summed_as_zeros_and_reported():
+    model = _model()
+    params = list(model.parameters())
+    buckets = GradientBuckets(params, bucket_bytes=1024, first_bucket_bytes=1024,
+                              keep=lambda: range(len(params)), norms=True)
+    comm = Doubling()
+    meta = torch.zeros(3, dtype=torch.float64)
+    buckets.begin(comm, meta_len=len(meta), vote_slot=0, nonfinite_vote=2.0)
+    buckets.arm(True)
+    h = torch.randn(4, 16)
+    for layer in list(model)[1:]:  # the first layer is not called
+        h = layer(h)
+    h.sum().backward()
+    reached = buckets.reached()
+    assert reached[:2] == [False, False] and all(reached[2:])
+    buckets.materialise()  # the first layer's bucket had no hook: allocated here
+    buckets.finish(meta)
+    buckets.wait()
+    buckets.assign_grads()
+    assert torch.count_nonzero(params[0].grad) == 0 and torch.count_nonzero(params[1].grad) == 0
+    assert float(buckets.norms()[0]) == 0.0
+    assert sum(comm.sizes) == sum(p.numel() for p in params) + len(meta)
+
+
+def test_without_keep_the_buckets_hold_every_sum_as_before():
+    model = _model()
+    params = list(model.parameters())
+    buckets = GradientBuckets(params, bucket_bytes=1024, first_bucket_bytes=1024)
+    buckets.begin(Doubling(), meta_len=3, vote_slot=0, nonfinite_vote=2.0)
+    assert all(b is not None for b in buckets._state.buffers)
+    buckets.arm(True)
+    model(torch.randn(4, 16)).sum().backward()
+    assert all(p.grad is not None for p in params)  # stage 0 and 1 leave them
+    buckets.finish(torch.zeros(3, dtype=torch.float64))
+    buckets.wait()
+    buckets.assign_grads()
+    assert all(p.grad is not None for p in params) and buckets.norms() is None
