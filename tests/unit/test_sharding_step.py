@@ -369,11 +369,12 @@ def test_a_checkpoint_joins_the_members_parts_and_refuses_a_part_nobody_holds(tm
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [1, 2])
-def test_bf16_autocast_with_sharding_gives_the_weights_of_stage_0(tmp_path, stage):
+@pytest.mark.parametrize(("stage", "precision"), [(1, "bf16-mixed"), (2, "bf16-mixed"),
+                                                  (2, "fp16-mixed")])
+def test_autocast_with_sharding_gives_the_weights_of_stage_0(tmp_path, stage, precision):
     def config(stage):
         return _config(tmp_path, stage=stage).model_copy(
-            update={"training": TrainingConfig(clip_grad_norm=0.5, precision="bf16-mixed")})
+            update={"training": TrainingConfig(clip_grad_norm=0.5, precision=precision)})
 
     schedule = [(["a", "b", "c", "d"], 2), (["a", "c", "d"], 2)]
     sharded = _run(tmp_path, _job(), config(stage), schedule)
