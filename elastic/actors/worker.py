@@ -42,7 +42,7 @@ from elastic.adapt.lr import LrRamp
 from elastic.adapt.plan import BatchPlan
 from elastic.checkpoint import CheckpointWriter
 from elastic.checkpoint.retention import Retention
-from elastic.checkpoint.store import newest_checkpoint, serialize
+from elastic.checkpoint.store import newest_checkpoint, serialize, shard_name
 from elastic.collective import Communicator, Endpoint
 from elastic.config import ChaosEvent, FitConfig
 from elastic.control.port import (
@@ -78,13 +78,24 @@ from elastic.trainer.replica import (
     UserFailure,
     chaos_kill,
 )
-from elastic.trainer.sharding import joined_optimizer_state
 
 logger = logging.getLogger(__name__)
 
 # Longest a worker waits for the last generation's communicator to be released before it ends
 # its process (an NCCL communicator whose kernels never end cannot be released).
 _RELEASE_S = 30.0
+
+
+def _shard_problem(answers: list[dict[str, Any] | None], step: int) -> str | None:
+    """Why the other members' shards (`WorkerActor.checkpoint_shard`) cannot make a
+    checkpoint of `step` with this member's, or None."""
+    if any(a is None for a in answers):
+        return "a member did not write its shard of the optimizer state (it died or failed)"
+    steps = sorted({a["step"] for a in answers if a is not None} - {step})
+    if steps:
+        return (f"members hold step(s) {steps}, not the writer's {step}, so their shards of "
+                "the optimizer state do not belong to its checkpoint")
+    return None
 
 
 def _answer(ref: Any) -> Any:
@@ -341,41 +352,68 @@ class WorkerActor:
                 self._yield_ticket = max(self._yield_ticket, ticket)
 
     @_on_step_thread
-    def optimizer_parts(self) -> dict[str, Any]:
-        """Sharded optimizer state: the committed step, the parts this rank holds and their
-        state (`OptimizerShards.part_states`, in host memory), for the member that writes a
-        checkpoint (`joined_optimizer_state`)."""
-        bind_thread(self.device)
+    def checkpoint_shard(self) -> dict[str, Any]:
+        """Sharded optimizer state, as another member takes a checkpoint: writes the state of
+        the parts this rank is the first owner of as its shard of the checkpoint of its
+        committed step (`elastic.checkpoint.store.write_shard`; in the background if
+        configured, after its previous write: a shard is never skipped). Returns the step,
+        the shard's name, the state ids it holds, and the reports of this member's writes
+        finished since last time, for the member that writes the manifest."""
+        ckpt = self.config.checkpoint
         replica = self.replica
-        replica.check_committed()
+        assert ckpt is not None and self._writer is not None, "no checkpoint configured"
         assert replica.shards is not None, "optimizer state is not sharded"
-        shards = replica.shards
-        return {"step": replica.global_step, "held": sorted(shards.held),
-                "state": to_host(shards.part_states(shards.held), copy=True)}
+        bind_thread(self.device)
+        replica.check_committed()
+        step = replica.global_step
+        self._writer.flush()
+        shard = self._own_shard(ckpt.async_write)
+        if ckpt.async_write:
+            self._writer.submit_shard(step, shard)  # idle: flushed above
+        else:
+            self._writer.write_shard_now(step, shard)
+        return {"step": step, "name": shard[0], "ids": sorted(shard[1]),
+                "reports": self._reports()}
+
+    def _own_shard(self, snapshot: bool) -> tuple[str, dict[int, Any]]:
+        """This rank's shard of the optimizer state: its name and the state of the parts it is
+        the first owner of, by state id, in host memory (copied off the live state when it is
+        written in the background: `snapshot`)."""
+        shards = self.replica.shards
+        assert shards is not None
+        return shard_name(shards.rank), to_host(shards.primary_states(), copy=snapshot,
+                                                pin=snapshot)
 
     @_on_step_thread
-    def checkpoint(self, meta: dict[str, Any], parts: list[Any] | None = None) -> dict[str, Any]:
+    def checkpoint(self, meta: dict[str, Any], shards: list[Any] | None = None) -> dict[str, Any]:
         """Snapshots the committed state and writes it (in the background if configured).
         Returns whether it was submitted and the reports of writes finished since last time.
-        `parts`: with sharded optimizer state, the other members' `optimizer_parts` (object
-        references), joined with this rank's into the whole state that is written."""
+        `shards`: with sharded optimizer state, the other members' `checkpoint_shard` calls
+        (object references): each writes its own shard, this member its own with the rest,
+        and the manifest lists them all. A write in flight is then waited for, not skipped
+        (the others' shards of this step are on their way)."""
         ckpt = self.config.checkpoint
         assert ckpt is not None and self._writer is not None, "no checkpoint configured"
-        if self._writer.busy():
+        if shards is None and self._writer.busy():
             return {"submitted": False, "reports": self._reports()}
         bind_thread(self.device)
         state = self.replica.state()
         step = self.replica.global_step
-        if parts is not None:
-            try:
-                assert self.replica.shards is not None
-                whole = joined_optimizer_state(self.replica.shards, state["optimizer"],
-                                               [_answer(ref) for ref in parts], step)
-            except ValueError as e:
-                return {"submitted": False, "reports": self._reports(),
-                        "note": f"the sharded optimizer state could not be joined ({e}); "
-                                "this checkpoint was skipped"}
-            state = {**state, "optimizer": whole}
+        own: tuple[str, Any] | None = None
+        reports: list[dict[str, Any]] = []  # the other members' shard writes'
+        if shards is not None:
+            answers = [_answer(ref) for ref in shards]
+            self._writer.flush()
+            reports = [r for a in answers if a is not None for r in a["reports"]]
+            problem = _shard_problem(answers, step)
+            if problem is not None:
+                return {"submitted": False, "reports": self._reports() + reports,
+                        "note": f"{problem}; this checkpoint was skipped"}
+            own = self._own_shard(ckpt.async_write)
+            listed = {a["name"]: a["ids"] for a in answers if a is not None}
+            listed[own[0]] = sorted(own[1])
+            state = {**state, "optimizer": {**state["optimizer"], "state": {}}}
+            meta = {**meta, "shards": dict(sorted(listed.items()))}
         meta = {**meta, "epoch": state["cursor"]["epoch"]}
         crash = self._crash_mid_write(step)
         if ckpt.async_write:
@@ -387,13 +425,13 @@ class WorkerActor:
             # checkpoints hold pinned. One walk of the whole state: tied tensors copied once.
             snapshot = to_host({name: value for name, value in state.items() if value is not None},
                                copy=True, pin=True)
-            submitted = self._writer.submit(step, snapshot, meta, after_part=crash)
+            submitted = self._writer.submit(step, snapshot, meta, after_part=crash, shard=own)
         else:  # serialised at once: a GPU's tensors copied out, the others as they are
             parts = {name: serialize(to_host(value)) for name, value in state.items()
                      if value is not None}
-            self._writer.write_now(step, parts, meta, after_part=crash)
+            self._writer.write_now(step, parts, meta, after_part=crash, shard=own)
             submitted = True
-        return {"submitted": submitted, "reports": self._reports()}
+        return {"submitted": submitted, "reports": self._reports() + reports}
 
     def _crash_mid_write(self, step: int) -> Any:
         """Chaos phase 'checkpoint': SIGKILL this worker once the first part of this write is

@@ -369,19 +369,26 @@ class RayWorkers:
     # --- single calls --------------------------------------------------------------------------
 
     def call(self, worker_id: int, method: str, *args: Any) -> Any:
+        others = [self.actors[w] for w in self._members if w != worker_id and w in self.actors]
+        flushes: list[Any] = []
         if method == "checkpoint" and self.config.sharding.stage:
-            # Sharded optimizer state: the writer takes each other member's primary parts
-            # (passed as references: the bytes go from worker to worker, not through here).
-            args = (*args, [self.actors[w].optimizer_parts.remote() for w in self._members
-                            if w != worker_id and w in self.actors])
+            # Sharded optimizer state: each other member writes its own shard of the
+            # checkpoint, the writer waits for their answers (passed as references) and lists
+            # the shards in its manifest.
+            args = (*args, [actor.checkpoint_shard.remote() for actor in others])
+        elif method == "flush_checkpoints" and self.config.sharding.stage:
+            flushes = [actor.flush_checkpoints.remote() for actor in others]  # their shards
         try:
-            return ray.get(getattr(self.actors[worker_id], method).remote(*args))
+            answer = ray.get(getattr(self.actors[worker_id], method).remote(*args))
         except RayActorError as e:
             raise WorkerLostError(f"worker {worker_id} died: {_death_reason(e)}") from e
         except RayTaskError as e:
             if isinstance(e.cause, ElasticError):  # ours, typed: the policy acts on it
                 raise e.cause from e
             raise  # user code's error: Ray's error keeps the worker's traceback
+        for ref in flushes:  # a member that died is not waited for: its shard is lost
+            answer = [*answer, *(_reports_or_none(ref) or [])]
+        return answer
 
     def fired_kill(self, step: int, rank: int) -> float | None:
         path = os.path.join(self.run_dir, "chaos", f"kill-{step}-{rank}")
@@ -442,3 +449,11 @@ def _init_error(e: RayActorError) -> ElasticError:
         "a worker could not build the job (model, optimizer, scheduler or dataset factory "
         f"raised): {last}"
     )
+
+
+def _reports_or_none(ref: Any) -> list[dict[str, Any]] | None:
+    """A member's `flush_checkpoints` reports, or None if it died or raised."""
+    try:
+        return ray.get(ref)
+    except (RayActorError, RayTaskError):
+        return None

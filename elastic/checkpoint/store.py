@@ -10,6 +10,17 @@ Loading never unpickles arbitrary objects: `torch.load(weights_only=True)`.
 With a key (`elastic.checkpoint.signing`), the manifest is signed and only checkpoints signed
 with that key are loaded or counted by retention. On a local disk the root and every step
 folder are 0700 and the files 0600, written through fresh no-follow names and renamed.
+
+Sharded optimizer state is written by its owners, each its own file (`write_shard`): the
+state of the parameters it is the first owner of, as `optimizer.state_dict()['state']` holds
+them (by state id), and beside it a small record, signed as a manifest is, of the file's size
+and sha256 (`<name>.json`), written after the file. The manifest, written by one member, lists
+the shards and the state ids each holds (`"shards"`), and `optimizer.pt` holds the rest of the
+optimizer's state dict (its parameter groups). The owners may still be writing when the
+manifest is committed: such a checkpoint counts as complete only once every shard it lists is
+(retention, `has_complete_checkpoint`), and loads only once every shard verifies (`verify`,
+which joins them into the whole optimizer state: a loaded checkpoint looks the same whether its
+state was sharded or not).
 """
 
 from __future__ import annotations
@@ -106,6 +117,41 @@ def serialize(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _step_directory(fs: fsspec.AbstractFileSystem, base: str, step: int) -> str:
+    """The step's folder, created (private on a local disk)."""
+    directory = f"{base}/{step_dir_name(step)}"
+    if _is_local(fs):
+        ensure_private_dir(base, "checkpoint.path")
+        ensure_private_dir(directory, "checkpoint.path")
+    else:
+        fs.makedirs(directory, exist_ok=True)
+    return directory
+
+
+def shard_name(rank: int) -> str:
+    """The file name (without `.pt`) of the optimizer-state shard rank `rank` writes."""
+    return f"optimizer-shard-{rank:05d}"
+
+
+def write_shard(root: str, step: int, name: str, data: bytes, key: bytes | None = None) -> None:
+    """Writes one shard of the checkpoint of `step` (see the module): `<name>.pt` (`data`,
+    serialised), then its record `<name>.json`, each atomically; the record is signed with
+    `key` (None: unsigned)."""
+    fs, base = _fs(root)
+    directory = _step_directory(fs, base, step)
+    record_path = f"{directory}/{name}.json"
+    if fs.exists(record_path):
+        fs.rm(record_path)  # re-writing a step: uncommit the shard first
+    _write_atomically(fs, f"{directory}/{name}.pt", data)
+    _fsync_dir(fs, directory)
+    record: dict[str, Any] = {"format": FORMAT_VERSION, "step": step, "file": f"{name}.pt",
+                              "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    if key is not None:
+        record = sign(record, key)
+    _write_atomically(fs, record_path, json.dumps(record, indent=1).encode())
+    _fsync_dir(fs, directory)
+
+
 def write_checkpoint(root: str, step: int, parts: Mapping[str, bytes], meta: Mapping[str, Any],
                      after_part: Callable[[str], None] | None = None,
                      key: bytes | None = None) -> str:
@@ -121,12 +167,7 @@ def write_checkpoint(root: str, step: int, parts: Mapping[str, bytes], meta: Map
         key: signs the manifest (see `elastic.checkpoint.signing`); None writes it unsigned.
     """
     fs, base = _fs(root)
-    directory = f"{base}/{step_dir_name(step)}"
-    if _is_local(fs):
-        ensure_private_dir(base, "checkpoint.path")
-        ensure_private_dir(directory, "checkpoint.path")
-    else:
-        fs.makedirs(directory, exist_ok=True)
+    directory = _step_directory(fs, base, step)
     if fs.exists(f"{directory}/{MANIFEST}"):
         fs.rm(f"{directory}/{MANIFEST}")  # re-writing a step: uncommit it first
     files = {}
@@ -203,6 +244,7 @@ def verify(root: str, step: int, key: bytes | None = None) -> LoadedCheckpoint:
                    and isinstance(e.get("sha256"), str) and isinstance(n, str) and "/" not in n
                    for n, e in files.items()):
             raise ValueError("manifest lists a file without a plain name, size and sha256")
+        shards = _listed_shards(manifest)
     except FileNotFoundError as e:
         raise CheckpointCorruptError(f"{directory}: no manifest (an interrupted write)") from e
     except (ValueError, KeyError, UnicodeDecodeError) as e:
@@ -228,7 +270,89 @@ def verify(root: str, step: int, key: bytes | None = None) -> LoadedCheckpoint:
             raise CheckpointCorruptError(
                 f"{directory}/{filename}: refused, not plain tensor data ({type(e).__name__})"
             ) from e
+    if shards:
+        _join_shards(fs, directory, step, shards, parts, key)
     return LoadedCheckpoint(path=directory, step=step, parts=parts, manifest=manifest)
+
+
+def _listed_shards(manifest: dict[str, Any]) -> dict[str, list[int]]:
+    """The manifest's optimizer-state shards: name -> the state ids it holds.
+
+    Raises:
+        ValueError: the list is malformed.
+    """
+    shards = manifest.get("shards", {})
+    if not isinstance(shards, dict) or not all(
+            isinstance(name, str) and name.startswith("optimizer-shard-") and "/" not in name
+            and isinstance(ids, list) and all(isinstance(i, int) for i in ids)
+            for name, ids in shards.items()):
+        raise ValueError("manifest lists shards that are not plain names with state ids")
+    return shards
+
+
+def _shard_record(fs: fsspec.AbstractFileSystem, directory: str, name: str, step: int,
+                  key: bytes | None) -> dict[str, Any]:
+    """Shard `name`'s record, checked (format, step, file name and, with `key`, signature).
+
+    Raises:
+        CheckpointCorruptError: it is missing (the shard's owner has not finished writing it,
+            or died), unreadable, for another step or file, or not validly signed with `key`.
+    """
+    where = f"{directory}/{name}.json"
+    try:
+        with fs.open(where, "rb") as f:
+            record = json.loads(f.read().decode())
+        if not isinstance(record, dict) or record.get("format") != FORMAT_VERSION \
+                or record.get("step") != step or record.get("file") != f"{name}.pt" \
+                or not isinstance(record.get("bytes"), int) \
+                or not isinstance(record.get("sha256"), str):
+            raise ValueError("it does not describe this shard of this step")
+    except FileNotFoundError as e:
+        raise CheckpointCorruptError(f"{where}: missing (the shard was not written, or its "
+                                     "owner did not finish)") from e
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"{where}: unreadable shard record: {e}") from e
+    if key is not None:
+        problem = signature_problem(record, key)
+        if problem is not None:
+            raise CheckpointSignatureError(f"{where}: refused, {problem}")
+    return record
+
+
+def _join_shards(fs: fsspec.AbstractFileSystem, directory: str, step: int,
+                 shards: dict[str, list[int]], parts: dict[str, Any], key: bytes | None) -> None:
+    """Verifies every listed shard against its record and joins their state into
+    `parts['optimizer']['state']`, by state id.
+
+    Raises:
+        CheckpointCorruptError: a shard is missing, does not match its record, is not plain
+            tensor data, holds other state ids than the manifest lists, or two hold one id.
+    """
+    optimizer = parts.get("optimizer")
+    if not isinstance(optimizer, dict):
+        raise CheckpointCorruptError(f"{directory}: lists optimizer shards but has no optimizer")
+    state: dict[int, Any] = dict(optimizer.get("state", {}))
+    for name, ids in sorted(shards.items()):
+        record = _shard_record(fs, directory, name, step, key)
+        path = f"{directory}/{name}.pt"
+        try:
+            with fs.open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError as e:
+            raise CheckpointCorruptError(f"{path}: missing") from e
+        if len(data) != record["bytes"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
+            raise CheckpointCorruptError(f"{path}: checksum mismatch")
+        try:
+            held = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except Exception as e:
+            raise CheckpointCorruptError(
+                f"{path}: refused, not plain tensor data ({type(e).__name__})") from e
+        if not isinstance(held, dict) or sorted(held) != sorted(ids):
+            raise CheckpointCorruptError(f"{path}: holds other state than the manifest lists")
+        if state.keys() & held.keys():
+            raise CheckpointCorruptError(f"{path}: holds state another shard holds too")
+        state.update(held)
+    parts["optimizer"] = {**optimizer, "state": dict(sorted(state.items()))}
 
 
 def load_checkpoint(root: str, step: int | None = None,
@@ -286,10 +410,20 @@ def _retention_state(root: str, step: int, key: bytes | None) -> tuple[str, dict
         files = manifest["files"]
         if not all(fs.size(f"{directory}/{name}") == meta["bytes"] for name, meta in files.items()):
             return "incomplete", {}
+        shards = _listed_shards(manifest)
     except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         return "incomplete", {}
     if key is not None and signature_problem(manifest, key) is not None:
         return "foreign", {}
+    for name in shards:  # each shard complete: its record, and its file of the recorded size
+        try:
+            record = _shard_record(fs, directory, name, step, key)
+            if fs.size(f"{directory}/{name}.pt") != record["bytes"]:
+                return "incomplete", {}
+        except CheckpointSignatureError:
+            return "foreign", {}
+        except (CheckpointCorruptError, FileNotFoundError):
+            return "incomplete", {}
     return "valid", manifest
 
 

@@ -9,18 +9,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic.checkpoint.retention import Retention
-from elastic.checkpoint.store import prune, serialize, write_checkpoint
+from elastic.checkpoint.store import prune, serialize, write_checkpoint, write_shard
+
+# A shard of a checkpoint (sharded optimizer state): its name and what it holds (an object
+# torch.save can write, or its bytes).
+Shard = tuple[str, Any]
 
 
 @dataclass(frozen=True)
 class WriteReport:
-    """One finished background write."""
+    """One finished background write (`shard`: the name of a shard written alone, by a
+    member other than the one that writes the manifest)."""
 
     step: int
     path: str | None
     seconds: float
     error: str | None = None
     pruned: tuple[int, ...] = ()
+    shard: str | None = None
 
 
 class CheckpointWriter:
@@ -49,34 +55,62 @@ class CheckpointWriter:
             return self._thread is not None and self._thread.is_alive()
 
     def submit(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any],
-               after_part: Callable[[str], None] | None = None) -> bool:
+               after_part: Callable[[str], None] | None = None,
+               shard: Shard | None = None) -> bool:
         """Starts serialising and writing a snapshot (`parts`: name -> an object torch.save
         can write, already copied off the live state by the caller, into host memory: this
-        thread never touches a GPU, and the files load where none is visible); returns False
-        (and writes nothing) if the previous write is still in flight, so snapshots never pile
-        up."""
+        thread never touches a GPU, and the files load where none is visible; `shard`: this
+        member's shard of the optimizer state, written first); returns False (and writes
+        nothing) if the previous write is still in flight, so snapshots never pile up."""
+        return self._start(f"elastic-ckpt-{step}", self._write,
+                           (step, dict(parts), dict(meta), after_part, shard))
+
+    def submit_shard(self, step: int, shard: Shard) -> bool:
+        """Starts writing this member's shard of the checkpoint of `step` alone (another
+        member writes the manifest: `elastic.checkpoint.store.write_shard`); False if the
+        previous write is still in flight."""
+        return self._start(f"elastic-ckpt-shard-{step}", self._write_shard, (step, shard))
+
+    def _start(self, name: str, target: Callable[..., None], args: tuple) -> bool:
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return False
-            self._thread = threading.Thread(target=self._write,
-                                            args=(step, dict(parts), dict(meta), after_part),
-                                            name=f"elastic-ckpt-{step}", daemon=True)
+            self._thread = threading.Thread(target=target, args=args, name=name, daemon=True)
             self._thread.start()
             return True
 
     def write_now(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any],
-                  after_part: Callable[[str], None] | None = None) -> None:
+                  after_part: Callable[[str], None] | None = None,
+                  shard: Shard | None = None) -> None:
         """Writes on the calling thread (after the write in flight, if any), then applies
         retention; its report is taken with the background writes'."""
         self.flush()
-        self._write(step, dict(parts), dict(meta), after_part)
+        self._write(step, dict(parts), dict(meta), after_part, shard)
+
+    def write_shard_now(self, step: int, shard: Shard) -> None:
+        """`submit_shard` on the calling thread (after the write in flight, if any)."""
+        self.flush()
+        self._write_shard(step, shard)
+
+    def _write_shard(self, step: int, shard: Shard) -> None:
+        started = time.perf_counter()
+        name, value = shard
+        try:
+            write_shard(self.root, step, name, _bytes(value), self.key)
+            report = WriteReport(step, None, time.perf_counter() - started, shard=name)
+        except Exception as e:
+            report = WriteReport(step, None, time.perf_counter() - started,
+                                 error=f"shard {name}: {type(e).__name__}: {e}", shard=name)
+        with self._lock:
+            self._reports.append(report)
 
     def _write(self, step: int, parts: dict[str, Any], meta: dict[str, Any],
-               after_part: Callable[[str], None] | None) -> None:
+               after_part: Callable[[str], None] | None, shard: Shard | None = None) -> None:
         started = time.perf_counter()
         try:
-            blobs = {name: value if isinstance(value, bytes) else serialize(value)
-                     for name, value in parts.items()}
+            if shard is not None:
+                write_shard(self.root, step, shard[0], _bytes(shard[1]), self.key)
+            blobs = {name: _bytes(value) for name, value in parts.items()}
             path = write_checkpoint(self.root, step, blobs, meta, after_part, self.key)
             pruned = tuple(prune(self.root, self.keep_last, self.key, self.retention))
             report = WriteReport(step, path, time.perf_counter() - started, pruned=pruned)
@@ -98,3 +132,7 @@ class CheckpointWriter:
         with self._lock:
             reports, self._reports = self._reports, []
         return reports
+
+
+def _bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else serialize(value)

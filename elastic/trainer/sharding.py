@@ -245,6 +245,16 @@ class OptimizerShards:
         """A whole optimizer state was loaded (a checkpoint): this rank holds every part."""
         self.held, self._kept = frozenset(range(len(self.params))), None
 
+    def primary_states(self) -> dict[int, dict[str, Any]]:
+        """The optimizer state of the parts this rank is the first owner of (all it holds
+        before a generation has formed), by state id: what it writes as its shard of a
+        checkpoint, so that each part is written once."""
+        if self.ownership is None:
+            return self.part_states(self.held)
+        ownership = self.ownership
+        return self.part_states([part for part in range(len(self.params))
+                                 if ownership.primary(part) == self.rank])
+
     def part_states(self, parts: Collection[int]) -> dict[int, dict[str, Any]]:
         """The optimizer state of `parts` (which this rank holds) by state-dict id, as
         `optimizer.state_dict()['state']` holds them."""
@@ -416,28 +426,3 @@ def check_shardable(optimizer: torch.optim.Optimizer) -> None:
             + ("re-evaluates the loss over the whole model in its step"
                if isinstance(optimizer, torch.optim.LBFGS) else "shards its state itself")
             + "; set sharding.stage=0")
-
-
-def joined_optimizer_state(shards: OptimizerShards, own: dict[str, Any],
-                           others: Sequence[dict[str, Any] | None], step: int) -> dict[str, Any]:
-    """The whole optimizer state dict, as one unsharded optimizer's `state_dict()`, from this
-    rank's (`own`: its `optimizer.state_dict()`, the parts it holds) and the other members'
-    (`WorkerActor.optimizer_parts`: `{"step", "held", "state"}`, None for a member that did not
-    answer); members at another step than this rank's `step` are left out.
-
-    Raises:
-        ValueError: some part is held by no member at `step` (a member holding it died).
-    """
-    state = dict(own["state"])
-    covered = set(shards.held)
-    for other in others:
-        if other is None or other["step"] != step:
-            continue
-        for key, value in other["state"].items():
-            state.setdefault(key, value)
-        covered.update(other["held"])
-    missing = set(range(len(shards.params))) - covered
-    if missing:
-        raise ValueError(f"no member that answered holds the optimizer state of step {step} "
-                         f"of parameter(s) {describe(missing)}")
-    return {**own, "state": dict(sorted(state.items()))}

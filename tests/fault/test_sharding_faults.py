@@ -106,6 +106,15 @@ def test_a_stage_2_checkpoint_holds_the_whole_optimizer_state_and_resumes_at_sta
     assert sorted(state) == list(range(len(params)))  # every parameter's state, once
     for index, p in enumerate(params):
         assert state[index]["exp_avg"].shape == state[index]["exp_avg_sq"].shape == p.shape
+    # Written by the owners: one shard file per member that is some part's first owner, each
+    # part in one of them, beside a signed record of it; optimizer.pt holds the groups only.
+    shards = loaded.manifest["shards"]
+    assert len(shards) >= 2
+    assert sorted(i for ids in shards.values() for i in ids) == list(range(len(params)))
+    for name in shards:
+        assert os.path.exists(os.path.join(loaded.path, f"{name}.json"))
+    saved = torch.load(os.path.join(loaded.path, "optimizer.pt"), weights_only=True)
+    assert saved["state"] == {} and saved["param_groups"]
     # A copy of the folder for the second resume (the first writes on in its own).
     copy = CheckpointConfig(**{**checkpoint.model_dump(), "path": str(tmp_path / "ckpt-copy")})
     shutil.copytree(checkpoint.path, copy.path)

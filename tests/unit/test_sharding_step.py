@@ -345,27 +345,17 @@ def test_a_checkpoint_loaded_drops_what_a_rank_kept_of_the_timeline_it_replaces(
     assert replica.shards.held == set(range(len(list(replica.model.parameters()))))
 
 
-def test_a_checkpoint_joins_the_members_parts_and_refuses_a_part_nobody_holds(tmp_path):
-    from elastic.trainer.sharding import joined_optimizer_state
-
-    replicas = _run(tmp_path, _job(), _config(tmp_path, stage=1, replicas=1),
+def test_each_part_is_written_once_by_its_first_owner(tmp_path):
+    replicas = _run(tmp_path, _job(), _config(tmp_path, stage=1, replicas=2),
                     [(["a", "b", "c"], 2)])
-    a, b, c = (replicas[n] for n in "abc")
-
-    def answer(r):
-        return {"step": r.global_step, "held": sorted(r.shards.held),
-                "state": r.shards.part_states(r.shards.held)}
-
-    whole = joined_optimizer_state(a.shards, a.optimizer.state_dict(), [answer(b), answer(c)], 2)
+    shards = [replicas[n].shards.primary_states() for n in "abc"]
+    ids = [i for shard in shards for i in shard]
     expected = sharding.adamw(sharding.model())
-    assert sorted(whole["state"]) == list(range(sum(len(g["params"])
-                                                    for g in expected.param_groups)))
-    assert whole["param_groups"] == a.optimizer.state_dict()["param_groups"]
-    with pytest.raises(ValueError, match="no member that answered holds"):
-        joined_optimizer_state(a.shards, a.optimizer.state_dict(), [answer(b), None], 2)
-    with pytest.raises(ValueError, match="no member that answered holds"):  # another step
-        joined_optimizer_state(a.shards, a.optimizer.state_dict(),
-                               [answer(b), {**answer(c), "step": 1}], 2)
+    assert sorted(ids) == list(range(sum(len(g["params"]) for g in expected.param_groups)))
+    for name, shard in zip("abc", shards, strict=True):  # each from the state it holds
+        state = replicas[name].optimizer.state_dict()["state"]
+        for i, value in shard.items():
+            assert torch.equal(value["exp_avg"], state[i]["exp_avg"])
 
 
 @pytest.mark.timeout(120)
