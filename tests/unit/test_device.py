@@ -678,7 +678,7 @@ def test_out_of_memory_before_the_optimizer_step_leaves_the_committed_state_offe
     assert isinstance(replica.run_step(plan, []), StepRecord)
     before = {k: v.clone() for k, v in replica.model.state_dict().items()}
 
-    def clip(params):
+    def clip(params, norms=None):
         raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
 
     replica.training.unscale_and_clip = clip
