@@ -266,10 +266,11 @@ class WorkerActor:
         return self.replica.restorable_step, self.replica.comm.transport, holding
 
     @_on_step_thread
-    def sync(self, src: int) -> dict[str, int]:
-        """Takes the state of rank `src` of the current generation; returns the data cursor."""
+    def sync(self, src: int, leaving: list[int] | None = None) -> dict[str, int]:
+        """Takes the state of rank `src` of the current generation; returns the data cursor.
+        `leaving`: ranks about to leave, which hand their sharded optimizer state over."""
         bind_thread(self.device)
-        self.replica.sync_from(src)
+        self.replica.sync_from(src, leaving or ())
         return self.replica.cursor.to_dict()
 
     def run_chunk(self, plan: BatchPlan, num_steps: int, chaos: list[ChaosEvent],

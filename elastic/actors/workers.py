@@ -213,8 +213,9 @@ class RayWorkers:
         finally:
             self.server.forget(generation)
 
-    def sync(self, ids: Sequence[int], src: int) -> Gathered[dict[str, int]]:
-        return self._gather(ids, [self.actors[w].sync.remote(src) for w in ids])
+    def sync(self, ids: Sequence[int], src: int,
+             leaving: Sequence[int] = ()) -> Gathered[dict[str, int]]:
+        return self._gather(ids, [self.actors[w].sync.remote(src, list(leaving)) for w in ids])
 
     def _gather(self, ids: Sequence[int], refs: list[Any]) -> Gathered[Any]:
         """Waits for one ref per member, in completion order. At the first death or error

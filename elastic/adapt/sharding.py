@@ -70,7 +70,8 @@ def effective_replicas(replicas: int, world_size: int) -> int:
 
 
 def assign(sizes: Sequence[int], world_size: int, replicas: int,
-           held: Sequence[Collection[int]] | None = None) -> Ownership:
+           held: Sequence[Collection[int]] | None = None,
+           leaving: Collection[int] = ()) -> Ownership:
     """The ownership map of a generation of `world_size` ranks.
 
     Args:
@@ -79,9 +80,14 @@ def assign(sizes: Sequence[int], world_size: int, replicas: int,
         replicas: owners per part (`effective_replicas` of it).
         held: per part, the ranks of this generation that hold its state already (the
             survivors among its old owners); None or empty sets for a fresh map.
+        leaving: ranks on their way out (a planned departure): they own nothing, so the
+            parts they hold move to the others (`moves`) before they go. The map is the one
+            the others alone would get (same loads), in this generation's ranks.
 
     Deterministic: every rank computes the same map from the same arguments.
     """
+    if leaving:
+        return _without(sizes, world_size, replicas, held, frozenset(leaving))
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if any(size < 0 for size in sizes):
@@ -117,6 +123,20 @@ def assign(sizes: Sequence[int], world_size: int, replicas: int,
             owners[part].append(rank)
             loads[rank] += sizes[part]
     return Ownership(tuple(tuple(ranks) for ranks in owners), world_size)
+
+
+def _without(sizes: Sequence[int], world_size: int, replicas: int,
+             held: Sequence[Collection[int]] | None, leaving: frozenset[int]) -> Ownership:
+    """`assign` over the ranks that stay, its ranks mapped back to this generation's."""
+    stay = [q for q in range(world_size) if q not in leaving]
+    if not stay:
+        raise ValueError(f"every rank of the world of {world_size} is leaving: nobody can "
+                         "take their parts")
+    index = {q: i for i, q in enumerate(stay)}
+    kept = None if held is None else [frozenset(index[q] for q in ranks if q in index)
+                                      for ranks in held]
+    inner = assign(sizes, len(stay), replicas, kept)
+    return Ownership(tuple(tuple(stay[i] for i in ranks) for ranks in inner.owners), world_size)
 
 
 def _lpt_max_load(sizes: Sequence[int], world_size: int, r: int) -> int:

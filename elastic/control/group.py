@@ -8,7 +8,7 @@ No Ray here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from elastic.adapt.sharding import describe
@@ -240,9 +240,11 @@ def on_any_member(ctx: Context, call: Callable[[int], T]) -> T:
     raise WorkerLostError("every worker was lost", step=ctx.step)
 
 
-def form(ctx: Context, reason: str) -> tuple[float, float]:
+def form(ctx: Context, reason: str, leaving: Sequence[int] = ()) -> tuple[float, float]:
     """Forms a new generation of the members and brings every rank to the newest committed
     state. Returns the times at which the ring was rebuilt and the state restored.
+    `leaving`: members (worker ids) on their way out, which hand their sharded optimizer state
+    over to the others as the generation forms and own none of it (`hand_over`).
 
     Raises:
         WorkerLostError: no member and no checkpoint holds the run's step, too many workers
@@ -263,7 +265,7 @@ def form(ctx: Context, reason: str) -> tuple[float, float]:
         src = _source(ctx, steps, ids, holdings)
         if src is None:  # half-updated members were replaced: form with the fresh ones
             continue
-        synced = ctx.workers.sync(ids, src)
+        synced = ctx.workers.sync(ids, src, [ids.index(w) for w in leaving if w in ids])
         if not _formed(ctx, synced.dead, synced.broken, "restoring"):
             continue
         cursor = synced.values[src]
@@ -279,6 +281,26 @@ def form(ctx: Context, reason: str) -> tuple[float, float]:
                                     else None)))
         replan(ctx, reason)
         return rebuilt, restored
+
+
+def hand_over(ctx: Context, leaving: Sequence[int]) -> None:
+    """Sharded optimizer state, before members `leaving` (worker ids, on notice) go: when
+    they could hold every copy of some part (they are at least `sharding.replicas`, or every
+    owner in a smaller world), a generation of every member forms first in which they own
+    nothing, so that their parts move to the others, peer to peer, and the departure needs no
+    checkpoint and redoes no step. Nothing when nobody would stay (the committed state goes
+    to a checkpoint then).
+
+    Raises:
+        WorkerLostError, InsufficientWorkersError: as `form`.
+    """
+    sharding = ctx.config.sharding
+    ids = ctx.ids()
+    gone = [w for w in leaving if w in ids]
+    if not sharding.stage or not gone or len(gone) == len(ids) \
+            or len(gone) < min(sharding.replicas, len(ids)):
+        return
+    form(ctx, "hand_over", gone)
 
 
 def _formed(ctx: Context, dead: list[int], broken: list[str], doing: str) -> bool:

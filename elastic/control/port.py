@@ -293,8 +293,11 @@ class Workers(Protocol):
         for the generation is deleted afterwards): each member's (committed step, transport)."""
         ...
 
-    def sync(self, ids: Sequence[int], src: int) -> Gathered[dict[str, int]]:
-        """Every member takes rank `src`'s state; each member's data cursor."""
+    def sync(self, ids: Sequence[int], src: int,
+             leaving: Sequence[int] = ()) -> Gathered[dict[str, int]]:
+        """Every member takes rank `src`'s state; each member's data cursor. `leaving`: ranks
+        about to leave (a planned departure), which hand their sharded optimizer state over
+        to the others and own none of it."""
         ...
 
     def start_chunk(self, ids: Sequence[int], plan: BatchPlan, start: int, num_steps: int,

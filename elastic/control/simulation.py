@@ -96,6 +96,7 @@ class SimulatedWorkers:
         self.evaluations: list[tuple[int, tuple[int, ...]]] = []  # (step, shares) of each
         self.scheduled: list[bool] = []  # whether each evaluation steps an evaluation scheduler
         self.checkpoints: list[int] = []  # the step of each checkpoint written
+        self.handed_over: list[tuple[int, ...]] = []  # workers that handed their parts over
         self.fired: set[tuple[int, int]] = set()  # (step, rank) of each kill that fired
         self.clock = 1_000_000.0
         self.workers: dict[int, _Worker] = {}
@@ -178,7 +179,10 @@ class SimulatedWorkers:
             for r, w in enumerate(ids)]
         return Gathered(values, dead)
 
-    def sync(self, ids: Sequence[int], src: int) -> Gathered[dict[str, int]]:
+    def sync(self, ids: Sequence[int], src: int,
+             leaving: Sequence[int] = ()) -> Gathered[dict[str, int]]:
+        if leaving:
+            self.handed_over.append(tuple(ids[r] for r in leaving))
         source = self.workers[ids[src]]
         assert not source.torn, "a half-updated worker was taken as the source"
         for w in ids:

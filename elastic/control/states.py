@@ -36,6 +36,7 @@ from elastic.control.group import (
     check_spares,
     drop,
     form,
+    hand_over,
     on_any_member,
     promote,
     top_up,
@@ -432,9 +433,7 @@ def _swap_straggler(ctx: Context, ids: list[int]) -> None:
     """The slowest straggler (`Batching.slow`) leaves at the next step boundary when a hot
     spare is ready to take its place: a planned departure of source 'straggler'."""
     slow = [w for w in ctx.batch.slow if w in ids]
-    sharding = ctx.config.sharding
-    if not slow or not ctx.spares or ctx.requests.leaving(ids) or (
-            sharding.stage and sharding.replicas < 2):  # its parts would be lost with it
+    if not slow or not ctx.spares or ctx.requests.leaving(ids):
         return
     worker_id = slow[0]
     tracker, failure = ctx.batch.tracker, ctx.config.failure
@@ -641,6 +640,8 @@ class Resizing(State):
         return {"world_size": self.world_size, "target": self.target}
 
     def step(self, ctx: Context) -> State:
+        if self.leaving:
+            hand_over(ctx, self.leaving)  # sharded optimizer state only they may hold
         departed = _depart(ctx, self.leaving) if self.leaving else None
         with ctx.requests.lock:  # free capacity may have raised it since the boundary
             target = ctx.requests.target
@@ -657,7 +658,7 @@ class Resizing(State):
         form(ctx, "departure" if self.leaving else "resize")
         if departed is not None:
             # Steps redone: 0, unless the leavers held state nobody else did (sharded optimizer
-            # state with replicas 1) and the run went back to a checkpoint.
+            # state, a leaver lost in its hand-over) and the run went back to a checkpoint.
             ctx.log.emit(replace(departed, steps_redone=step - ctx.step))
         ctx.log.emit(Resized(world_size=len(ctx.members), generation=ctx.generation,
                       previous_generation=before))

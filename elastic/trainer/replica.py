@@ -229,15 +229,16 @@ class Replica:
     def load_state_bytes(self, data: bytes) -> None:
         self.load_state(state_from_bytes(data), origin="peer")
 
-    def sync_from(self, src: int) -> None:
+    def sync_from(self, src: int, leaving: Sequence[int] = ()) -> None:
         """Every rank of the generation calls this; afterwards all hold `src`'s state
         (`elastic.trainer.state.sync_state`), with sharded state the newest step's parts from
-        their holders (`elastic.trainer.sharding.sync_sharded`)."""
+        their holders (`elastic.trainer.sharding.sync_sharded`; the ranks in `leaving` hand
+        theirs over and own none)."""
         comm = self._comm()
         if self.shards is None:
             sync_state(self, comm.control, src)
         else:
-            sync_sharded(self, comm, src, lambda: sync_state(self, comm.control, src))
+            sync_sharded(self, comm, src, lambda: sync_state(self, comm.control, src), leaving)
 
     @property
     def global_step(self) -> int:

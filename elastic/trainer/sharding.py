@@ -171,12 +171,14 @@ class OptimizerShards:
                           if part in self.held and p in state}
         return self._kept
 
-    def survey(self, control: Any, step: int, src: int) -> Survey:
+    def survey(self, control: Any, step: int, src: int, leaving: Collection[int] = ()) -> Survey:
         """First as a generation forms, on every rank of it (`step`: the committed step this
         rank held before, -1 for none): which step each rank holds and which parts' state it
         holds at it, and the generation's ownership map from that. The generation takes the
         step of rank `src` (the newest, or a checkpoint's that the controller loaded into it
         when parts of the newest were lost: then the ranks ahead of it drop theirs).
+        `leaving`: ranks about to leave (a planned departure), which own nothing in the map:
+        the parts they hold move to the others as the generation forms.
 
         Raises:
             CollectiveError: the communication failed, or some part has no holder at `src`'s
@@ -201,7 +203,8 @@ class OptimizerShards:
             raise CollectiveError(
                 f"no rank holds the optimizer state of step {newest} of parameter(s) "
                 f"{describe(missing)}: every owner of them was lost", rank=rank)
-        return Survey(newest, tuple(holders), assign(self.sizes, world, self.replicas, holders))
+        return Survey(newest, tuple(holders),
+                      assign(self.sizes, world, self.replicas, holders, leaving))
 
     def take_values(self, data: Any, survey: Survey, host_staged: bool) -> None:
         """Every rank takes each part's values at the newest step from a holder (the new
@@ -378,13 +381,14 @@ class ShardedHost(Protocol):
 
 
 def sync_sharded(host: ShardedHost, comm: Any, src: int,
-                 sync_replicated: Callable[[], None]) -> list[Move]:
+                 sync_replicated: Callable[[], None], leaving: Collection[int] = ()) -> list[Move]:
     """Every rank of a new generation calls this (sharded state); afterwards all hold the
     committed step of rank `src`: a step this rank holds unapplied applied or dropped
     (`PendingStep`), the parameters from the parts' holders (`take_values`), a step left
     unfinished by a failed gather completed, `src`'s replicated state
     (`sync_replicated`: everything but the optimizer's per-parameter state), and each rank
-    the optimizer state of the parts it owns under the new map (`place_state`). Returns what
+    the optimizer state of the parts it owns under the new map (`place_state`; the ranks in
+    `leaving` own none: they hand theirs over before a planned departure). Returns what
     moved.
 
     Raises:
@@ -393,7 +397,7 @@ def sync_sharded(host: ShardedHost, comm: Any, src: int,
     """
     shards = host.shards
     step = host.restorable_step
-    survey = shards.survey(comm.control, step, src)
+    survey = shards.survey(comm.control, step, src, leaving)
     pending, shards.pending = shards.pending, None
     if pending is not None and pending.step == survey.newest and step >= 0:
         pending.apply()  # its parts at the generation's step, the rest to come below

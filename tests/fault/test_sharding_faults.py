@@ -21,7 +21,14 @@ from elastic import (
     ShardingConfig,
     TrainingConfig,
 )
-from elastic.events import Generation, RestoredFromCheckpoint, Resumed, ShardsLost, WorkerFailure
+from elastic.events import (
+    Generation,
+    PlannedDeparture,
+    RestoredFromCheckpoint,
+    Resumed,
+    ShardsLost,
+    WorkerFailure,
+)
 from tests import sharding
 from tests.events import of_kind
 
@@ -129,3 +136,23 @@ def test_a_stage_2_checkpoint_holds_the_whole_optimizer_state_and_resumes_at_sta
     assert again.steps == STEPS
     assert [r.step for r in of_kind(again.events, Resumed)] == [4]
     _assert_reference(again)
+
+
+@pytest.mark.timeout(300)
+def test_a_preempted_worker_hands_the_only_copy_of_its_parts_over_before_it_goes(
+        ray_cluster, tmp_path):
+    # One owner per part and no checkpoint: a part lost with the leaver would end the run.
+    chaos = (ChaosEvent(step=3, rank=1, action="preempt"),)
+    result = elastic.fit(sharding.job(), _config(tmp_path, chaos, workers=3, replicas=1))
+    assert result.steps == STEPS
+    [departure] = of_kind(result.events, PlannedDeparture)
+    assert departure.steps_redone == 0
+    assert not of_kind(result.events, RestoredFromCheckpoint)
+    assert not of_kind(result.events, WorkerFailure)
+    generations = of_kind(result.events, Generation)
+    reasons = [g.reason for g in generations]
+    i = reasons.index("hand_over")
+    assert generations[i].world_size == 3 and reasons[i + 1] == "departure"
+    assert generations[i + 1].world_size == 2
+    _assert_reference(result)
+    _assert_every_sample_once(result)

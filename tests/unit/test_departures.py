@@ -308,3 +308,32 @@ def test_a_notice_made_while_no_chunk_was_out_ends_the_next_chunk_after_its_firs
     [departure] = _of(ctx, "planned_departure")
     assert told == [8]
     assert departure["step"] == 9 and departure["steps_redone"] == 0
+
+
+@pytest.mark.parametrize(("replicas", "hands_over"), [(1, True), (2, False)])
+def test_with_sharded_state_a_leaver_hands_its_parts_over_in_a_generation_first(
+        tmp_path, replicas, hands_over):
+    from elastic.config import ShardingConfig
+
+    told = []
+
+    def notices(step, ctx, sim):
+        if step >= 8 and not told:
+            told.append(step)
+            _tell(ctx, sim, worker_id=2)
+
+    config = _config(tmp_path, sharding=ShardingConfig(stage=1, replicas=replicas))
+    end, ctx, sim = _machine(tmp_path, config, notices)
+    assert isinstance(end, Finished)
+    [departure] = _of(ctx, "planned_departure")
+    assert departure["worker_ids"] == [2] and departure["steps_redone"] == 0
+    reasons = [e["reason"] for e in _of(ctx, "generation")]
+    if hands_over:
+        # Every member, the leaver included, forms once more and moves its parts to the
+        # others (owning none itself); then the others form without it.
+        assert sim.handed_over == [(2,)]
+        i = reasons.index("hand_over")
+        assert reasons[i + 1] == "departure"
+        assert _of(ctx, "generation")[i]["workers"] == [0, 1, 2, 3]
+    else:  # a copy of every part stays with the others: no extra generation
+        assert sim.handed_over == [] and "hand_over" not in reasons

@@ -102,3 +102,34 @@ def test_one_huge_part_bounds_the_balance_and_is_reported():
     loads = ownership.loads(sizes)
     assert max(loads) == 900  # whole tensors: its owner holds it all
     assert sorted(loads)[:3] == [30, 30, 40]
+
+
+@pytest.mark.parametrize(("world", "r"), [(4, 1), (64, 1), (256, 2)])
+def test_members_leaving_hand_their_parts_to_the_others_before_they_go(world, r):
+    sizes = _sizes(4096, seed=world + 7)
+    before = assign(sizes, world, r)
+    held = [set(o) for o in before.owners]
+    leaving = {1, world // 2} if r == 2 else {world - 1}
+    handing = assign(sizes, world, r, held, leaving)
+    assert all(not set(o) & leaving for o in handing.owners)  # they own nothing
+    plan = moves(handing, held)
+    leaving_load = sum(before.loads(sizes)[q] for q in leaving)
+    # Only what the leavers held moves (what no stayer already holds), from them or a holder.
+    assert _moved(sizes, plan) <= 1.10 * leaving_load
+    for m in plan:
+        assert m.src in held[m.part] and m.dst not in leaving
+    # The stayers alone (renumbered), as the next generation forms, hold every part: nothing
+    # is lost with the leavers. That map may still rebalance among them (a map is not a
+    # fixed point of `assign` when whole parts overshoot its cap): at most the leavers' load.
+    stay = [q for q in range(world) if q not in leaving]
+    after_held = [{stay.index(q) for q in o} for o in handing.owners]
+    assert not lost_parts(after_held)
+    after = assign(sizes, len(stay), r, after_held)
+    assert _moved(sizes, moves(after, after_held)) <= leaving_load
+    loads = after.loads(sizes)
+    assert max(loads) <= r * sum(sizes) / len(stay) * 1.03 + max(sizes)
+
+
+def test_everyone_leaving_is_refused():
+    with pytest.raises(ValueError, match="every rank of the world of 2 is leaving"):
+        assign([1, 2], 2, 1, [{0}, {1}], {0, 1})

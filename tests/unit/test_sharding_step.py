@@ -250,9 +250,10 @@ def _agree_then_fail(host, context, computed, reduced, commit, agree=apply_modul
     host.shards.gather = fail_once
 
 
-def _generation(server, replicas, members, steps, src=None):
-    """One generation of `members` (names in `replicas`) that syncs and runs `steps` steps; a
-    rank whose step raises a collective error ends there."""
+def _generation(server, replicas, members, steps, src=None, leaving=()):
+    """One generation of `members` (names in `replicas`) that syncs (the ranks in `leaving`
+    handing their parts over) and runs `steps` steps; a rank whose step raises a collective
+    error ends there."""
     world = len(members)
     held = [replicas[name].restorable_step for name in members]
     src = max(range(world), key=lambda r: (held[r], -r)) if src is None else src
@@ -261,7 +262,7 @@ def _generation(server, replicas, members, steps, src=None):
     def body(comm):
         replica = replicas[members[comm.rank]]
         replica.comm = comm
-        replica.sync_from(src)
+        replica.sync_from(src, leaving)
         for _ in range(steps):
             try:
                 record = replica.run_step(plan, [])
@@ -433,3 +434,31 @@ def test_stage_2_refuses_exact_mode_and_one_buffer_after_the_backward_pass():
     with pytest.raises(ValueError, match=r"collective\.overlap=False .* set collective\.overlap=None"):
         FitConfig(**config(), collective=CollectiveConfig(overlap=False))
     FitConfig(**config(), collective=CollectiveConfig(overlap=True))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_leaver_with_the_only_copy_of_its_parts_hands_them_over_before_it_goes(tmp_path, stage):
+    config = _config(tmp_path, stage=stage, replicas=1)
+    replicas = {}
+    for name in "abc":
+        with _building:
+            replicas[name] = Replica(_job(), config, str(tmp_path))
+    server = RendezvousServer()
+    try:
+        _generation(server, replicas, list("abc"), 2)
+        only_b = replicas["b"].shards.owned
+        assert only_b  # with one owner per part, "b" alone holds these
+        _generation(server, replicas, list("abc"), 0, leaving=(1,))  # the hand-over
+        assert replicas["b"].shards.owned == frozenset() and not replicas["b"].optimizer.state
+        for part in only_b:
+            assert part in replicas["a"].shards.owned | replicas["c"].shards.owned
+        _generation(server, replicas, ["a", "c"], 2)  # without "b": nothing lost
+    finally:
+        server.close()
+        for replica in replicas.values():
+            replica.close()
+    assert replicas["a"].restorable_step == 4
+    final = replicas["a"].model.state_dict()
+    for key, value in _reference(_adamw, 4).items():
+        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
