@@ -390,17 +390,16 @@ class ShardedReducer(BucketReducer):
         return super().reduce(context, computed, pack, comm_start)
 
     def _materialise(self, context: StepContext, vote: Vote) -> Vote:
-        """The bucket buffers that no hook allocated (their gradients come in `finish`),
-        before the metadata is packed: if they do not fit, the allocator's cache is released
-        and they are allocated once more; if they still do not fit, this rank votes the step
-        down as out of memory (if it voted OK) and allocates them with its gradients freed.
+        """The bucket buffers that no hook allocated (their gradients come in `finish`; their
+        content does not matter when this rank voted the step down, but every rank takes part
+        in every bucket's sum), before the metadata is packed: if they do not fit, the
+        allocator's cache is released and they are allocated once more; if they still do not
+        fit, this rank votes the step down as out of memory (if it voted OK) and allocates
+        them with its gradients freed.
 
         Raises:
             CollectiveError: they did not fit even then (`take_part`).
         """
-        if vote != Vote.OK:
-            take_part(self.host, context, self.buckets.materialise)
-            return vote
         for attempt in range(2):
             failed = False
             try:
@@ -415,7 +414,7 @@ class ShardedReducer(BucketReducer):
         logger.warning("rank %d: out of memory for the gradient buckets of step %d; the step "
                        "is voted down as out of memory", context.rank, context.step)
         take_part(self.host, context, self.buckets.materialise)
-        return Vote.OUT_OF_MEMORY
+        return Vote.OUT_OF_MEMORY if vote == Vote.OK else vote
 
     def grad_norms(self) -> list[torch.Tensor] | None:
         return self.buckets.norms()

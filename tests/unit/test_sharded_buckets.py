@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from torch import nn
 
@@ -131,3 +132,59 @@ def test_without_keep_the_buckets_hold_every_sum_as_before():
     buckets.wait()
     buckets.assign_grads()
     assert all(p.grad is not None for p in params) and buckets.norms() is None
+
+
+class _Host:
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.dropped = 0
+
+    def drop_grads(self) -> None:
+        self.dropped += 1
+
+
+class _Failing:
+    """Bucket buffers whose allocation fails the first `fail` times."""
+
+    def __init__(self, fail: int) -> None:
+        self.fail, self.calls = fail, 0
+
+    def materialise(self) -> None:
+        self.calls += 1
+        if self.calls <= self.fail:
+            raise torch.OutOfMemoryError("injected: out of memory for a bucket")
+
+
+@pytest.mark.parametrize(("fail", "vote", "voted", "dropped"), [
+    (1, "OK", "OK", 0),  # the cache released, then it fits
+    (2, "OK", "OUT_OF_MEMORY", 1),  # fits only with the gradients freed: voted down
+    (2, "USER_ERROR", "USER_ERROR", 1),  # a vote already cast stays
+])
+def test_buckets_that_do_not_fit_vote_the_step_down_and_still_take_part(fail, vote, voted,
+                                                                         dropped):
+    from types import SimpleNamespace
+
+    from elastic.trainer.reducers import ShardedReducer
+    from elastic.trainer.step import Vote
+
+    host, buckets = _Host(), _Failing(fail)
+    reducer = ShardedReducer(host, [], buckets)
+    context = SimpleNamespace(rank=0, step=3, comm=SimpleNamespace(abort=lambda: None))
+    assert reducer._materialise(context, Vote[vote]) == Vote[voted]
+    assert host.dropped == dropped and buckets.calls == fail + 1
+
+
+def test_buckets_that_never_fit_leave_the_generation():
+    from types import SimpleNamespace
+
+    from elastic.errors import CollectiveError
+    from elastic.trainer.reducers import ShardedReducer
+    from elastic.trainer.step import Vote
+
+    aborted = []
+    reducer = ShardedReducer(_Host(), [], _Failing(5))
+    context = SimpleNamespace(rank=1, step=3, comm=SimpleNamespace(abort=lambda: aborted.append(1)))
+    with pytest.raises(CollectiveError, match="rank 1 ran out of memory for its gradient buffers"):
+        reducer._materialise(context, Vote.OK)
+    assert aborted == [1]
