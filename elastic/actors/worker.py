@@ -86,16 +86,41 @@ logger = logging.getLogger(__name__)
 _RELEASE_S = 30.0
 
 
-def _shard_problem(answers: list[dict[str, Any] | None], step: int) -> str | None:
-    """Why the other members' shards (`WorkerActor.checkpoint_shard`) cannot make a
-    checkpoint of `step` with this member's, or None."""
+def _shard_problem(answers: list[dict[str, Any] | None], step: int,
+                   own: dict[str, list[int]]) -> str | None:
+    """Why the other members' shards (`WorkerActor.checkpoint_shard`) and this member's
+    (`own`: name -> state ids) cannot make a checkpoint of `step`, or None."""
     if any(a is None for a in answers):
         return "a member did not write its shard of the optimizer state (it died or failed)"
     steps = sorted({a["step"] for a in answers if a is not None} - {step})
     if steps:
         return (f"members hold step(s) {steps}, not the writer's {step}, so their shards of "
                 "the optimizer state do not belong to its checkpoint")
+    listed = [*own.items(), *((a["name"], a["ids"]) for a in answers if a is not None)]
+    names = [name for name, _ in listed]
+    ids = [i for _, held in listed for i in held]
+    if len(set(names)) != len(names) or len(set(ids)) != len(ids):
+        return ("two members wrote shards of the same name or state of the same parameter "
+                "(their ownership maps differ)")
     return None
+
+
+def _shard_entries(peers: list[Any], write: str) -> dict[str, dict[str, Any]]:
+    """On the writer's thread, before the manifest: each other member's shard of write
+    `write` once it is on disk (file name -> manifest entry).
+
+    Raises:
+        RuntimeError: a member died, or its shard could not be written (no manifest then).
+    """
+    entries = {}
+    for peer in peers:
+        entry = _answer(peer.shard_entry.remote(write))
+        if entry is None or "error" in entry:
+            raise RuntimeError("a member's shard of the optimizer state is not on disk ("
+                               + ("it died" if entry is None else entry["error"])
+                               + "); the checkpoint is not committed")
+        entries[f"{entry['name']}.pt"] = entry
+    return entries
 
 
 def _answer(ref: Any) -> Any:
@@ -353,46 +378,45 @@ class WorkerActor:
                 self._yield_ticket = max(self._yield_ticket, ticket)
 
     @_on_step_thread
-    def checkpoint_shard(self) -> dict[str, Any]:
-        """Sharded optimizer state, as another member takes a checkpoint: writes the state of
-        the parts this rank is the first owner of as its shard of the checkpoint of its
-        committed step (`elastic.checkpoint.store.write_shard`; in the background if
-        configured, after its previous write: a shard is never skipped). Returns the step,
-        the shard's name, the state ids it holds, and the reports of this member's writes
-        finished since last time, for the member that writes the manifest."""
+    def checkpoint_shard(self, write: str) -> dict[str, Any]:
+        """Sharded optimizer state, as another member takes a checkpoint (write `write`):
+        writes the state of the parts this rank is the first owner of as its shard of the
+        checkpoint of its committed step (`elastic.checkpoint.store.write_shard`; in the
+        background if configured, after its previous write: a shard is never skipped).
+        Returns the step, the shard's name and the state ids it holds; the member that writes
+        the manifest asks for the file's entry once it is on disk (`shard_entry`)."""
         ckpt = self.config.checkpoint
         replica = self.replica
         assert ckpt is not None and self._writer is not None, "no checkpoint configured"
-        assert replica.shards is not None, "optimizer state is not sharded"
+        shards = replica.shards
+        assert shards is not None, "optimizer state is not sharded"
         bind_thread(self.device)
         replica.check_committed()
         step = replica.global_step
         self._writer.flush()
-        shard = self._own_shard(ckpt.async_write)
-        if ckpt.async_write:
-            self._writer.submit_shard(step, shard)  # idle: flushed above
+        name, state = shard_name(shards.rank), shards.primary_states()
+        if ckpt.async_write:  # the step pays for a copy in host memory only
+            self._writer.submit_shard(step, write, (name, to_host(state, copy=True, pin=True)))
         else:
-            self._writer.write_shard_now(step, shard)
-        return {"step": step, "name": shard[0], "ids": sorted(shard[1]),
-                "reports": self._reports()}
+            self._writer.write_shard_now(step, write, (name, to_host(state)))
+        return {"step": step, "name": name, "ids": sorted(state)}
 
-    def _own_shard(self, snapshot: bool) -> tuple[str, dict[int, Any]]:
-        """This rank's shard of the optimizer state: its name and the state of the parts it is
-        the first owner of, by state id, in host memory (copied off the live state when it is
-        written in the background: `snapshot`)."""
-        shards = self.replica.shards
-        assert shards is not None
-        return shard_name(shards.rank), to_host(shards.primary_states(), copy=snapshot,
-                                                pin=snapshot)
+    def shard_entry(self, write: str) -> dict[str, Any]:
+        """Any thread: once this member's shard of write `write` is on disk (waiting for it),
+        its name and manifest entry, or the error that ended it."""
+        assert self._writer is not None, "no checkpoint configured"
+        return self._writer.shard_entry(write)
 
     @_on_step_thread
-    def checkpoint(self, meta: dict[str, Any], shards: list[Any] | None = None) -> dict[str, Any]:
+    def checkpoint(self, meta: dict[str, Any], shards: list[Any] | None = None,
+                   peers: list[Any] | None = None) -> dict[str, Any]:
         """Snapshots the committed state and writes it (in the background if configured).
         Returns whether it was submitted and the reports of writes finished since last time.
-        `shards`: with sharded optimizer state, the other members' `checkpoint_shard` calls
-        (object references): each writes its own shard, this member its own with the rest,
-        and the manifest lists them all. A write in flight is then waited for, not skipped
-        (the others' shards of this step are on their way)."""
+        With sharded optimizer state: `shards`, the other members' `checkpoint_shard` calls
+        for this write (`meta['write']`; object references), and `peers`, their actors. Each
+        writes its own shard and this member its own with the rest; the manifest, written once
+        every shard is on disk (`shard_entry`), lists them all with their checksums. A write
+        in flight is then waited for, not skipped (the others' shards are on their way)."""
         ckpt = self.config.checkpoint
         assert ckpt is not None and self._writer is not None, "no checkpoint configured"
         if shards is None and self._writer.busy():
@@ -400,21 +424,22 @@ class WorkerActor:
         bind_thread(self.device)
         state = self.replica.state()
         step = self.replica.global_step
-        own: tuple[str, Any] | None = None
-        reports: list[dict[str, Any]] = []  # the other members' shard writes'
+        written = None
         if shards is not None:
             answers = [_answer(ref) for ref in shards]
             self._writer.flush()
-            reports = [r for a in answers if a is not None for r in a["reports"]]
-            problem = _shard_problem(answers, step)
+            assert self.replica.shards is not None, "optimizer state is not sharded"
+            own = self.replica.shards.primary_states()
+            own_name = shard_name(self.replica.shards.rank)
+            problem = _shard_problem(answers, step, {own_name: sorted(own)})
             if problem is not None:
-                return {"submitted": False, "reports": self._reports() + reports,
+                return {"submitted": False, "reports": self._reports(),
                         "note": f"{problem}; this checkpoint was skipped"}
-            own = self._own_shard(ckpt.async_write)
             listed = {a["name"]: a["ids"] for a in answers if a is not None}
-            listed[own[0]] = sorted(own[1])
-            state = {**state, "optimizer": {**state["optimizer"], "state": {}}}
+            listed[own_name] = sorted(own)
+            state = {**state, "optimizer": {**state["optimizer"], "state": {}}, own_name: own}
             meta = {**meta, "shards": dict(sorted(listed.items()))}
+            written = functools.partial(_shard_entries, peers or [], meta["write"])
         meta = {**meta, "epoch": state["cursor"]["epoch"]}
         crash = self._crash_mid_write(step)
         if ckpt.async_write:
@@ -426,13 +451,14 @@ class WorkerActor:
             # checkpoints hold pinned. One walk of the whole state: tied tensors copied once.
             snapshot = to_host({name: value for name, value in state.items() if value is not None},
                                copy=True, pin=True)
-            submitted = self._writer.submit(step, snapshot, meta, after_part=crash, shard=own)
+            submitted = self._writer.submit(step, snapshot, meta, after_part=crash,
+                                            written=written)
         else:  # serialised at once: a GPU's tensors copied out, the others as they are
             parts = {name: serialize(to_host(value)) for name, value in state.items()
                      if value is not None}
-            self._writer.write_now(step, parts, meta, after_part=crash, shard=own)
+            self._writer.write_now(step, parts, meta, after_part=crash, written=written)
             submitted = True
-        return {"submitted": submitted, "reports": self._reports() + reports}
+        return {"submitted": submitted, "reports": self._reports()}
 
     def _crash_mid_write(self, step: int) -> Any:
         """Chaos phase 'checkpoint': SIGKILL this worker once the first part of this write is

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -370,15 +371,15 @@ class RayWorkers:
     # --- single calls --------------------------------------------------------------------------
 
     def call(self, worker_id: int, method: str, *args: Any) -> Any:
-        others = [self.actors[w] for w in self._members if w != worker_id and w in self.actors]
-        flushes: list[Any] = []
         if method == "checkpoint" and self.config.sharding.stage:
-            # Sharded optimizer state: each other member writes its own shard of the
-            # checkpoint, the writer waits for their answers (passed as references) and lists
-            # the shards in its manifest.
-            args = (*args, [actor.checkpoint_shard.remote() for actor in others])
-        elif method == "flush_checkpoints" and self.config.sharding.stage:
-            flushes = [actor.flush_checkpoints.remote() for actor in others]  # their shards
+            # Sharded optimizer state: each other member writes its own shard of this write;
+            # the writer takes their answers (passed as references: nothing goes through
+            # here) and their actors, to list each shard in its manifest once it is on disk.
+            others = [self.actors[w] for w in self._members
+                      if w != worker_id and w in self.actors]
+            write = uuid.uuid4().hex
+            args = ({**args[0], "write": write},
+                    [actor.checkpoint_shard.remote(write) for actor in others], others)
         try:
             answer = ray.get(getattr(self.actors[worker_id], method).remote(*args))
         except RayActorError as e:
@@ -387,8 +388,6 @@ class RayWorkers:
             if isinstance(e.cause, ElasticError):  # ours, typed: the policy acts on it
                 raise e.cause from e
             raise  # user code's error: Ray's error keeps the worker's traceback
-        for ref in flushes:  # a member that died is not waited for: its shard is lost
-            answer = [*answer, *(_reports_or_none(ref) or [])]
         return answer
 
     def fired_kill(self, step: int, rank: int) -> float | None:
@@ -451,10 +450,3 @@ def _init_error(e: RayActorError) -> ElasticError:
         f"raised): {last}"
     )
 
-
-def _reports_or_none(ref: Any) -> list[dict[str, Any]] | None:
-    """A member's `flush_checkpoints` reports, or None if it died or raised."""
-    try:
-        return ray.get(ref)
-    except (RayActorError, RayTaskError):
-        return None

@@ -11,16 +11,14 @@ With a key (`elastic.checkpoint.signing`), the manifest is signed and only check
 with that key are loaded or counted by retention. On a local disk the root and every step
 folder are 0700 and the files 0600, written through fresh no-follow names and renamed.
 
-Sharded optimizer state is written by its owners, each its own file (`write_shard`): the
-state of the parameters it is the first owner of, as `optimizer.state_dict()['state']` holds
-them (by state id), and beside it a small record, signed as a manifest is, of the file's size
-and sha256 (`<name>.json`), written after the file. The manifest, written by one member, lists
-the shards and the state ids each holds (`"shards"`), and `optimizer.pt` holds the rest of the
-optimizer's state dict (its parameter groups). The owners may still be writing when the
-manifest is committed: such a checkpoint counts as complete only once every shard it lists is
-(retention, `has_complete_checkpoint`), and loads only once every shard verifies (`verify`,
-which joins them into the whole optimizer state: a loaded checkpoint looks the same whether its
-state was sharded or not).
+Sharded optimizer state is written by its owners, each its own file in the step's folder
+(`write_shard`, `optimizer-shard-<rank>.pt`): the state of the parameters it is the first owner
+of, as `optimizer.state_dict()['state']` holds them (by state id). The member that writes the
+manifest waits for every owner's file to be on disk and lists them with their sha256 and size
+like its own files, and which state ids each holds (`"shards"`); `optimizer.pt` holds the rest
+of the optimizer's state dict (its parameter groups). So the manifest is still the one commit
+marker and signs every byte; loading joins the shards into the whole optimizer state
+(`verify`), so a loaded checkpoint looks the same whether its state was sharded or not.
 """
 
 from __future__ import annotations
@@ -133,28 +131,21 @@ def shard_name(rank: int) -> str:
     return f"optimizer-shard-{rank:05d}"
 
 
-def write_shard(root: str, step: int, name: str, data: bytes, key: bytes | None = None) -> None:
-    """Writes one shard of the checkpoint of `step` (see the module): `<name>.pt` (`data`,
-    serialised), then its record `<name>.json`, each atomically; the record is signed with
-    `key` (None: unsigned)."""
+def write_shard(root: str, step: int, name: str, data: bytes) -> dict[str, Any]:
+    """Writes one owner's shard of the checkpoint of `step` (see the module), atomically, as
+    `<name>.pt`; returns its manifest entry (sha256 and size) for the member that writes the
+    manifest. A file left by an earlier write of the same step is replaced."""
     fs, base = _fs(root)
     directory = _step_directory(fs, base, step)
-    record_path = f"{directory}/{name}.json"
-    if fs.exists(record_path):
-        fs.rm(record_path)  # re-writing a step: uncommit the shard first
     _write_atomically(fs, f"{directory}/{name}.pt", data)
     _fsync_dir(fs, directory)
-    record: dict[str, Any] = {"format": FORMAT_VERSION, "step": step, "file": f"{name}.pt",
-                              "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    if key is not None:
-        record = sign(record, key)
-    _write_atomically(fs, record_path, json.dumps(record, indent=1).encode())
-    _fsync_dir(fs, directory)
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
 def write_checkpoint(root: str, step: int, parts: Mapping[str, bytes], meta: Mapping[str, Any],
                      after_part: Callable[[str], None] | None = None,
-                     key: bytes | None = None) -> str:
+                     key: bytes | None = None,
+                     written: Callable[[], Mapping[str, dict[str, Any]]] | None = None) -> str:
     """Writes one checkpoint atomically and returns its directory.
 
     Args:
@@ -165,6 +156,10 @@ def write_checkpoint(root: str, step: int, parts: Mapping[str, bytes], meta: Map
         after_part: called with each part's name once it is on disk, before the manifest
             commits the checkpoint (chaos injects a crash mid-write here).
         key: signs the manifest (see `elastic.checkpoint.signing`); None writes it unsigned.
+        written: called once this member's files are on disk, before the manifest: the other
+            owners' shards of the optimizer state, each on disk by then (file name -> its
+            `write_shard` entry), listed in the manifest with this member's files. It raises
+            if one could not be written: then no manifest is.
     """
     fs, base = _fs(root)
     directory = _step_directory(fs, base, step)
@@ -178,6 +173,11 @@ def write_checkpoint(root: str, step: int, parts: Mapping[str, bytes], meta: Map
         if after_part is not None:
             after_part(name)
     _fsync_dir(fs, directory)
+    if written is not None:
+        for filename, entry in written().items():
+            if "/" in filename or filename in files:
+                raise ValueError(f"an owner's shard is named {filename!r}: not a new plain name")
+            files[filename] = {"sha256": entry["sha256"], "bytes": entry["bytes"]}
     manifest = {
         "format": FORMAT_VERSION, "step": step, "created": time.time(), "files": files,
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
@@ -271,7 +271,7 @@ def verify(root: str, step: int, key: bytes | None = None) -> LoadedCheckpoint:
                 f"{directory}/{filename}: refused, not plain tensor data ({type(e).__name__})"
             ) from e
     if shards:
-        _join_shards(fs, directory, step, shards, parts, key)
+        _join_shards(directory, shards, parts)
     return LoadedCheckpoint(path=directory, step=step, parts=parts, manifest=manifest)
 
 
@@ -290,67 +290,29 @@ def _listed_shards(manifest: dict[str, Any]) -> dict[str, list[int]]:
     return shards
 
 
-def _shard_record(fs: fsspec.AbstractFileSystem, directory: str, name: str, step: int,
-                  key: bytes | None) -> dict[str, Any]:
-    """Shard `name`'s record, checked (format, step, file name and, with `key`, signature).
+def _join_shards(directory: str, shards: dict[str, list[int]], parts: dict[str, Any]) -> None:
+    """Joins the listed shards (loaded and verified as files of the manifest) into
+    `parts['optimizer']['state']`, by state id, and drops them from `parts`.
 
     Raises:
-        CheckpointCorruptError: it is missing (the shard's owner has not finished writing it,
-            or died), unreadable, for another step or file, or not validly signed with `key`.
-    """
-    where = f"{directory}/{name}.json"
-    try:
-        with fs.open(where, "rb") as f:
-            record = json.loads(f.read().decode())
-        if not isinstance(record, dict) or record.get("format") != FORMAT_VERSION \
-                or record.get("step") != step or record.get("file") != f"{name}.pt" \
-                or not isinstance(record.get("bytes"), int) \
-                or not isinstance(record.get("sha256"), str):
-            raise ValueError("it does not describe this shard of this step")
-    except FileNotFoundError as e:
-        raise CheckpointCorruptError(f"{where}: missing (the shard was not written, or its "
-                                     "owner did not finish)") from e
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointCorruptError(f"{where}: unreadable shard record: {e}") from e
-    if key is not None:
-        problem = signature_problem(record, key)
-        if problem is not None:
-            raise CheckpointSignatureError(f"{where}: refused, {problem}")
-    return record
-
-
-def _join_shards(fs: fsspec.AbstractFileSystem, directory: str, step: int,
-                 shards: dict[str, list[int]], parts: dict[str, Any], key: bytes | None) -> None:
-    """Verifies every listed shard against its record and joins their state into
-    `parts['optimizer']['state']`, by state id.
-
-    Raises:
-        CheckpointCorruptError: a shard is missing, does not match its record, is not plain
-            tensor data, holds other state ids than the manifest lists, or two hold one id.
+        CheckpointCorruptError: a shard is not among the files, holds other state ids than
+            the manifest lists, or two hold one id.
     """
     optimizer = parts.get("optimizer")
     if not isinstance(optimizer, dict):
         raise CheckpointCorruptError(f"{directory}: lists optimizer shards but has no optimizer")
     state: dict[int, Any] = dict(optimizer.get("state", {}))
     for name, ids in sorted(shards.items()):
-        record = _shard_record(fs, directory, name, step, key)
-        path = f"{directory}/{name}.pt"
-        try:
-            with fs.open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError as e:
-            raise CheckpointCorruptError(f"{path}: missing") from e
-        if len(data) != record["bytes"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
-            raise CheckpointCorruptError(f"{path}: checksum mismatch")
-        try:
-            held = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        except Exception as e:
-            raise CheckpointCorruptError(
-                f"{path}: refused, not plain tensor data ({type(e).__name__})") from e
+        if name not in parts:
+            raise CheckpointCorruptError(f"{directory}: the manifest lists shard {name} but "
+                                         "not its file")
+        held = parts.pop(name)
         if not isinstance(held, dict) or sorted(held) != sorted(ids):
-            raise CheckpointCorruptError(f"{path}: holds other state than the manifest lists")
+            raise CheckpointCorruptError(f"{directory}/{name}.pt: holds other state than the "
+                                         "manifest lists")
         if state.keys() & held.keys():
-            raise CheckpointCorruptError(f"{path}: holds state another shard holds too")
+            raise CheckpointCorruptError(f"{directory}/{name}.pt: holds state another shard "
+                                         "holds too")
         state.update(held)
     parts["optimizer"] = {**optimizer, "state": dict(sorted(state.items()))}
 
@@ -410,20 +372,10 @@ def _retention_state(root: str, step: int, key: bytes | None) -> tuple[str, dict
         files = manifest["files"]
         if not all(fs.size(f"{directory}/{name}") == meta["bytes"] for name, meta in files.items()):
             return "incomplete", {}
-        shards = _listed_shards(manifest)
     except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         return "incomplete", {}
     if key is not None and signature_problem(manifest, key) is not None:
         return "foreign", {}
-    for name in shards:  # each shard complete: its record, and its file of the recorded size
-        try:
-            record = _shard_record(fs, directory, name, step, key)
-            if fs.size(f"{directory}/{name}.pt") != record["bytes"]:
-                return "incomplete", {}
-        except CheckpointSignatureError:
-            return "foreign", {}
-        except (CheckpointCorruptError, FileNotFoundError):
-            return "incomplete", {}
     return "valid", manifest
 
 

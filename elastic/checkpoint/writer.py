@@ -14,19 +14,22 @@ from elastic.checkpoint.store import prune, serialize, write_checkpoint, write_s
 # A shard of a checkpoint (sharded optimizer state): its name and what it holds (an object
 # torch.save can write, or its bytes).
 Shard = tuple[str, Any]
+# The other owners' shards, on disk, for the manifest (`write_checkpoint`'s `written`).
+Written = Callable[[], Mapping[str, dict[str, Any]]]
+
+# Shard writes whose outcome a writer remembers (the newest; one is asked for at a time).
+_SHARDS_KEPT = 4
 
 
 @dataclass(frozen=True)
 class WriteReport:
-    """One finished background write (`shard`: the name of a shard written alone, by a
-    member other than the one that writes the manifest)."""
+    """One finished background write."""
 
     step: int
     path: str | None
     seconds: float
     error: str | None = None
     pruned: tuple[int, ...] = ()
-    shard: str | None = None
 
 
 class CheckpointWriter:
@@ -49,6 +52,7 @@ class CheckpointWriter:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._reports: list[WriteReport] = []
+        self._shards: dict[str, dict[str, Any]] = {}  # write id -> `shard_entry`
 
     def busy(self) -> bool:
         with self._lock:
@@ -56,20 +60,20 @@ class CheckpointWriter:
 
     def submit(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any],
                after_part: Callable[[str], None] | None = None,
-               shard: Shard | None = None) -> bool:
+               written: Written | None = None) -> bool:
         """Starts serialising and writing a snapshot (`parts`: name -> an object torch.save
         can write, already copied off the live state by the caller, into host memory: this
-        thread never touches a GPU, and the files load where none is visible; `shard`: this
-        member's shard of the optimizer state, written first); returns False (and writes
+        thread never touches a GPU, and the files load where none is visible; `written`: the
+        other owners' shards, waited for before the manifest); returns False (and writes
         nothing) if the previous write is still in flight, so snapshots never pile up."""
         return self._start(f"elastic-ckpt-{step}", self._write,
-                           (step, dict(parts), dict(meta), after_part, shard))
+                           (step, dict(parts), dict(meta), after_part, written))
 
-    def submit_shard(self, step: int, shard: Shard) -> bool:
-        """Starts writing this member's shard of the checkpoint of `step` alone (another
-        member writes the manifest: `elastic.checkpoint.store.write_shard`); False if the
-        previous write is still in flight."""
-        return self._start(f"elastic-ckpt-shard-{step}", self._write_shard, (step, shard))
+    def submit_shard(self, step: int, write: str, shard: Shard) -> bool:
+        """Starts writing this member's shard of write `write` (of the checkpoint of `step`)
+        alone; another member lists it in the manifest once `shard_entry` gives it. False if
+        the previous write is still in flight."""
+        return self._start(f"elastic-ckpt-shard-{step}", self._write_shard, (step, write, shard))
 
     def _start(self, name: str, target: Callable[..., None], args: tuple) -> bool:
         with self._lock:
@@ -81,37 +85,42 @@ class CheckpointWriter:
 
     def write_now(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any],
                   after_part: Callable[[str], None] | None = None,
-                  shard: Shard | None = None) -> None:
+                  written: Written | None = None) -> None:
         """Writes on the calling thread (after the write in flight, if any), then applies
         retention; its report is taken with the background writes'."""
         self.flush()
-        self._write(step, dict(parts), dict(meta), after_part, shard)
+        self._write(step, dict(parts), dict(meta), after_part, written)
 
-    def write_shard_now(self, step: int, shard: Shard) -> None:
+    def write_shard_now(self, step: int, write: str, shard: Shard) -> None:
         """`submit_shard` on the calling thread (after the write in flight, if any)."""
         self.flush()
-        self._write_shard(step, shard)
+        self._write_shard(step, write, shard)
 
-    def _write_shard(self, step: int, shard: Shard) -> None:
-        started = time.perf_counter()
+    def shard_entry(self, write: str) -> dict[str, Any]:
+        """Once this member's shard of write `write` is on disk (waiting for it): its name and
+        manifest entry (`elastic.checkpoint.store.write_shard`), or the error that ended it.
+        Any thread."""
+        self.flush()
+        with self._lock:
+            return self._shards.get(write, {"error": f"this member wrote no shard of write {write}"})
+
+    def _write_shard(self, step: int, write: str, shard: Shard) -> None:
         name, value = shard
         try:
-            write_shard(self.root, step, name, _bytes(value), self.key)
-            report = WriteReport(step, None, time.perf_counter() - started, shard=name)
+            outcome = {"name": name, **write_shard(self.root, step, name, _bytes(value))}
         except Exception as e:
-            report = WriteReport(step, None, time.perf_counter() - started,
-                                 error=f"shard {name}: {type(e).__name__}: {e}", shard=name)
+            outcome = {"error": f"shard {name}: {type(e).__name__}: {e}"}
         with self._lock:
-            self._reports.append(report)
+            self._shards[write] = outcome
+            while len(self._shards) > _SHARDS_KEPT:
+                self._shards.pop(next(iter(self._shards)))
 
     def _write(self, step: int, parts: dict[str, Any], meta: dict[str, Any],
-               after_part: Callable[[str], None] | None, shard: Shard | None = None) -> None:
+               after_part: Callable[[str], None] | None, written: Written | None = None) -> None:
         started = time.perf_counter()
         try:
-            if shard is not None:
-                write_shard(self.root, step, shard[0], _bytes(shard[1]), self.key)
             blobs = {name: _bytes(value) for name, value in parts.items()}
-            path = write_checkpoint(self.root, step, blobs, meta, after_part, self.key)
+            path = write_checkpoint(self.root, step, blobs, meta, after_part, self.key, written)
             pruned = tuple(prune(self.root, self.keep_last, self.key, self.retention))
             report = WriteReport(step, path, time.perf_counter() - started, pruned=pruned)
         except Exception as e:

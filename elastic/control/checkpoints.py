@@ -181,8 +181,6 @@ class CheckpointCoordinator:
 
     def _log_writes(self, reports: list[dict[str, Any]]) -> None:
         for r in reports:
-            if r.get("shard") and not r["error"]:
-                continue  # a member's shard: the manifest's writer reports the checkpoint
             if r["error"]:
                 if self._written is not None and self._written[0] == r["step"]:
                     self._written = None

@@ -74,6 +74,7 @@ class _StepState:
     kept: dict[int, torch.Tensor] | None = None
     norms: list[torch.Tensor | None] | None = None
     reduced: set[int] = field(default_factory=set)  # buckets reduced and freed (keep)
+    abandoned: bool = False  # the reduce ended before `finish`: no more buckets come
 
 
 class _CudaStreams:
@@ -229,6 +230,14 @@ class GradientBuckets:
             state = self._state
             if state is None:
                 return
+            if state.kept is not None and id(p) in state.copied:
+                # Its gradient was freed when its bucket took it: the rest would be lost.
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(p.shape)} had its gradient accumulated twice "
+                    "in one backward pass (reentrant activation checkpointing calls backward "
+                    "once per segment), after its bucket took it, which sharding.stage 2 "
+                    "cannot sum; use torch.utils.checkpoint.checkpoint(..., "
+                    "use_reentrant=False), or sharding.stage=1")
             b, offset = self._where[id(p)]
             self._buffer(state, b)[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
             self._copied_on(state, b)
@@ -282,6 +291,18 @@ class GradientBuckets:
             for b, event in enumerate(state.ready):
                 if not event.is_set():
                     self._release(state, b)
+
+    def abandon(self) -> None:
+        """The step's reduce failed on this rank (before `finish`, or in it): the
+        communication thread stops at the next bucket it waits for instead of waiting for
+        good, and issues no more collectives (the rank's error re-forms the generation)."""
+        with self._lock:
+            state = self._state
+            if state is None:
+                return
+            state.abandoned = True
+        for event in state.ready:
+            event.set()
 
     def wait(self) -> torch.Tensor:
         """Waits for every bucket's allreduce; returns the reduced metadata (float64).
@@ -345,6 +366,8 @@ class GradientBuckets:
         last = len(self.buckets) - 1
         for i, bucket in enumerate(self.buckets):
             state.ready[i].wait()
+            if state.abandoned:
+                return None
             if self._streams is not None:
                 for fence in state.fences[i]:
                     self._streams.wait(fence)
@@ -373,8 +396,9 @@ class GradientBuckets:
             i = self._index[id(p)]
             _, offset = self._where[id(p)]
             piece = buffer[offset : offset + p.numel()]
-            if state.norms is not None:
-                state.norms[i] = torch.linalg.vector_norm(piece)
+            if state.norms is not None:  # float32 at least: a half sum's norm may overflow
+                state.norms[i] = torch.linalg.vector_norm(
+                    piece, dtype=torch.float32 if piece.element_size() < 4 else None)
             if i in state.kept:
                 state.kept[i].view(-1).copy_(piece)
         if last:

@@ -352,6 +352,14 @@ class BucketReducer(_Hooks):
 
     def reduce(self, context: StepContext, computed: Computed, pack: Pack,
                comm_start: float) -> Reduced:
+        try:
+            return self._reduce(context, computed, pack, comm_start)
+        except BaseException:
+            self.buckets.abandon()  # the communication thread must not wait for good
+            raise
+
+    def _reduce(self, context: StepContext, computed: Computed, pack: Pack,
+                comm_start: float) -> Reduced:
         vote = computed.vote
         if not self.buckets.begun:
             # Beginning them raised (the vote says why: out of memory, or an error); this rank
@@ -381,13 +389,14 @@ class ShardedReducer(BucketReducer):
                 used_params(self.params)  # raises its error
         return torch.tensor(self.buckets.reached(), dtype=torch.float64)
 
-    def reduce(self, context: StepContext, computed: Computed, pack: Pack,
-               comm_start: float) -> Reduced:
-        if self.buckets.begun:
-            vote = self._materialise(context, computed.vote)
-            if vote != computed.vote:
-                computed = replace(computed, vote=vote)
-        return super().reduce(context, computed, pack, comm_start)
+    def _reduce(self, context: StepContext, computed: Computed, pack: Pack,
+                comm_start: float) -> Reduced:
+        if not self.buckets.begun:  # beginning them raised: begun again to take part
+            take_part(self.host, context, lambda: self.begin(context))
+        vote = self._materialise(context, computed.vote)
+        if vote != computed.vote:
+            computed = replace(computed, vote=vote)
+        return super()._reduce(context, computed, pack, comm_start)
 
     def _materialise(self, context: StepContext, vote: Vote) -> Vote:
         """The bucket buffers that no hook allocated (their gradients come in `finish`; their

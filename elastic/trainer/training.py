@@ -110,8 +110,10 @@ class Training:
                                   or config.clip_grad_value is not None):
             total = (torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
                      if norms else torch.zeros(()))
-            if config.clip_grad_norm is not None:
-                torch.nn.utils.clip_grads_with_norm_(params, config.clip_grad_norm, total)
+            if config.clip_grad_norm is not None:  # as clip_grad_norm_ scales them
+                coefficient = torch.clamp(config.clip_grad_norm / (total + 1e-6), max=1.0)
+                if grads:
+                    torch._foreach_mul_(grads, coefficient.to(grads[0].device))
             else:
                 torch.nn.utils.clip_grad_value_(params, config.clip_grad_value)
             return float(total)

@@ -1,18 +1,19 @@
 """Checkpoints whose optimizer state is written in shards by its owners
-(`elastic.checkpoint.store.write_shard`): a checkpoint counts and loads only once every shard
-its manifest lists is written and verifies; loading joins the shards into the whole optimizer
-state; a shard that is missing, altered, signed with another key or holding other state is
-never loaded; the writer writes its own shard before the manifest and a member's alone."""
+(`elastic.checkpoint.store.write_shard`): the manifest, written once every shard is on disk,
+lists each with its checksum, so a shard that is altered, replaced by another write's or
+missing is never loaded; a write whose shards did not all reach the disk commits nothing;
+loading joins the shards into the whole optimizer state; the writer waits for the other
+owners' shards before its manifest."""
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 
 import pytest
 import torch
 
-from elastic.checkpoint import CheckpointWriter, load_checkpoint, prune
+from elastic.checkpoint import CheckpointWriter, load_checkpoint
 from elastic.checkpoint.store import (
     has_complete_checkpoint,
     serialize,
@@ -21,9 +22,10 @@ from elastic.checkpoint.store import (
     write_checkpoint,
     write_shard,
 )
-from elastic.errors import CheckpointCorruptError, CheckpointSignatureError
+from elastic.errors import CheckpointCorruptError
 
-KEY, OTHER = b"k" * 32, b"o" * 32
+KEY = b"k" * 32
+LAYOUT = {shard_name(0): [0, 3], shard_name(1): [1], shard_name(2): [2, 4]}
 
 
 def _state(ids: list[int], step: int) -> dict[int, dict[str, torch.Tensor]]:
@@ -31,18 +33,18 @@ def _state(ids: list[int], step: int) -> dict[int, dict[str, torch.Tensor]]:
             for i in ids}
 
 
-LAYOUT = {shard_name(0): [0, 3], shard_name(1): [1], shard_name(2): [2, 4]}
+def _optimizer() -> dict:
+    return {"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1, 2, 3, 4]}]}
 
 
-def _write(root: str, step: int, key: bytes | None = KEY, shards=LAYOUT,
-           skip: str | None = None) -> None:
-    for name, ids in shards.items():
-        if name != skip:
-            write_shard(root, step, name, serialize(_state(ids, step)), key)
-    optimizer = {"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1, 2, 3, 4]}]}
-    write_checkpoint(root, step, {"optimizer": serialize(optimizer),
-                                  "model": serialize({"w": torch.ones(2) * step})},
-                     {"shards": shards}, key=key)
+def _write(root: str, step: int, shards=LAYOUT, files=None) -> str:
+    """Shard 0 is the writer's own file; the others are written by their owners first."""
+    entries = {f"{name}.pt": write_shard(root, step, name, serialize(_state(ids, step)))
+               for name, ids in shards.items() if name != shard_name(0)}
+    parts = {"optimizer": serialize(_optimizer()),
+             shard_name(0): serialize(_state(shards[shard_name(0)], step))}
+    return write_checkpoint(root, step, parts, {"shards": shards}, key=KEY,
+                            written=lambda: entries if files is None else files)
 
 
 def test_the_shards_are_joined_into_the_whole_optimizer_state(tmp_path):
@@ -55,101 +57,106 @@ def test_the_shards_are_joined_into_the_whole_optimizer_state(tmp_path):
         assert torch.equal(state[i]["exp_avg"], torch.full((3,), float(i + 4)))
     assert loaded.parts["optimizer"]["param_groups"][0]["lr"] == 0.1
     assert loaded.manifest["shards"] == LAYOUT
+    assert sorted(loaded.manifest["files"]) == sorted(
+        ["optimizer.pt", *(f"{name}.pt" for name in LAYOUT)])
     assert not any(name.startswith("optimizer-shard") for name in loaded.parts)
 
 
-def test_a_checkpoint_with_a_shard_still_being_written_is_incomplete_until_it_is(tmp_path):
+def test_an_altered_or_replaced_shard_is_refused(tmp_path):
     root = str(tmp_path / "ckpt")
     _write(root, 2)
-    _write(root, 4, skip=shard_name(1))  # its owner has not finished
-    assert load_checkpoint(root, key=KEY).step == 2
-    skipped = load_checkpoint(root, key=KEY).skipped
-    assert skipped and "optimizer-shard-00001.json: missing" in skipped[0][1]
-    with pytest.raises(CheckpointCorruptError, match="missing"):
-        load_checkpoint(root, step=4, key=KEY)
-    assert prune(root, keep_last=1, key=KEY) == []  # 4 is not complete: 2 is kept
-    write_shard(root, 4, shard_name(1), serialize(_state([1], 4)), KEY)
-    assert load_checkpoint(root, key=KEY).step == 4
-    assert prune(root, keep_last=1, key=KEY) == [2]
-
-
-def test_an_incomplete_checkpoint_alone_is_not_complete(tmp_path):
-    root = str(tmp_path / "ckpt")
-    _write(root, 2, skip=shard_name(2))
-    assert not has_complete_checkpoint(root, KEY)
-    assert load_checkpoint(root, key=KEY) is None
-
-
-def test_an_altered_shard_is_refused(tmp_path):
-    root = str(tmp_path / "ckpt")
-    _write(root, 2)
-    _write(root, 4)
-    path = os.path.join(root, step_dir_name(4), f"{shard_name(2)}.pt")
-    data = bytearray(open(path, "rb").read())
-    data[-20] ^= 1
-    open(path, "wb").write(bytes(data))
+    directory = _write(root, 4)
+    path = os.path.join(directory, f"{shard_name(2)}.pt")
+    # Another write's shard of the same name (a stale one, or one planted from elsewhere).
+    write_shard(root, 4, shard_name(2), serialize(_state([2, 4], 5)))
     loaded = load_checkpoint(root, key=KEY)
     assert loaded.step == 2 and "checksum mismatch" in loaded.skipped[0][1]
+    os.remove(path)
+    assert load_checkpoint(root, key=KEY).step == 2
+    assert "missing" in load_checkpoint(root, key=KEY).skipped[0][1]
 
 
-def test_a_shard_signed_with_another_key_or_unsigned_is_refused(tmp_path):
+def test_a_write_whose_shards_are_not_all_on_disk_commits_nothing(tmp_path):
     root = str(tmp_path / "ckpt")
-    _write(root, 4)
-    write_shard(root, 4, shard_name(1), serialize(_state([1], 4)), OTHER)
-    with pytest.raises(CheckpointSignatureError):
-        load_checkpoint(root, step=4, key=KEY)
-    write_shard(root, 4, shard_name(1), serialize(_state([1], 4)), None)
-    with pytest.raises(CheckpointSignatureError):
-        load_checkpoint(root, step=4, key=KEY)
-    assert not has_complete_checkpoint(root, KEY)
+
+    def failed():
+        raise RuntimeError("a member's shard of the optimizer state is not on disk (it died)")
+
+    with pytest.raises(RuntimeError, match="it died"):
+        write_checkpoint(root, 2, {"optimizer": serialize(_optimizer())},
+                         {"shards": {shard_name(1): [1]}}, key=KEY, written=failed)
+    assert not has_complete_checkpoint(root, KEY) and load_checkpoint(root, key=KEY) is None
 
 
 def test_a_shard_holding_other_state_than_listed_is_refused(tmp_path):
     root = str(tmp_path / "ckpt")
-    _write(root, 4)
-    write_shard(root, 4, shard_name(1), serialize(_state([1, 2], 4)), KEY)
+    wrong = {f"{shard_name(1)}.pt": write_shard(root, 4, shard_name(1),
+                                                 serialize(_state([1, 2], 4)))}
+    write_checkpoint(root, 4, {"optimizer": serialize(_optimizer())},
+                     {"shards": {shard_name(1): [1]}}, key=KEY, written=lambda: wrong)
     with pytest.raises(CheckpointCorruptError, match="other state than the manifest lists"):
         load_checkpoint(root, step=4, key=KEY)
-    overlap = {shard_name(0): [0, 1], shard_name(1): [1]}
-    _write(root, 6, shards=overlap)
+    _write(root, 6, shards={shard_name(0): [0, 1], shard_name(1): [1]})
     with pytest.raises(CheckpointCorruptError, match="another shard holds too"):
         load_checkpoint(root, step=6, key=KEY)
 
 
-def test_a_shard_record_of_another_step_is_refused(tmp_path):
+def test_a_listed_shard_without_its_file_in_the_manifest_is_refused(tmp_path):
     root = str(tmp_path / "ckpt")
-    _write(root, 4)
-    record = os.path.join(root, step_dir_name(4), f"{shard_name(0)}.json")
-    other = json.load(open(record))
-    other["step"] = 3
-    open(record, "w").write(json.dumps(other))
-    with pytest.raises(CheckpointCorruptError, match="does not describe this shard"):
-        load_checkpoint(root, step=4, key=None)
+    _write(root, 4, files={})
+    with pytest.raises(CheckpointCorruptError, match="lists shard optimizer-shard-00001 but not"):
+        load_checkpoint(root, step=4, key=KEY)
 
 
-def test_the_writer_writes_its_shard_before_the_manifest_and_a_members_alone(tmp_path):
+def test_an_owner_named_like_the_writers_files_is_refused(tmp_path):
+    root = str(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="not a new plain name"):
+        write_checkpoint(root, 2, {"optimizer": b"x"}, {}, written=lambda: {
+            "optimizer.pt": {"sha256": "0", "bytes": 1}})
+
+
+def test_the_writer_lists_the_owners_shards_once_they_are_on_disk(tmp_path):
     root = str(tmp_path / "ckpt")
     member = CheckpointWriter(root, keep_last=3, key=KEY)
-    assert member.submit_shard(2, (shard_name(1), _state([1], 2)))
-    member.flush()
-    (report,) = member.take_reports()
-    assert report.shard == shard_name(1) and report.error is None
+    assert member.submit_shard(2, "w1", (shard_name(1), _state([1], 2)))
     writer = CheckpointWriter(root, keep_last=3, key=KEY)
-    order: list[str] = []
-    optimizer = {"state": {}, "param_groups": [{"params": [0, 1]}]}
-    writer.write_now(2, {"optimizer": optimizer}, {"shards": {shard_name(0): [0],
-                                                              shard_name(1): [1]}},
-                     after_part=order.append, shard=(shard_name(0), _state([0], 2)))
-    assert order == ["optimizer"]
-    assert os.path.exists(os.path.join(root, step_dir_name(2), f"{shard_name(0)}.json"))
-    loaded = load_checkpoint(root, key=KEY)
-    assert sorted(loaded.parts["optimizer"]["state"]) == [0, 1]
+
+    def written():
+        entry = member.shard_entry("w1")  # waits for the member's write
+        return {f"{entry['name']}.pt": entry}
+
+    assert writer.submit(2, {"optimizer": _optimizer(), shard_name(0): _state([0], 2)},
+                         {"shards": {shard_name(0): [0], shard_name(1): [1]}}, written=written)
+    writer.flush()
+    (report,) = writer.take_reports()
+    assert report.error is None and report.step == 2
+    assert sorted(load_checkpoint(root, key=KEY).parts["optimizer"]["state"]) == [0, 1]
+    assert "error" in member.shard_entry("another write")
 
 
-def test_a_failed_shard_write_is_reported_with_its_name(tmp_path):
-    root = tmp_path / "file"
-    root.write_text("not a directory")
-    member = CheckpointWriter(str(root), keep_last=3)
-    member.write_shard_now(2, (shard_name(3), _state([1], 2)))
-    (report,) = member.take_reports()
-    assert report.shard == shard_name(3) and report.error.startswith("shard optimizer-shard-00003")
+def test_a_failed_shard_write_fails_the_checkpoint_with_its_reason(tmp_path):
+    root = str(tmp_path / "ckpt")
+    member = CheckpointWriter(str(tmp_path / "file"), keep_last=3)
+    (tmp_path / "file").write_text("not a directory")
+    member.write_shard_now(2, "w1", (shard_name(3), _state([1], 2)))
+    entry = member.shard_entry("w1")
+    assert entry["error"].startswith("shard optimizer-shard-00003")
+    writer = CheckpointWriter(root, keep_last=3, key=KEY)
+
+    def written():
+        raise RuntimeError(f"a member's shard of the optimizer state is not on disk "
+                           f"({entry['error']})")
+
+    writer.write_now(2, {"optimizer": _optimizer()}, {"shards": {}}, written=written)
+    (report,) = writer.take_reports()
+    assert report.path is None and "optimizer-shard-00003" in report.error
+    assert load_checkpoint(root, key=KEY) is None
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_step_folder_holds_the_owners_files(tmp_path):
+    root = str(tmp_path / "ckpt")
+    directory = _write(root, 4)
+    assert directory.endswith(step_dir_name(4))
+    names = sorted(os.listdir(directory))
+    assert names == sorted(["MANIFEST.json", "optimizer.pt", *(f"{n}.pt" for n in LAYOUT)])

@@ -188,3 +188,53 @@ def test_buckets_that_never_fit_leave_the_generation():
     with pytest.raises(CollectiveError, match="rank 1 ran out of memory for its gradient buffers"):
         reducer._materialise(context, Vote.OK)
     assert aborted == [1]
+
+
+def test_a_reduce_that_fails_before_the_buckets_are_finished_releases_the_thread():
+    model = _model()
+    params = list(model.parameters())
+    buckets = GradientBuckets(params, bucket_bytes=1024, first_bucket_bytes=1024,
+                              keep=lambda: {0}, norms=True)
+    comm = Doubling()
+    buckets.begin(comm, meta_len=3, vote_slot=0, nonfinite_vote=2.0)
+    future = buckets._state.future
+    buckets.abandon()  # as the reducer does when its reduce raises before `finish`
+    assert future.result(timeout=30) is None  # the thread ended, waiting for nothing
+    assert comm.sizes == []  # and issued no collective
+
+
+def test_a_gradient_accumulated_twice_in_one_backward_is_refused_at_stage_2():
+    model = _model()
+    params = list(model.parameters())
+    buckets = GradientBuckets(params, bucket_bytes=1024, first_bucket_bytes=1024,
+                              keep=lambda: range(len(params)))
+    buckets.begin(Doubling(), meta_len=3, vote_slot=0, nonfinite_vote=2.0)
+    buckets.arm(True)
+    layer = model[0]
+    out = layer(torch.randn(2, 16)).sum()
+    torch.autograd.backward(out, inputs=[layer.weight])  # as a reentrant segment does
+    with pytest.raises(RuntimeError, match="accumulated twice in one backward pass"):
+        torch.autograd.backward(layer(torch.randn(2, 16)).sum(), inputs=[layer.weight])
+    buckets.abandon()
+
+
+def test_a_sharded_reducer_whose_reduce_raises_abandons_its_buckets():
+    from types import SimpleNamespace
+
+    from elastic.errors import CollectiveError
+    from elastic.trainer.reducers import ShardedReducer
+    from elastic.trainer.step import Vote
+
+    class Buckets(_Failing):
+        begun, abandoned = True, False
+
+        def abandon(self) -> None:
+            self.abandoned = True
+
+    buckets = Buckets(5)
+    reducer = ShardedReducer(_Host(), [], buckets)
+    context = SimpleNamespace(rank=0, step=3, comm=SimpleNamespace(abort=lambda: None))
+    computed = SimpleNamespace(vote=Vote.OK)
+    with pytest.raises(CollectiveError):
+        reducer.reduce(context, computed, pack=None, comm_start=0.0)
+    assert buckets.abandoned
