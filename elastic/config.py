@@ -460,7 +460,9 @@ class CheckpointConfig(_Frozen):
     )
     keep_last: int = Field(default=3, ge=1, description="Valid checkpoints retention keeps.")
     async_write: bool = Field(
-        default=True, description="Write in the background; the step pays only for a snapshot."
+        default=True, description="Write in the background; the step pays only for a snapshot "
+        "(with sharded optimizer state, and for waiting when the previous write is still "
+        "going: such a checkpoint is not skipped)."
     )
     sign: bool = Field(
         default=True,
