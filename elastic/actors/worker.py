@@ -394,7 +394,7 @@ class WorkerActor:
         replica.check_committed()
         step = replica.global_step
         self._writer.flush()
-        name, state = shard_name(shards.rank), shards.primary_states()
+        name, state = shard_name(shards.rank, write), shards.primary_states()
         if ckpt.async_write:  # the step pays for a copy in host memory only
             self._writer.submit_shard(step, write, (name, to_host(state, copy=True, pin=True)))
         else:
@@ -430,7 +430,7 @@ class WorkerActor:
             self._writer.flush()
             assert self.replica.shards is not None, "optimizer state is not sharded"
             own = self.replica.shards.primary_states()
-            own_name = shard_name(self.replica.shards.rank)
+            own_name = shard_name(self.replica.shards.rank, meta["write"])
             problem = _shard_problem(answers, step, {own_name: sorted(own)})
             if problem is not None:
                 return {"submitted": False, "reports": self._reports(),

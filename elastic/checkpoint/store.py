@@ -12,13 +12,14 @@ with that key are loaded or counted by retention. On a local disk the root and e
 folder are 0700 and the files 0600, written through fresh no-follow names and renamed.
 
 Sharded optimizer state is written by its owners, each its own file in the step's folder
-(`write_shard`, `optimizer-shard-<rank>.pt`): the state of the parameters it is the first owner
-of, as `optimizer.state_dict()['state']` holds them (by state id). The member that writes the
-manifest waits for every owner's file to be on disk and lists them with their sha256 and size
-like its own files, and which state ids each holds (`"shards"`); `optimizer.pt` holds the rest
-of the optimizer's state dict (its parameter groups). So the manifest is still the one commit
-marker and signs every byte; loading joins the shards into the whole optimizer state
-(`verify`), so a loaded checkpoint looks the same whether its state was sharded or not.
+(`write_shard`, `optimizer-shard-<rank>-<write id>.pt`): the state of the parameters it is the
+first owner of, as `optimizer.state_dict()['state']` holds them (by state id). The member that
+writes the manifest waits for every owner's file to be on disk and lists them with their
+sha256 and size like its own files, and which state ids each holds (`"shards"`);
+`optimizer.pt` holds the rest of the optimizer's state dict (its parameter groups). So the
+manifest is still the one commit marker and signs every byte; loading joins the shards into
+the whole optimizer state (`verify`), so a loaded checkpoint looks the same whether its state
+was sharded or not.
 """
 
 from __future__ import annotations
@@ -126,9 +127,11 @@ def _step_directory(fs: fsspec.AbstractFileSystem, base: str, step: int) -> str:
     return directory
 
 
-def shard_name(rank: int) -> str:
-    """The file name (without `.pt`) of the optimizer-state shard rank `rank` writes."""
-    return f"optimizer-shard-{rank:05d}"
+def shard_name(rank: int, write: str = "") -> str:
+    """The file name (without `.pt`) of the optimizer-state shard rank `rank` writes in write
+    `write` (its id names the file: a write of a step that has a checkpoint already never
+    replaces that checkpoint's shards before its own manifest replaces the old one)."""
+    return f"optimizer-shard-{rank:05d}" + (f"-{write[:12]}" if write else "")
 
 
 def write_shard(root: str, step: int, name: str, data: bytes) -> dict[str, Any]:

@@ -640,11 +640,14 @@ class Resizing(State):
         return {"world_size": self.world_size, "target": self.target}
 
     def step(self, ctx: Context) -> State:
+        before, step = ctx.generation, ctx.step
         if self.leaving:
             hand_over(ctx, self.leaving)  # sharded optimizer state only they may hold
         departed = _depart(ctx, self.leaving) if self.leaving else None
         with ctx.requests.lock:  # free capacity may have raised it since the boundary
             target = ctx.requests.target
+        if len(ctx.members) > target:
+            _settle_checkpoints(ctx, [m.worker_id for m in ctx.members[target:]])
         while len(ctx.members) > target:
             member = ctx.members.pop()
             ctx.log.emit(WorkerRemoved(worker_id=member.worker_id))
@@ -654,7 +657,6 @@ class Resizing(State):
         admit(ctx, timeout=0)
         if len(ctx.members) < ctx.config.scaling.lower:
             wait_for_capacity(ctx)
-        before, step = ctx.generation, ctx.step
         form(ctx, "departure" if self.leaving else "resize")
         if departed is not None:
             # Steps redone: 0, unless the leavers held state nobody else did (sharded optimizer
@@ -665,10 +667,23 @@ class Resizing(State):
         return Running(resized=True)
 
 
-def _depart(ctx: Context, leaving: tuple[int, ...]) -> PlannedDeparture:
+def _settle_checkpoints(ctx: Context, leaving: list[int]) -> None:
+    """Before members `leaving` (worker ids) go: waits for the checkpoint writes in flight
+    that need them, and logs how they ended. Their own (a writer thread dies with its
+    process) and, with sharded optimizer state, every member's: the member writing a manifest
+    waits for each member's shard, the leavers' included."""
+    for worker_id in (ctx.ids() if ctx.config.sharding.stage else leaving):
+        try:
+            ctx.checkpoints.flush(worker_id)
+        except WorkerLostError:
+            pass  # it died meanwhile: nothing of it to wait for
+
+
+def _depart(ctx: Context, leaving: tuple[int, ...]) -> PlannedDeparture | None:
     """Members `leaving` (worker ids, on notice) leave the run at this step boundary; returns
     the event that says so, to be written once the next generation has formed (it counts the
-    steps redone).
+    steps redone); None if none of them is a member any more (they died meanwhile: counted
+    as losses).
 
     Raises:
         WorkerLostError: more than `failure.max_preemptions` workers preempted.
@@ -676,16 +691,15 @@ def _depart(ctx: Context, leaving: tuple[int, ...]) -> PlannedDeparture:
     ids = ctx.ids()
     ranks = [ids.index(w) for w in leaving if w in ids]
     gone = [ids[r] for r in ranks]
+    if not gone:
+        ctx.requests.gone(list(leaving))
+        return None
     if len(gone) == len(ids):
         # Nobody stays to hand the committed state on: the replacements resume it from a
         # checkpoint (without checkpoints they start over, which `form` refuses below).
         on_any_member(ctx, lambda w: ctx.checkpoints.maybe_write(w, ctx.step, len(ids),
                                                                  final=True))
-    for worker_id in gone:  # a checkpoint write in flight would die with its process
-        try:
-            ctx.checkpoints.flush(worker_id)
-        except WorkerLostError:
-            pass  # it died meanwhile: nothing of it to wait for
+    _settle_checkpoints(ctx, gone)
     notices = ctx.requests.gone(gone)
     ctx.members = [m for m in ctx.members if m.worker_id not in gone]
     for worker_id in gone:

@@ -116,6 +116,11 @@ class Reducer(Protocol):
         come from the gradients themselves)."""
         ...
 
+    def abandon(self) -> None:
+        """The step's reduce will not run (an error before it): what `begin` started stops
+        waiting for it."""
+        ...
+
 
 def make_reducer(host: StepHost, params: list[torch.nn.Parameter], overlap: bool,
                  bucket_bytes: int, first_bucket_bytes: int,
@@ -257,6 +262,9 @@ class _Hooks:
     def grad_norms(self) -> list[torch.Tensor] | None:
         return None
 
+    def abandon(self) -> None:
+        return
+
 
 class FlatReducer(_Hooks):
     """One buffer per dtype after the backward pass, each summed in one allreduce."""
@@ -349,6 +357,9 @@ class BucketReducer(_Hooks):
 
     def arm(self, last: bool) -> None:
         self.buckets.arm(last)  # gradients are complete in the last backward pass
+
+    def abandon(self) -> None:
+        self.buckets.abandon()
 
     def reduce(self, context: StepContext, computed: Computed, pack: Pack,
                comm_start: float) -> Reduced:

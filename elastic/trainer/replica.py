@@ -389,7 +389,11 @@ class Replica:
         """
         comm_start = time.perf_counter()
         self._enter("allreduce")
-        self._chaos(context.chaos, "allreduce")
+        try:
+            self._chaos(context.chaos, "allreduce")
+        except BaseException:
+            self.reducer.abandon()  # nothing of this step will be reduced
+            raise
 
         def pack(loss_sum: float, vote: Vote, count: float) -> torch.Tensor:
             return pack_meta(context, loss_sum, vote, count, computed.form,

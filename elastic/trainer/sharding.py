@@ -218,9 +218,15 @@ class OptimizerShards:
     def place_state(self, control: Any, survey: Survey,
                     kept: dict[int, dict[str, Any]]) -> list[Move]:
         """Last as a generation forms: the state of the parts that change owner moves from a
-        holder to each new owner (`_move_state`); each rank then holds the state of the parts
-        it owns under the new map and no other. `kept`: this rank's held parts' state
-        (`keep`) if it holds the target step, else empty. Returns what moved.
+        holder to each new owner (`_move_state`); once every rank has what it receives (one
+        more sum over the control plane), each holds the state of the parts it owns under the
+        new map and no other. `kept`: this rank's held parts' state (`keep`) if it holds the
+        target step, else empty. Returns what moved.
+
+        A rank where this fails keeps what it held and what it received, and claims both in
+        the next attempt; no rank drops a part before every rank has received its own. So a
+        rank lost in the middle (a leaver dying in its hand-over) costs at most its own
+        parts, never one that was on its way between two others.
 
         Raises:
             CollectiveError: the communication failed, or a peer announced more bytes than
@@ -229,6 +235,10 @@ class OptimizerShards:
         rank = control.rank
         plan = moves(survey.ownership, survey.holders)
         received = _move_state(control, plan, kept, self.params)
+        if received:
+            self._kept = {**kept, **received}
+            self.held = self.held | received.keys()
+        _all_received(control)
         owned = frozenset(survey.ownership.owned(rank))
         self._install({**kept, **received}, owned)
         self.ownership, self.rank, self.held = survey.ownership, rank, owned
@@ -331,6 +341,16 @@ def _move_state(control: Any, plan: Sequence[Move], mine: dict[int, dict[str, An
             if part in parts:
                 received[part] = parts[part]
     return received
+
+
+def _all_received(control: Any) -> None:
+    """One sum over the control plane that completes on a rank only once every rank has
+    received its parts (each adds its one after `_move_state`).
+
+    Raises:
+        CollectiveError: the sum failed.
+    """
+    control.allreduce(torch.ones(1, dtype=torch.float64))
 
 
 def _exchange(control: Any, sends: list[tuple[torch.Tensor, int]],

@@ -28,6 +28,7 @@ from elastic.events import (
     Resumed,
     ShardsLost,
     WorkerFailure,
+    WorkerJoined,
 )
 from tests import sharding
 from tests.events import of_kind
@@ -155,5 +156,21 @@ def test_a_preempted_worker_hands_the_only_copy_of_its_parts_over_before_it_goes
     i = reasons.index("hand_over")
     assert generations[i].world_size == 3 and reasons[i + 1] == "departure"
     assert generations[i + 1].world_size == 2
+    _assert_reference(result)
+    _assert_every_sample_once(result)
+
+
+@pytest.mark.timeout(300)
+def test_a_replacement_joins_a_stage_2_run_and_takes_its_share(ray_cluster, tmp_path):
+    # min_workers 3: after the kill the run waits for the replacement, so it surely joins.
+    chaos = (ChaosEvent(step=2, rank=2, action="kill", phase="backward"),)
+    config = _config(tmp_path, chaos, workers=3, stage=2).model_copy(update={
+        "scaling": ScalingConfig(num_workers=3, min_workers=3),
+        "failure": elastic.FailureConfig(replace_lost_workers=True)})
+    result = elastic.fit(sharding.job(), config)
+    assert result.steps == STEPS
+    assert of_kind(result.events, WorkerJoined)
+    assert not of_kind(result.events, RestoredFromCheckpoint)  # the survivors held it all
+    assert [g.world_size for g in of_kind(result.events, Generation)][-1] == 3
     _assert_reference(result)
     _assert_every_sample_once(result)

@@ -479,3 +479,38 @@ def test_an_optimizer_with_factored_per_tensor_state_works_sharded(tmp_path, sta
         torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
     state = replicas["e"].optimizer.state_dict()["state"]
     assert any("row_var" in s for s in state.values())  # the factored moments moved whole
+
+
+@pytest.mark.timeout(120)
+def test_parts_received_in_a_failed_hand_over_are_kept_and_claimed(tmp_path, monkeypatch):
+    from elastic.trainer import sharding as sharding_module
+
+    config = _config(tmp_path, stage=1, replicas=1)
+    replicas = {}
+    for name in "abc":
+        with _building:
+            replicas[name] = Replica(_job(), config, str(tmp_path))
+    server = RendezvousServer()
+    try:
+        _generation(server, replicas, list("abc"), 2)
+        only_c = replicas["c"].shards.owned
+        real = sharding_module._all_received
+
+        def fails(control):  # the leaver dies once every part reached its new owner
+            raise CollectiveError("injected: a peer died before the last sum")
+
+        monkeypatch.setattr(sharding_module, "_all_received", fails)
+        with pytest.raises(CollectiveError, match="injected"):
+            _generation(server, replicas, list("abc"), 0, leaving=(2,))
+        for part in only_c:  # received, kept and claimed, though not installed
+            assert part in replicas["a"].shards.held | replicas["b"].shards.held
+        monkeypatch.setattr(sharding_module, "_all_received", real)
+        _generation(server, replicas, ["a", "b"], 2)  # "c" is gone: nothing was lost with it
+    finally:
+        server.close()
+        for replica in replicas.values():
+            replica.close()
+    assert replicas["a"].restorable_step == 4
+    final = replicas["a"].model.state_dict()
+    for key, value in _reference(_adamw, 4).items():
+        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
