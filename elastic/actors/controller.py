@@ -322,21 +322,23 @@ class Controller:
         if self.machine.state.label.is_terminal:
             return []
         now = time.time()
+        overdue = deadline is not None and deadline <= now
         # Spares, and workers still starting, on notice are let go when next looked at
         # (`check_spares`, `admit`): they have no rank.
         alive = set(self.workers.alive())
         told = [w for w in ids if w in alive and self.ctx.requests.notice(
-            Notice(w, source, deadline, now, reason))]
+            Notice(w, source, deadline, now, reason), overdue=overdue)]
         if not told:
             return []
         world = [m.worker_id for m in self.ctx.roster().world]
         self.log.emit(PreemptionNotice(source=source, ranks=[world.index(w) for w in told
                                                              if w in world],
                                        worker_ids=told, deadline=deadline, reason=reason))
-        if deadline is not None and deadline <= now:
+        if overdue:
             # Passed already (`elastic drain --deadline 0`): killed here, before any chunk is
-            # asked to end, so no step boundary can come first (a timer thread could start
-            # after the boundary on a busy machine and find the worker already gone).
+            # asked to end, and marked overdue with the notice, so that no step boundary
+            # lets it go before its death is seen (a timer thread could start after the
+            # boundary on a busy machine and find the worker already gone).
             for worker_id in told:
                 self._deadline_passed(worker_id, deadline)
             return told
@@ -361,6 +363,7 @@ class Controller:
             return  # gone at a boundary already, or a later notice moved the deadline
         if worker_id not in [m.worker_id for m in list(self.ctx.members)]:
             return
+        self.ctx.requests.overdue_now(worker_id)  # a boundary before its death: not let go
         self.log.emit(DeadlineMissed(worker_id=worker_id, deadline=deadline))
         self.workers.kill(worker_id)
 

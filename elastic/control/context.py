@@ -34,6 +34,9 @@ class Requests:
         killed_on_purpose: worker ids killed by `kill` (their loss is planned).
         departures: members told to leave, by worker id (`notice`); they leave at the next
             step boundary, or their loss counts as a preemption if they die first.
+        overdue: members among `departures` whose deadline passed: they are being killed, so
+            a step boundary that comes before their death is seen does not let them go
+            (`leaving`); the failure path recovers from their loss.
     """
 
     target: int
@@ -42,12 +45,15 @@ class Requests:
     killed_at: float | None = None
     killed_on_purpose: set[int] = field(default_factory=set)
     departures: dict[int, Notice] = field(default_factory=dict)
+    overdue: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def notice(self, notice: Notice) -> bool:
+    def notice(self, notice: Notice, overdue: bool = False) -> bool:
         """Records that `notice.worker_id` must leave; of several notices for one worker the
         earliest deadline stands (with its source). True if it is new or moved the deadline
-        earlier (worth an event), False if an earlier notice already covers it."""
+        earlier (worth an event), False if an earlier notice already covers it. `overdue`:
+        its deadline has passed already (the caller kills the worker), recorded in the same
+        breath so that no step boundary lets it go in between."""
         with self.lock:
             known = self.departures.get(notice.worker_id)
             # A notice from outside (a preemption) outranks the run's own straggler swap.
@@ -58,17 +64,26 @@ class Requests:
             if known is not None:  # an earlier deadline: the first notice's time stands
                 notice = replace(notice, received=known.received)
             self.departures[notice.worker_id] = notice
+            if overdue:
+                self.overdue.add(notice.worker_id)
             return True
 
-    def leaving(self, ids: list[int]) -> list[int]:
-        """The worker ids among `ids` that were told to leave."""
+    def overdue_now(self, worker_id: int) -> None:
+        """The deadline of `worker_id`'s notice passed: it is killed, not let go (`overdue`)."""
         with self.lock:
-            return [w for w in ids if w in self.departures]
+            self.overdue.add(worker_id)
+
+    def leaving(self, ids: list[int]) -> list[int]:
+        """The worker ids among `ids` that were told to leave (and are not being killed for a
+        missed deadline)."""
+        with self.lock:
+            return [w for w in ids if w in self.departures and w not in self.overdue]
 
     def gone(self, ids: list[int]) -> list[Notice]:
         """Forgets the notices of the workers `ids` (they left or died); returns those there
         were."""
         with self.lock:
+            self.overdue.difference_update(ids)
             return [n for n in (self.departures.pop(w, None) for w in ids) if n is not None]
 
     def take_killed_at(self) -> float | None:

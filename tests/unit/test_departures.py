@@ -337,3 +337,17 @@ def test_with_sharded_state_a_leaver_hands_its_parts_over_in_a_generation_first(
         assert _of(ctx, "generation")[i]["workers"] == [0, 1, 2, 3]
     else:  # a copy of every part stays with the others: no extra generation
         assert sim.handed_over == [] and "hand_over" not in reasons
+
+
+def test_a_notice_past_its_deadline_is_not_let_go_at_a_boundary_but_killed():
+    requests = Requests(target=3)
+    # `elastic drain --deadline 0`: recorded overdue with the notice (the controller kills it).
+    assert requests.notice(Notice(1, "drain", 0.0, 1.0, "late"), overdue=True)
+    assert requests.leaving([0, 1, 2]) == []  # a boundary before its death: it stays a member
+    assert [n.worker_id for n in requests.gone([1])] == [1]  # its loss: a preemption
+    assert not requests.overdue
+    # A deadline that passes later (the timer): from then on it is not let go either.
+    assert requests.notice(Notice(2, "drain", 5.0, 1.0, "soon"))
+    assert requests.leaving([2]) == [2]
+    requests.overdue_now(2)
+    assert requests.leaving([2]) == []
