@@ -105,21 +105,27 @@ def _shard_problem(answers: list[dict[str, Any] | None], step: int,
     return None
 
 
-def _shard_entries(peers: list[Any], write: str) -> dict[str, dict[str, Any]]:
+def _shard_entries(peers: list[Any], names: list[str], write: str) -> dict[str, dict[str, Any]]:
     """On the writer's thread, before the manifest: each other member's shard of write
-    `write` once it is on disk (file name -> manifest entry).
+    `write` once it is on disk (file name -> manifest entry); `names`: the shard each of
+    `peers` announced (`WorkerActor.checkpoint_shard`).
 
     Raises:
-        RuntimeError: a member died, or its shard could not be written (no manifest then).
+        RuntimeError: a member died, its shard could not be written, or it described another
+            shard than it announced (no manifest then).
     """
     entries = {}
-    for peer in peers:
+    for peer, name in zip(peers, names, strict=True):
         entry = _answer(peer.shard_entry.remote(write))
         if entry is None or "error" in entry:
             raise RuntimeError("a member's shard of the optimizer state is not on disk ("
                                + ("it died" if entry is None else entry["error"])
                                + "); the checkpoint is not committed")
-        entries[f"{entry['name']}.pt"] = entry
+        if entry.get("name") != name or not isinstance(entry.get("bytes"), int) \
+                or not isinstance(entry.get("sha256"), str):
+            raise RuntimeError(f"the member that announced shard {name} described another "
+                               f"({entry.get('name')!r}); the checkpoint is not committed")
+        entries[f"{name}.pt"] = entry
     return entries
 
 
@@ -439,7 +445,9 @@ class WorkerActor:
             listed[own_name] = sorted(own)
             state = {**state, "optimizer": {**state["optimizer"], "state": {}}, own_name: own}
             meta = {**meta, "shards": dict(sorted(listed.items()))}
-            written = functools.partial(_shard_entries, peers or [], meta["write"])
+            written = functools.partial(_shard_entries, peers or [],
+                                        [a["name"] for a in answers if a is not None],
+                                        meta["write"])
         meta = {**meta, "epoch": state["cursor"]["epoch"]}
         crash = self._crash_mid_write(step)
         if ckpt.async_write:

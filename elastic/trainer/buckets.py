@@ -343,12 +343,11 @@ class GradientBuckets:
             assert buffer is not None
             p.grad = buffer[offset : offset + p.numel()].view_as(p)
 
-    def reached(self) -> list[bool]:
-        """At the end of the compute phase: per parameter, whether this rank's backward
-        passes gave it a gradient (copied by a hook, or still in `grad`)."""
+    def taken(self) -> frozenset[int]:
+        """The ids of the parameters whose gradient a hook copied into a bucket this step
+        (with sharded gradients it freed them: they were reached all the same)."""
         state = self._state
-        copied = state.copied if state is not None else set()
-        return [id(p) in copied or p.grad is not None for p in self.params]
+        return frozenset(state.copied) if state is not None else frozenset()
 
     def norms(self) -> list[torch.Tensor] | None:
         """Sharded gradients with norms: every parameter's summed gradient's 2-norm (a 0-d

@@ -140,8 +140,10 @@ def make_reducer(host: StepHost, params: list[torch.nn.Parameter], overlap: bool
     return FlatReducer(host, params)
 
 
-def used_params(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """1 for each parameter with a gradient, else 0 (float64).
+def used_params(params: list[torch.nn.Parameter],
+                taken: Collection[int] = frozenset()) -> torch.Tensor:
+    """1 for each parameter with a gradient, else 0 (float64). `taken`: the ids of parameters
+    whose gradient a bucket's hook already took (and freed: sharded gradients), reached too.
 
     Raises:
         TypeError: a backward pass left a sparse gradient (`F.embedding(..., sparse=True)`,
@@ -154,7 +156,7 @@ def used_params(params: list[torch.nn.Parameter]) -> torch.Tensor:
             raise TypeError("the backward pass left a sparse gradient, which elastic does "
                             "not support: its steps sum dense gradients over the ranks; "
                             "compute it dense (sparse=False)")
-        reached.append(p.grad is not None)
+        reached.append(p.grad is not None or id(p) in taken)
     return torch.tensor(reached, dtype=torch.float64)
 
 
@@ -189,6 +191,23 @@ def take_part(host: StepHost, context: StepContext, allocate: Callable[[], Any])
     # is released.
     release_cached_memory(host.device)
     raise error
+
+
+def fits(device: torch.device, allocate: Callable[[], Any]) -> tuple[bool, Any]:
+    """Runs `allocate`; if it runs out of memory, releases the allocator's cache and runs it
+    once more. Returns (True, what it returned), or (False, None) if it did not fit either
+    time (other errors propagate)."""
+    for attempt in range(2):
+        failed = False
+        try:
+            return True, allocate()
+        except Exception as e:
+            if not is_allocation_failure(e):
+                raise
+            failed = True  # retried below: out of this block, its frames released
+        if failed and attempt == 0:
+            release_cached_memory(device)
+    return False, None
 
 
 def left_collectives(context: StepContext, error: BaseException) -> CollectiveError:
@@ -319,17 +338,10 @@ class FlatReducer(_Hooks):
 
         if vote != Vote.OK:
             return vote, take_part(self.host, context, zeros)
-        for attempt in range(2):
-            failed = False
-            try:
-                return vote, flatten_grads(self.params, zero=False, meta_len=room, lend=lend,
-                                           host=host)
-            except Exception as e:
-                if not is_allocation_failure(e):
-                    raise
-                failed = True  # retried below: out of this block, its frames released
-            if failed and attempt == 0:
-                release_cached_memory(self.host.device)
+        ok, flat = fits(self.host.device, lambda: flatten_grads(
+            self.params, zero=False, meta_len=room, lend=lend, host=host))
+        if ok:
+            return vote, flat
         nbytes = sum(p.numel() * p.element_size() for p in self.params)
         logger.warning(
             "rank %d: out of memory for the flat gradient buffers of step %d (%d bytes on %s, "
@@ -395,10 +407,7 @@ class ShardedReducer(BucketReducer):
     def used(self) -> torch.Tensor:
         """The parameters this rank's backward passes reached, those whose gradient a hook
         already took into a bucket (and freed) included."""
-        for p in self.params:
-            if p.grad is not None and p.grad.is_sparse:
-                used_params(self.params)  # raises its error
-        return torch.tensor(self.buckets.reached(), dtype=torch.float64)
+        return used_params(self.params, self.buckets.taken())
 
     def _reduce(self, context: StepContext, computed: Computed, pack: Pack,
                 comm_start: float) -> Reduced:
@@ -420,17 +429,8 @@ class ShardedReducer(BucketReducer):
         Raises:
             CollectiveError: they did not fit even then (`take_part`).
         """
-        for attempt in range(2):
-            failed = False
-            try:
-                self.buckets.materialise()
-                return vote
-            except Exception as e:
-                if not is_allocation_failure(e):
-                    raise
-                failed = True  # retried below: out of this block, its frames released
-            if failed and attempt == 0:
-                release_cached_memory(self.host.device)
+        if fits(self.host.device, self.buckets.materialise)[0]:
+            return vote
         logger.warning("rank %d: out of memory for the gradient buckets of step %d; the step "
                        "is voted down as out of memory", context.rank, context.step)
         take_part(self.host, context, self.buckets.materialise)

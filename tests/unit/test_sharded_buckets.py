@@ -76,7 +76,7 @@ def test_a_rank_keeps_its_share_of_the_sums_and_frees_the_rest_as_it_goes():
     buckets.arm(True)
     model(x).sum().backward()
     assert all(p.grad is None for p in params)  # each freed once in its bucket
-    assert buckets.reached() == [True] * len(params)
+    assert buckets.taken() == {id(p) for p in params}  # each taken, so reached
     buckets.materialise()
     buckets.finish(meta)
     buckets.wait()
@@ -108,8 +108,10 @@ def test_a_parameter_the_backward_did_not_reach_is_summed_as_zeros_and_reported(
     for layer in list(model)[1:]:  # the first layer is not called
         h = layer(h)
     h.sum().backward()
-    reached = buckets.reached()
-    assert reached[:2] == [False, False] and all(reached[2:])
+    from elastic.trainer.reducers import used_params
+
+    reached = used_params(params, buckets.taken()).tolist()
+    assert reached[:2] == [0.0, 0.0] and all(reached[2:])
     buckets.materialise()  # the first layer's bucket had no hook: allocated here
     buckets.finish(meta)
     buckets.wait()

@@ -436,14 +436,27 @@ def test_stage_2_refuses_exact_mode_and_one_buffer_after_the_backward_pass():
     FitConfig(**config(), collective=CollectiveConfig(overlap=True))
 
 
+def _fresh(tmp_path, config: FitConfig, names: str) -> dict[str, Replica]:
+    """A fresh replica per name in `names`."""
+    replicas = {}
+    for name in names:
+        with _building:
+            replicas[name] = Replica(_job(), config, str(tmp_path))
+    return replicas
+
+
+def _assert_plain(replica: Replica, steps: int) -> None:
+    """`replica` holds `steps` committed steps and the plain loop's weights after them."""
+    assert replica.restorable_step == steps
+    final = replica.model.state_dict()
+    for key, value in _reference(_adamw, steps).items():
+        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_leaver_with_the_only_copy_of_its_parts_hands_them_over_before_it_goes(tmp_path, stage):
-    config = _config(tmp_path, stage=stage, replicas=1)
-    replicas = {}
-    for name in "abc":
-        with _building:
-            replicas[name] = Replica(_job(), config, str(tmp_path))
+    replicas = _fresh(tmp_path, _config(tmp_path, stage=stage, replicas=1), "abc")
     server = RendezvousServer()
     try:
         _generation(server, replicas, list("abc"), 2)
@@ -458,10 +471,7 @@ def test_a_leaver_with_the_only_copy_of_its_parts_hands_them_over_before_it_goes
         server.close()
         for replica in replicas.values():
             replica.close()
-    assert replicas["a"].restorable_step == 4
-    final = replicas["a"].model.state_dict()
-    for key, value in _reference(_adamw, 4).items():
-        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    _assert_plain(replicas["a"], 4)
 
 
 def _adafactor(model):
@@ -485,11 +495,7 @@ def test_an_optimizer_with_factored_per_tensor_state_works_sharded(tmp_path, sta
 def test_parts_received_in_a_failed_hand_over_are_kept_and_claimed(tmp_path, monkeypatch):
     from elastic.trainer import sharding as sharding_module
 
-    config = _config(tmp_path, stage=1, replicas=1)
-    replicas = {}
-    for name in "abc":
-        with _building:
-            replicas[name] = Replica(_job(), config, str(tmp_path))
+    replicas = _fresh(tmp_path, _config(tmp_path, stage=1, replicas=1), "abc")
     server = RendezvousServer()
     try:
         _generation(server, replicas, list("abc"), 2)
@@ -510,7 +516,4 @@ def test_parts_received_in_a_failed_hand_over_are_kept_and_claimed(tmp_path, mon
         server.close()
         for replica in replicas.values():
             replica.close()
-    assert replicas["a"].restorable_step == 4
-    final = replicas["a"].model.state_dict()
-    for key, value in _reference(_adamw, 4).items():
-        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    _assert_plain(replicas["a"], 4)
