@@ -138,7 +138,8 @@ def _piece(host: ComputeHost, context: StepContext, index: int, start: int, leng
     batch = load(host, context.step, seed, context.indices[start : start + length])
     loading_s = time.perf_counter() - loading
     host.faults.enter("forward")
-    host.faults.fire(context.chaos, "forward")
+    if index == 0:  # a step's faults fire once (a second SIGTERM would end a preempted worker)
+        host.faults.fire(context.chaos, "forward")
     host.buffers.before_piece(piece)
     loss, items, form = _forward(host, batch, length / context.plan.global_batch_size, form,
                                       metrics, length)
@@ -146,7 +147,8 @@ def _piece(host: ComputeHost, context: StepContext, index: int, start: int, leng
     host.buffers.after_piece(piece)
     host.reducer.after_forward(loss, items, form)
     host.faults.enter("backward")
-    host.faults.fire(context.chaos, "backward")
+    if index == 0:
+        host.faults.fire(context.chaos, "backward")
     host.reducer.arm(last)
     (loss * context.scale if context.scale != 1.0 else loss).backward()
     value = float(loss.detach())
