@@ -26,7 +26,8 @@ What a child cannot redo, because Python or a library read it once before the fo
   asks for other settings at its start is started the ordinary way; one that asked Ray for two
   or more CPUs would train with one thread instead (no test does; tests/integration/
   test_zygote.py checks a worker's threads).
-Only torch (and what it imports) and pydantic are loaded before the fork; Ray and elastic are
+Only torch (and what it imports), torch._dynamo (which a worker's first optimizer imports: half
+of a short test run's start) and pydantic are loaded before the fork; Ray and elastic are
 imported by the child, after its environment is in place.
 
 What runs through here: the workers of the test session's cluster (`tests/ray_cluster.py`)
@@ -203,8 +204,11 @@ def serve(path: str) -> None:
     import ctypes
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the test process
-    import pydantic  # noqa: F401 - imported before the fork, as torch
-    import torch  # noqa: F401
+    # Imported before the fork: torch; what a worker's first optimizer imports
+    # (`torch.optim.Optimizer.__init__` imports torch._dynamo: 1.1-1.4 s of CPU per worker,
+    # half of a short test run's start; it starts no thread); pydantic.
+    import pydantic  # noqa: F401
+    import torch._dynamo  # noqa: F401
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
