@@ -32,9 +32,9 @@ imported by the child, after its environment is in place.
 
 What runs through here: the workers of the test session's cluster (`tests/ray_cluster.py`)
 and of the heads of `tests/head.py` (the README's commands, `ray job submit`). The clusters a
-test's subprocess starts by itself (the multi-node `Cluster`s of tests/fault/test_nodes.py,
+test's subprocess starts by itself (the node loss and join scenario of tests/fault/test_nodes.py,
 test_resume's local cluster) start their workers the ordinary way, so that path stays
-covered. `ELASTIC_TEST_ZYGOTE=0` turns this off.
+covered; the chaos scenario of test_nodes starts its own zygotes. `ELASTIC_TEST_ZYGOTE=0` turns this off.
 
 Protocol (one Unix stream connection per worker): the client sends a 4-byte length, a JSON
 request {argv, env, cwd, executable} and its fds 0, 1, 2 (SCM_RIGHTS); the server answers the

@@ -15,10 +15,13 @@ on the other nodes, so adding and removing nodes adds and removes workers:
 4. node C (2 CPUs) joins: the waiting replacements start there and join;
 5. node C is drained (Ray's drain call, reason preemption, a deadline): its workers leave at a
    step boundary as a planned departure, nobody counts as failed; the run is stopped.
+
+Scenario `chaos` (see `chaos`) starts its workers from test zygotes; `nodes` the ordinary way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import sys
@@ -31,6 +34,7 @@ from ray.cluster_utils import Cluster
 import elastic
 from elastic import BatchConfig, FitConfig, ScalingConfig
 from elastic.events import read_events, to_record
+from tests import zygote
 from tests.jobs import regression_job
 
 HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 200,
@@ -213,5 +217,22 @@ def _ended(name: str) -> bool:
     return elastic.status(name)["state"] in ("finished", "stopped", "failed")
 
 
+@contextlib.contextmanager
+def _warm_workers():
+    """The raylets started inside start their workers from zygotes (tests/zygote.py): the
+    chaos scenario's fourteen or so worker starts then cost a fork each instead of torch's
+    imports. The `nodes` scenario keeps Ray's ordinary start covered."""
+    servers, paths = zygote.start(tempfile.mkdtemp(prefix="elastic-zygote-"))
+    try:
+        with zygote.workers_from(paths):
+            yield
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+
+
 if __name__ == "__main__":
-    {"nodes": nodes, "chaos": chaos}[sys.argv[2]](sys.argv[1])
+    scenario = sys.argv[2]
+    with _warm_workers() if scenario == "chaos" else contextlib.nullcontext():
+        {"nodes": nodes, "chaos": chaos}[scenario](sys.argv[1])
