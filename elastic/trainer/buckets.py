@@ -230,17 +230,16 @@ class GradientBuckets:
             state = self._state
             if state is None:
                 return
-            if state.kept is not None and id(p) in state.copied:
-                # Its gradient was freed when its bucket took it: the rest would be lost.
-                raise RuntimeError(
-                    f"a parameter of shape {tuple(p.shape)} had its gradient accumulated twice "
-                    "in one backward pass (reentrant activation checkpointing calls backward "
-                    "once per segment), after its bucket took it, which sharding.stage 2 "
-                    "cannot sum; use torch.utils.checkpoint.checkpoint(..., "
-                    "use_reentrant=False), or sharding.stage=1")
             b, offset = self._where[id(p)]
+            if id(p) in state.copied:
+                # Accumulated again in this backward pass (reentrant activation checkpointing
+                # calls backward once per segment): the whole gradient replaces the part
+                # copied, unless that part is gone (stage 2 freed it) or on its way.
+                self._again(state, p, b)
             self._buffer(state, b)[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
             self._copied_on(state, b)
+            if id(p) in state.copied:
+                return
             state.copied.add(id(p))
             if state.kept is not None:
                 p.grad = None  # in its bucket now; the rank keeps its share of the sums only
@@ -248,6 +247,26 @@ class GradientBuckets:
             last = b == len(self.buckets) - 1
             if state.filled[b] == len(self.buckets[b].params) and not last:
                 self._release(state, b)
+
+    def _again(self, state: _StepState, p: torch.nn.Parameter, b: int) -> None:
+        """A second accumulation of `p`'s gradient in one backward pass, into bucket `b`:
+        refused where the first part can no longer be replaced by the whole.
+
+        Raises:
+            RuntimeError: stage 2 (the part copied was freed), or the bucket was already
+                handed to the communication thread (its sum would miss the rest).
+        """
+        where = (f"a parameter of shape {tuple(p.shape)} had its gradient accumulated twice in "
+                 "one backward pass (reentrant activation checkpointing calls backward once per "
+                 "segment)")
+        fix = "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+        if state.kept is not None:
+            raise RuntimeError(f"{where}, after its bucket took it, which sharding.stage 2 "
+                               f"cannot sum; {fix}, or sharding.stage=1")
+        if state.ready[b].is_set():
+            raise RuntimeError(f"{where}, after its bucket was sent to be summed; {fix}, or "
+                               "collective.overlap=False (the gradients are then summed after "
+                               "the backward pass)")
 
     def _copied_on(self, state: _StepState, b: int) -> None:
         """Notes the stream the calling thread copied into bucket `b` on (GPU only)."""

@@ -3,7 +3,9 @@ whose sum doubles each buffer (as two ranks with the same gradients would): each
 gradient is freed once its hook copied it, each bucket once it is summed (on a GPU, after the
 communication stream's work on it: fake streams here), the rank keeps the sums of its own
 parameters only, and every parameter's norm comes from the whole sum; a parameter the backward
-pass did not reach is filled with zeros and reported unreached."""
+pass did not reach is filled with zeros and reported unreached. And, at every stage, a gradient
+accumulated twice in one backward pass (reentrant checkpointing): summed whole while its bucket
+waits, refused once the bucket was sent."""
 
 from __future__ import annotations
 
@@ -217,6 +219,51 @@ def test_a_gradient_accumulated_twice_in_one_backward_is_refused_at_stage_2():
     torch.autograd.backward(out, inputs=[layer.weight])  # as a reentrant segment does
     with pytest.raises(RuntimeError, match="accumulated twice in one backward pass"):
         torch.autograd.backward(layer(torch.randn(2, 16)).sum(), inputs=[layer.weight])
+    buckets.abandon()
+
+
+def test_a_gradient_accumulated_twice_before_its_bucket_is_sent_is_summed_whole():
+    # Stages 0 and 1 keep each gradient: the whole one replaces the part copied first, and the
+    # bucket still waits for every one of its parameters (counting the second accumulation
+    # as another parameter would send it without the last one).
+    model = _model()
+    params = list(model.parameters())
+    buckets = GradientBuckets(params, bucket_bytes=1024, first_bucket_bytes=1024)
+    first = [id(p) for p in buckets.buckets[0].params]
+    assert first == [id(model[3].bias), id(model[3].weight), id(model[2].bias)]
+    meta = torch.zeros(3, dtype=torch.float64)
+    buckets.begin(Doubling(), meta_len=len(meta), vote_slot=0, nonfinite_vote=2.0)
+    buckets.arm(True)
+    head = model[3]
+    x, y = torch.randn(2, 16), torch.randn(2, 16)
+    torch.autograd.backward(head(x).sum(), inputs=[head.weight])  # as a reentrant segment
+    torch.autograd.backward(head(y).sum(), inputs=[head.weight])
+    torch.autograd.backward(head(x).sum(), inputs=[head.bias])
+    assert not buckets._state.ready[0].is_set()  # 2.bias is not in yet
+    torch.autograd.backward(model(x).sum(), inputs=[model[2].bias])
+    assert buckets._state.ready[0].is_set()
+    expected = [2 * p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    buckets.finish(meta)
+    buckets.wait()
+    buckets.assign_grads()
+    for p, want in zip(params, expected, strict=True):
+        assert torch.equal(p.grad, want)
+
+
+def test_a_gradient_accumulated_twice_after_its_bucket_was_sent_is_refused():
+    # Summing the first part only would train on a wrong gradient without a word.
+    model = _model()
+    params = list(model.parameters())
+    buckets = GradientBuckets(params, bucket_bytes=1024, first_bucket_bytes=1024)
+    assert len(buckets.buckets) >= 2
+    meta = torch.zeros(3, dtype=torch.float64)
+    buckets.begin(Doubling(), meta_len=len(meta), vote_slot=0, nonfinite_vote=2.0)
+    buckets.arm(True)
+    model(torch.randn(2, 16)).sum().backward()  # every bucket but the last is sent
+    last = model[3]  # its parameters come first in backward order: the first bucket
+    with pytest.raises(RuntimeError, match=r"after its bucket was sent to be summed.*"
+                                           r"use_reentrant=False.*collective\.overlap=False"):
+        torch.autograd.backward(last(torch.randn(2, 16)).sum(), inputs=[last.weight])
     buckets.abandon()
 
 
