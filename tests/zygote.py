@@ -15,6 +15,9 @@ What a child cannot redo, because Python or a library read it once before the fo
   variables) and the interpreter itself: a worker whose environment or executable differs from
   the zygote's is started the ordinary way (so `ray job submit --working-dir`, which reaches
   workers through `PYTHONPATH`, works as without zygotes).
+- What torch and torch._dynamo read from the environment as they are imported
+  (`TORCH_COMPILE_*`, `TORCHDYNAMO_*`, `TORCHINDUCTOR_*`): a child keeps the server's values,
+  which no test sets.
 - The string hash seed: children of one zygote share it, where ordinary workers each draw
   their own. Two zygotes, each with its own seed, take turns (a counter beside their sockets), so
   the ranks of a run do not all share one: code whose collective order follows a set's iteration

@@ -262,11 +262,17 @@ class GradientBuckets:
         fix = "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
         if state.kept is not None:
             raise RuntimeError(f"{where}, after its bucket took it, which sharding.stage 2 "
-                               f"cannot sum; {fix}, or sharding.stage=1")
+                               f"cannot sum; {fix}, or sharding.stage=1 with "
+                               "collective.overlap=False")
         if state.ready[b].is_set():
             raise RuntimeError(f"{where}, after its bucket was sent to be summed; {fix}, or "
                                "collective.overlap=False (the gradients are then summed after "
                                "the backward pass)")
+        if self._streams is not None:  # the whole gradient lands after the part, on any stream
+            current = self._streams.current()
+            for stream in state.streams[b].values():
+                if stream != current:
+                    self._streams.wait(self._streams.fence(stream))
 
     def _copied_on(self, state: _StepState, b: int) -> None:
         """Notes the stream the calling thread copied into bucket `b` on (GPU only)."""

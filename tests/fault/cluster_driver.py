@@ -234,5 +234,6 @@ def _warm_workers():
 
 if __name__ == "__main__":
     scenario = sys.argv[2]
-    with _warm_workers() if scenario == "chaos" else contextlib.nullcontext():
+    warm = scenario == "chaos" and zygote.enabled()  # ELASTIC_TEST_ZYGOTE=0: none
+    with _warm_workers() if warm else contextlib.nullcontext():
         {"nodes": nodes, "chaos": chaos}[scenario](sys.argv[1])

@@ -84,3 +84,32 @@ def test_each_bucket_is_reduced_after_the_fences_of_the_streams_that_filled_it()
     assert log.index(("wait", "user", comm_fence[2])) > reductions[-1]
     buckets.assign_grads()
     assert all(p.grad is not None for p in params)
+
+
+def test_a_gradient_accumulated_again_on_another_stream_lands_after_the_first_copy():
+    # Reentrant checkpointing can run the second accumulation on another stream: the whole
+    # gradient's copy must not race the part's copy into the same place.
+    class Named(FakeStreams):
+        def _name(self) -> str:
+            name = threading.current_thread().name
+            return "comm" if name.startswith("elastic-grad-comm") else name
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 1))
+    streams = Named()
+    buckets = GradientBuckets(list(model.parameters()), bucket_bytes=1 << 20,
+                              first_bucket_bytes=1 << 20, streams=streams)
+    meta = torch.zeros(4, dtype=torch.float64)
+    buckets.begin(Comm(streams.log, streams.lock), meta_len=len(meta), vote_slot=0,
+                  nonfinite_vote=2.0)
+    buckets.arm(True)
+    head = model[1]
+    side = threading.Thread(target=torch.autograd.backward, name="side",
+                            args=(head(torch.randn(2, 64)).sum(),), kwargs={"inputs": [head.weight]})
+    try:
+        side.start()
+        side.join()
+        torch.autograd.backward(head(torch.randn(2, 64)).sum(), inputs=[head.weight])
+        [fence] = [e[2] for e in streams.log if e[0] == "fence" and e[1] == "side"]
+        assert ("wait", threading.current_thread().name, fence) in streams.log
+    finally:
+        buckets.abandon()  # the communication thread ends whatever happened
