@@ -231,14 +231,15 @@ class GradientBuckets:
             if state is None:
                 return
             b, offset = self._where[id(p)]
-            if id(p) in state.copied:
+            again = id(p) in state.copied
+            if again:
                 # Accumulated again in this backward pass (reentrant activation checkpointing
                 # calls backward once per segment): the whole gradient replaces the part
                 # copied, unless that part is gone (stage 2 freed it) or on its way.
                 self._again(state, p, b)
             self._buffer(state, b)[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
             self._copied_on(state, b)
-            if id(p) in state.copied:
+            if again:
                 return
             state.copied.add(id(p))
             if state.kept is not None:
