@@ -330,6 +330,13 @@ class GradientBuckets:
         for event in state.ready:
             event.set()
 
+    def release(self) -> None:
+        """Frees the last step's buffers and disarms the hooks (the next generation sums
+        without buckets); `begin` starts afresh."""
+        self._armed = False
+        with self._lock:
+            self._state = None
+
     def wait(self) -> torch.Tensor:
         """Waits for every bucket's allreduce; returns the reduced metadata (float64).
 

@@ -53,14 +53,14 @@ class _Before:
     tracked: int
 
 
-def _read_counts(norms: list[tuple[str, _BatchNorm]]) -> list[int]:
-    """Every layer's `num_batches_tracked`, read in one copy from the device."""
-    if not norms:
+def _read_counts(counts: list[torch.Tensor]) -> list[int]:
+    """Every layer's `num_batches_tracked` (`counts`: each as a one-element view), read in
+    one copy from the device."""
+    if not counts:
         return []
-    counts = [m.num_batches_tracked.detach().reshape(()) for _, m in norms]
     if len({t.device for t in counts}) > 1:  # layers spread over devices: one read each
         return [int(t) for t in counts]
-    return torch.stack(counts).tolist()
+    return torch.cat(counts).tolist()
 
 
 class BufferSync:
@@ -85,8 +85,18 @@ class BufferSync:
         # device, they are handled as a whole (foreach and flat tensors: a few kernels per
         # step on a GPU, where one per layer would be hundreds).
         self._stat_tensors = [t for _, m in self.norms for t in (m.running_mean, m.running_var)]
-        self._whole = len({(t.device, t.dtype) for t in self._stat_tensors}) == 1
+        self._counts = [m.num_batches_tracked for _, m in self.norms]
+        self._count_views = [t.detach().reshape(1) for t in self._counts]
+        self._whole = (len({(t.device, t.dtype) for t in self._stat_tensors}) == 1
+                       and len({(t.device, t.dtype) for t in self._counts}) == 1
+                       and self._counts[0].device == self._stat_tensors[0].device)
         self._flat_sums: torch.Tensor | None = None
+        # As a whole: the statistics at `begin` (flat; `_before` holds views of it) and the
+        # layers' `num_batches_tracked` then (on their device).
+        self._stat_flat = [t.detach().reshape(-1) for t in self._stat_tensors]
+        self._flat_before: torch.Tensor | None = None
+        self._before_views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._tracked: torch.Tensor | None = None
         self._before: list[_Before] = []
         self._others_before: list[torch.Tensor] = []
         self._sums: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -113,28 +123,57 @@ class BufferSync:
     def begin(self, pieces: int) -> None:
         """Snapshot before a step of `pieces` forward passes over all ranks."""
         self._pieces = pieces
-        tracked = _read_counts(self.norms)  # one device-to-host read for every layer
-        self._before = [_Before(m.running_mean.detach().clone(), m.running_var.detach().clone(),
-                                n) for (_, m), n in zip(self.norms, tracked, strict=True)]
-        self._others_before = [b.detach().clone() for _, b in self.others]
+        tracked = _read_counts(self._count_views)  # one device-to-host read for every layer
         if self._whole:
-            self._flat_sums = torch.zeros(self._stats, dtype=torch.float64,
-                                          device=self._stat_tensors[0].device)
-            views = self._flat_sums.split([t.numel() for t in self._stat_tensors])
-            self._sums = [(views[2 * i].view_as(m.running_mean),
-                           views[2 * i + 1].view_as(m.running_var))
-                          for i, (_, m) in enumerate(self.norms)]
+            self._begin_whole(tracked)
         else:
+            self._before = [_Before(m.running_mean.detach().clone(),
+                                    m.running_var.detach().clone(), n)
+                            for (_, m), n in zip(self.norms, tracked, strict=True)]
             self._sums = [(torch.zeros_like(m.running_mean, dtype=torch.float64),
                            torch.zeros_like(m.running_var, dtype=torch.float64))
                           for _, m in self.norms]
+        self._others_before = [b.detach().clone() for _, b in self.others]
         self._ran = [False] * len(self.norms)
+
+    def _begin_whole(self, tracked: list[int]) -> None:
+        """`begin`'s snapshot with every statistic on one device and dtype: one copy into a
+        flat tensor and one zeroing of the flat sums (allocated at the first step and kept,
+        with their views per layer), not a copy and an allocation per layer."""
+        if self._flat_before is None or self._flat_sums is None:
+            first = self._stat_tensors[0]
+            sizes = [t.numel() for t in self._stat_tensors]
+            self._flat_before = torch.empty(self._stats, dtype=first.dtype, device=first.device)
+            self._flat_sums = torch.empty(self._stats, dtype=torch.float64, device=first.device)
+            before, sums = self._flat_before.split(sizes), self._flat_sums.split(sizes)
+            self._before_views = [(before[2 * i].view_as(m.running_mean),
+                                   before[2 * i + 1].view_as(m.running_var))
+                                  for i, (_, m) in enumerate(self.norms)]
+            self._sums = [(sums[2 * i].view_as(m.running_mean),
+                           sums[2 * i + 1].view_as(m.running_var))
+                          for i, (_, m) in enumerate(self.norms)]
+        torch.cat(self._stat_flat, out=self._flat_before)
+        self._flat_sums.zero_()
+        self._before = [_Before(mean, var, n)
+                        for (mean, var), n in zip(self._before_views, tracked, strict=True)]
+        self._tracked = torch.tensor(tracked, dtype=self._counts[0].dtype,
+                                     device=self._counts[0].device)
 
     def before_piece(self, k: int) -> None:
         """Before forward pass `k` (its place in the step's global order)."""
         with torch.no_grad():
             if self._stat_tensors:
                 torch._foreach_zero_(self._stat_tensors)
+            self._set_counts(k)
+
+    def _set_counts(self, k: int) -> None:
+        """Every layer's `num_batches_tracked` to its value at `begin` plus `k` (as a whole:
+        two kernels on a GPU, not one per layer)."""
+        with torch.no_grad():
+            if self._whole and self._tracked is not None:
+                values = self._tracked + k if k else self._tracked
+                torch._foreach_copy_(self._counts, list(values.unbind()))
+                return
             for (_, m), before in zip(self.norms, self._before, strict=True):
                 m.num_batches_tracked.fill_(before.tracked + k)
 
@@ -155,7 +194,7 @@ class BufferSync:
                         "must be the same bits for any split, and elastic can make that so for "
                         "BatchNorm running statistics only. Keep it as a plain attribute "
                         "(not a registered buffer), or set batch.exact=False")
-        counts = _read_counts(self.norms)
+        counts = _read_counts(self._count_views)
         weights: list[float | None] = []  # None: the layer did not run in training mode
         for i, ((name, m), before, count) in enumerate(
                 zip(self.norms, self._before, counts, strict=True)):
@@ -170,7 +209,7 @@ class BufferSync:
         if (exact is None and self._flat_sums is not None and weights
                 and len(set(weights)) == 1 and weights[0] is not None):
             # Every layer ran, with one weight: the same additions, as a whole.
-            stats = torch.cat([t.detach().reshape(-1) for t in self._stat_tensors])
+            stats = torch.cat(self._stat_flat)
             self._flat_sums.add_(stats.to(torch.float64), alpha=weights[0])
             return
         for i, ((_, m), (mean, var), weight) in enumerate(
@@ -254,16 +293,14 @@ class BufferSync:
     def _commit_whole(self, stats: torch.Tensor, keep: float) -> None:
         """`commit` of every layer at once (each ran, all with the same `keep`): the same
         arithmetic as layer by layer, on flat tensors."""
-        before = torch.cat([t for b in self._before for t in (b.mean.reshape(-1),
-                                                              b.var.reshape(-1))])
-        new = (before.to(torch.float64) * keep + stats).to(self._stat_tensors[0].dtype)
+        assert self._flat_before is not None
+        new = (self._flat_before.to(torch.float64) * keep + stats).to(self._stat_tensors[0].dtype)
         with torch.no_grad():
             torch._foreach_copy_(self._stat_tensors,
                                  [v.view_as(t) for v, t in zip(
                                      new.split([t.numel() for t in self._stat_tensors]),
                                      self._stat_tensors, strict=True)])
-            for (_, m), b in zip(self.norms, self._before, strict=True):
-                m.num_batches_tracked.fill_(b.tracked + self._pieces)
+        self._set_counts(self._pieces)
 
     def _after_commit(self, changed: bool, comm: Communicator, src: int) -> None:
         if changed and self.others:
@@ -290,8 +327,8 @@ class BufferSync:
             if self._before:
                 torch._foreach_copy_(self._stat_tensors,
                                      [t for b in self._before for t in (b.mean, b.var)])
-            for (_, m), before in zip(self.norms, self._before, strict=True):
-                m.num_batches_tracked.fill_(before.tracked)
+        if self._before:
+            self._set_counts(0)
 
     def rollback(self) -> None:
         """Every buffer as it was before the step (a step voted down or not applied)."""

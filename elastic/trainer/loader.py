@@ -52,7 +52,7 @@ import torch.multiprocessing  # registers the shared-memory reductions of tensor
 from torch.utils.data import default_collate
 
 __all__ = ["LoadError", "Piece", "Prefetcher", "generator_state", "load_piece",
-           "seed_generators", "set_generator_state"]
+           "seed_generators", "seed_torch", "set_generator_state"]
 
 # Requests a loader process holds unanswered (the one it reads and those queued behind it);
 # the rest of the wanted pieces wait in the worker, so a replan wastes at most these reads.
@@ -76,9 +76,21 @@ class Piece:
     indices: tuple[int, ...]
 
 
+def seed_torch(seed: int) -> None:
+    """`torch.manual_seed(seed)`: the CPU generator and every CUDA device's. In a process
+    without CUDA the CPU generator alone: there `torch.manual_seed` queues a lazy seed for
+    each accelerator torch was built for, formatting a stack trace for each (about 1 ms of
+    CPU per call, once per micro-batch)."""
+    if torch.cuda.is_available():
+        torch.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
+
+
 def seed_generators(seed: int) -> None:
-    """Seeds torch's (CPU and CUDA), Python's and NumPy's global generators with `seed`."""
-    torch.manual_seed(seed)
+    """Seeds torch's (CPU and CUDA: `seed_torch`), Python's and NumPy's global generators
+    with `seed`."""
+    seed_torch(seed)
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
 

@@ -121,6 +121,11 @@ class Reducer(Protocol):
         waiting for it."""
         ...
 
+    def release(self) -> None:
+        """Another reducer takes over from the next step (a generation of one rank, or of
+        several again): what this one kept from its last step (buffers) is freed."""
+        ...
+
 
 def make_reducer(host: StepHost, params: list[torch.nn.Parameter], overlap: bool,
                  bucket_bytes: int, first_bucket_bytes: int,
@@ -284,6 +289,48 @@ class _Hooks:
     def abandon(self) -> None:
         return
 
+    def release(self) -> None:
+        return
+
+
+class SoloReducer(_Hooks):
+    """A generation of one rank (stage 0 and 1, not exact mode): the sum of the gradients
+    over one rank is that rank's own, so they stay where the backward passes left them: no
+    buffer, no copy, no hook, no collective (DDP and the other reducers copy them all, which
+    on a GPU is a kernel per parameter). The loss and gradients are checked for finiteness
+    as the others check them, and the packed metadata is its own sum. The replica picks it
+    for a generation of one rank (`Replica._begin`)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+
+    def reduce(self, context: StepContext, computed: Computed, pack: Pack,
+               comm_start: float) -> Reduced:
+        vote = computed.vote
+        if vote == Vote.OK and not (math.isfinite(computed.loss_sum)
+                                    and grads_finite(self.params)):
+            vote = Vote.NONFINITE
+        meta = pack(computed.loss_sum, vote, computed.count)
+        return Reduced.unpack(meta, context, None, time.perf_counter() - comm_start)
+
+    def assign(self, reduced: Reduced) -> None:
+        return  # each gradient is its own sum
+
+
+def grads_finite(params: list[torch.nn.Parameter]) -> bool:
+    """Whether every element of every gradient is finite: each gradient's largest absolute
+    value (which, unlike a sum, cannot overflow), a few fused kernels per device and dtype,
+    and one read."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    if not groups:
+        return True
+    peaks = [torch.stack(torch._foreach_norm(grads, ord=math.inf)).to(torch.float32).max()
+             .reshape(1) for grads in groups.values()]
+    return bool(torch.isfinite(torch.cat([t.cpu() for t in peaks])).all())
+
 
 class FlatReducer(_Hooks):
     """One buffer per dtype after the backward pass, each summed in one allreduce."""
@@ -372,6 +419,9 @@ class BucketReducer(_Hooks):
 
     def abandon(self) -> None:
         self.buckets.abandon()
+
+    def release(self) -> None:
+        self.buckets.release()
 
     def reduce(self, context: StepContext, computed: Computed, pack: Pack,
                comm_start: float) -> Reduced:

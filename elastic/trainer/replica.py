@@ -53,7 +53,8 @@ from elastic.trainer.device import (
 from elastic.trainer.exact import ExactSum, make_deterministic
 from elastic.trainer.faults import FaultInjector, Progress, chaos_kill
 from elastic.trainer.outcomes import NonFinite, OutOfMemory, StepRecord, UserFailure
-from elastic.trainer.reducers import Reducer, left_collectives, make_reducer, with_metric_names
+from elastic.trainer.reducers import (Reducer, SoloReducer, left_collectives, make_reducer,
+                                      with_metric_names)
 from elastic.trainer.sharding import OptimizerShards, check_shardable, sync_sharded
 from elastic.trainer.state import (
     committed_state,
@@ -138,18 +139,26 @@ class Replica:
         # is packed; the worker actor sets it per chunk).
         self.yielding: Callable[[], bool] = lambda: False
         self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._modules = list(self.model.modules())
         self.shards = self._shards()
         self.buffers = BufferSync(self.model)
         collective = config.collective
         self._loss_slot = len(self._params)  # exact mode's slot of the loss
         self.exact = self._exact_sums() if config.batch.exact else None
         # How the gradients are summed: exact sums, buckets that overlap the backward pass,
-        # or flat buffers after it (`elastic.trainer.reducers`), chosen once.
+        # or flat buffers after it (`elastic.trainer.reducers`), chosen once for generations
+        # of several ranks.
         self.reducer: Reducer = make_reducer(
             self, self._params, collective.overlap_enabled, collective.bucket_bytes,
             collective.first_bucket_bytes, self.exact, self._loss_slot,
             keep=self._kept_grads(), norms=config.training.clip_grad_norm is not None
             or config.training.clip_grad_value is not None)
+        self._several = self.reducer
+        # A generation of one rank leaves the gradients where they are (none at stage 2,
+        # whose reducer keeps the rank's share of each sum, nor in exact mode, whose integer
+        # sums make the bits independent of the world size).
+        self._solo = (SoloReducer(self._params) if self.exact is None
+                      and self._kept_grads() is None else None)
         # Last: nothing above may fail after loader processes exist.
         self.prefetcher = start_loaders(job, config.data, data.rng_state, data.built_in)
 
@@ -263,7 +272,7 @@ class Replica:
         """Shared memory to ask the communicator to lend for the flat gradient buffers
         (`Communicator(shared_bytes=...)`; `FlatReducer.registered_bytes`): 0 when the step
         reduces no flat host buffers (buckets, exact mode, or gradients on a GPU)."""
-        return self.reducer.registered_bytes()
+        return self._several.registered_bytes()
 
     def _comm(self) -> Communicator:
         assert self.comm is not None, "replica has no communicator; connect first"
@@ -344,6 +353,10 @@ class Replica:
         comm = self._comm()
         rank = comm.rank
         step = self.global_step
+        reducer = self._solo if comm.world_size == 1 and self._solo is not None else self._several
+        if reducer is not self.reducer:  # a generation of one rank, or of several again
+            self.reducer.release()
+            self.reducer = reducer
         started = time.perf_counter()
         wall_start = time.time()
         self.progress.step = step
@@ -361,7 +374,8 @@ class Replica:
         self.buffers.begin(context.pieces)
         self.faults.arm_slow(chaos, step)
         self.drop_grads()
-        self.model.train()
+        if not all(m.training for m in self._modules):  # model.train() costs ~7 us a module
+            self.model.train()
         return context
 
     def _compute(self, context: StepContext) -> Computed:

@@ -56,6 +56,9 @@ def _replica(job: TrainJob, config: FitConfig, tmp_path, device: torch.device,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     replica = Replica(job, config, str(tmp_path), device)
+    # The reducer of several ranks (flat buffers or buckets, on the device), not the one a
+    # real generation of one rank takes (`SoloReducer`, which `fit` at one worker runs).
+    replica._solo = None
     replica.comm = comm if comm is not None else PlaneCheck(cuda=device.type == "cuda")
     return replica
 

@@ -124,7 +124,7 @@ def test_a_jobs_move_batch_replaces_the_default_and_runs_on_cpu_workers_too(tmp_
     job = TrainJob(model=make_model, optimizer=make_optimizer, loss=_keyed_loss,
                    dataset=make_dataset, move_batch=keyed)
     replica = Replica(job, _config(tmp_path, 1, overlap=False), str(tmp_path))
-    replica.comm = _SingleRank()
+    replica.comm = _several(replica)
     outcome = replica.run_step(BatchPlan(B, (B,), (8,)), [])
     assert isinstance(outcome, StepRecord)
     assert seen == [torch.device("cpu")] * 2  # once per micro-batch
@@ -229,6 +229,14 @@ class _SingleRank:
         self.aborted = True
 
 
+def _several(replica: Replica) -> _SingleRank:
+    """A one-rank communicator for `replica`, which sums through its reducer of several ranks
+    (flat buffers or buckets, what these tests are about) instead of leaving the gradients
+    where they are, as a real generation of one rank does (`SoloReducer`)."""
+    replica._solo = None
+    return _SingleRank()
+
+
 def _config(tmp_path, world: int, overlap: bool) -> FitConfig:
     return FitConfig(
         scaling=ScalingConfig(num_workers=world, min_workers=1),
@@ -302,7 +310,7 @@ def test_a_rank_out_of_memory_even_with_its_gradients_freed_leaves_the_generatio
     local = _out_of_memory_once(monkeypatch, overlap, rank=0, times=2 if overlap else 3)
     local.rank = 0
     replica = Replica(regression_job(), _config(tmp_path, 1, overlap), str(tmp_path))
-    replica.comm = comm = _SingleRank()
+    replica.comm = comm = _several(replica)
     with pytest.raises(CollectiveError) as raised:
         replica.run_step(BatchPlan(B, (B,), (8,)), [])
     assert is_out_of_memory(raised.value)  # the worker reports it as out of memory
@@ -312,7 +320,7 @@ def test_a_rank_out_of_memory_even_with_its_gradients_freed_leaves_the_generatio
 
 def test_a_step_on_two_planes_keeps_the_metadata_off_the_gradient_buffers(tmp_path):
     replica = Replica(regression_job(), _config(tmp_path, 1, overlap=False), str(tmp_path))
-    replica.comm = _SingleRank()
+    replica.comm = _several(replica)
     records = [replica.run_step(BatchPlan(B, (B,), (8,)), []) for _ in range(3)]
     assert all(isinstance(r, StepRecord) for r in records)
     assert len(records[0].indices) == B  # the ledger came back through the control plane
@@ -364,7 +372,7 @@ def test_a_cpu_replica_trains_on_batches_that_no_default_move_could_rebuild(tmp_
     job = TrainJob(model=make_model, optimizer=make_optimizer, loss=_span_loss,
                    dataset=make_dataset, collate_fn=_span_collate)
     replica = Replica(job, _config(tmp_path, 1, overlap=False), str(tmp_path))
-    replica.comm = _SingleRank()
+    replica.comm = _several(replica)
     records = [replica.run_step(BatchPlan(B, (B,), (8,)), []) for _ in range(2)]
     assert all(isinstance(r, StepRecord) for r in records)
     torch.testing.assert_close(replica.model.state_dict(), reference_weights(0, B, 2),
@@ -495,7 +503,7 @@ def test_the_cpu_allocators_error_in_the_step_is_an_out_of_memory_vote(tmp_path)
     job = TrainJob(model=make_model, optimizer=make_optimizer, loss=_cpu_allocator_fails,
                    dataset=make_dataset)
     replica = Replica(job, _config(tmp_path, 1, overlap=False), str(tmp_path))
-    replica.comm = _SingleRank()
+    replica.comm = _several(replica)
     assert replica.run_step(BatchPlan(B, (B,), (8,)), []) == OutOfMemory(step=0, ranks=(0,))
 
 
@@ -528,7 +536,7 @@ def test_the_cache_is_released_once_the_failed_forward_passes_tensors_are_gone(t
 
     job = TrainJob(model=make_model, optimizer=make_optimizer, loss=loss, dataset=make_dataset)
     replica = Replica(job, _config(tmp_path, 1, overlap=False), str(tmp_path))
-    replica.comm = _SingleRank()
+    replica.comm = _several(replica)
     assert replica.run_step(BatchPlan(B, (B,), (8,)), []) == OutOfMemory(step=0, ranks=(0,))
     assert watch.alive_at_release and not any(watch.alive_at_release)
 
@@ -547,7 +555,7 @@ def test_the_flat_buffers_are_allocated_again_once_the_failed_attempts_tensors_a
 
     monkeypatch.setattr(reducers_module, "flatten_grads", flatten)
     replica = Replica(regression_job(), _config(tmp_path, 1, overlap=False), str(tmp_path))
-    replica.comm = _SingleRank()
+    replica.comm = _several(replica)
     outcome = replica.run_step(BatchPlan(B, (B,), (8,)), [])
     assert watch.alive_at_release == [False]  # released once, out of the except block
     assert isinstance(outcome, StepRecord)  # the second attempt fits: the step commits
@@ -585,7 +593,7 @@ def test_buckets_that_cannot_be_begun_even_after_an_error_leave_the_generation(t
     local = _out_of_memory_once(monkeypatch, True, rank=0, times=2, error=ValueError)
     local.rank = 0
     replica = Replica(regression_job(), _config(tmp_path, 1, overlap=True), str(tmp_path))
-    replica.comm = comm = _SingleRank()
+    replica.comm = comm = _several(replica)
     with pytest.raises(CollectiveError, match="could not allocate") as raised:
         replica.run_step(BatchPlan(B, (B,), (8,)), [])
     assert isinstance(raised.value.__cause__, ValueError) and not is_out_of_memory(raised.value)
@@ -648,7 +656,7 @@ def test_a_single_worker_half_updated_by_out_of_memory_offers_no_state(tmp_path)
     this replica's state as step 1's (it would train on from half-updated weights): it offers
     none, and neither a checkpoint nor a peer can be written from it."""
     replica = Replica(regression_job(), _config(tmp_path, 1, False), str(tmp_path))
-    replica.comm = comm = _SingleRank()
+    replica.comm = comm = _several(replica)
     plan = BatchPlan(B, (B,), (8,))
     assert isinstance(replica.run_step(plan, []), StepRecord)
     before = [p.detach().clone() for p in replica.model.parameters()]
@@ -673,7 +681,7 @@ def test_a_single_worker_half_updated_by_out_of_memory_offers_no_state(tmp_path)
 def test_out_of_memory_before_the_optimizer_step_leaves_the_committed_state_offered(tmp_path):
     # Clipping ran out of memory: the model was not touched, the replica still holds step 1.
     replica = Replica(regression_job(), _config(tmp_path, 1, False), str(tmp_path))
-    replica.comm = _SingleRank()
+    replica.comm = _several(replica)
     plan = BatchPlan(B, (B,), (8,))
     assert isinstance(replica.run_step(plan, []), StepRecord)
     before = {k: v.clone() for k, v in replica.model.state_dict().items()}
@@ -701,7 +709,7 @@ def test_a_sparse_gradient_is_an_error_of_the_ranks_user_code(tmp_path):
 
     job = dataclasses.replace(regression_job(), model=Sparse)
     replica = Replica(job, _config(tmp_path, 1, False), str(tmp_path))
-    replica.comm = _SingleRank()
+    replica.comm = _several(replica)
     outcome = replica.run_step(BatchPlan(B, (B,), (8,)), [])
     assert isinstance(outcome, UserFailure)
     assert "the backward pass left a sparse gradient" in outcome.traceback

@@ -1,0 +1,233 @@
+"""A generation of one rank (`SoloReducer`): its gradients stay where the backward passes left
+them, nothing crosses either plane, the weights are those of the reducers of several ranks
+and of a plain loop; the replica switches reducers as the world size changes; and the step's
+own work beside the model's does not grow with the number of layers (on a GPU each tensor
+operation is a kernel launch: work per layer is what made a ResNet-50 step CPU-bound)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from elastic import BatchConfig, FitConfig, ScalingConfig, TrainJob
+from elastic.adapt.plan import BatchPlan
+from elastic.collective import RendezvousServer
+from elastic.config import CollectiveConfig
+from elastic.trainer.reducers import SoloReducer, grads_finite
+from elastic.trainer.replica import NonFinite, Replica, StepRecord
+from tests.gpu.planes import PlaneCheck
+from tests.jobs import reference_weights, regression_job
+from tests.threads import run_ranks
+
+B = 16
+
+
+def _config(tmp_path, overlap: bool, world: int = 1, **batch) -> FitConfig:
+    return FitConfig(
+        scaling=ScalingConfig(num_workers=world, min_workers=1),
+        collective=CollectiveConfig(overlap=overlap, bucket_bytes=1024, first_bucket_bytes=1024),
+        batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False, **batch),
+        run_dir=str(tmp_path), max_steps=8, ledger=True)
+
+
+def _run(replica: Replica, steps: int, plan: BatchPlan) -> list:
+    try:
+        return [replica.run_step(plan, []) for _ in range(steps)]
+    finally:
+        replica.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["flat", "buckets"])
+def test_one_rank_sums_nothing_and_trains_as_the_reducers_of_several_ranks(tmp_path, overlap):
+    plan = BatchPlan(B, (B,), (8,))
+    solo = Replica(regression_job(), _config(tmp_path / "solo", overlap), str(tmp_path / "solo"))
+    solo.comm = alone = PlaneCheck(cuda=False)
+    several = Replica(regression_job(), _config(tmp_path / "several", overlap),
+                      str(tmp_path / "several"))
+    several._solo = None  # the reducer a generation of several ranks uses, at one rank
+    several.comm = PlaneCheck(cuda=False)
+    records = _run(solo, 4, plan)
+    assert all(isinstance(r, StepRecord) for r in records)
+    assert isinstance(solo.reducer, SoloReducer)
+    # Nothing was summed over either plane, and no bucket was ever begun.
+    assert alone.calls == [] and alone.control.calls == []
+    if overlap:
+        assert not solo._several.buckets.begun
+    assert [r.indices for r in records] == [r.indices for r in _run(several, 4, plan)]
+    for name, value in solo.model.state_dict().items():
+        assert torch.equal(value, several.model.state_dict()[name]), name
+    torch.testing.assert_close(solo.model.state_dict(), reference_weights(0, B, 4),
+                               rtol=1e-9, atol=1e-10)
+
+
+def test_one_rank_votes_a_step_with_a_gradient_that_is_not_finite_down(tmp_path):
+    replica = Replica(regression_job(), _config(tmp_path, True), str(tmp_path))
+    replica.comm = PlaneCheck(cuda=False)
+    first = replica.model[0].weight
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        return grad.clone().index_fill_(0, torch.tensor([0]), float("nan"))
+
+    handle = first.register_hook(poison)
+    before = {k: v.clone() for k, v in replica.model.state_dict().items()}
+    try:
+        outcome = replica.run_step(BatchPlan(B, (B,), (B,)), [])
+    finally:
+        handle.remove()
+        replica.close()
+    assert isinstance(outcome, NonFinite)
+    assert all(torch.equal(v, before[k]) for k, v in replica.model.state_dict().items())
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_finiteness_of_gradients_is_read_from_every_gradient(value, dtype):
+    params = [nn.Parameter(torch.zeros(3, dtype=dtype)), nn.Parameter(torch.zeros(2, 2)),
+              nn.Parameter(torch.zeros(1))]
+    params[0].grad = torch.full((3,), 6e4, dtype=dtype) if dtype != torch.bfloat16 else (
+        torch.full((3,), 3e38, dtype=dtype))  # large, finite: no sum or square may overflow
+    params[1].grad = torch.ones(2, 2)
+    assert grads_finite(params)  # params[2] has no gradient
+    params[1].grad[1, 0] = value
+    assert not grads_finite(params)
+
+
+def test_the_reducer_follows_the_world_size_of_each_generation(tmp_path):
+    """Two ranks, then rank 0 alone (its buckets freed), then two again from rank 0's state:
+    the weights of one plain process over the same global batches."""
+    config = _config(tmp_path, True, world=2)
+    pair, alone = BatchPlan(B, (9, 7), (5, 4)), BatchPlan(B, (B,), (8,))
+    building = threading.Lock()
+    replicas: dict[int, Replica] = {}
+
+    def body(comm):
+        with building:
+            replica = replicas.setdefault(comm.rank, Replica(regression_job(), config,
+                                                             str(tmp_path)))
+        replica.comm = comm
+        replica.sync_from(0)
+        assert isinstance(replica.run_step(pair, []), StepRecord)
+        assert not isinstance(replica.reducer, SoloReducer)
+        return replica
+
+    server = RendezvousServer()
+    try:
+        run_ranks(server, 2, body)
+        first = replicas[0]
+        assert first._several.buckets.begun
+        first.comm = PlaneCheck(cuda=False)
+        assert isinstance(first.run_step(alone, []), StepRecord)
+        assert isinstance(first.reducer, SoloReducer)
+        assert not first._several.buckets.begun  # its last buffers were freed
+        run_ranks(server, 2, body)
+    finally:
+        server.close()
+        for replica in replicas.values():
+            replica.close()
+    for replica in replicas.values():
+        assert replica.global_step == 3
+        torch.testing.assert_close(replica.model.state_dict(), reference_weights(0, B, 3),
+                                   rtol=1e-9, atol=1e-10)
+
+
+# --- the step's own work: a constant number of operations -----------------------------------
+
+# Operations that launch no kernel on a GPU: they make views or read a tensor's metadata.
+_VIEWS = {"view", "_unsafe_view", "slice", "select", "detach", "alias", "unbind", "split",
+          "split_with_sizes", "reshape", "_reshape_alias", "expand", "as_strided", "t",
+          "transpose", "permute", "squeeze", "unsqueeze", "lift_fresh"}
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the tensor operations run under it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def kernels(self) -> Counter[str]:
+        return Counter({k: n for k, n in self.counts.items() if k not in _VIEWS})
+
+
+def _deep(depth: int):
+    """A CNN of `depth` convolution + BatchNorm blocks, float32 (a ResNet's structure)."""
+
+    def make() -> nn.Module:
+        layers: list[nn.Module] = [nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()]
+        for _ in range(depth):
+            layers += [nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU()]
+        return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+    return make
+
+
+def _images():
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(64, 3, 6, 6, generator=g),
+                                          torch.randint(0, 3, (64,), generator=g))
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _ce(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _plain_step_ops(depth: int) -> Counter[str]:
+    """The operations of one step of a plain loop (the batch already collated)."""
+    torch.manual_seed(0)
+    model, data = _deep(depth)(), _images()
+    optimizer = _sgd(model.parameters())
+    x, y = data.tensors[0][:8], data.tensors[1][:8]
+
+    def step():
+        loss = _ce(model, (x, y))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    step()
+    with _Ops() as ops:
+        step()
+    return ops.kernels()
+
+
+def _replica_step_ops(tmp_path, depth: int, overlap: bool) -> Counter[str]:
+    job = TrainJob(model=_deep(depth), optimizer=_sgd, loss=_ce, dataset=_images)
+    config = FitConfig(scaling=ScalingConfig(num_workers=1),
+                       collective=CollectiveConfig(overlap=overlap),
+                       batch=BatchConfig(global_batch_size=8, autotune=False, rebalance=False),
+                       run_dir=str(tmp_path / f"{depth}-{overlap}"), max_steps=8)
+    replica = Replica(job, config, config.run_dir)
+    replica.comm = PlaneCheck(cuda=False)
+    plan = BatchPlan(8, (8,), (8,))
+    try:
+        replica.run_step(plan, [])
+        with _Ops() as ops:
+            assert isinstance(replica.run_step(plan, []), StepRecord)
+    finally:
+        replica.close()
+    return ops.kernels()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["flat", "buckets"])
+def test_one_ranks_step_adds_the_same_operations_to_a_model_of_any_depth(tmp_path, overlap):
+    extra = {depth: _replica_step_ops(tmp_path, depth, overlap) - _plain_step_ops(depth)
+             for depth in (2, 8)}
+    # The step's bookkeeping (data, BatchNorm statistics, finiteness, metadata) in a fixed
+    # number of operations, whatever the depth.
+    assert extra[2] == extra[8], (extra[2], extra[8])
+    assert sum(extra[8].values()) < 60, extra[8]
