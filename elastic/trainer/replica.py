@@ -53,8 +53,7 @@ from elastic.trainer.device import (
 from elastic.trainer.exact import ExactSum, make_deterministic
 from elastic.trainer.faults import FaultInjector, Progress, chaos_kill
 from elastic.trainer.outcomes import NonFinite, OutOfMemory, StepRecord, UserFailure
-from elastic.trainer.reducers import (Reducer, SoloReducer, left_collectives, make_reducer,
-                                      with_metric_names)
+from elastic.trainer.reducers import Reducer, SoloReducer, left_collectives, make_reducer, with_metric_names
 from elastic.trainer.sharding import OptimizerShards, check_shardable, sync_sharded
 from elastic.trainer.state import (
     committed_state,
