@@ -48,7 +48,8 @@ test-gpu: lint
 	$(BIN)/python scripts/junit_ran.py $(VENV)/gpu-tier.xml
 
 # The GPU checks in minutes on a GPU machine without network, with its own Python (the GPU
-# tier, 4 workers sharing the GPU through kills, throughput against plain PyTorch): see
+# tier, 4 workers sharing the GPU through kills, throughput and the step against plain
+# PyTorch, the data and allreduce benches on its CPUs; a summary table): see
 # scripts/gpu_check.sh. Ray and pydantic come from .gpu/bundle.tar.xz (make gpu-bundle, on a
 # machine with network) when that Python lacks them.
 gpu-check:

@@ -522,6 +522,50 @@ def bench_drift(
     save_json(json_path, {"workers": workers, "points": [asdict(p) for p in points]})
 
 
+@app.command("step")
+def bench_step(
+    depths: Annotated[str, typer.Option(
+        help="Convolution + BatchNorm blocks of the CNN, comma-separated.")] = "4,16,52",
+    device: Annotated[str, typer.Option(help="'cpu' or 'cuda'.")] = "cpu",
+    width: Annotated[int, typer.Option(help="Channels of each block.")] = 8,
+    batch: Annotated[int, typer.Option(help="Samples per step.")] = 8,
+    image_size: Annotated[int, typer.Option(help="Image side in pixels.")] = 8,
+    steps: Annotated[int, typer.Option(help="Steps timed per runner (after 5 warm-up).")] = 30,
+    json_path: Annotated[pathlib.Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Elastic's step at one worker against a plain PyTorch step in one process: time per
+    step and tensor operations per step (kernel launches on a GPU) as the model deepens."""
+    from dataclasses import asdict
+
+    import torch
+
+    from elastic.bench.step import run_step_bench
+
+    try:
+        levels = [int(s) for s in depths.split(",") if s.strip()]
+    except ValueError:
+        raise fail(f"--depths: whole numbers separated by commas, got {depths!r}") from None
+    if not levels or min(levels) < 0:
+        raise fail("--depths: at least one depth of 0 or more")
+    if min(width, batch, image_size, steps) < 1:
+        raise fail("--width, --batch, --image-size and --steps: 1 or more")
+    if device not in ("cpu", "cuda"):
+        raise fail(f"--device: 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise fail("--device cuda: torch sees no CUDA device here; use --device cpu")
+    rows = run_step_bench(levels, device, width, batch, image_size, steps)
+    table = Table(title=f"one step on {device}: elastic at one worker against plain PyTorch")
+    for column in ("blocks", "runner", "ms / step", "vs plain", "operations", "beyond plain"):
+        table.add_column(column, justify="left" if column == "runner" else "right")
+    for r in rows:
+        table.add_row(str(r.depth), r.runner, f"{r.ms_per_step:.2f}", f"{r.vs_plain:.2f}x",
+                      str(r.operations), str(r.beyond_plain))
+    console.print(table)
+    save_json(json_path, {"device": device, "width": width, "batch": batch,
+                          "image_size": image_size, "steps": steps,
+                          "rows": [asdict(r) for r in rows]})
+
+
 @app.command("memory")
 def bench_memory(
     model: Annotated[str, typer.Option(help="The model: 'gpt' (a 55M-parameter decoder).")] = "gpt",

@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
 # `make gpu-check`: the GPU checks on a machine with a GPU and no network, in minutes.
-#   1. the GPU tier (pytest -m gpu), failing if no GPU test ran;
-#   2. (inside the tier) fit with 4 workers sharing the GPU through two kills, against a plain
-#      single-process GPU reference; real NCCL at world size 1;
-#   3. throughput against a plain PyTorch loop (elastic bench gpu; GPU_CHECK_MODELS).
+#   tier        the GPU tier (pytest -m gpu), failing if no GPU test ran; inside it: fit with 4
+#               workers sharing the GPU through two kills against a plain single-process GPU
+#               reference, and real NCCL at world size 1 (2 with two GPUs);
+#   throughput  elastic against a plain PyTorch loop (elastic bench gpu; GPU_CHECK_MODELS,
+#               GPU_CHECK_SHARED workers sharing the GPU);
+#   step        elastic's step at one worker against a plain step on the GPU, time and kernel
+#               launches (elastic bench step --device cuda);
+#   data        on the machine's CPUs: loader processes against max(compute, data/k)
+#               (elastic bench data);
+#   allreduce   on the machine's CPUs: the allreduce of 4 ranks as 2 hosts
+#               (elastic bench allreduce --hosts 2).
+# GPU_CHECK_PARTS picks parts (default: all, in that order). Each part writes its log and
+# results into GPU_CHECK_OUT (default gpu-check-out) as it ends, and a line to parts.txt;
+# scripts/gpu_summary.py then prints the table and writes summary.json.
 # Ray and pydantic come from an offline bundle when Python lacks them: GPU_BUNDLE (default
 # .gpu/bundle.tar.xz, built on a machine with network by `make gpu-bundle`) is unpacked
-# into a private folder. Results go to GPU_CHECK_OUT (default gpu-check-out) as they come.
+# into a private folder.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${GPU_CHECK_OUT:-gpu-check-out}; mkdir -p "$OUT"
@@ -35,19 +45,30 @@ fi
   $PY -c "import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version())" 2>&1 | tail -1
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-status=0
+PARTS=${GPU_CHECK_PARTS:-tier,throughput,step,data,allreduce}
+ELASTIC=("$PY" -c "import sys; from cli.main import app; sys.argv[0] = 'elastic'; app()")
+: > "$OUT/parts.txt"
+# part NAME LIMIT_S COMMAND...: runs the command if NAME is in PARTS, its output in NAME.log.
+part() {
+  local name=$1 limit=$2 started rc; shift 2
+  case ",$PARTS," in *",$name,"*) ;; *) return 0 ;; esac
+  started=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
+  echo "$name $rc $(( $(date +%s) - started ))" >> "$OUT/parts.txt"
+  echo "$name rc=$rc"
+}
 if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
   timeout "${GPU_CHECK_PROFILE_S:-90}" $PY scripts/gpu_profile.py "$OUT" > "$OUT/profile.log" 2>&1
   echo "profile rc=$?"
 fi
-timeout "${GPU_CHECK_TIER_S:-300}" $PY -m pytest -m gpu tests/gpu -p no:cacheprovider -q -rA \
-  -o timeout=120 --junitxml="$OUT/tier.xml" > "$OUT/tier.log" 2>&1
-rc=$?
-$PY scripts/junit_ran.py "$OUT/tier.xml" > "$OUT/ran.txt" 2>&1; ran_rc=$?
-echo "tier rc=$rc, $(head -1 "$OUT/ran.txt")"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tier.log" | tail -15
-if [ "$rc" != 0 ] || [ "$ran_rc" != 0 ]; then status=1; fi
-timeout "${GPU_CHECK_BENCH_S:-300}" $PY -c "import sys; from elastic.bench.gpu import run; run(sys.argv[1], tuple(sys.argv[2].split(',')), int(sys.argv[3]))" \
-  "$OUT" "$MODELS" "${GPU_CHECK_SHARED:-4}" > "$OUT/bench.log" 2>&1
-rc=$?; echo "bench rc=$rc"; [ "$rc" = 0 ] || status=1
-$PY -m elastic.bench.gpu --table "$OUT/gpu_throughput.json" 2>&1 || true
-exit $status
+part tier "${GPU_CHECK_TIER_S:-300}" bash -c '"$0" -m pytest -m gpu tests/gpu -p no:cacheprovider -q -rA \
+  -o timeout=120 --junitxml="$1/tier.xml" && "$0" scripts/junit_ran.py "$1/tier.xml"' "$PY" "$OUT"
+part throughput "${GPU_CHECK_BENCH_S:-300}" "$PY" -c "import sys; from elastic.bench.gpu import run; run(sys.argv[1], tuple(sys.argv[2].split(',')), int(sys.argv[3]))" \
+  "$OUT" "$MODELS" "${GPU_CHECK_SHARED:-4}"
+part step "${GPU_CHECK_STEP_S:-90}" "${ELASTIC[@]}" bench step --device cuda --depths 16,52 \
+  --width 64 --batch 32 --image-size 32 --steps 30 --json "$OUT/step.json"
+part data "${GPU_CHECK_DATA_S:-150}" "${ELASTIC[@]}" bench data --workers 2 --loader-workers 2 \
+  --steps 30 --rounds 1 --json "$OUT/data.json"
+part allreduce "${GPU_CHECK_ALLREDUCE_S:-120}" "${ELASTIC[@]}" bench allreduce --world-size 4 \
+  --hosts 2 --sizes 1MB,16MB --json "$OUT/allreduce.json"
+$PY scripts/gpu_summary.py "$OUT"

@@ -52,6 +52,7 @@ TINY = {
     ("bench exact", "--workers"): "1,2",
     ("bench data", "--loader-workers"): "1",
     ("bench drift", "--steps"): "3",
+    ("bench step", "--depths"): "2,6",
     ("run images", "--max-steps"): "4",
     ("run images", "--loader-workers"): "1",
     ("run parquet_shards", "--epochs"): "1",
@@ -67,6 +68,7 @@ EXTRA = {
     "bench exact": ["--steps", "8", "--batch", "64"],
     "demo": ["--workers", "2", "--epochs", "2"],
     "bench data": ["--steps", "9", "--batch", "16", "--image-size", "24", "--rounds", "1"],
+    "bench step": ["--steps", "3"],
     "run lightning_mnist_like": ["--max-steps", "12"],  # its max_epochs=3 is 69 steps
     "run hf_text_classification": ["--max-steps", "8"],  # its 3 epochs are 96 steps
 }
@@ -127,7 +129,7 @@ def test_every_readme_command_has_a_smoke_entry_that_keeps_its_flags(tmp_path):
              "report",
              "bench allreduce", "bench recovery", "bench checkpoint", "bench control", "bench adapt",
              "bench overhead", "bench scaling", "bench decisions", "bench exact", "bench data",
-             "bench drift",
+             "bench drift", "bench step",
              "run images", "run parquet_shards", "run classifier", "run lightning_mnist_like",
              "run hf_text_classification"}
     for line in readme_commands():
@@ -246,6 +248,13 @@ def _check(kind: str, output: str, out: pathlib.Path) -> None:
             assert [p["steps"] for p in data["points"]] == [3] and data["workers"] == 2
             # Float32 summation order after a few steps: last bits, not lost samples.
             assert all(0 <= p["max_weight_difference"] < 1e-4 for p in data["points"])
+        case "bench step":
+            rows = data["rows"]
+            assert [(r["depth"], r["runner"]) for r in rows] == [
+                (d, runner) for d in (2, 6) for runner in ("plain PyTorch", "elastic, 1 worker")]
+            # The step's own operations do not grow with the model's depth.
+            assert rows[1]["beyond_plain"] == rows[3]["beyond_plain"] > 0
+            assert all(r["ms_per_step"] > 0 for r in rows)
         case "bench exact":
             assert [(r["model"], r["workers"]) for r in data["rows"]] == [("mlp", 1), ("mlp", 2)]
             assert data["bit_identical"] == {"mlp": True}

@@ -3,6 +3,7 @@ nothing to check, and a GPU tier whose tests were all skipped counts as a failur
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -41,3 +42,56 @@ def test_the_gpu_check_says_it_needs_cuda_here(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 3, done.stdout + done.stderr
     assert "sees no CUDA device here" in done.stdout
+
+
+def _parts(folder, lines: str) -> None:
+    (folder / "parts.txt").write_text(lines)
+    (folder / "env.txt").write_text("NVIDIA H100 80GB HBM3, 81559 MiB, 580.00\n16\n")
+
+
+def _throughput(folder, elastic_rate: float) -> None:
+    (folder / "gpu_throughput.json").write_text(json.dumps({"device": "H100", "torch": "2.11",
+        "results": [{"model": "resnet50", "runner": "plain", "per_s": 1000.0},
+                    {"model": "resnet50", "runner": "elastic-1", "per_s": elastic_rate},
+                    {"model": "resnet50", "runner": "elastic-4", "per_s": 300.0}]}))
+
+
+def test_the_summary_reads_each_parts_results_and_fails_on_a_missed_target(tmp_path):
+    _parts(tmp_path, "tier 0 118\nthroughput 0 240\nstep 0 12\ndata 124 150\n")
+    (tmp_path / "tier.xml").write_text(
+        '<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="43" skipped="13" '
+        'failures="0" errors="0"></testsuite></testsuites>')
+    _throughput(tmp_path, 960.0)
+    (tmp_path / "step.json").write_text(json.dumps({"rows": [
+        {"runner": "plain PyTorch", "depth": 16, "vs_plain": 1.0, "beyond_plain": 0},
+        {"runner": "elastic, 1 worker", "depth": 16, "vs_plain": 0.97, "beyond_plain": 47},
+        {"runner": "plain PyTorch", "depth": 52, "vs_plain": 1.0, "beyond_plain": 0},
+        {"runner": "elastic, 1 worker", "depth": 52, "vs_plain": 0.96, "beyond_plain": 47}]}))
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_summary.py"),
+                           str(tmp_path)], capture_output=True, text=True, timeout=60)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = {r["part"]: r for r in summary["parts"]}
+    assert list(rows) == ["tier", "throughput", "step", "data"]  # in the order they ran
+    assert rows["tier"]["result"] == "30 passed, 0 failed, 13 skipped"
+    assert rows["tier"]["target_met"] and rows["throughput"]["target_met"]
+    assert "resnet50 elastic-1 0.96x" in rows["throughput"]["result"]
+    assert rows["step"]["target_met"] and rows["step"]["result"].endswith("beyond plain 47")
+    # The data part timed out (124) before writing its results: the check fails.
+    assert rows["data"] == {"part": "data", "rc": 124, "seconds": 150, "passed": False,
+                            "result": "no results written", "target_met": False}
+    assert summary["device"].startswith("NVIDIA H100") and not summary["passed"]
+    assert done.returncode == 1 and "MISSED  no results written" in done.stdout
+
+
+def test_a_throughput_below_its_target_fails_the_check_even_when_every_part_ran(tmp_path):
+    _parts(tmp_path, "throughput 0 240\n")
+    _throughput(tmp_path, 940.0)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_summary.py"),
+                           str(tmp_path)], capture_output=True, text=True, timeout=60)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["passed"] and not summary["targets_met"]
+    assert done.returncode == 1 and "resnet50 elastic-1 0.94x" in done.stdout
+    _throughput(tmp_path, 950.0)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_summary.py"),
+                           str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout
