@@ -190,11 +190,11 @@ def _training_options(
         "once (scaling.spares; on top of the world size).")] = None,
     gpu: Annotated[bool | None, typer.Option(
         "--gpu/--no-gpu", help="Give each worker a GPU (scaling.use_gpu): --backend nccl for "
-        "one GPU per worker, gloo to reduce over host memory. Default: the config file's, else "
-        "no GPU.")] = None,
+        "one GPU per worker (auto picks it when cupy is installed), gloo to reduce over host "
+        "memory. Default: the config file's, else no GPU.")] = None,
     gpus_per_worker: Annotated[float | None, typer.Option(
         help="GPUs per worker with --gpu (scaling.gpus_per_worker; 0.25: four workers share a "
-        "GPU, with --backend gloo).")] = None,
+        "GPU, reducing over host memory: backend gloo, which auto picks).")] = None,
     global_batch: Annotated[int | None, typer.Option(help="Samples per optimizer step.")] = None,
     max_micro_batch: Annotated[int | None, typer.Option(help="Micro-batch cap per worker.")] = None,
     batch_policy: Annotated[str | None, typer.Option(
@@ -205,7 +205,9 @@ def _training_options(
     seed: Annotated[int | None, typer.Option(help="Seed of the model and the sample order.")] = None,
     name: Annotated[str | None, typer.Option(help="Run name, for status/scale/kill/stop.")] = None,
     run_dir: Annotated[str | None, typer.Option(help="Where events and metrics go.")] = None,
-    backend: Annotated[str | None, typer.Option(help="gloo or nccl.")] = None,
+    backend: Annotated[str | None, typer.Option(
+        help="auto (nccl for GPU workers with a GPU each when cupy is installed, else gloo), "
+        "gloo or nccl.")] = None,
     algorithm: Annotated[str | None, typer.Option(
         help="auto (default), direct, hierarchical, ring, tree, halving_doubling, native.")] = None,
     loader_workers: Annotated[int | None, typer.Option(

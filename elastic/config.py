@@ -7,6 +7,7 @@ are read here only, from the named constants below.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -14,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Backend = Literal["gloo", "nccl"]
+Backend = Literal["auto", "gloo", "nccl"]
 Algorithm = Literal["auto", "direct", "hierarchical", "ring", "tree", "halving_doubling", "native"]
 ReduceOp = Literal["sum", "avg", "max"]
 
@@ -35,15 +36,33 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+def choose_backend(use_gpu: bool, gpus_per_worker: float,
+                   nccl: bool) -> Literal["gloo", "nccl"]:
+    """What `CollectiveConfig.backend='auto'` runs on: NCCL for GPU workers that own a GPU
+    each when it is installed (`nccl`); else the host plane: CPU workers, GPU workers that
+    share a GPU (NCCL refuses two ranks on one), or no cupy."""
+    return "nccl" if use_gpu and gpus_per_worker >= 1 and nccl else "gloo"
+
+
+def nccl_installed() -> bool:
+    """Whether cupy (which brings NCCL: the `gpu` or `gpu-cu13` extra) can be imported here,
+    without importing it."""
+    return importlib.util.find_spec("cupy") is not None
+
+
 class CollectiveConfig(_Frozen):
     """How the workers talk to each other."""
 
     backend: Backend = Field(
-        default="gloo",
-        description="Communication backend: 'gloo' (host memory: shared memory between the "
-        "ranks of a host, gloo between hosts; GPU workers copy their gradients into pinned host "
-        "memory and back, which lets several workers share one GPU) or 'nccl' (CUDA tensors, "
-        "one GPU per rank, needs the `gpu` extra for CUDA 12 or `gpu-cu13` for CUDA 13).",
+        default="auto",
+        description="Communication backend: 'auto' (the default: 'nccl' for GPU workers with a "
+        "GPU each when cupy is installed where the FitConfig is made, else 'gloo'; decided "
+        "once, as the FitConfig is validated, so that every worker uses the same), 'gloo' "
+        "(host memory: shared memory between the ranks of a host, gloo between hosts; GPU "
+        "workers copy their gradients into pinned host memory and back, which lets several "
+        "workers share one GPU) or 'nccl' (CUDA tensors, one GPU per rank, needs the `gpu` "
+        "extra for CUDA 12 or `gpu-cu13` for CUDA 13). A CollectiveConfig used on its own (a "
+        "communicator without a FitConfig) reads 'auto' as 'gloo'.",
     )
     algorithm: Algorithm = Field(
         default="auto",
@@ -760,6 +779,11 @@ class FitConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> FitConfig:
+        if self.collective.backend == "auto":  # decided here once, before the checks below
+            chosen = choose_backend(self.scaling.use_gpu, self.scaling.gpus_per_worker,
+                                    self.scaling.use_gpu and nccl_installed())
+            object.__setattr__(self, "collective",
+                               self.collective.model_copy(update={"backend": chosen}))
         if self.name in (".", ".."):
             raise ValueError(f"name {self.name!r} is not a run name: use letters, digits, _ . -")
         if self.epochs is None and self.max_steps is None:

@@ -467,7 +467,7 @@ def _make_transports(
     transport the gloo backend uses on its own; the registered buffers' region belongs to a
     CPU data plane only)."""
     match config.backend:
-        case "gloo":
+        case "gloo" | "auto":  # 'auto' outside a FitConfig, which resolves it: the host plane
             return _cpu_transport(config, rank, world_size, store, address, shared_bytes), None
         case "nccl":
             control = _cpu_transport(config, rank, world_size, store, address)

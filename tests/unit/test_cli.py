@@ -192,6 +192,7 @@ def test_the_option_surface_is_what_was_reviewed():
         "bench exact": ["batch", "json_path", "models", "rounds", "steps", "workers"],
         "bench gpu": ["models", "out_dir", "shared"],
         "bench drift": ["json_path", "steps", "workers"],
+        "bench step": ["batch", "depths", "device", "image_size", "json_path", "steps", "width"],
         "bench memory": ["json_path", "model", "replicas", "stages", "steps", "workers"],
         "bench data": ["batch", "image_size", "json_path", "loader_workers", "rounds", "steps",
                        "workers"],

@@ -3,14 +3,50 @@ from datetime import timedelta
 import pydantic
 import pytest
 
-from elastic.config import CollectiveConfig
+from elastic.config import BatchConfig, CollectiveConfig, FitConfig, ScalingConfig, choose_backend
 from elastic.errors import ConfigError
 
 
-def test_collective_config_defaults_are_gloo_auto():
+def test_collective_config_defaults_are_auto():
     config = CollectiveConfig()
-    assert config.backend == "gloo"
+    assert config.backend == "auto"  # a FitConfig decides it; a communicator reads it as gloo
     assert config.algorithm == "auto"
+
+
+@pytest.mark.parametrize(("use_gpu", "gpus", "nccl", "chosen"), [
+    (False, 1.0, True, "gloo"),   # CPU workers
+    (True, 1.0, True, "nccl"),    # a GPU each, NCCL installed
+    (True, 2.0, True, "nccl"),    # several GPUs each (the first used)
+    (True, 0.25, True, "gloo"),   # four workers share a GPU: NCCL refuses two ranks on one
+    (True, 1.0, False, "gloo"),   # no cupy: the host plane
+])
+def test_auto_picks_nccl_only_for_gpu_workers_that_own_a_gpu_and_have_it(use_gpu, gpus, nccl,
+                                                                          chosen):
+    assert choose_backend(use_gpu, gpus, nccl) == chosen
+
+
+def _fit(**scaling) -> FitConfig:
+    return FitConfig(scaling=ScalingConfig(num_workers=2, **scaling), max_steps=1,
+                     batch=BatchConfig(global_batch_size=8))
+
+
+def test_a_fit_config_decides_auto_once_and_keeps_an_explicit_backend(monkeypatch):
+    import elastic.config as module
+
+    monkeypatch.setattr(module, "nccl_installed", lambda: True)
+    config = _fit(use_gpu=True)
+    assert config.collective.backend == "nccl" and config.collective.overlap_enabled
+    shared = _fit(use_gpu=True, gpus_per_worker=0.5)
+    assert shared.collective.backend == "gloo" and not shared.collective.overlap_enabled
+    assert _fit().collective.backend == "gloo"  # CPU workers
+    dumped = config.model_dump(mode="json")
+    monkeypatch.setattr(module, "nccl_installed", lambda: False)
+    assert FitConfig.model_validate(dumped).collective.backend == "nccl"  # as it was decided
+    assert _fit(use_gpu=True).collective.backend == "gloo"
+    explicit = FitConfig(scaling=ScalingConfig(num_workers=2, use_gpu=True), max_steps=1,
+                         batch=BatchConfig(global_batch_size=8),
+                         collective=CollectiveConfig(backend="nccl"))
+    assert explicit.collective.backend == "nccl"
 
 
 @pytest.mark.parametrize(
