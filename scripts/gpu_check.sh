@@ -12,14 +12,17 @@
 #   allreduce   on the machine's CPUs: the allreduce of 4 ranks as 2 hosts
 #               (elastic bench allreduce --hosts 2).
 # GPU_CHECK_PARTS picks parts (default: all, in that order). Each part writes its log and
-# results into GPU_CHECK_OUT (default gpu-check-out) as it ends, and a line to parts.txt;
-# scripts/gpu_summary.py then prints the table and writes summary.json.
+# results into GPU_CHECK_OUT (default: $OUT, else gpu-check-out) as it ends, and a line to
+# parts.txt; scripts/gpu_summary.py then prints the table of every part in that folder and
+# writes summary.json. The parts' limits add up to 13 min; on a machine lent 10 min a call,
+# run it in two calls: GPU_CHECK_PARTS=tier,step then GPU_CHECK_PARTS=throughput,data,allreduce
+# (typical: 2 + 0.5, then 4 + 1.5 min).
 # Ray and pydantic come from an offline bundle when Python lacks them: GPU_BUNDLE (default
 # .gpu/bundle.tar.xz, built on a machine with network by `make gpu-bundle`) is unpacked
 # into a private folder.
 set -u
 cd "$(dirname "$0")/.."
-OUT=${GPU_CHECK_OUT:-gpu-check-out}; mkdir -p "$OUT"
+OUT=${GPU_CHECK_OUT:-${OUT:-gpu-check-out}}; mkdir -p "$OUT"  # OUT: the device machine's
 PY=${PY:-python3}
 MODELS=${GPU_CHECK_MODELS:-resnet50,gpt2}
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
@@ -45,30 +48,34 @@ fi
   $PY -c "import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version())" 2>&1 | tail -1
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-PARTS=${GPU_CHECK_PARTS:-tier,throughput,step,data,allreduce}
-ELASTIC=("$PY" -c "import sys; from cli.main import app; sys.argv[0] = 'elastic'; app()")
-: > "$OUT/parts.txt"
-# part NAME LIMIT_S COMMAND...: runs the command if NAME is in PARTS, its output in NAME.log.
+PARTS=${GPU_CHECK_PARTS:-tier,throughput,step,data,allreduce}; PARTS=${PARTS// /}
+ELASTIC=($PY -c "import sys; from cli.main import app; sys.argv[0] = 'elastic'; app()")
+touch "$OUT/parts.txt"
+# part NAME LIMIT_S RESULT COMMAND...: runs the command if NAME is in PARTS, its output in
+# NAME.log; its old RESULT file and parts.txt line go first (a part run again replaces them,
+# so that the check can run in several calls into one folder and one summary).
 part() {
-  local name=$1 limit=$2 started rc; shift 2
+  local name=$1 limit=$2 result=$3 started rc; shift 3
   case ",$PARTS," in *",$name,"*) ;; *) return 0 ;; esac
+  rm -f "$OUT/$result"; grep -v "^$name " "$OUT/parts.txt" > "$OUT/parts.tmp"; mv "$OUT/parts.tmp" "$OUT/parts.txt"
   started=$(date +%s)
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
   echo "$name $rc $(( $(date +%s) - started ))" >> "$OUT/parts.txt"
-  echo "$name rc=$rc"
+  echo "$name rc=$rc ($(( $(date +%s) - started )) s)"
+  [ "$rc" = 0 ] || tail -n 25 "$OUT/$name.log"
 }
 if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
   timeout "${GPU_CHECK_PROFILE_S:-90}" $PY scripts/gpu_profile.py "$OUT" > "$OUT/profile.log" 2>&1
   echo "profile rc=$?"
 fi
-part tier "${GPU_CHECK_TIER_S:-300}" bash -c '"$0" -m pytest -m gpu tests/gpu -p no:cacheprovider -q -rA \
-  -o timeout=120 --junitxml="$1/tier.xml" && "$0" scripts/junit_ran.py "$1/tier.xml"' "$PY" "$OUT"
-part throughput "${GPU_CHECK_BENCH_S:-300}" "$PY" -c "import sys; from elastic.bench.gpu import run; run(sys.argv[1], tuple(sys.argv[2].split(',')), int(sys.argv[3]))" \
+part tier "${GPU_CHECK_TIER_S:-240}" tier.xml bash -c '$0 -m pytest -m gpu tests/gpu -p no:cacheprovider -q -rA \
+  -o timeout=120 --junitxml="$1/tier.xml" && $0 scripts/junit_ran.py "$1/tier.xml"' "$PY" "$OUT"
+part throughput "${GPU_CHECK_BENCH_S:-270}" gpu_throughput.json $PY -c "import sys; from elastic.bench.gpu import run; run(sys.argv[1], tuple(sys.argv[2].split(',')), int(sys.argv[3]))" \
   "$OUT" "$MODELS" "${GPU_CHECK_SHARED:-4}"
-part step "${GPU_CHECK_STEP_S:-90}" "${ELASTIC[@]}" bench step --device cuda --depths 16,52 \
+part step "${GPU_CHECK_STEP_S:-60}" step.json "${ELASTIC[@]}" bench step --device cuda --depths 16,52 \
   --width 64 --batch 32 --image-size 32 --steps 30 --json "$OUT/step.json"
-part data "${GPU_CHECK_DATA_S:-150}" "${ELASTIC[@]}" bench data --workers 2 --loader-workers 2 \
+part data "${GPU_CHECK_DATA_S:-120}" data.json "${ELASTIC[@]}" bench data --workers 2 --loader-workers 2 \
   --steps 30 --rounds 1 --json "$OUT/data.json"
-part allreduce "${GPU_CHECK_ALLREDUCE_S:-120}" "${ELASTIC[@]}" bench allreduce --world-size 4 \
+part allreduce "${GPU_CHECK_ALLREDUCE_S:-90}" allreduce.json "${ELASTIC[@]}" bench allreduce --world-size 4 \
   --hosts 2 --sizes 1MB,16MB --json "$OUT/allreduce.json"
 $PY scripts/gpu_summary.py "$OUT"

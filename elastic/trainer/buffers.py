@@ -123,6 +123,7 @@ class BufferSync:
     def begin(self, pieces: int) -> None:
         """Snapshot before a step of `pieces` forward passes over all ranks."""
         self._pieces = pieces
+        self._refresh_views()
         tracked = _read_counts(self._count_views)  # one device-to-host read for every layer
         if self._whole:
             self._begin_whole(tracked)
@@ -135,6 +136,16 @@ class BufferSync:
                           for _, m in self.norms]
         self._others_before = [b.detach().clone() for _, b in self.others]
         self._ran = [False] * len(self.norms)
+
+    def _refresh_views(self) -> None:
+        """The flat views of the statistics and counters made again if a buffer's storage
+        was swapped (`bn.running_mean.data = ...`); a pointer comparison per tensor, no
+        kernel."""
+        if any(v.data_ptr() != t.data_ptr() for v, t in zip(
+                self._stat_flat + self._count_views, self._stat_tensors + self._counts,
+                strict=True)):
+            self._stat_flat = [t.detach().reshape(-1) for t in self._stat_tensors]
+            self._count_views = [t.detach().reshape(1) for t in self._counts]
 
     def _begin_whole(self, tracked: list[int]) -> None:
         """`begin`'s snapshot with every statistic on one device and dtype: one copy into a

@@ -77,14 +77,14 @@ class Piece:
 
 
 def seed_torch(seed: int) -> None:
-    """`torch.manual_seed(seed)`: the CPU generator and every CUDA device's. In a process
-    without CUDA the CPU generator alone: there `torch.manual_seed` queues a lazy seed for
-    each accelerator torch was built for, formatting a stack trace for each (about 1 ms of
-    CPU per call, once per micro-batch)."""
-    if torch.cuda.is_available():
-        torch.manual_seed(seed)
-    else:
-        torch.default_generator.manual_seed(seed)
+    """`torch.manual_seed(seed)`: the CPU generator and, once this process uses CUDA (a GPU
+    worker moved its model there when it was built), every CUDA device's. Before that the CPU
+    generator alone: `torch.manual_seed` would queue a lazy seed for each accelerator torch
+    was built for, formatting a stack trace for each (about 1 ms of CPU per call, once per
+    micro-batch), in CPU workers and loader processes that never use one."""
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
 
 
 def seed_generators(seed: int) -> None:

@@ -296,8 +296,8 @@ class _Hooks:
 class SoloReducer(_Hooks):
     """A generation of one rank (stage 0 and 1, not exact mode): the sum of the gradients
     over one rank is that rank's own, so they stay where the backward passes left them: no
-    buffer, no copy, no hook, no collective (DDP and the other reducers copy them all, which
-    on a GPU is a kernel per parameter). The loss and gradients are checked for finiteness
+    buffer, no copy, no collective (DDP and the other reducers copy them all, which on a GPU
+    is a kernel per parameter; the buckets' hooks stay registered, disarmed). The loss and gradients are checked for finiteness
     as the others check them, and the packed metadata is its own sum. The replica picks it
     for a generation of one rank (`Replica._begin`)."""
 
@@ -319,17 +319,15 @@ class SoloReducer(_Hooks):
 
 def grads_finite(params: list[torch.nn.Parameter]) -> bool:
     """Whether every element of every gradient is finite: each gradient's largest absolute
-    value (which, unlike a sum, cannot overflow), a few fused kernels per device and dtype,
-    and one read."""
+    value (which, unlike a sum, cannot overflow), in its own dtype, a few fused kernels per
+    device and dtype, and one read per device."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in params:
-        if p.grad is not None:
+        if p.grad is not None and p.grad.numel():  # an empty gradient has no peak
             groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    if not groups:
-        return True
-    peaks = [torch.stack(torch._foreach_norm(grads, ord=math.inf)).to(torch.float32).max()
-             .reshape(1) for grads in groups.values()]
-    return bool(torch.isfinite(torch.cat([t.cpu() for t in peaks])).all())
+    finite = [torch.isfinite(torch.stack(torch._foreach_norm(grads, ord=math.inf))).all()
+              .reshape(1) for grads in groups.values()]
+    return bool(torch.cat([t.cpu() for t in finite]).all()) if finite else True
 
 
 class FlatReducer(_Hooks):

@@ -139,6 +139,8 @@ class Replica:
         self.yielding: Callable[[], bool] = lambda: False
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._modules = list(self.model.modules())
+        # A module that overrides train() (to keep a BatchNorm frozen, say) is asked every step.
+        self._own_train = any(type(m).train is not torch.nn.Module.train for m in self._modules)
         self.shards = self._shards()
         self.buffers = BufferSync(self.model)
         collective = config.collective
@@ -373,8 +375,8 @@ class Replica:
         self.buffers.begin(context.pieces)
         self.faults.arm_slow(chaos, step)
         self.drop_grads()
-        if not all(m.training for m in self._modules):  # model.train() costs ~7 us a module
-            self.model.train()
+        if self._own_train or not all(m.training for m in self._modules):
+            self.model.train()  # ~7 us a module: skipped when it would change nothing
         return context
 
     def _compute(self, context: StepContext) -> Computed:

@@ -95,3 +95,16 @@ def test_a_throughput_below_its_target_fails_the_check_even_when_every_part_ran(
     done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_summary.py"),
                            str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout
+
+
+def test_a_throughput_part_cut_short_or_a_torn_file_misses_its_target(tmp_path):
+    _parts(tmp_path, "throughput 124 270\ntier 1 240\n")
+    (tmp_path / "gpu_throughput.json").write_text(json.dumps({"device": "H100", "torch": "2.11",
+        "results": [{"model": "resnet50", "runner": "plain", "per_s": 1000.0}]}))
+    (tmp_path / "tier.xml").write_text('<?xml version="1.0"?><testsuites><testsu')
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_summary.py"),
+                           str(tmp_path)], capture_output=True, text=True, timeout=60)
+    rows = {r["part"]: r for r in json.loads((tmp_path / "summary.json").read_text())["parts"]}
+    assert not rows["throughput"]["target_met"]  # no 1-worker row: not met
+    assert rows["tier"]["result"].startswith("unreadable results (ParseError")
+    assert done.returncode == 1

@@ -18,8 +18,10 @@ from elastic import BatchConfig, FitConfig, ScalingConfig, TrainJob
 from elastic.adapt.plan import BatchPlan
 from elastic.collective import RendezvousServer
 from elastic.config import CollectiveConfig
+from elastic.trainer.buffers import BufferSync
 from elastic.trainer.reducers import SoloReducer, grads_finite
 from elastic.trainer.replica import NonFinite, Replica, StepRecord
+from tests import fidelity
 from tests.gpu.planes import PlaneCheck
 from tests.jobs import reference_weights, regression_job
 from tests.threads import run_ranks
@@ -85,13 +87,15 @@ def test_one_rank_votes_a_step_with_a_gradient_that_is_not_finite_down(tmp_path)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_the_finiteness_of_gradients_is_read_from_every_gradient(value, dtype):
     params = [nn.Parameter(torch.zeros(3, dtype=dtype)), nn.Parameter(torch.zeros(2, 2)),
-              nn.Parameter(torch.zeros(1))]
-    params[0].grad = torch.full((3,), 6e4, dtype=dtype) if dtype != torch.bfloat16 else (
-        torch.full((3,), 3e38, dtype=dtype))  # large, finite: no sum or square may overflow
+              nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(0))]
+    largest = {torch.float16: 6e4, torch.bfloat16: 3e38, torch.float32: 3e38,
+               torch.float64: 1e300}[dtype]  # large, finite: no sum, square or cast may overflow
+    params[0].grad = torch.full((3,), largest, dtype=dtype)
     params[1].grad = torch.ones(2, 2)
+    params[3].grad = torch.zeros(0)  # an empty gradient has no largest value
     assert grads_finite(params)  # params[2] has no gradient
     params[1].grad[1, 0] = value
     assert not grads_finite(params)
@@ -231,3 +235,71 @@ def test_one_ranks_step_adds_the_same_operations_to_a_model_of_any_depth(tmp_pat
     # number of operations, whatever the depth.
     assert extra[2] == extra[8], (extra[2], extra[8])
     assert sum(extra[8].values()) < 60, extra[8]
+
+
+# --- what a plain loop would do, at one rank -------------------------------------------------
+
+
+@pytest.mark.parametrize("make_job", [fidelity.cnn_job, fidelity.lm_job, fidelity.unused_job],
+                         ids=["batchnorm", "loss-sum", "unused-parameters"])
+def test_one_rank_trains_as_a_plain_loop(tmp_path, make_job):
+    """BatchNorm statistics over two micro-batches, a `LossSum` (the count divides the
+    gradients), and a head that some micro-batches do not reach (AdamW must not step it)."""
+    config = FitConfig(scaling=ScalingConfig(num_workers=1), seed=3, max_steps=8,
+                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+                       run_dir=str(tmp_path))
+    replica = Replica(make_job(), config, str(tmp_path))
+    replica.comm = PlaneCheck(cuda=False)
+    records = _run(replica, 4, BatchPlan(B, (B,), (8,)))
+    assert all(isinstance(r, StepRecord) for r in records)
+    assert isinstance(replica.reducer, SoloReducer)
+    torch.testing.assert_close(replica.model.state_dict(),
+                               fidelity.reference(make_job(), 3, B, 8, 4))
+
+
+class _FrozenNorm(nn.Module):
+    """Keeps its BatchNorm in eval mode through train() (mmdet's norm_eval)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 4)
+        self.modes: list[bool] = []
+
+    def train(self, mode: bool = True) -> _FrozenNorm:
+        super().train(mode)
+        self.bn.eval()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.modes.append(self.bn.training)
+        return self.head(self.bn(self.conv(x)).mean((2, 3)))
+
+
+def test_a_model_that_overrides_train_is_asked_every_step(tmp_path):
+    job = TrainJob(model=_FrozenNorm, optimizer=fidelity.sgd, loss=fidelity.classify,
+                   dataset=fidelity.images)
+    config = FitConfig(scaling=ScalingConfig(num_workers=1), max_steps=8,
+                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+                       run_dir=str(tmp_path))
+    replica = Replica(job, config, str(tmp_path))
+    replica.comm = PlaneCheck(cuda=False)
+    stats = replica.model.bn.running_mean.clone()
+    assert all(isinstance(r, StepRecord) for r in _run(replica, 3, BatchPlan(B, (B,), (B,))))
+    assert replica.model.modes == [False] * 3  # frozen in every step's forward
+    assert torch.equal(replica.model.bn.running_mean, stats)
+
+
+def test_batchnorm_statistics_swapped_under_the_snapshot_are_read_where_they_now_are():
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    sync = BufferSync(model)
+    sync.begin(1)
+    sync.rollback()
+    model[1].running_mean.data = torch.full((4,), 7.0)  # new storage, same tensor object
+    model[1].num_batches_tracked.data = torch.tensor(5)
+    sync.begin(1)
+    sync.before_piece(0)
+    model(torch.randn(2, 3, 2, 2))
+    sync.rollback()  # back to the snapshot: the swapped values, not the old storage's
+    assert torch.equal(model[1].running_mean, torch.full((4,), 7.0))
+    assert int(model[1].num_batches_tracked) == 5
