@@ -141,8 +141,15 @@ class GradientBuckets:
             _CudaStreams() if device.type == "cuda" else None)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="elastic-grad-comm",
                                         initializer=bind_thread, initargs=(device,))
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._hook)
+        self._handles: list[object] = []
+        self._hooked()
+
+    def _hooked(self) -> None:
+        """Each parameter's post-accumulate hook, registered unless it is (`release` removes
+        them: a generation that sums without buckets pays no Python call per parameter)."""
+        if not self._handles:
+            self._handles = [p.register_post_accumulate_grad_hook(self._hook)
+                             for p in self.params]
 
     @property
     def _meta_fits_last(self) -> bool:
@@ -163,6 +170,7 @@ class GradientBuckets:
         """
         with self._lock:
             self._state = None  # the last step's buffers go before the new ones are allocated
+        self._hooked()
         self._joined = self._meta_fits_last and comm.control is comm
         if self._keep is None:
             buffers: list[torch.Tensor | None] = self._allocate(meta_len if self._joined else 0)
@@ -331,11 +339,14 @@ class GradientBuckets:
             event.set()
 
     def release(self) -> None:
-        """Frees the last step's buffers and disarms the hooks (the next generation sums
-        without buckets); `begin` starts afresh."""
+        """Frees the last step's buffers and removes the hooks (the next generation sums
+        without buckets); `begin` starts afresh and hooks them again."""
         self._armed = False
         with self._lock:
             self._state = None
+        for handle in self._handles:
+            handle.remove()  # type: ignore[attr-defined]
+        self._handles = []
 
     def wait(self) -> torch.Tensor:
         """Waits for every bucket's allreduce; returns the reduced metadata (float64).

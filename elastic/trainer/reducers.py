@@ -297,7 +297,7 @@ class SoloReducer(_Hooks):
     """A generation of one rank (stage 0 and 1, not exact mode): the sum of the gradients
     over one rank is that rank's own, so they stay where the backward passes left them: no
     buffer, no copy, no collective (DDP and the other reducers copy them all, which on a GPU
-    is a kernel per parameter; the buckets' hooks stay registered, disarmed). The loss and
+    is a kernel per parameter; the buckets' hooks are removed while it is in use). The loss and
     gradients are checked for finiteness as the others check them, and the packed metadata
     is its own sum. The replica picks it for a generation of one rank (`Replica._begin`)."""
 

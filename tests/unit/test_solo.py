@@ -124,11 +124,14 @@ def test_the_reducer_follows_the_world_size_of_each_generation(tmp_path):
         run_ranks(server, 2, body)
         first = replicas[0]
         assert first._several.buckets.begun
+        assert all(p._post_accumulate_grad_hooks for p in first.model.parameters())
         first.comm = PlaneCheck(cuda=False)
         assert isinstance(first.run_step(alone, []), StepRecord)
         assert isinstance(first.reducer, SoloReducer)
         assert not first._several.buckets.begun  # its last buffers were freed
+        assert not any(p._post_accumulate_grad_hooks for p in first.model.parameters())
         run_ranks(server, 2, body)
+        assert all(len(p._post_accumulate_grad_hooks) == 1 for p in first.model.parameters())
     finally:
         server.close()
         for replica in replicas.values():
