@@ -15,6 +15,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import threading
 
 import pytest
 
@@ -317,9 +318,17 @@ def test_every_readme_command_runs_and_gives_what_it_promises(head, tmp_path):
     for line in readme_commands():
         streams[_stream(_kind(shlex.split(line)))].append(line)
 
+    failed = threading.Event()  # a stream that failed stops the other at its next command
+
     def run(lines: list[str]) -> None:
         for line in lines:
-            _run_line(line, env, tmp_path, head["gcs"])
+            if failed.is_set():
+                return
+            try:
+                _run_line(line, env, tmp_path, head["gcs"])
+            except BaseException:
+                failed.set()
+                raise
 
     with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
         for future in [pool.submit(run, lines) for lines in streams]:
