@@ -2,7 +2,8 @@
 (bf16 autocast, channels-last, batch 128) in one process, no Ray and no loader processes, the
 batch already in pinned host memory for both. Writes to the folder argv[1]: profile.txt (the
 timings, the profiler's top operations, and every place a step waits for the device, from
-torch's sync debug mode)."""
+torch's sync debug mode), for the replica alone (a generation of one rank) and summing
+through buckets as a rank of several would."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def plain(batch) -> float:
     return (time.perf_counter() - start) / STEPS
 
 
-def replica(overlap: bool):
+def replica(overlap: bool, alone: bool = True):
     from elastic import BatchConfig, FitConfig, ScalingConfig, TrainJob
     from elastic.bench.gpu import _Factory, _Loss
     from elastic.config import CollectiveConfig, TrainingConfig
@@ -66,6 +67,8 @@ def replica(overlap: bool):
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     r = Replica(job, config, config.run_dir, device)
+    if not alone:  # the reducer a rank of several runs (buckets or flat), at one rank
+        r._solo = None
     r.comm = PlaneCheck()
     plan = BatchPlan(B, (B,), (B,))
     return r, plan
@@ -86,13 +89,14 @@ def main() -> None:
     batch = [torch.stack([data[i][0] for i in range(B)]).pin_memory(),
              torch.stack([data[i][1] for i in range(B)]).pin_memory()]
     say(f"plain: {plain(batch) * 1e3:.1f} ms/step")
-    for overlap in (True, False):
-        r, plan = replica(overlap)
-        say(f"replica overlap={overlap}: {timed(r, plan) * 1e3:.1f} ms/step")
+    for overlap, alone in ((True, True), (True, False)):
+        r, plan = replica(overlap, alone)
+        say(f"replica {'alone (one rank)' if alone else 'buckets at one rank'}: "
+            f"{timed(r, plan) * 1e3:.1f} ms/step")
         records = [r.run_step(plan, []) for _ in range(3)]
         say("  timeline of the last step (start, data, fwd/bwd, comm, optimizer):",
             [round(x, 4) for x in getattr(records[-1], "timeline", [])])
-        if overlap:
+        if alone:
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -19,6 +19,7 @@ from elastic.config import CollectiveConfig, DataConfig
 from elastic.errors import CollectiveError
 from elastic.trainer.buckets import GradientBuckets
 from elastic.trainer.device import is_out_of_memory, resolve_device, to_host
+from elastic.trainer.reducers import SoloReducer
 from elastic.trainer.replica import OutOfMemory, Replica, StepRecord
 from tests.gpu.planes import PlaneCheck
 from tests.jobs import make_dataset, make_model, make_optimizer, mse, reference_weights, regression_job
@@ -51,14 +52,16 @@ def _config(tmp_path, overlap: bool = False, gpu: bool = True, pinned: bool = Fa
 
 
 def _replica(job: TrainJob, config: FitConfig, tmp_path, device: torch.device,
-             comm=None) -> Replica:
-    """A replica built as the worker actor builds it: the device bound first."""
+             comm=None, alone: bool = False) -> Replica:
+    """A replica built as the worker actor builds it: the device bound first. Unless `alone`,
+    it sums through the reducer of several ranks (flat buffers or buckets, on the device),
+    not the one a real generation of one rank takes (`SoloReducer`, which `fit` at one
+    worker runs)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     replica = Replica(job, config, str(tmp_path), device)
-    # The reducer of several ranks (flat buffers or buckets, on the device), not the one a
-    # real generation of one rank takes (`SoloReducer`, which `fit` at one worker runs).
-    replica._solo = None
+    if not alone:
+        replica._solo = None
     replica.comm = comm if comm is not None else PlaneCheck(cuda=device.type == "cuda")
     return replica
 
@@ -109,6 +112,23 @@ def test_batchnorm_statistics_on_a_gpu_match_the_same_steps_on_the_cpu(tmp_path,
     _train(gpu, STEPS)
     _train(cpu, STEPS)
     # The running statistics' terms went to the host for the control plane and came back.
+    torch.testing.assert_close(_host(gpu.model.state_dict()), _host(cpu.model.state_dict()),
+                               **TOLERANCE)
+
+
+def test_one_gpu_rank_alone_sums_nothing_and_trains_as_the_cpu_replica(tmp_path):
+    """A generation of one rank (`SoloReducer`): the gradients stay on the GPU where the
+    backward pass put them, nothing crosses either plane, and the BatchNorm statistics and
+    weights are those of a CPU replica summing through buckets."""
+    job = TrainJob(model=batchnorm_model, optimizer=make_optimizer, loss=mse, dataset=make_dataset)
+    gpu = _replica(job, _config(tmp_path / "gpu", True), tmp_path / "gpu", _cuda(), alone=True)
+    cpu = _replica(job, _config(tmp_path / "cpu", True, gpu=False), tmp_path / "cpu",
+                   torch.device("cpu"))
+    records = _train(gpu, STEPS)
+    _train(cpu, STEPS)
+    assert all(isinstance(r, StepRecord) for r in records)
+    assert isinstance(gpu.reducer, SoloReducer)
+    assert gpu.comm.calls == [] and gpu.comm.control.calls == []
     torch.testing.assert_close(_host(gpu.model.state_dict()), _host(cpu.model.state_dict()),
                                **TOLERANCE)
 
