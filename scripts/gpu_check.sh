@@ -59,7 +59,7 @@ part() {
   case ",$PARTS," in *",$name,"*) ;; *) return 0 ;; esac
   rm -f "$OUT/$result"; grep -v "^$name " "$OUT/parts.txt" > "$OUT/parts.tmp"; mv "$OUT/parts.tmp" "$OUT/parts.txt"
   started=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
+  timeout -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
   echo "$name $rc $(( $(date +%s) - started ))" >> "$OUT/parts.txt"
   echo "$name rc=$rc ($(( $(date +%s) - started )) s)"
   [ "$rc" = 0 ] || tail -n 25 "$OUT/$name.log"

@@ -146,10 +146,21 @@ class GradientBuckets:
 
     def _hooked(self) -> None:
         """Each parameter's post-accumulate hook, registered unless it is (`release` removes
-        them: a generation that sums without buckets pays no Python call per parameter)."""
-        if not self._handles:
-            self._handles = [p.register_post_accumulate_grad_hook(self._hook)
-                             for p in self.params]
+        them: a generation that sums without buckets pays no Python call per parameter). A
+        parameter frozen since (no gradient to hook) gets none: were it thawed, `finish`
+        copies its gradient. Registered again, they run after hooks a user added meanwhile."""
+        if self._handles:
+            return
+        handles = []
+        try:
+            for p in self.params:
+                if p.requires_grad:
+                    handles.append(p.register_post_accumulate_grad_hook(self._hook))
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
+        self._handles = handles
 
     @property
     def _meta_fits_last(self) -> bool:

@@ -129,6 +129,8 @@ def test_one_gpu_rank_alone_sums_nothing_and_trains_as_the_cpu_replica(tmp_path)
     assert all(isinstance(r, StepRecord) for r in records)
     assert isinstance(gpu.reducer, SoloReducer)
     assert gpu.comm.calls == [] and gpu.comm.control.calls == []
+    assert all(p.device == _cuda() for p in gpu.model.parameters())
+    assert not any(p._post_accumulate_grad_hooks for p in gpu.model.parameters())
     torch.testing.assert_close(_host(gpu.model.state_dict()), _host(cpu.model.state_dict()),
                                **TOLERANCE)
 

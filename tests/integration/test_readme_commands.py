@@ -331,5 +331,10 @@ def test_every_readme_command_runs_and_gives_what_it_promises(head, tmp_path):
                 raise
 
     with concurrent.futures.ThreadPoolExecutor(len(streams)) as pool:
-        for future in [pool.submit(run, lines) for lines in streams]:
-            future.result()
+        futures = [pool.submit(run, lines) for lines in streams]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:  # a stream's failure, or this test's timeout: both stop
+            failed.set()
+            raise

@@ -306,3 +306,37 @@ def test_batchnorm_statistics_swapped_under_the_snapshot_are_read_where_they_now
     sync.rollback()  # back to the snapshot: the swapped values, not the old storage's
     assert torch.equal(model[1].running_mean, torch.full((4,), 7.0))
     assert int(model[1].num_batches_tracked) == 5
+
+
+def test_a_parameter_frozen_while_one_rank_ran_alone_does_not_stop_the_buckets(tmp_path):
+    """The buckets hook the parameters again when a generation of several ranks begins: one
+    frozen meanwhile (requires_grad=False) takes no hook, and the steps go on."""
+    config = _config(tmp_path, True, world=2)
+    pair, alone = BatchPlan(B, (9, 7), (5, 4)), BatchPlan(B, (B,), (8,))
+    building = threading.Lock()
+    replicas: dict[int, Replica] = {}
+
+    def body(comm):
+        with building:
+            replica = replicas.setdefault(comm.rank, Replica(regression_job(), config,
+                                                             str(tmp_path)))
+        replica.comm = comm
+        replica.sync_from(0)
+        return replica.run_step(pair, [])
+
+    server = RendezvousServer()
+    try:
+        run_ranks(server, 2, body)
+        first = replicas[0]
+        first.comm = PlaneCheck(cuda=False)
+        assert isinstance(first.run_step(alone, []), StepRecord)
+        for replica in replicas.values():
+            replica.model[0].bias.requires_grad_(False)
+        assert all(isinstance(r, StepRecord) for r in run_ranks(server, 2, body))
+    finally:
+        server.close()
+        for replica in replicas.values():
+            replica.close()
+    assert not first.model[0].bias._post_accumulate_grad_hooks
+    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in first.model.parameters()
+               if p.requires_grad)
