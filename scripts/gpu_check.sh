@@ -3,10 +3,10 @@
 #   tier        the GPU tier (pytest -m gpu), failing if no GPU test ran; inside it: fit with 4
 #               workers sharing the GPU through two kills against a plain single-process GPU
 #               reference, and real NCCL at world size 1 (2 with two GPUs);
-#   throughput  elastic against a plain PyTorch loop (elastic bench gpu; GPU_CHECK_MODELS,
-#               GPU_CHECK_SHARED workers sharing the GPU);
 #   step        elastic's step at one worker against a plain step on the GPU, time and kernel
 #               launches (elastic bench step --device cuda);
+#   throughput  elastic against a plain PyTorch loop (elastic bench gpu; GPU_CHECK_MODELS,
+#               GPU_CHECK_SHARED workers sharing the GPU);
 #   data        on the machine's CPUs: loader processes against max(compute, data/k)
 #               (elastic bench data);
 #   allreduce   on the machine's CPUs: the allreduce of 4 ranks as 2 hosts
@@ -14,9 +14,10 @@
 # GPU_CHECK_PARTS picks parts (default: all, in that order). Each part writes its log and
 # results into GPU_CHECK_OUT (default: $OUT, else gpu-check-out) as it ends, and a line to
 # parts.txt; scripts/gpu_summary.py then prints the table of every part in that folder and
-# writes summary.json. The parts' limits add up to 13 min; on a machine lent 10 min a call,
-# run it in two calls: GPU_CHECK_PARTS=tier,step then GPU_CHECK_PARTS=throughput,data,allreduce
-# (typical: 2 + 0.5, then 4 + 1.5 min).
+# writes summary.json. Typical: tier 2 min, step 0.5, throughput 4, data 1, allreduce 0.5; the
+# limits add up to 13. On a machine lent 10 min a call, a call cut short keeps the parts that
+# ended: run the others with GPU_CHECK_PARTS into the same folder (or join the two folders'
+# parts.txt and results, and run scripts/gpu_summary.py on them: standard library only).
 # Ray and pydantic come from an offline bundle when Python lacks them: GPU_BUNDLE (default
 # .gpu/bundle.tar.xz, built on a machine with network by `make gpu-bundle`) is unpacked
 # into a private folder.
@@ -48,7 +49,7 @@ fi
   $PY -c "import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version())" 2>&1 | tail -1
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-PARTS=${GPU_CHECK_PARTS:-tier,throughput,step,data,allreduce}; PARTS=${PARTS// /}
+PARTS=${GPU_CHECK_PARTS:-tier,step,throughput,data,allreduce}; PARTS=${PARTS// /}
 ELASTIC=($PY -c "import sys; from cli.main import app; sys.argv[0] = 'elastic'; app()")
 touch "$OUT/parts.txt"
 # part NAME LIMIT_S RESULT COMMAND...: runs the command if NAME is in PARTS, its output in
@@ -70,10 +71,10 @@ if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
 fi
 part tier "${GPU_CHECK_TIER_S:-240}" tier.xml bash -c '$0 -m pytest -m gpu tests/gpu -p no:cacheprovider -q -rA \
   -o timeout=120 --junitxml="$1/tier.xml" && $0 scripts/junit_ran.py "$1/tier.xml"' "$PY" "$OUT"
-part throughput "${GPU_CHECK_BENCH_S:-270}" gpu_throughput.json $PY -c "import sys; from elastic.bench.gpu import run; run(sys.argv[1], tuple(sys.argv[2].split(',')), int(sys.argv[3]))" \
-  "$OUT" "$MODELS" "${GPU_CHECK_SHARED:-4}"
 part step "${GPU_CHECK_STEP_S:-60}" step.json "${ELASTIC[@]}" bench step --device cuda --depths 16,52 \
   --width 64 --batch 32 --image-size 32 --steps 30 --json "$OUT/step.json"
+part throughput "${GPU_CHECK_BENCH_S:-270}" gpu_throughput.json $PY -c "import sys; from elastic.bench.gpu import run; run(sys.argv[1], tuple(sys.argv[2].split(',')), int(sys.argv[3]))" \
+  "$OUT" "$MODELS" "${GPU_CHECK_SHARED:-4}"
 part data "${GPU_CHECK_DATA_S:-120}" data.json "${ELASTIC[@]}" bench data --workers 2 --loader-workers 2 \
   --steps 30 --rounds 1 --json "$OUT/data.json"
 part allreduce "${GPU_CHECK_ALLREDUCE_S:-90}" allreduce.json "${ELASTIC[@]}" bench allreduce --world-size 4 \
