@@ -7,15 +7,14 @@ operation is a kernel launch: work per layer is what made a ResNet-50 step CPU-b
 from __future__ import annotations
 
 import threading
-from collections import Counter
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from elastic import BatchConfig, FitConfig, ScalingConfig, TrainJob
 from elastic.adapt.plan import BatchPlan
+from elastic.bench.step import run_step_bench
 from elastic.collective import RendezvousServer
 from elastic.config import CollectiveConfig
 from elastic.trainer.buffers import BufferSync
@@ -101,42 +100,63 @@ def test_the_finiteness_of_gradients_is_read_from_every_gradient(value, dtype):
     assert not grads_finite(params)
 
 
-def test_the_reducer_follows_the_world_size_of_each_generation(tmp_path):
-    """Two ranks, then rank 0 alone (its buckets freed), then two again from rank 0's state:
-    the weights of one plain process over the same global batches."""
-    config = _config(tmp_path, True, world=2)
-    pair, alone = BatchPlan(B, (9, 7), (5, 4)), BatchPlan(B, (B,), (8,))
-    building = threading.Lock()
-    replicas: dict[int, Replica] = {}
+class _Generations:
+    """Rank 0's and rank 1's replicas through generations of threads: `pair` runs a step of
+    two ranks (rank 1 restored from rank 0), `alone` one of rank 0 by itself."""
 
-    def body(comm):
-        with building:
-            replica = replicas.setdefault(comm.rank, Replica(regression_job(), config,
-                                                             str(tmp_path)))
+    PAIR, ALONE = BatchPlan(B, (9, 7), (5, 4)), BatchPlan(B, (B,), (8,))
+
+    def __init__(self, tmp_path) -> None:
+        self.config, self.run_dir = _config(tmp_path, True, world=2), str(tmp_path)
+        self.replicas: dict[int, Replica] = {}
+        self.server = RendezvousServer()
+        self._building = threading.Lock()
+
+    def _body(self, comm):
+        with self._building:
+            replica = self.replicas.setdefault(comm.rank, Replica(regression_job(), self.config,
+                                                                  self.run_dir))
         replica.comm = comm
         replica.sync_from(0)
-        assert isinstance(replica.run_step(pair, []), StepRecord)
-        assert not isinstance(replica.reducer, SoloReducer)
-        return replica
+        return replica.run_step(self.PAIR, [])
 
-    server = RendezvousServer()
-    try:
-        run_ranks(server, 2, body)
-        first = replicas[0]
-        assert first._several.buckets.begun
-        assert all(p._post_accumulate_grad_hooks for p in first.model.parameters())
+    def pair(self) -> list:
+        return run_ranks(self.server, 2, self._body)
+
+    def alone(self):
+        first = self.replicas[0]
         first.comm = PlaneCheck(cuda=False)
-        assert isinstance(first.run_step(alone, []), StepRecord)
+        return first.run_step(self.ALONE, [])
+
+    def close(self) -> None:
+        self.server.close()
+        for replica in self.replicas.values():
+            replica.close()
+
+
+def _hooks(replica: Replica) -> list[int]:
+    return [len(p._post_accumulate_grad_hooks or ()) for p in replica.model.parameters()]
+
+
+def test_the_reducer_follows_the_world_size_of_each_generation(tmp_path):
+    """Two ranks, then rank 0 alone (its buckets freed, their hooks removed), then two again
+    from rank 0's state: the weights of one plain process over the same global batches."""
+    generations = _Generations(tmp_path)
+    try:
+        assert all(isinstance(r, StepRecord) for r in generations.pair())
+        first = generations.replicas[0]
+        assert not any(isinstance(r.reducer, SoloReducer) for r in generations.replicas.values())
+        assert first._several.buckets.begun and set(_hooks(first)) == {1}
+        assert isinstance(generations.alone(), StepRecord)
         assert isinstance(first.reducer, SoloReducer)
         assert not first._several.buckets.begun  # its last buffers were freed
-        assert not any(p._post_accumulate_grad_hooks for p in first.model.parameters())
-        run_ranks(server, 2, body)
-        assert all(len(p._post_accumulate_grad_hooks) == 1 for p in first.model.parameters())
+        assert set(_hooks(first)) == {0}
+        assert all(isinstance(r, StepRecord) for r in generations.pair())
+        assert not any(isinstance(r.reducer, SoloReducer) for r in generations.replicas.values())
+        assert set(_hooks(first)) == {1}
     finally:
-        server.close()
-        for replica in replicas.values():
-            replica.close()
-    for replica in replicas.values():
+        generations.close()
+    for replica in generations.replicas.values():
         assert replica.global_step == 3
         torch.testing.assert_close(replica.model.state_dict(), reference_weights(0, B, 3),
                                    rtol=1e-9, atol=1e-10)
@@ -144,100 +164,15 @@ def test_the_reducer_follows_the_world_size_of_each_generation(tmp_path):
 
 # --- the step's own work: a constant number of operations -----------------------------------
 
-# Operations that launch no kernel on a GPU: they make views or read a tensor's metadata.
-_VIEWS = {"view", "_unsafe_view", "slice", "select", "detach", "alias", "unbind", "split",
-          "split_with_sizes", "reshape", "_reshape_alias", "expand", "as_strided", "t",
-          "transpose", "permute", "squeeze", "unsqueeze", "lift_fresh"}
 
-
-class _Ops(TorchDispatchMode):
-    """Counts the tensor operations run under it, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-    def kernels(self) -> Counter[str]:
-        return Counter({k: n for k, n in self.counts.items() if k not in _VIEWS})
-
-
-def _deep(depth: int):
-    """A CNN of `depth` convolution + BatchNorm blocks, float32 (a ResNet's structure)."""
-
-    def make() -> nn.Module:
-        layers: list[nn.Module] = [nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()]
-        for _ in range(depth):
-            layers += [nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU()]
-        return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
-
-    return make
-
-
-def _images():
-    g = torch.Generator().manual_seed(0)
-    return torch.utils.data.TensorDataset(torch.randn(64, 3, 6, 6, generator=g),
-                                          torch.randint(0, 3, (64,), generator=g))
-
-
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def _ce(model, batch):
-    x, y = batch
-    return nn.functional.cross_entropy(model(x), y)
-
-
-def _plain_step_ops(depth: int) -> Counter[str]:
-    """The operations of one step of a plain loop (the batch already collated)."""
-    torch.manual_seed(0)
-    model, data = _deep(depth)(), _images()
-    optimizer = _sgd(model.parameters())
-    x, y = data.tensors[0][:8], data.tensors[1][:8]
-
-    def step():
-        loss = _ce(model, (x, y))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    step()
-    with _Ops() as ops:
-        step()
-    return ops.kernels()
-
-
-def _replica_step_ops(tmp_path, depth: int, overlap: bool) -> Counter[str]:
-    job = TrainJob(model=_deep(depth), optimizer=_sgd, loss=_ce, dataset=_images)
-    config = FitConfig(scaling=ScalingConfig(num_workers=1),
-                       collective=CollectiveConfig(overlap=overlap),
-                       batch=BatchConfig(global_batch_size=8, autotune=False, rebalance=False),
-                       run_dir=str(tmp_path / f"{depth}-{overlap}"), max_steps=8)
-    replica = Replica(job, config, config.run_dir)
-    replica.comm = PlaneCheck(cuda=False)
-    plan = BatchPlan(8, (8,), (8,))
-    try:
-        replica.run_step(plan, [])
-        with _Ops() as ops:
-            assert isinstance(replica.run_step(plan, []), StepRecord)
-    finally:
-        replica.close()
-    return ops.kernels()
-
-
-@pytest.mark.parametrize("overlap", [False, True], ids=["flat", "buckets"])
-def test_one_ranks_step_adds_the_same_operations_to_a_model_of_any_depth(tmp_path, overlap):
-    extra = {depth: _replica_step_ops(tmp_path, depth, overlap) - _plain_step_ops(depth)
-             for depth in (2, 8)}
+def test_one_ranks_step_adds_the_same_operations_to_a_model_of_any_depth():
+    """Counted by `elastic bench step` (tensor operations, views aside: kernel launches on a
+    GPU) for a CNN of 2 and 8 convolution + BatchNorm blocks, beside a plain step's."""
+    rows = [r for r in run_step_bench([2, 8], steps=1, warmup=1) if r.runner != "plain PyTorch"]
     # The step's bookkeeping (data, BatchNorm statistics, finiteness, metadata) in a fixed
     # number of operations, whatever the depth.
-    assert extra[2] == extra[8], (extra[2], extra[8])
-    assert sum(extra[8].values()) < 60, extra[8]
+    assert rows[0].beyond_plain == rows[1].beyond_plain, rows
+    assert 0 < rows[1].beyond_plain < 60, rows
 
 
 # --- what a plain loop would do, at one rank -------------------------------------------------
@@ -311,32 +246,15 @@ def test_batchnorm_statistics_swapped_under_the_snapshot_are_read_where_they_now
 def test_a_parameter_frozen_while_one_rank_ran_alone_does_not_stop_the_buckets(tmp_path):
     """The buckets hook the parameters again when a generation of several ranks begins: one
     frozen meanwhile (requires_grad=False) takes no hook, and the steps go on."""
-    config = _config(tmp_path, True, world=2)
-    pair, alone = BatchPlan(B, (9, 7), (5, 4)), BatchPlan(B, (B,), (8,))
-    building = threading.Lock()
-    replicas: dict[int, Replica] = {}
-
-    def body(comm):
-        with building:
-            replica = replicas.setdefault(comm.rank, Replica(regression_job(), config,
-                                                             str(tmp_path)))
-        replica.comm = comm
-        replica.sync_from(0)
-        return replica.run_step(pair, [])
-
-    server = RendezvousServer()
+    generations = _Generations(tmp_path)
     try:
-        run_ranks(server, 2, body)
-        first = replicas[0]
-        first.comm = PlaneCheck(cuda=False)
-        assert isinstance(first.run_step(alone, []), StepRecord)
-        for replica in replicas.values():
+        generations.pair()
+        assert isinstance(generations.alone(), StepRecord)
+        for replica in generations.replicas.values():
             replica.model[0].bias.requires_grad_(False)
-        assert all(isinstance(r, StepRecord) for r in run_ranks(server, 2, body))
+        assert all(isinstance(r, StepRecord) for r in generations.pair())
     finally:
-        server.close()
-        for replica in replicas.values():
-            replica.close()
-    assert not first.model[0].bias._post_accumulate_grad_hooks
-    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in first.model.parameters()
-               if p.requires_grad)
+        generations.close()
+    first = generations.replicas[0]
+    assert _hooks(first) == [0 if p is first.model[0].bias else 1
+                             for p in first.model.parameters()]
