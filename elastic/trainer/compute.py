@@ -23,7 +23,7 @@ from elastic.trainer.current import set_current_step
 from elastic.trainer.data import Cursor, SampleOrder
 from elastic.trainer.device import MoveBatch, is_allocation_failure, release_cached_memory
 from elastic.trainer.faults import FaultInjector
-from elastic.trainer.loader import Piece, Prefetcher, load_piece, set_generator_state
+from elastic.trainer.loader import Piece, Prefetcher, load_piece, seed_torch, set_generator_state
 from elastic.trainer.loss import LossForm, loss_term
 from elastic.trainer.metrics import MetricSums, split_output
 from elastic.trainer.reducers import Reducer
@@ -76,8 +76,7 @@ def load(host: ComputeHost, step: int, seed: int, samples: torch.Tensor) -> Any:
         taken = host.prefetcher.take(Piece(step, seed, tuple(indices)))
         if taken is not None:
             batch, state = taken
-            if torch.cuda.is_initialized():  # the CPU generators continue from `state`
-                torch.cuda.manual_seed_all(seed)
+            seed_torch(seed)  # for CUDA's generators: the CPU ones continue from `state`
             set_generator_state(state)
             return host.move(batch, host.device)
     return host.move(load_piece(host.dataset, host.collate, indices, seed), host.device)

@@ -146,20 +146,20 @@ class Replica:
         collective = config.collective
         self._loss_slot = len(self._params)  # exact mode's slot of the loss
         self.exact = self._exact_sums() if config.batch.exact else None
+        keep = self._kept_grads()
         # How the gradients are summed: exact sums, buckets that overlap the backward pass,
         # or flat buffers after it (`elastic.trainer.reducers`), chosen once for generations
         # of several ranks.
         self.reducer: Reducer = make_reducer(
             self, self._params, collective.overlap_enabled, collective.bucket_bytes,
             collective.first_bucket_bytes, self.exact, self._loss_slot,
-            keep=self._kept_grads(), norms=config.training.clip_grad_norm is not None
+            keep=keep, norms=config.training.clip_grad_norm is not None
             or config.training.clip_grad_value is not None)
         self._several = self.reducer
         # A generation of one rank leaves the gradients where they are (none at stage 2,
         # whose reducer keeps the rank's share of each sum, nor in exact mode, whose integer
         # sums make the bits independent of the world size).
-        self._solo = (SoloReducer(self._params) if self.exact is None
-                      and self._kept_grads() is None else None)
+        self._solo = SoloReducer(self._params) if self.exact is None and keep is None else None
         # Last: nothing above may fail after loader processes exist.
         self.prefetcher = start_loaders(job, config.data, data.rng_state, data.built_in)
 
