@@ -73,8 +73,8 @@ part tier "${GPU_CHECK_TIER_S:-240}" tier.xml bash -c '$0 -m pytest -m gpu tests
   -o timeout=120 --junitxml="$1/tier.xml" && $0 scripts/junit_ran.py "$1/tier.xml"' "$PY" "$OUT"
 part step "${GPU_CHECK_STEP_S:-60}" step.json "${ELASTIC[@]}" bench step --device cuda --depths 16,52 \
   --width 64 --batch 32 --image-size 32 --steps 30 --json "$OUT/step.json"
-part throughput "${GPU_CHECK_BENCH_S:-270}" gpu_throughput.json $PY -c "import sys; from elastic.bench.gpu import run; run(sys.argv[1], tuple(sys.argv[2].split(',')), int(sys.argv[3]))" \
-  "$OUT" "$MODELS" "${GPU_CHECK_SHARED:-4}"
+part throughput "${GPU_CHECK_BENCH_S:-270}" gpu_throughput.json "${ELASTIC[@]}" bench gpu \
+  --models "$MODELS" --shared "${GPU_CHECK_SHARED:-4}" --out-dir "$OUT"
 part data "${GPU_CHECK_DATA_S:-120}" data.json "${ELASTIC[@]}" bench data --workers 2 --loader-workers 2 \
   --steps 30 --rounds 1 --json "$OUT/data.json"
 part allreduce "${GPU_CHECK_ALLREDUCE_S:-90}" allreduce.json "${ELASTIC[@]}" bench allreduce --world-size 4 \
