@@ -89,9 +89,11 @@ class CollectiveConfig(_Frozen):
     overlap: bool | None = Field(
         default=None,
         description="Reduce gradients in buckets while the backward pass is still running (as "
-        "DDP does) instead of in one allreduce after it. Default: on with nccl, off with gloo "
-        "(measured on CPU workers: the communication threads compete with the backward pass "
-        "for the same cores; see docs/benchmarks.md).",
+        "DDP does) instead of in one allreduce after it. Default: on for GPU workers (over "
+        "nccl, and on the host plane, where the copies from the GPU and the sums in host "
+        "memory run beside the backward pass on the GPU), off for CPU workers (measured: the "
+        "communication threads compete with the backward pass for the same cores; see "
+        "docs/benchmarks.md).",
     )
 
     @property
@@ -784,6 +786,9 @@ class FitConfig(_Frozen):
                                     self.scaling.use_gpu and nccl_installed())
             object.__setattr__(self, "collective",
                                self.collective.model_copy(update={"backend": chosen}))
+        if self.collective.overlap is None and self.scaling.use_gpu:  # on for GPU workers
+            object.__setattr__(self, "collective",
+                               self.collective.model_copy(update={"overlap": True}))
         if self.name in (".", ".."):
             raise ValueError(f"name {self.name!r} is not a run name: use letters, digits, _ . -")
         if self.epochs is None and self.max_steps is None:
@@ -837,9 +842,10 @@ class FitConfig(_Frozen):
                              "collective.overlap=False asks for one buffer after it: set "
                              "collective.overlap=None (or True), or sharding.stage=1")
         if sharding.stage == 2 and scaling.use_gpu and self.collective.backend != "nccl":
-            raise ValueError("sharding.stage 2 sums GPU gradients in buckets over NCCL; GPU "
-                             "workers on backend 'gloo' sum them over host memory after the "
-                             "backward pass: set collective.backend='nccl' or sharding.stage=1")
+            raise ValueError("sharding.stage 2 keeps each worker's share of the GPU gradients "
+                             "over NCCL; GPU workers on backend 'gloo' stage every gradient "
+                             "in host memory to sum it there, which saves nothing: set "
+                             "collective.backend='nccl' or sharding.stage=1")
         if sharding.stage and sharding.replicas > scaling.num_workers:
             raise ValueError(
                 f"sharding.replicas ({sharding.replicas}) exceeds scaling.num_workers "
@@ -850,10 +856,6 @@ class FitConfig(_Frozen):
                 f"scaling.gpus_per_worker {scaling.gpus_per_worker} puts several workers on one "
                 "GPU, where NCCL refuses two ranks; set collective.backend='gloo' (gradients "
                 "reduced over host memory) or scaling.gpus_per_worker=1")
-        if scaling.use_gpu and self.collective.backend != "nccl" and self.collective.overlap:
-            raise ValueError("collective.overlap: GPU workers on backend 'gloo' reduce their "
-                             "gradients over host memory after the backward pass; set "
-                             "collective.overlap=False (or None), or use backend 'nccl'")
         if scaling.gpus_per_worker != 1 and not scaling.use_gpu:
             raise ValueError("scaling.gpus_per_worker applies to GPU workers; set "
                              "scaling.use_gpu=True or leave gpus_per_worker at 1")

@@ -13,6 +13,15 @@ code raised still launches every bucket (its content is then ignored), so nobody
 two planes (NCCL) the metadata is summed on its own over the control plane, after the last
 bucket.
 
+Host staging (GPU workers on the host plane, `elastic.trainer.staging`): each bucket also has a
+host buffer, a slice of the communicator's registered region where it lends one. The hooks
+queue a copy of each gradient into it (a DMA from the GPU into page-locked memory, which the
+backward pass does not wait for); the communication thread waits until a bucket's copies are
+done, sums the host buffer with the host allreduce, and queues the copy of the sums back into
+the bucket's buffer on the device, on its own stream, while the next bucket is summed. The host
+writes into the host buffers (zeros for a gradient that did not come) only once the last
+step's copies back are done.
+
 The buffers live on the parameters' device; the communication thread binds that device. On a
 GPU the hooks copy on the stream autograd runs them on (the user's, under
 `torch.cuda.stream(s)`), not the communication thread's: each bucket's copies are fenced with
@@ -41,11 +50,13 @@ import threading
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from elastic.collective import Communicator
 from elastic.trainer.device import bind_thread
+from elastic.trainer.staging import CudaStreams, HostStaging
 
 
 @dataclass
@@ -58,6 +69,10 @@ class _Bucket:
 @dataclass
 class _StepState:
     buffers: list[torch.Tensor | None]  # None: not allocated yet, or freed once reduced (keep)
+    # Host staging (GPU workers on the host plane): each bucket's host buffer, which the hooks
+    # copy into and the host allreduce sums (the last with room for the metadata); the sums
+    # are copied back into `buffers`, on the device.
+    host: list[torch.Tensor] | None
     ready: list[threading.Event]
     filled: list[int]
     copied: set[int]
@@ -77,26 +92,6 @@ class _StepState:
     abandoned: bool = False  # the reduce ended before `finish`: no more buckets come
 
 
-class _CudaStreams:
-    """The stream operations of the buckets on a GPU (`torch.cuda`)."""
-
-    def current(self) -> object:
-        return torch.cuda.current_stream()
-
-    def fence(self, stream: object) -> object:
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
-
-    def wait(self, event: object) -> None:
-        torch.cuda.current_stream().wait_event(event)
-
-    def retire(self, tensor: torch.Tensor) -> None:
-        """`tensor` (allocated on another stream) is freed once the current stream's work on
-        it is done, not before."""
-        tensor.record_stream(torch.cuda.current_stream())
-
-
 class GradientBuckets:
     """Owns the hooks, the bucket layout and the communication thread of one replica.
 
@@ -108,13 +103,20 @@ class GradientBuckets:
             of the parameters whose summed gradients this rank keeps. None: all, in the
             buckets (stage 0 and 1).
         norms: with `keep`, whether to compute every parameter's gradient norm (`norms`).
+        staging: GPU workers on the host plane: the buckets are summed in host memory (see
+            the module); not with `keep`.
+        streams: the stream operations; default: `staging`'s, else CUDA's on a GPU, else none
+            (a test may pass a fake).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], bucket_bytes: int,
                  first_bucket_bytes: int, streams: object | None = None,
-                 keep: Callable[[], Collection[int]] | None = None, norms: bool = False) -> None:
+                 keep: Callable[[], Collection[int]] | None = None, norms: bool = False,
+                 staging: HostStaging | None = None) -> None:
+        assert staging is None or keep is None, "sharded gradients are not staged in host memory"
         self.params = params
         self._keep, self._want_norms = keep, norms
+        self._staging = staging
         self._index = {id(p): i for i, p in enumerate(params)}
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> bucket, offset in it
@@ -137,8 +139,19 @@ class GradientBuckets:
         self._state: _StepState | None = None
         device = params[0].device if params else torch.device("cpu")
         # Stream operations: CUDA's on a GPU, none on the CPU (a test may pass a fake).
-        self._streams = streams if streams is not None else (
-            _CudaStreams() if device.type == "cuda" else None)
+        if streams is None and staging is not None:
+            streams = staging.streams
+        self._streams: Any = streams if streams is not None else (
+            CudaStreams() if device.type == "cuda" else None)
+        # Host staging: where each bucket starts in its dtype's host buffer.
+        self._host_offsets: list[int] = []
+        ends: dict[torch.dtype, int] = {}
+        for bucket in self.buckets:
+            self._host_offsets.append(ends.get(bucket.dtype, 0))
+            ends[bucket.dtype] = self._host_offsets[-1] + bucket.numel
+        # Host staging: a fence after the last step's copies back to the device (they read the
+        # host buffers, which the host then writes only once they are done).
+        self._copied_back: object | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="elastic-grad-comm",
                                         initializer=bind_thread, initargs=(device,))
         self._handles: list[object] = []
@@ -163,6 +176,11 @@ class GradientBuckets:
         self._handles = handles
 
     @property
+    def staged(self) -> bool:
+        """Whether the buckets are summed in host memory (host staging)."""
+        return self._staging is not None
+
+    @property
     def _meta_fits_last(self) -> bool:
         return bool(self.buckets) and self.buckets[-1].dtype in (torch.float32, torch.float64)
 
@@ -183,15 +201,20 @@ class GradientBuckets:
             self._state = None  # the last step's buffers go before the new ones are allocated
         self._hooked()
         self._joined = self._meta_fits_last and comm.control is comm
-        if self._keep is None:
-            buffers: list[torch.Tensor | None] = self._allocate(meta_len if self._joined else 0)
+        host = None
+        if self._staging is not None:
+            buffers: list[torch.Tensor | None] = list(self._allocate(0))
+            host = self._host_buffers(comm, meta_len if self._joined else 0)
+            kept = None
+        elif self._keep is None:
+            buffers = list(self._allocate(meta_len if self._joined else 0))
             kept = None
         else:  # the buffers come as their gradients do (`_buffer`)
             buffers = [None] * len(self.buckets)
             kept = {i: torch.empty(self.params[i].shape, dtype=self.params[i].dtype,
                                    device=self.params[i].device)
                     for i in sorted(self._keep())}
-        state = _StepState(buffers=buffers,
+        state = _StepState(buffers=buffers, host=host,
                            ready=[threading.Event() for _ in self.buckets],
                            filled=[0] * len(self.buckets), copied=set(), meta_len=meta_len,
                            vote_slot=vote_slot, nonfinite_vote=nonfinite_vote,
@@ -210,6 +233,52 @@ class GradientBuckets:
         return [torch.empty(bucket.numel + (meta_room if i == last else 0), dtype=bucket.dtype,
                             device=bucket.params[0].device)
                 for i, bucket in enumerate(self.buckets)]
+
+    def host_sizes(self, meta_room: int) -> dict[torch.dtype, int]:
+        """Host staging: the elements of each dtype's host buffer, the metadata's room
+        included (what the communicator lends)."""
+        sizes: dict[torch.dtype, int] = {}
+        for bucket in self.buckets:
+            sizes[bucket.dtype] = sizes.get(bucket.dtype, 0) + bucket.numel
+        if self.buckets:
+            sizes[self.buckets[-1].dtype] += meta_room
+        return sizes
+
+    def _host_buffers(self, comm: Communicator, meta_room: int) -> list[torch.Tensor]:
+        """Host staging: each bucket's host buffer, a slice of its dtype's buffer (lent by
+        the communicator where it can, so that the allreduce sums it where it lies)."""
+        assert self._staging is not None
+        whole = self._staging.buffers(self.host_sizes(meta_room), comm.shared_buffers)
+        last = len(self.buckets) - 1
+        return [whole[bucket.dtype][start : start + bucket.numel + (meta_room if b == last else 0)]
+                for b, (bucket, start) in enumerate(zip(self.buckets, self._host_offsets, strict=True))]
+
+    def _target(self, state: _StepState, b: int) -> torch.Tensor:
+        """Where the gradients of bucket `b` are copied: its host buffer (host staging), else
+        its buffer. Called with the lock held."""
+        return state.host[b] if state.host is not None else self._buffer(state, b)
+
+    def _put(self, state: _StepState, target: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """`grad` (None: zeros) into `target`, a slice of a bucket: on a GPU on the current
+        stream; into a host buffer (host staging) as a copy the device makes, or as zeros the
+        host writes once the last step's copies out of it are done."""
+        if state.host is None:
+            if grad is None:
+                target.zero_()
+            else:
+                target.copy_(grad.reshape(-1))
+        elif grad is not None:
+            self._streams.copy(target, grad.reshape(-1))
+        else:
+            self._settle()
+            target.zero_()
+
+    def _settle(self) -> None:
+        """Host staging: the host waits until the last step's copies back to the device are
+        done (they read the host buffers it is about to write)."""
+        done, self._copied_back = self._copied_back, None
+        if done is not None:
+            self._streams.block(done)
 
     def _buffer(self, state: _StepState, b: int) -> torch.Tensor:
         """Bucket `b`'s buffer, allocated now if it is not yet (sharded gradients; the last
@@ -256,7 +325,7 @@ class GradientBuckets:
                 # calls backward once per segment): the whole gradient replaces the part
                 # copied, unless that part is gone (stage 2 freed it) or on its way.
                 self._again(state, p, b)
-            self._buffer(state, b)[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+            self._put(state, self._target(state, b)[offset : offset + p.numel()], p.grad)
             self._copied_on(state, b)
             if again:
                 return
@@ -319,18 +388,14 @@ class GradientBuckets:
                 if id(p) in state.copied:
                     continue
                 b, offset = self._where[id(p)]
-                target = self._buffer(state, b)[offset : offset + p.numel()]
-                if p.grad is not None:
-                    target.copy_(p.grad.reshape(-1))
-                else:
-                    target.zero_()
+                self._put(state, self._target(state, b)[offset : offset + p.numel()], p.grad)
                 self._copied_on(state, b)
                 if state.kept is not None:
                     p.grad = None
-            if self._joined:
-                self._buffer(state, len(self.buckets) - 1)[-state.meta_len :].copy_(
-                    meta.to(self.buckets[-1].dtype))
-                self._copied_on(state, len(self.buckets) - 1)
+            if self._joined:  # the host's metadata: no copy back to the device reads it
+                last = len(self.buckets) - 1
+                self._target(state, last)[-state.meta_len :].copy_(meta.to(self.buckets[-1].dtype))
+                self._copied_on(state, last)
             else:
                 state.meta_separate = meta.clone()
             for b, event in enumerate(state.ready):
@@ -350,11 +415,15 @@ class GradientBuckets:
             event.set()
 
     def release(self) -> None:
-        """Frees the last step's buffers and removes the hooks (the next generation sums
-        without buckets); `begin` starts afresh and hooks them again."""
+        """Frees the last step's buffers, unregisters the host staging's region and removes
+        the hooks (the next generation sums without buckets); `begin` starts afresh and hooks
+        them again."""
         self._armed = False
         with self._lock:
             self._state = None
+        if self._staging is not None:
+            self._staging.release()  # the device is idle then: no copy back is pending
+            self._copied_back = None
         for handle in self._handles:
             handle.remove()  # type: ignore[attr-defined]
         self._handles = []
@@ -370,8 +439,10 @@ class GradientBuckets:
         done = state.future.result()
         if done is not None and self._streams is not None:
             self._streams.wait(done)  # what the step reads next follows the reductions
+        if state.host is not None:
+            self._copied_back = done
         if self._joined:
-            last = state.buffers[-1]
+            last = state.host[-1] if state.host is not None else state.buffers[-1]
             assert last is not None
             meta = last[-state.meta_len :].to("cpu", torch.float64)
         else:
@@ -422,17 +493,26 @@ class GradientBuckets:
             state.ready[i].wait()
             if state.abandoned:
                 return None
-            if self._streams is not None:
+            if state.host is not None:  # the host reads what the device copied
                 for fence in state.fences[i]:
-                    self._streams.wait(fence)
-            buffer = state.buffers[i]
-            assert buffer is not None, f"bucket {i} released without a buffer"
+                    self._streams.block(fence)
+                buffer = state.host[i]
+            else:
+                if self._streams is not None:
+                    for fence in state.fences[i]:
+                        self._streams.wait(fence)
+                buffer = state.buffers[i]
+                assert buffer is not None, f"bucket {i} released without a buffer"
             # A sum is not finite iff an element is not (or the sum overflows): 30x cheaper
             # than torch.isfinite(...).all() on a CPU. Read once, before the metadata goes.
             sums.append(buffer[: bucket.numel].sum().reshape(1).to(torch.float64))
             if i == last and self._joined:
                 self._vote_nonfinite(buffer[bucket.numel :], state, _finite(sums))
             comm.allreduce(buffer)
+            if state.host is not None:  # the sums back to the device, on this thread's stream
+                device = state.buffers[i]
+                assert device is not None
+                self._streams.copy(device, buffer[: bucket.numel])
             if state.kept is not None:
                 self._keep_share(state, i, buffer, last=i == last)
         if not self._joined:

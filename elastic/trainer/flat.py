@@ -5,9 +5,10 @@ in one allreduce. The step's metadata (summed loss, one vote per rank, the ledge
 float64 buffer when there is one (else in the float32 one), so a typical step costs one
 allreduce. The counterpart that overlaps the backward pass is `elastic.trainer.buckets`.
 
-The buffers live on the parameters' device, except for GPU workers on a host plane (backend
-'gloo', several workers sharing a GPU): their gradients are staged in pinned host memory
-(`host=True`), copied from the GPU asynchronously, reduced there by the host allreduce, and
+The buffers live on the parameters' device, except for GPU workers on the host plane (backend
+'gloo', several workers sharing a GPU): their gradients are staged in host memory (`staging`:
+the communicator's registered region, page-locked, where it lends one; see
+`elastic.trainer.staging`), copied from the GPU, reduced there by the host allreduce, and
 copied back to the GPU by `unflatten_grads`. `flatten_grads` is the reduce's only allocation
 (with room for the metadata in the buffer that carries it), so that the replica can run it
 inside the step's vote: a rank out of memory there votes the step down instead of leaving the
@@ -17,11 +18,12 @@ collectives.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
 from elastic.collective import Communicator
+from elastic.trainer.staging import HostStaging, Lender
 
 
 def meta_carrier(dtypes: Iterable[torch.dtype]) -> torch.dtype | None:
@@ -32,20 +34,19 @@ def meta_carrier(dtypes: Iterable[torch.dtype]) -> torch.dtype | None:
     return next((d for d in (torch.float64, torch.float32) if d in present), None)
 
 
-Lender = Callable[[dict[torch.dtype, int]], "dict[torch.dtype, torch.Tensor] | None"]
-
-
 def flatten_grads(params: list[torch.nn.Parameter], zero: bool, meta_len: int = 0,
-                  lend: Lender | None = None, host: bool = False) -> dict[torch.dtype, torch.Tensor]:
+                  lend: Lender | None = None,
+                  staging: HostStaging | None = None) -> dict[torch.dtype, torch.Tensor]:
     """One buffer per dtype holding the gradients of `params` in order, on their device; a
     parameter without a gradient, or every parameter when `zero` (this rank voted the step
     down), contributes zeros, so every rank sends buffers of the same size. With `meta_len`,
     the buffer of `meta_carrier` has `meta_len` more elements (zeros) at its end, for
     `allreduce_flat(..., room=True)`. With `lend` (`Communicator.shared_buffers`) the buffers
-    are the communicator's registered buffers when it can lend them (host memory the
-    allreduce reduces where it lies), else allocated. With `host`, buffers of gradients on a
-    GPU are pinned host memory, filled by asynchronous copies that have ended when this
-    returns (the host allreduce reads them next).
+    of CPU gradients are the communicator's registered buffers when it can lend them (host
+    memory the allreduce reduces where it lies), else allocated. With `staging` (GPU
+    gradients on the host plane) every buffer is host memory from it (lent by `lend` where it
+    can), filled by copies from the GPU that have ended when this returns (the host allreduce
+    reads them next).
 
     Raises:
         torch.OutOfMemoryError: the buffers did not fit (nothing else is allocated here).
@@ -55,28 +56,23 @@ def flatten_grads(params: list[torch.nn.Parameter], zero: bool, meta_len: int = 
     for p in params:
         sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
         devices.setdefault(p.dtype, p.device)
-    staged = {dtype for dtype, d in devices.items() if host and d.type == "cuda"}
     carrier = meta_carrier(sizes) if meta_len else None
+    rooms = {dtype: n + (meta_len if dtype == carrier else 0) for dtype, n in sizes.items()}
+    if staging is not None:
+        return _staged(params, staging.buffers(rooms, lend), sizes, zero, staging)
     lent = None
     if lend is not None and all(d.type == "cpu" for d in devices.values()):
-        lent = lend({dtype: n + (meta_len if dtype == carrier else 0) for dtype, n in sizes.items()})
+        lent = lend(rooms)
     buffers = {}
     for dtype, n in sizes.items():
-        room = meta_len if dtype == carrier else 0
-        if dtype in staged:
-            buffers[dtype] = (torch.zeros if zero else torch.empty)(n + room, dtype=dtype,
-                                                                    pin_memory=True)
-            if not zero:
-                buffers[dtype][n:].zero_()
-            continue
         if lent is not None:
             buffers[dtype] = lent[dtype]
             (buffers[dtype] if zero else buffers[dtype][n:]).zero_()
             continue
         if zero:
-            buffers[dtype] = torch.zeros(n + room, dtype=dtype, device=devices[dtype])
+            buffers[dtype] = torch.zeros(rooms[dtype], dtype=dtype, device=devices[dtype])
             continue
-        buffers[dtype] = torch.empty(n + room, dtype=dtype, device=devices[dtype])
+        buffers[dtype] = torch.empty(rooms[dtype], dtype=dtype, device=devices[dtype])
         buffers[dtype][n:].zero_()
     if zero:
         return buffers
@@ -85,12 +81,34 @@ def flatten_grads(params: list[torch.nn.Parameter], zero: bool, meta_len: int = 
         start, n = offsets[p.dtype], p.numel()
         target = buffers[p.dtype][start : start + n]
         if p.grad is not None:
-            target.copy_(p.grad.reshape(-1), non_blocking=p.dtype in staged)
+            target.copy_(p.grad.reshape(-1))
         else:
             target.zero_()
         offsets[p.dtype] = start + n
-    for device in {devices[dtype] for dtype in staged}:
-        torch.cuda.current_stream(device).synchronize()
+    return buffers
+
+
+def _staged(params: list[torch.nn.Parameter], buffers: dict[torch.dtype, torch.Tensor],
+            sizes: dict[torch.dtype, int], zero: bool,
+            staging: HostStaging) -> dict[torch.dtype, torch.Tensor]:
+    """`flatten_grads` into host buffers: the device copies the gradients in (queued on the
+    current stream), the host waits for them, and only then writes the zeros: the buffers may
+    be the last step's, which that step's copies to the device read until then."""
+    offsets = dict.fromkeys(sizes, 0)
+    missing = []
+    for p in params:
+        start, n = offsets[p.dtype], p.numel()
+        target = buffers[p.dtype][start : start + n]
+        if p.grad is not None and not zero:
+            staging.streams.copy(target, p.grad.reshape(-1))
+        else:
+            missing.append(target)
+        offsets[p.dtype] = start + n
+    staging.streams.synchronize()
+    for target in missing:
+        target.zero_()
+    for dtype, buffer in buffers.items():
+        buffer[sizes[dtype] :].zero_()
     return buffers
 
 
@@ -101,20 +119,21 @@ def all_finite(buffers: dict[torch.dtype, torch.Tensor]) -> bool:
     return all(math.isfinite(float(t.sum())) for t in buffers.values())
 
 
-def unflatten_grads(params: list[torch.nn.Parameter], buffers: dict[torch.dtype, torch.Tensor]) -> None:
+def unflatten_grads(params: list[torch.nn.Parameter], buffers: dict[torch.dtype, torch.Tensor],
+                    staging: HostStaging | None = None) -> None:
     """Sets each parameter's gradient to its slice of the summed buffers (a view: the apply
-    phase allocates no second copy of the gradients). Buffers staged in host memory for
-    parameters on a GPU are first copied there, once per dtype (asynchronously from pinned
-    memory, ordered before the optimizer's kernels on the current stream)."""
+    phase allocates no second copy of the gradients). Buffers staged in host memory
+    (`staging`) are first copied to the parameters' device, once per dtype, on the current
+    stream (before the optimizer's kernels; the host does not wait for them)."""
     offsets = dict.fromkeys(buffers, 0)
     on_device: dict[torch.dtype, torch.Tensor] = {}
     for p in params:
         n = p.numel()
         start = offsets[p.dtype]
         buffer = buffers[p.dtype]
-        if buffer.device != p.device:
+        if staging is not None:
             if p.dtype not in on_device:
-                on_device[p.dtype] = buffer.to(p.device, non_blocking=buffer.is_pinned())
+                on_device[p.dtype] = staging.streams.to_device(buffer, p.device)
             buffer = on_device[p.dtype]
         p.grad = buffer[start : start + n].view_as(p)
         offsets[p.dtype] = start + n

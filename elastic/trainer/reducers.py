@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import traceback
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -39,6 +39,7 @@ from elastic.trainer.exact import ExactSum
 from elastic.trainer.flat import all_finite, allreduce_flat, flatten_grads, unflatten_grads
 from elastic.trainer.loss import LossForm
 from elastic.trainer.metrics import exchange_names, read_section
+from elastic.trainer.staging import HostStaging
 from elastic.trainer.step import Computed, Reduced, StepContext, Vote
 
 logger = logging.getLogger(__name__)
@@ -131,18 +132,21 @@ def make_reducer(host: StepHost, params: list[torch.nn.Parameter], overlap: bool
                  bucket_bytes: int, first_bucket_bytes: int,
                  exact: ExactSum | None, loss_slot: int,
                  keep: Callable[[], Collection[int]] | None = None,
-                 norms: bool = False) -> Reducer:
+                 norms: bool = False, staging: HostStaging | None = None) -> Reducer:
     """Exact mode's reducer when `exact` is given, else sharded buckets with `keep` (the
     indices of the parameters whose sums this rank keeps; `norms`: clipping needs the
-    norms), else buckets with `overlap`, else flat."""
+    norms), else buckets with `overlap`, else flat. `staging`: GPU workers on the host plane
+    sum their gradients in host memory (`elastic.trainer.staging`; not with `keep`)."""
     if exact is not None:
         return ExactReducer(params, exact, loss_slot)
     if keep is not None:
+        assert staging is None, "sharded gradients are not staged in host memory"
         return ShardedReducer(host, params, GradientBuckets(
             params, bucket_bytes, first_bucket_bytes, keep=keep, norms=norms))
     if overlap:
-        return BucketReducer(host, params, GradientBuckets(params, bucket_bytes, first_bucket_bytes))
-    return FlatReducer(host, params)
+        return BucketReducer(host, params, GradientBuckets(
+            params, bucket_bytes, first_bucket_bytes, staging=staging))
+    return FlatReducer(host, params, staging)
 
 
 def used_params(params: list[torch.nn.Parameter],
@@ -330,22 +334,33 @@ def grads_finite(params: list[torch.nn.Parameter]) -> bool:
     return bool(torch.cat([t.cpu() for t in finite]).all()) if finite else True
 
 
+def region_bytes(sizes: Iterable[int]) -> int:
+    """The registered region that holds buffers of `sizes` bytes, one per dtype (each
+    64-byte aligned), and room for the step's metadata up to `META_ROOM` elements."""
+    return sum(-(-n // 64) * 64 for n in sizes) + META_ROOM * 8
+
+
 class FlatReducer(_Hooks):
     """One buffer per dtype after the backward pass, each summed in one allreduce."""
 
-    def __init__(self, host: StepHost, params: list[torch.nn.Parameter]) -> None:
-        self.host, self.params = host, params
+    def __init__(self, host: StepHost, params: list[torch.nn.Parameter],
+                 staging: HostStaging | None = None) -> None:
+        self.host, self.params, self.staging = host, params, staging
 
     def registered_bytes(self) -> int:
         """One copy of the gradients, each dtype 64-byte aligned, and room for the step's
-        metadata up to `META_ROOM` elements; 0 for gradients on a GPU (staged in pinned host
-        memory of their own)."""
-        if self.host.device.type != "cpu":
+        metadata up to `META_ROOM` elements, where they are summed in host memory (CPU
+        workers, and GPU workers on the host plane); else 0."""
+        if self.host.device.type != "cpu" and self.staging is None:
             return 0
         sizes: dict[torch.dtype, int] = {}
         for p in self.params:
             sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel() * p.element_size()
-        return sum(-(-n // 64) * 64 for n in sizes.values()) + META_ROOM * 8
+        return region_bytes(sizes.values())
+
+    def release(self) -> None:
+        if self.staging is not None:
+            self.staging.release()
 
     def reduce(self, context: StepContext, computed: Computed, pack: Pack,
                comm_start: float) -> Reduced:
@@ -359,7 +374,7 @@ class FlatReducer(_Hooks):
 
     def assign(self, reduced: Reduced) -> None:
         assert reduced.flat is not None
-        unflatten_grads(self.params, reduced.flat)
+        unflatten_grads(self.params, reduced.flat, self.staging)
 
     def _flatten(self, context: StepContext, vote: Vote,
                  room: int) -> tuple[Vote, dict[torch.dtype, torch.Tensor]]:
@@ -374,17 +389,17 @@ class FlatReducer(_Hooks):
             CollectiveError: they did not fit even then (`take_part`).
         """
         lend = context.comm.shared_buffers
-        # GPU gradients on a host plane (no NCCL: several workers may share the GPU) are
-        # staged in pinned host memory.
-        host = self.host.device.type == "cuda" and context.comm.control is context.comm
+        # GPU gradients on the host plane (no NCCL: several workers may share the GPU) are
+        # staged in host memory (`elastic.trainer.staging`).
+        staging = self.staging
 
         def zeros() -> dict[torch.dtype, torch.Tensor]:
-            return flatten_grads(self.params, zero=True, meta_len=room, lend=lend, host=host)
+            return flatten_grads(self.params, zero=True, meta_len=room, lend=lend, staging=staging)
 
         if vote != Vote.OK:
             return vote, take_part(self.host, context, zeros)
         ok, flat = fits(self.host.device, lambda: flatten_grads(
-            self.params, zero=False, meta_len=room, lend=lend, host=host))
+            self.params, zero=False, meta_len=room, lend=lend, staging=staging))
         if ok:
             return vote, flat
         nbytes = sum(p.numel() * p.element_size() for p in self.params)
@@ -402,6 +417,14 @@ class BucketReducer(_Hooks):
     def __init__(self, host: StepHost, params: list[torch.nn.Parameter],
                  buckets: GradientBuckets) -> None:
         self.host, self.params, self.buckets = host, params, buckets
+
+    def registered_bytes(self) -> int:
+        """Host staging (GPU workers on the host plane): the buckets' host buffers, as
+        `FlatReducer.registered_bytes`; else 0 (the buckets are summed where they lie)."""
+        if not self.buckets.staged:
+            return 0
+        return region_bytes(n * torch.empty(0, dtype=dtype).element_size()
+                            for dtype, n in self.buckets.host_sizes(0).items())
 
     def begin(self, context: StepContext) -> None:
         """Allocates the step's buffers and starts the communication thread that the last

@@ -55,6 +55,7 @@ from elastic.trainer.faults import FaultInjector, Progress, chaos_kill
 from elastic.trainer.outcomes import NonFinite, OutOfMemory, StepRecord, UserFailure
 from elastic.trainer.reducers import Reducer, SoloReducer, left_collectives, make_reducer, with_metric_names
 from elastic.trainer.sharding import OptimizerShards, check_shardable, sync_sharded
+from elastic.trainer.staging import CudaStreams, HostStaging
 from elastic.trainer.state import (
     committed_state,
     load_committed,
@@ -154,7 +155,7 @@ class Replica:
             self, self._params, collective.overlap_enabled, collective.bucket_bytes,
             collective.first_bucket_bytes, self.exact, self._loss_slot,
             keep=keep, norms=config.training.clip_grad_norm is not None
-            or config.training.clip_grad_value is not None)
+            or config.training.clip_grad_value is not None, staging=self._staging())
         self._several = self.reducer
         # A generation of one rank leaves the gradients where they are (none at stage 2,
         # whose reducer keeps the rank's share of each sum, nor in exact mode, whose integer
@@ -169,6 +170,13 @@ class Replica:
             return None
         check_shardable(self.optimizer)
         return OptimizerShards(self._params, self.optimizer, self.config.sharding.replicas)
+
+    def _staging(self) -> HostStaging | None:
+        """GPU workers on the host plane (no NCCL): their gradients are summed in host memory
+        (`elastic.trainer.staging`)."""
+        if self.device.type != "cuda" or self.config.collective.backend == "nccl":
+            return None
+        return HostStaging(CudaStreams())
 
     def _kept_grads(self) -> Callable[[], frozenset[int]] | None:
         """Sharding stage 2: the parts whose summed gradients this rank keeps (those it owns

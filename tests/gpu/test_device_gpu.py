@@ -126,3 +126,38 @@ def test_a_real_cuda_out_of_memory_error_in_the_optimizer_leaves_the_generation(
     assert is_out_of_memory(raised.value) and comm.aborted
     assert replica.global_step == 1
     assert all(p.grad is None for p in replica.model.parameters())
+
+
+def test_a_shared_memory_region_is_page_locked_for_copies_from_the_gpu_and_unlocked_on_release():
+    import mmap
+    import os
+    import tempfile
+
+    from elastic.trainer.staging import CudaStreams, HostStaging
+
+    size = 8 << 20
+    fd, path = tempfile.mkstemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        os.ftruncate(fd, size)
+        region = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    n = 1 << 20
+
+    def lend(sizes):  # as the transport lends: at the region's start, 64-byte aligned
+        return {torch.float32: whole[64 : 64 + 4 * sizes[torch.float32]].view(torch.float32)}
+
+    staging = HostStaging(CudaStreams())
+    lent = staging.buffers({torch.float32: n}, lend)[torch.float32]
+    assert staging.registered and lent.is_pinned()
+    source = torch.arange(n, dtype=torch.float32, device=_cuda())
+    staging.streams.copy(lent, source)
+    staging.streams.synchronize()
+    assert torch.equal(lent, source.cpu())
+    lent.mul_(2)
+    back = staging.streams.to_device(lent, _cuda())
+    assert torch.equal(back, source * 2)
+    staging.release()
+    assert not staging.registered and not lent.is_pinned()

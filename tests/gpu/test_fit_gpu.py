@@ -92,17 +92,20 @@ def test_two_gpu_workers_train_as_the_reference_and_recover_a_killed_one(ray_clu
     torch.testing.assert_close(result.model_state, reference_weights(0, B, 8), **TOLERANCE)
 
 
+@pytest.mark.parametrize("overlap", [None, False], ids=["buckets", "flat"])
 def test_four_workers_sharing_one_gpu_train_as_the_gpu_reference_through_two_kills(ray_cluster,
-                                                                                  tmp_path):
-    """gpus_per_worker=0.25 on the host plane (backend 'gloo': gradients staged in pinned host
-    memory): two workers killed mid-step, the survivors restore from a peer, replacements
-    join; the weights are the plain single-process GPU loop's and every sample is seen once
-    per epoch."""
+                                                                                  tmp_path,
+                                                                                  overlap):
+    """gpus_per_worker=0.25 on the host plane (backend 'gloo': gradients staged in host
+    memory, the registered shared-memory region; in buckets during the backward pass by
+    default, or flat after it): two workers killed mid-step, the survivors restore from a
+    peer, replacements join; the weights are the plain single-process GPU loop's and every
+    sample is seen once per epoch."""
     kills = (ChaosEvent(step=3, rank=1, action="kill", phase="backward"),
              ChaosEvent(step=6, rank=2, action="kill", phase="allreduce"))
     steps = 12  # two epochs of 96 samples
     config = _config(tmp_path, 4, max_steps=steps, chaos=kills, ledger=True,
-                     collective=CollectiveConfig(backend="gloo"),
+                     collective=CollectiveConfig(backend="gloo", overlap=overlap),
                      scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4,
                                            use_gpu=True, gpus_per_worker=0.25))
     result = elastic.fit(regression_job(), config)

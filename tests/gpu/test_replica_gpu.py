@@ -282,18 +282,75 @@ class HostPlane:
         pass
 
 
-def test_a_gpu_replica_on_a_host_plane_stages_its_gradients_in_pinned_memory(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["flat", "buckets"])
+def test_a_gpu_replica_on_a_host_plane_stages_its_gradients_in_pinned_memory(tmp_path, overlap):
     config = FitConfig(
         scaling=ScalingConfig(num_workers=1, use_gpu=True, gpus_per_worker=0.5),
-        collective=CollectiveConfig(backend="gloo"),
+        collective=CollectiveConfig(backend="gloo", overlap=overlap),
         batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
         run_dir=str(tmp_path), max_steps=STEPS, ledger=True)
     replica = _replica(regression_job(), config, tmp_path, _cuda(), comm=HostPlane())
     records = _train(replica, STEPS)
     assert all(isinstance(r, StepRecord) for r in records)
-    # One allreduce per step: the float64 gradients with the metadata in their room, pinned.
+    # One allreduce per step (one bucket holds this model): the float64 gradients with the
+    # metadata in their room, in page-locked memory of the staging's own (no region lent).
     grads = [c for c in replica.comm.calls if c[2] >= N_PARAMS]
     assert len(grads) == STEPS and all(pinned for *_, pinned in grads)
     assert all(p.device == _cuda() for p in replica.model.parameters())
     torch.testing.assert_close(_host(replica.model.state_dict()),
                                reference_weights(0, B, STEPS, device="cuda"), **TOLERANCE)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["flat", "buckets"])
+def test_two_gpu_ranks_sharing_the_gpu_sum_in_their_registered_regions(tmp_path, overlap):
+    # Two ranks as threads on the one GPU over real shared memory: each rank's region is
+    # page-locked with cudaHostRegister, the gradients are copied into it from the GPU and
+    # summed where they lie, and both end with the plain GPU loop's weights.
+    import threading
+
+    from elastic.collective import RendezvousServer, direct
+    from tests.threads import run_ranks
+
+    config = FitConfig(
+        scaling=ScalingConfig(num_workers=2, use_gpu=True, gpus_per_worker=0.5),
+        collective=CollectiveConfig(backend="gloo", overlap=overlap, bucket_bytes=1024,
+                                    first_bucket_bytes=1024),
+        batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+        run_dir=str(tmp_path), max_steps=STEPS, ledger=True)
+    plan = BatchPlan(B, (9, 7), (4, 3))
+    building = threading.Lock()
+    with building:
+        lend = Replica(regression_job(), config, str(tmp_path), _cuda()).registered_bytes()
+    assert lend > 0
+    registered, inner = [], direct._registered
+
+    def spy(comm, *args, **kwargs):
+        registered.append(comm.rank)
+        return inner(comm, *args, **kwargs)
+
+    def body(comm):
+        torch.cuda.set_device(_cuda())
+        with building:
+            replica = Replica(regression_job(), config, str(tmp_path), _cuda())
+        replica.comm = comm
+        replica.sync_from(0)
+        records = [replica.run_step(plan, []) for _ in range(STEPS)]
+        staging = replica.reducer.buckets._staging if overlap else replica.reducer.staging
+        pinned = staging.registered
+        replica.reducer.release()
+        replica.close()
+        return records, _host(replica.model.state_dict()), pinned, staging.registered
+
+    direct._registered = spy
+    server = RendezvousServer()
+    try:
+        results = run_ranks(server, 2, body, shared_bytes=lend)
+    finally:
+        direct._registered = inner
+        server.close()
+    reference = reference_weights(0, B, STEPS, device="cuda")
+    for records, weights, pinned, after in results:
+        assert all(isinstance(r, StepRecord) for r in records)
+        assert pinned and not after  # page-locked while used, unlocked once released
+        torch.testing.assert_close(weights, reference, **TOLERANCE)
+    assert sorted(set(registered)) == [0, 1]

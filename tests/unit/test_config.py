@@ -37,8 +37,10 @@ def test_a_fit_config_decides_auto_once_and_keeps_an_explicit_backend(monkeypatc
     config = _fit(use_gpu=True)
     assert config.collective.backend == "nccl" and config.collective.overlap_enabled
     shared = _fit(use_gpu=True, gpus_per_worker=0.5)
-    assert shared.collective.backend == "gloo" and not shared.collective.overlap_enabled
-    assert _fit().collective.backend == "gloo"  # CPU workers
+    # buckets overlap the backward pass on GPU workers, on the host plane too
+    assert shared.collective.backend == "gloo" and shared.collective.overlap_enabled
+    cpu = _fit()
+    assert cpu.collective.backend == "gloo" and not cpu.collective.overlap_enabled  # CPU workers
     dumped = config.model_dump(mode="json")
     monkeypatch.setattr(module, "nccl_installed", lambda: False)
     assert FitConfig.model_validate(dumped).collective.backend == "nccl"  # as it was decided

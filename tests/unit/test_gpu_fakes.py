@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from elastic import BatchConfig, FitConfig, ScalingConfig
-from elastic.config import CollectiveConfig
+from elastic.config import CollectiveConfig, ShardingConfig
 from elastic.trainer.replica import Replica, StepRecord
 from elastic.trainer.step import BatchPlan
 from tests.gpu.planes import PlaneCheck
@@ -43,9 +43,15 @@ def test_workers_may_share_a_gpu_on_the_host_plane_only():
     FitConfig(scaling=shared, collective=CollectiveConfig(backend="gloo"), max_steps=1, batch=BATCH)
     with pytest.raises(ValueError, match=r"gpus_per_worker 0.25 .*backend='gloo'"):
         FitConfig(scaling=shared, collective=CollectiveConfig(backend="nccl"), max_steps=1, batch=BATCH)
-    with pytest.raises(ValueError, match=r"collective\.overlap=False"):
-        FitConfig(scaling=shared, collective=CollectiveConfig(backend="gloo", overlap=True),
-                  max_steps=1, batch=BATCH)
+    # Buckets overlap the backward pass on the host plane too (by default: the GPU computes
+    # while the host copies and sums), or not, as asked.
+    assert FitConfig(scaling=shared, collective=CollectiveConfig(backend="gloo"), max_steps=1,
+                     batch=BATCH).collective.overlap_enabled
+    assert not FitConfig(scaling=shared, collective=CollectiveConfig(backend="gloo", overlap=False),
+                         max_steps=1, batch=BATCH).collective.overlap_enabled
+    with pytest.raises(ValueError, match=r"sharding\.stage 2 .*collective\.backend='nccl'"):
+        FitConfig(scaling=shared, collective=CollectiveConfig(backend="gloo"),
+                  sharding=ShardingConfig(stage=2), max_steps=1, batch=BATCH)
     with pytest.raises(ValueError, match=r"scaling\.use_gpu=True"):
         FitConfig(scaling=ScalingConfig(num_workers=1, gpus_per_worker=0.5), max_steps=1, batch=BATCH)
     # Whole GPUs on NCCL, as before.
