@@ -14,7 +14,7 @@
 # GPU_CHECK_PARTS picks parts (default: all, in that order). Each part writes its log and
 # results into GPU_CHECK_OUT (default: $OUT, else gpu-check-out) as it ends, and a line to
 # parts.txt; scripts/gpu_summary.py then prints the table of every part in that folder and
-# writes summary.json. Typical: tier 2 min, step 0.5, throughput 4, data 1, allreduce 0.5; the
+# writes summary.json. Typical: tier 2-3 min, step 0.5, throughput 4, data 1, allreduce 0.5; the
 # limits add up to 13. On a machine lent 10 min a call, a call cut short keeps the parts that
 # ended: run the others with GPU_CHECK_PARTS into the same folder (or join the two folders'
 # parts.txt and results, and run scripts/gpu_summary.py on them: standard library only).

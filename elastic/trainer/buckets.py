@@ -15,12 +15,14 @@ bucket.
 
 Host staging (GPU workers on the host plane, `elastic.trainer.staging`): each bucket also has a
 host buffer, a slice of the communicator's registered region where it lends one. The hooks
-queue a copy of each gradient into it (a DMA from the GPU into page-locked memory, which the
-backward pass does not wait for); the communication thread waits until a bucket's copies are
-done, sums the host buffer with the host allreduce, and queues the copy of the sums back into
-the bucket's buffer on the device, on its own stream, while the next bucket is summed. The host
-writes into the host buffers (zeros for a gradient that did not come) only once the last
-step's copies back are done.
+queue a copy of each gradient into it (a DMA into page-locked memory, which the host does not
+wait for); the communication thread waits until a bucket's copies are done, sums the host
+buffer with the host allreduce while the backward pass goes on, and queues the copy of the sums
+back into the bucket's buffer on the device, on its thread's current stream. Both threads'
+current streams are CUDA's default stream unless the user set another, so the copies take
+turns with the backward pass's kernels: what overlaps is the host's work (the sums, and a
+rank's wait for its peers). The host writes into the host buffers (zeros for a gradient that
+did not come) only once the last step's copies back are done.
 
 The buffers live on the parameters' device; the communication thread binds that device. On a
 GPU the hooks copy on the stream autograd runs them on (the user's, under
@@ -513,6 +515,9 @@ class GradientBuckets:
                 device = state.buffers[i]
                 assert device is not None
                 self._streams.copy(device, buffer[: bucket.numel])
+                # Not reused before the copy is done, whoever frees it (an error ends the
+                # step before the caller's stream waits for this one).
+                self._streams.retire(device)
             if state.kept is not None:
                 self._keep_share(state, i, buffer, last=i == last)
         if not self._joined:

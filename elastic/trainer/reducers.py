@@ -336,8 +336,9 @@ def grads_finite(params: list[torch.nn.Parameter]) -> bool:
 
 def region_bytes(sizes: Iterable[int]) -> int:
     """The registered region that holds buffers of `sizes` bytes, one per dtype (each
-    64-byte aligned), and room for the step's metadata up to `META_ROOM` elements."""
-    return sum(-(-n // 64) * 64 for n in sizes) + META_ROOM * 8
+    64-byte aligned), and room for the step's metadata up to `META_ROOM` elements (and for
+    the alignment after it)."""
+    return sum(-(-n // 64) * 64 for n in sizes) + META_ROOM * 8 + 64
 
 
 class FlatReducer(_Hooks):

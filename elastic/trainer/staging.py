@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -88,12 +89,40 @@ class CudaStreams:
     def register(self, address: int, nbytes: int) -> str | None:
         """Page-locks `nbytes` of host memory (not torch's) at `address` for copies from and
         to the GPU; returns why not, or None."""
-        error = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
-        code = int(error[0] if isinstance(error, tuple) else error)
-        return None if code == 0 else f"cudaHostRegister returned CUDA error {code}"
+        code = _code(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))
+        if code == 0:
+            return None
+        _clear_last_error()
+        return f"cudaHostRegister returned CUDA error {code}"
 
     def unregister(self, address: int) -> None:
-        torch.cuda.cudart().cudaHostUnregister(address)
+        if _code(torch.cuda.cudart().cudaHostUnregister(address)) != 0:
+            _clear_last_error()
+
+
+def _ref(owner: object) -> Callable[[], object]:
+    """A weak reference to `owner` (a strong one where it takes none)."""
+    try:
+        return weakref.ref(owner)
+    except TypeError:
+        return lambda: owner
+
+
+def _code(error: object) -> int:
+    """A CUDA runtime call's error code, as torch's bindings return it."""
+    return int(error[0] if isinstance(error, tuple) else error)  # type: ignore[index,call-overload]
+
+
+def _clear_last_error() -> None:
+    """A runtime call that failed left its error as the thread's last error, which the check
+    after the next kernel launch would raise as that kernel's own: a throwaway launch reads it
+    (and so clears it) here. Registration errors are not sticky: the second launch runs."""
+    for _ in range(2):
+        try:
+            torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+            return
+        except RuntimeError:
+            continue
 
 
 class HostStaging:
@@ -110,6 +139,8 @@ class HostStaging:
         self._registered: tuple[int, int, list[torch.Tensor]] | None = None
         # The last pages that could not be page-locked, and why (not asked again).
         self._refused: tuple[int, int, str] | None = None
+        self._lender: Callable[[], object] | None = None  # who lent last (the communicator)
+        self._warned: str | None = None  # the last reason a region was refused, as logged
 
     @property
     def registered(self) -> bool:
@@ -122,6 +153,10 @@ class HostStaging:
         call's where the sizes and the lender's region are the same: the caller writes into it
         from the host only after the device is done with the last step's copies.
         """
+        owner = getattr(lend, "__self__", lend)
+        if self._lender is None or self._lender() is not owner:  # another generation's
+            self._refused = None  # a region refused before is not this one
+            self._lender = _ref(owner) if owner is not None else None
         lent = lend(sizes) if lend is not None else None
         if lent is not None:
             self._pin(lent)
@@ -139,7 +174,7 @@ class HostStaging:
     def release(self) -> None:
         """Unregisters the region (once the device is idle) and frees the buffers of its own."""
         self._unpin()
-        self._own = {}
+        self._own, self._refused, self._lender = {}, None, None
 
     def _pin(self, lent: dict[torch.dtype, torch.Tensor]) -> None:
         """Page-locks the whole pages that hold `lent`, unless they are already. The region
@@ -156,11 +191,11 @@ class HostStaging:
             return
         why = self.streams.register(low, high - low)
         if why is not None:
-            if self._refused is None or self._refused[2] != why:
+            if why != self._warned:  # once per reason
                 logger.warning("the shared-memory region for the gradients could not be "
                                "page-locked (%s): each copy from the GPU into it waits for "
                                "the device instead of overlapping it", why)
-            self._refused = (low, high, why)
+            self._refused, self._warned = (low, high, why), why
             return
         # The lent views keep the mapping alive until it is unregistered.
         self._registered, self._refused = (low, high, list(lent.values())), None

@@ -128,14 +128,13 @@ def test_a_real_cuda_out_of_memory_error_in_the_optimizer_leaves_the_generation(
     assert all(p.grad is None for p in replica.model.parameters())
 
 
-def test_a_shared_memory_region_is_page_locked_for_copies_from_the_gpu_and_unlocked_on_release():
+def _shared_region(size: int):
+    """A /dev/shm mapping as the shared-memory transport maps one, and a lender over it (at
+    the region's start, 64-byte aligned, as `Communicator.shared_buffers` lends)."""
     import mmap
     import os
     import tempfile
 
-    from elastic.trainer.staging import CudaStreams, HostStaging
-
-    size = 8 << 20
     fd, path = tempfile.mkstemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
         os.ftruncate(fd, size)
@@ -144,11 +143,17 @@ def test_a_shared_memory_region_is_page_locked_for_copies_from_the_gpu_and_unloc
         os.close(fd)
         os.unlink(path)
     whole = torch.frombuffer(region, dtype=torch.uint8)
-    n = 1 << 20
 
-    def lend(sizes):  # as the transport lends: at the region's start, 64-byte aligned
+    def lend(sizes):
         return {torch.float32: whole[64 : 64 + 4 * sizes[torch.float32]].view(torch.float32)}
 
+    return lend
+
+
+def test_a_shared_memory_region_is_page_locked_for_copies_from_the_gpu_and_unlocked_on_release():
+    from elastic.trainer.staging import CudaStreams, HostStaging
+
+    lend, n = _shared_region(8 << 20), 1 << 20
     staging = HostStaging(CudaStreams())
     lent = staging.buffers({torch.float32: n}, lend)[torch.float32]
     assert staging.registered and lent.is_pinned()
@@ -161,3 +166,23 @@ def test_a_shared_memory_region_is_page_locked_for_copies_from_the_gpu_and_unloc
     assert torch.equal(back, source * 2)
     staging.release()
     assert not staging.registered and not lent.is_pinned()
+
+
+def test_a_region_cuda_refuses_to_page_lock_leaves_no_error_behind_for_the_next_kernel():
+    # The same pages registered twice: CUDA refuses the second (already registered), and the
+    # error that call left as the thread's last error must not surface in the next kernel.
+    from elastic.trainer.staging import CudaStreams, HostStaging
+
+    lend = _shared_region(1 << 20)
+    first, second = HostStaging(CudaStreams()), HostStaging(CudaStreams())
+    first.buffers({torch.float32: 1000}, lend)
+    lent = second.buffers({torch.float32: 1000}, lend)[torch.float32]
+    assert first.registered and not second.registered
+    x = torch.full((4,), 2.0, device=_cuda()) * 3  # raised the stale error before the fix
+    assert x.sum().item() == 24
+    staging_copy = torch.arange(1000, dtype=torch.float32, device=_cuda())
+    second.streams.copy(lent, staging_copy)  # into memory page-locked by `first`: works
+    second.streams.synchronize()
+    assert torch.equal(lent, staging_copy.cpu())
+    first.release()
+    second.release()

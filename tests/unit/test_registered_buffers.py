@@ -275,5 +275,5 @@ def test_a_replica_asks_for_no_region_when_it_reduces_no_flat_host_buffers(tmp_p
 
     flat = lend()
     # float64 parameters of tests.jobs.make_model, 64-byte aligned, and the metadata's room
-    assert flat == -(-(6 * 8 + 8 + 8 + 1) * 8 // 64) * 64 + (1 << 16) * 8
+    assert flat == -(-(6 * 8 + 8 + 8 + 1) * 8 // 64) * 64 + (1 << 16) * 8 + 64
     assert lend(overlap=True) == 0  # buckets reduce their own buffers
