@@ -48,6 +48,7 @@ parameters with no further collective.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -438,7 +439,13 @@ class GradientBuckets:
         """
         state = self._state
         assert state is not None and state.future is not None
-        done = state.future.result()
+        try:
+            done = state.future.result()
+        except BaseException:
+            if state.host is not None:  # the copies back queued before the failure end first
+                with contextlib.suppress(Exception):
+                    self._streams.idle()
+            raise
         if done is not None and self._streams is not None:
             self._streams.wait(done)  # what the step reads next follows the reductions
         if state.host is not None:

@@ -25,6 +25,7 @@ from elastic import BatchConfig, FitConfig, ScalingConfig
 from elastic.adapt.plan import BatchPlan
 from elastic.collective import RendezvousServer, direct, shm
 from elastic.config import CollectiveConfig
+from elastic.errors import CollectiveError
 from elastic.trainer.buckets import GradientBuckets
 from elastic.trainer.flat import flatten_grads, unflatten_grads
 from elastic.trainer.replica import Replica, StepRecord
@@ -344,6 +345,32 @@ def test_flat_buffers_are_filled_by_the_gpu_before_the_host_writes_zeros_into_th
         for p, want in zip(params, expected, strict=True):
             torch.testing.assert_close(p.grad, want, rtol=0, atol=0)
     streams.synchronize()
+    assert streams.violations == []
+
+
+def test_a_failed_reduce_waits_for_the_copies_back_it_queued_before_it_raises():
+    # The second bucket's allreduce fails after the first bucket's sums were queued back to
+    # the device: the step raises only once they are done (the next step reuses the memory).
+    torch.manual_seed(0)
+    model = TwoBranches()
+    streams = DeferredStreams()
+    buckets = GradientBuckets(list(model.parameters()), bucket_bytes=16 * 17 * 4,
+                              first_bucket_bytes=1024, staging=HostStaging(streams))
+
+    class Failing(IdentityComm):
+        def allreduce(self, tensor, *args, **kwargs):
+            if self.sums:
+                raise CollectiveError("a peer left")
+            return super().allreduce(tensor)
+
+    meta = torch.zeros(3, dtype=torch.float64)
+    buckets.begin(Failing(), meta_len=3, vote_slot=0, nonfinite_vote=2.0)
+    buckets.arm(True)
+    model(torch.randn(4, 16), True).sum().backward()
+    buckets.finish(meta)
+    with pytest.raises(CollectiveError):
+        buckets.wait()
+    assert streams.queued.get("comm") == [] and ("idle",) in streams.log
     assert streams.violations == []
 
 
