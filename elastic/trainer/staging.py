@@ -7,8 +7,8 @@ gradient is copied from the GPU into a host buffer, the buffers are reduced by t
 allreduce, and the sums are copied back. The host buffers are the communicator's registered
 shared-memory region when it lends one (`Communicator.shared_buffers`: the direct allreduce
 then reduces them where they lie, with no copy through the transport), page-locked with
-`cudaHostRegister` so that a copy from the GPU is an asynchronous DMA that overlaps the
-backward pass; else page-locked buffers of their own, kept from step to step.
+`cudaHostRegister` so that a copy from the GPU is a DMA queued on the stream, which the host
+does not wait for; else page-locked buffers of their own, kept from step to step.
 
 A region stays registered while its communicator's generation lasts: the next generation lends
 another region (the old one is unregistered then, once the device is idle, and its mapping
@@ -193,8 +193,8 @@ class HostStaging:
         if why is not None:
             if why != self._warned:  # once per reason
                 logger.warning("the shared-memory region for the gradients could not be "
-                               "page-locked (%s): each copy from the GPU into it waits for "
-                               "the device instead of overlapping it", why)
+                               "page-locked (%s): each copy from the GPU into it makes the "
+                               "host wait for it", why)
             self._refused, self._warned = (low, high, why), why
             return
         # The lent views keep the mapping alive until it is unregistered.
