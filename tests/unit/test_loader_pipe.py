@@ -71,7 +71,9 @@ def test_a_dropped_batch_is_received_and_its_shared_memory_released(prefetcher):
         loader.want([kept])  # a replan: `dropped` is being read, and is never handed out
         assert loader.take(dropped) is None
         assert loader.take(kept) is not None
-    assert _open_files(pid) <= before + 2  # 40 more (2 tensors x 20) if they were left there
+    # 40 more (2 tensors x 20) if they were left there; a few may be open for a moment: the
+    # last batches' storages the loader has sent and not yet freed (a bound of 2 failed once)
+    assert _open_files(pid) <= before + 8
     assert loader.served == 21 and loader.pids() == [pid]
 
 
