@@ -59,7 +59,7 @@ class CollectiveConfig(_Frozen):
         "GPU each when cupy is installed where the FitConfig is made, else 'gloo'; decided "
         "once, as the FitConfig is validated, so that every worker uses the same), 'gloo' "
         "(host memory: shared memory between the ranks of a host, gloo between hosts; GPU "
-        "workers copy their gradients into pinned host memory and back, which lets several "
+        "workers copy their gradients into page-locked host memory and back, which lets several "
         "workers share one GPU) or 'nccl' (CUDA tensors, one GPU per rank, needs the `gpu` "
         "extra for CUDA 12 or `gpu-cu13` for CUDA 13). A CollectiveConfig used on its own (a "
         "communicator without a FitConfig) reads 'auto' as 'gloo'.",

@@ -4,8 +4,9 @@ summed gradients of the global batch, and the step's metadata with them.
 - `FlatReducer`: after the backward pass, the gradients are joined into one buffer per dtype
   and each is summed in one allreduce (`elastic.trainer.flat`); on CPU workers the buffers
   may be the communicator's registered shared memory, on GPU workers of a host plane they
-  are staged in pinned host memory.
-- `BucketReducer`: buckets reduced while the backward pass runs (`elastic.trainer.buckets`).
+  are staged in host memory (`elastic.trainer.staging`: that region, page-locked).
+- `BucketReducer`: buckets reduced while the backward pass runs (`elastic.trainer.buckets`),
+  staged in host memory as the flat buffers are on GPU workers of a host plane.
 - `ExactReducer`: exact mode's fixed-point integer sums (`elastic.trainer.exact`), the same
   bits for any split.
 - `ShardedReducer`: buckets as `BucketReducer`, each rank keeping the summed gradients of the
