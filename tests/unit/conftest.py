@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from elastic.collective import direct
 from elastic.trainer.loader import Prefetcher
 from tests.procs import warm_context
 
@@ -30,3 +31,18 @@ def prefetcher():
     yield make
     for p in made:
         p.close()
+
+
+@pytest.fixture
+def registered_calls(monkeypatch):
+    """Counts the allreduces that took the direct allreduce's registered path (a buffer
+    reduced where it lies in the shared region), by rank."""
+    calls: list[int] = []
+    inner = direct._registered
+
+    def spy(comm, *args, **kwargs):
+        calls.append(comm.rank)
+        return inner(comm, *args, **kwargs)
+
+    monkeypatch.setattr(direct, "_registered", spy)
+    return calls

@@ -23,7 +23,7 @@ from torch import nn
 
 from elastic import BatchConfig, FitConfig, ScalingConfig
 from elastic.adapt.plan import BatchPlan
-from elastic.collective import RendezvousServer, direct, shm
+from elastic.collective import RendezvousServer, shm
 from elastic.config import CollectiveConfig
 from elastic.errors import CollectiveError
 from elastic.trainer.buckets import GradientBuckets
@@ -278,16 +278,22 @@ class TwoBranches(nn.Module):
         return self.out(torch.tanh(h))
 
 
+def _staged_two_branches() -> tuple[TwoBranches, list[nn.Parameter], DeferredStreams, Region,
+                                     HostStaging]:
+    """The model of the two tests below, its parameters, and a staging over deferred streams
+    with a region it may be lent."""
+    torch.manual_seed(0)
+    model = TwoBranches()
+    streams = DeferredStreams()
+    return (model, list(model.parameters()), streams, Region(nbytes=16 * mmap.PAGESIZE),
+            HostStaging(streams))
+
+
 @pytest.mark.parametrize("lent", [True, False], ids=["lent", "own"])
 def test_buckets_sum_what_the_gpu_copied_and_copy_the_sums_back_before_the_step_reads_them(lent):
     # Step 1 reaches every parameter; step 2 leaves `b` out, so the host writes zeros into
     # b's part of a host buffer that step 1's copies back read: only after they are done.
-    torch.manual_seed(0)
-    model = TwoBranches()
-    params = list(model.parameters())
-    streams = DeferredStreams()
-    region = Region(nbytes=16 * mmap.PAGESIZE)
-    staging = HostStaging(streams)
+    model, params, streams, region, staging = _staged_two_branches()
     buckets = GradientBuckets(params, bucket_bytes=16 * 17 * 4, first_bucket_bytes=1024,
                               staging=staging)
     assert len(buckets.buckets) >= 3 and buckets.staged
@@ -325,12 +331,7 @@ def test_flat_buffers_are_filled_by_the_gpu_before_the_host_writes_zeros_into_th
     # As above, after the backward pass: step 2's zeros for `b` go into host memory that step
     # 1's copy back to the device read, only once the copies of step 2 are done (which the
     # stream orders after step 1's).
-    torch.manual_seed(0)
-    model = TwoBranches()
-    params = list(model.parameters())
-    streams = DeferredStreams()
-    region = Region(nbytes=16 * mmap.PAGESIZE)
-    staging = HostStaging(streams)
+    model, params, streams, region, staging = _staged_two_branches()
     x = torch.randn(4, 16)
     for use_b in (True, False):
         model.zero_grad(set_to_none=True)
@@ -398,7 +399,7 @@ def server():
 @pytest.mark.skipif(shm.supported() is not None, reason=str(shm.supported()))
 @pytest.mark.parametrize("overlap", [False, True], ids=["flat", "buckets"])
 def test_two_staged_ranks_sum_in_their_registered_regions_and_train_as_plain_pytorch(
-        tmp_path, server, monkeypatch, overlap):
+        tmp_path, server, registered_calls, monkeypatch, overlap):
     steps, batch = 3, 16
     config = FitConfig(
         scaling=ScalingConfig(num_workers=2, min_workers=1),
@@ -413,14 +414,6 @@ def test_two_staged_ranks_sum_in_their_registered_regions_and_train_as_plain_pyt
         return HostStaging(fakes[-1])
 
     monkeypatch.setattr(Replica, "_staging", staging)
-    registered: list[int] = []
-    inner = direct._registered
-
-    def spy(comm, *args, **kwargs):
-        registered.append(comm.rank)
-        return inner(comm, *args, **kwargs)
-
-    monkeypatch.setattr(direct, "_registered", spy)
     building = threading.Lock()  # the model is built under the process-wide torch seed
     with building:
         lend = Replica(regression_job(), config, str(tmp_path)).registered_bytes()
@@ -441,8 +434,8 @@ def test_two_staged_ranks_sum_in_their_registered_regions_and_train_as_plain_pyt
         assert all(isinstance(o, StepRecord) for o in outcomes)
         torch.testing.assert_close(replica.model.state_dict(), reference, rtol=1e-9, atol=1e-10)
     # every sum was made where the gradients lay: in the registered regions
-    assert registered and sorted(set(registered)) == [0, 1]
-    assert len(registered) == 2 * steps * (1 if not overlap else len(
+    assert registered_calls and sorted(set(registered_calls)) == [0, 1]
+    assert len(registered_calls) == 2 * steps * (1 if not overlap else len(
         results[0][1].reducer.buckets.buckets))
     built = fakes[1:]  # the first built the replica that asked the region's size
     for fake in built:

@@ -33,20 +33,6 @@ def server():
     srv.close()
 
 
-@pytest.fixture
-def registered_calls(monkeypatch):
-    """Counts allreduces that took the registered path, per rank."""
-    calls: list[int] = []
-    inner = direct._registered
-
-    def spy(comm, *args, **kwargs):
-        calls.append(comm.rank)
-        return inner(comm, *args, **kwargs)
-
-    monkeypatch.setattr(direct, "_registered", spy)
-    return calls
-
-
 @pytest.mark.parametrize(("world_size", "hosts", "chunk"), [
     (2, None, 4 << 20), (3, None, 4096), (4, None, 8192), (5, None, 4096),
     (4, 2, 4096), (5, 2, 8192), (6, 3, 4096),
