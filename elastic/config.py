@@ -36,12 +36,13 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-def choose_backend(use_gpu: bool, gpus_per_worker: float,
-                   nccl: bool) -> Literal["gloo", "nccl"]:
+def choose_backend(use_gpu: bool, gpus_per_worker: float, nccl: bool,
+                   exact: bool = False) -> Literal["gloo", "nccl"]:
     """What `CollectiveConfig.backend='auto'` runs on: NCCL for GPU workers that own a GPU
     each when it is installed (`nccl`); else the host plane: CPU workers, GPU workers that
-    share a GPU (NCCL refuses two ranks on one), or no cupy."""
-    return "nccl" if use_gpu and gpus_per_worker >= 1 and nccl else "gloo"
+    share a GPU (NCCL refuses two ranks on one), no cupy, or exact mode (`exact`: its integer
+    sums are made on the host)."""
+    return "nccl" if use_gpu and gpus_per_worker >= 1 and nccl and not exact else "gloo"
 
 
 def nccl_installed() -> bool:
@@ -323,7 +324,8 @@ class BatchConfig(_Frozen):
         "a power-of-two scale and summed exactly, so the sum does not depend on the order; "
         "kernels are deterministic and the threads fixed (scaling.threads_per_worker). Costs "
         "8-byte integers on the wire (twice float32) and no overlap of communication with the "
-        "backward pass. CPU workers only for now.",
+        "backward pass. GPU workers too, on the host plane (collective.backend 'gloo', what "
+        "'auto' picks with exact), where the bits hold for one GPU model and its kernels.",
     )
 
 
@@ -783,7 +785,7 @@ class FitConfig(_Frozen):
     def _check(self) -> FitConfig:
         if self.collective.backend == "auto":  # decided here once, before the checks below
             chosen = choose_backend(self.scaling.use_gpu, self.scaling.gpus_per_worker,
-                                    self.scaling.use_gpu and nccl_installed())
+                                    self.scaling.use_gpu and nccl_installed(), self.batch.exact)
             object.__setattr__(self, "collective",
                                self.collective.model_copy(update={"backend": chosen}))
         if self.collective.overlap is None and self.scaling.use_gpu:  # on for GPU workers
@@ -859,12 +861,11 @@ class FitConfig(_Frozen):
         if scaling.gpus_per_worker != 1 and not scaling.use_gpu:
             raise ValueError("scaling.gpus_per_worker applies to GPU workers; set "
                              "scaling.use_gpu=True or leave gpus_per_worker at 1")
-        if batch.exact and self.collective.backend == "nccl" and not self.scaling.use_gpu:
-            raise ValueError("batch.exact sums integers over the CPU transport; it cannot run "
-                             "with collective.backend='nccl' (set it to 'gloo')")
-        if batch.exact and self.scaling.use_gpu:
-            raise ValueError("batch.exact runs on CPU workers for now (its integer sums travel "
-                             "through the CPU transport); set scaling.use_gpu=False")
+        if batch.exact and self.collective.backend == "nccl":
+            raise ValueError("batch.exact sums its integers on the host plane; it cannot run "
+                             "with collective.backend='nccl': set it to 'gloo' (or 'auto', "
+                             "which picks 'gloo' with exact; GPU workers then stage in host "
+                             "memory), or batch.exact=False")
         if self.data.pin_memory and not self.scaling.use_gpu:
             raise ValueError("data.pin_memory pins host memory for copies to a GPU; it needs "
                              "scaling.use_gpu=True (set data.pin_memory=False on CPU workers)")

@@ -57,6 +57,19 @@ def cnn_job() -> TrainJob:
     return TrainJob(model=cnn, optimizer=sgd, loss=classify, dataset=images)
 
 
+def flat_cnn() -> nn.Module:
+    """`cnn` with its pooling replaced by flattening: every kernel of its backward pass has a
+    deterministic CUDA implementation (AdaptiveAvgPool2d's has none), as exact mode on a GPU
+    needs."""
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(4 * 6 * 6, 4))
+
+
+def flat_cnn_job() -> TrainJob:
+    return TrainJob(model=flat_cnn, optimizer=sgd, loss=classify, dataset=images)
+
+
 # --- a padded-token language model with a sum-and-count loss ----------------------------------
 
 
@@ -243,13 +256,18 @@ JOBS = {"cnn_batchnorm": cnn_job, "lm_losssum": lm_job, "dropout": dropout_job,
         "random_layers": random_layers_job, "unused_params": unused_job}
 
 
-def _start(job: TrainJob, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, TensorDataset]:
-    """Model (built under `seed`, as a worker builds it), optimizer and data set, in training
-    mode."""
+def _start(job: TrainJob, seed: int, device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer,
+                                                                    TensorDataset]:
+    """Model (built under `seed`, as a worker builds it, then moved to `device`), optimizer
+    and data set, in training mode."""
     torch.manual_seed(seed)
-    model = job.model()
+    model = job.model().to(device)
     model.train()
     return model, job.optimizer(model.parameters()), job.dataset()
+
+
+def _on(batch, device: str):
+    return [t.to(device) for t in batch] if isinstance(batch, list | tuple) else batch.to(device)
 
 
 def _global_batch(n: int, seed: int, global_batch: int, step: int) -> torch.Tensor:
@@ -313,11 +331,13 @@ def _fixed_point_sum(values: list[torch.Tensor], exponent: int, groups: int) -> 
 
 
 def exact_reference(job: TrainJob, seed: int, global_batch: int, group: int,
-                    steps: int) -> dict[str, torch.Tensor]:
+                    steps: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     """One plain-PyTorch process in exact mode: the groups of `reference`, each group's
     gradient, loss, count and BatchNorm terms computed on their own and summed in fixed point
-    (`_fixed_point_sum`), every slot's exponent following the previous step's largest values."""
-    model, opt, data = _start(job, seed)
+    (`_fixed_point_sum`), every slot's exponent following the previous step's largest values.
+    On `device` (a GPU: run it under `torch.use_deterministic_algorithms(True)` and without
+    `cudnn.benchmark`, as exact mode's workers run); the state comes back on the CPU."""
+    model, opt, data = _start(job, seed, device)
     groups = global_batch // group
     bits = 52 - max(1, (groups - 1).bit_length())
     params = [p for p in model.parameters() if p.requires_grad]
@@ -332,7 +352,8 @@ def exact_reference(job: TrainJob, seed: int, global_batch: int, group: int,
         summing = False
         for j in range(groups):
             seed_all(forward_seed(seed, step, j * group))
-            batch = default_collate([data[int(i)] for i in idx[j * group : (j + 1) * group]])
+            batch = _on(default_collate([data[int(i)] for i in idx[j * group : (j + 1) * group]]),
+                        device)
             with torch.no_grad():
                 for m, (_, _, tracked) in zip(norms, before, strict=True):
                     m.running_mean.zero_()
@@ -382,4 +403,4 @@ def exact_reference(job: TrainJob, seed: int, global_batch: int, group: int,
         opt.zero_grad(set_to_none=True)
         exponents = [e + top.bit_length() + HEADROOM - bits if top else e
                      for e, top in zip(exponents, largest, strict=True)]
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

@@ -223,13 +223,15 @@ class BufferSync:
             stats = torch.cat(self._stat_flat)
             self._flat_sums.add_(stats.to(torch.float64), alpha=weights[0])
             return
-        for i, ((_, m), (mean, var), weight) in enumerate(
-                zip(self.norms, self._sums, weights, strict=True)):
+        if exact is not None:  # every layer's terms at once (one read of their peaks)
+            exact.add_many([pair for i, ((_, m), weight) in enumerate(zip(self.norms, weights,
+                                                                          strict=True))
+                            if weight is not None for pair in (
+                                (self._slot + 2 * i, m.running_mean.detach().to(torch.float64) * weight),
+                                (self._slot + 2 * i + 1, m.running_var.detach().to(torch.float64) * weight))])
+            return
+        for (_, m), (mean, var), weight in zip(self.norms, self._sums, weights, strict=True):
             if weight is None:
-                continue
-            if exact is not None:
-                exact.add(self._slot + 2 * i, m.running_mean.detach().to(torch.float64) * weight)
-                exact.add(self._slot + 2 * i + 1, m.running_var.detach().to(torch.float64) * weight)
                 continue
             mean.add_(m.running_mean.detach().to(torch.float64), alpha=weight)
             var.add_(m.running_var.detach().to(torch.float64), alpha=weight)
@@ -283,15 +285,20 @@ class BufferSync:
                 self._commit_whole(stats, keeps.pop())
                 self._after_commit(changed, comm, src)
                 return
+        # Exact mode: every layer's sums to the device in one copy.
+        sums = (exact.values(range(self._slot, self._slot + 2 * len(self.norms)),
+                             self.norms[0][1].running_mean.device)
+                if exact is not None and self.norms else [])
+        reached = ran.tolist()  # the host's (the summed sections): one read, not one per layer
         with torch.no_grad():
             for i, ((_, m), before) in enumerate(zip(self.norms, self._before, strict=True)):
                 n = m.running_mean.numel()
                 if exact is not None:
-                    mean, var = exact.value(self._slot + 2 * i), exact.value(self._slot + 2 * i + 1)
+                    mean, var = sums[2 * i], sums[2 * i + 1]
                 else:
                     mean, var = summed[offset : offset + n], summed[offset + n : offset + 2 * n]
                     offset += 2 * n
-                if float(ran[i]) <= 0:
+                if reached[i] <= 0:
                     continue
                 keep = self._later_decay(m, before.tracked, -1)
                 m.running_mean.copy_((before.mean.to(torch.float64) * keep + mean.to(

@@ -82,6 +82,23 @@ def _clamp(exponent: int) -> int:
     return max(_LOWEST, min(_HIGHEST, exponent))
 
 
+def _largest(xs: Sequence[torch.Tensor]) -> list[float]:
+    """Each tensor's largest magnitude (NaN where it holds a NaN, inf where an infinity): one
+    fused reduction per device and dtype, and one read per device."""
+    where: dict[torch.device, dict[torch.dtype, list[int]]] = {}
+    for i, x in enumerate(xs):
+        where.setdefault(x.device, {}).setdefault(x.dtype, []).append(i)
+    out = [0.0] * len(xs)
+    for by_dtype in where.values():
+        order = [i for indices in by_dtype.values() for i in indices]
+        peaks = torch.cat([torch.stack(torch._foreach_norm([xs[i] for i in indices],
+                                                           ord=math.inf)).to(torch.float64)
+                           for indices in by_dtype.values()])
+        for i, peak in zip(order, peaks.tolist(), strict=True):
+            out[i] = peak
+    return out
+
+
 def environment() -> dict[str, Any]:
     """What exactness assumes of this process: the same group on the same inputs gives the same
     bits only with the same torch build, intra-op threads, CPU features and device."""
@@ -101,10 +118,13 @@ def environment_changes(saved: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
 
 def make_deterministic(threads: int) -> None:
     """Fixes this process's torch for exact mode: `threads` intra-op threads and deterministic
-    kernels wherever the backend has a choice (an operation without one raises, naming it)."""
+    kernels wherever the backend has a choice (an operation without one raises, naming it);
+    on a GPU, cuDNN picks its algorithms without timing them (a choice by timing may differ
+    between processes, and with it the bits)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA's first GEMM
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 class ExactSum:
@@ -132,7 +152,10 @@ class ExactSum:
         self.nonfinite = False
         self.overflowed = False
         self._buffer = torch.zeros(0, dtype=torch.float64)
-        self._scratch = torch.empty(max(self.sizes, default=0), dtype=torch.float32)
+        # This attempt's sums of the values added, on each device the values lay on (copied
+        # into the host buffer by `payload`), and a float32 scratch per device.
+        self._sums: dict[torch.device, torch.Tensor] = {}
+        self._scratch: dict[torch.device, torch.Tensor] = {}
         self._max_sums = [0] * len(self.sizes)
         self.added: set[int] = set()  # the slots a value was added to in this step's attempt
         self._overflow = [0] * len(self.sizes)
@@ -153,8 +176,8 @@ class ExactSum:
         length = self.payload_length + extra
         if self._buffer.numel() != length:
             self._buffer = torch.zeros(length, dtype=torch.float64)
-        else:
-            self._buffer[: self.offsets[-1]].zero_()
+        for sums in self._sums.values():
+            sums.zero_()
         self._max_sums = [0] * self.slots
         self._overflow = [0] * self.slots
         self.nonfinite = self.overflowed = False
@@ -165,41 +188,63 @@ class ExactSum:
         """Adds one group's `value` of `slot` (any float tensor of the slot's size; on any
         device). A non-finite value sets `nonfinite`; one too large for the slot's exponent
         sets `overflowed` and is left out."""
-        x = value.detach().reshape(-1)
-        if x.numel() != self.sizes[slot]:
-            raise ValueError(f"slot {slot} holds {self.sizes[slot]} values, got {x.numel()}")
-        self.added.add(slot)
-        if x.numel() == 0:
-            return
-        if x.dtype not in (torch.float32, torch.float64):
-            x = x.float()  # 16-bit floats: scaled values could overflow their range
-        low, high = (float(v) for v in torch.aminmax(x))
-        largest = math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
-        if not math.isfinite(largest):
-            self.nonfinite = True
-            return
-        exponent = self.exponents[slot]
-        try:
-            max_q = round(math.ldexp(largest, -exponent))  # ties to even, like torch.round
-        except OverflowError:  # beyond float64: as wide a rescale as one redo may take
-            max_q = math.inf
-        if max_q >= self._limit:
-            self.overflowed = True
-            bits = self.bits if max_q == math.inf else overflow_bits(float(max_q), self.groups)
-            self._overflow[slot] += 1 << bits
-            return
-        if max_q == 0:
-            return
-        x = x.cpu()
-        if x.dtype == torch.float32 and not -127 <= exponent <= 126:
-            x = x.to(torch.float64)  # 2**-exponent is not a float32
-        # A power-of-two scaling is exact in x's own dtype (a value it pushes below the normal
-        # range rounds to 0 either way), so this equals the float64 rule.
-        q = (torch.mul(x, 2.0 ** -exponent, out=self._scratch[: x.numel()])
-             if x.dtype == torch.float32 else x * (2.0 ** -exponent))
+        self.add_many([(slot, value)])
+
+    def add_many(self, values: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """`add` for one group's value of each of several slots (`(slot, value)` pairs). The
+        values' largest magnitudes are read with one copy to the host per device (on a GPU one
+        wait for it, where a value at a time would wait twice per slot), and each value is
+        rounded and summed where it lies: on a GPU the group sums stay there until `payload`
+        copies them to the host, once per step. The arithmetic is the same on every device
+        (a power-of-two scaling, rounding ties to even, sums of integers below 2**53)."""
+        pending: list[tuple[int, torch.Tensor]] = []
+        for slot, value in values:
+            x = value.detach().reshape(-1)
+            if x.numel() != self.sizes[slot]:
+                raise ValueError(f"slot {slot} holds {self.sizes[slot]} values, got {x.numel()}")
+            self.added.add(slot)
+            if x.numel() == 0:
+                continue
+            if x.dtype not in (torch.float32, torch.float64):
+                x = x.float()  # 16-bit floats: scaled values could overflow their range
+            pending.append((slot, x))
+        for (slot, x), largest in zip(pending, _largest([x for _, x in pending]), strict=True):
+            if not math.isfinite(largest):
+                self.nonfinite = True
+                continue
+            exponent = self.exponents[slot]
+            try:
+                max_q = round(math.ldexp(largest, -exponent))  # ties to even, like torch.round
+            except OverflowError:  # beyond float64: as wide a rescale as one redo may take
+                max_q = math.inf
+            if max_q >= self._limit:
+                self.overflowed = True
+                bits = self.bits if max_q == math.inf else overflow_bits(float(max_q), self.groups)
+                self._overflow[slot] += 1 << bits
+                continue
+            if max_q == 0:
+                continue
+            self._accumulate(slot, x, exponent)
+            self._max_sums[slot] += int(max_q)
+
+    def _accumulate(self, slot: int, x: torch.Tensor, exponent: int) -> None:
+        """`round(x * 2**-exponent)` into `slot`'s sums on `x`'s device."""
+        sums = self._sums.get(x.device)
+        if sums is None:
+            sums = self._sums[x.device] = torch.zeros(self.offsets[-1], dtype=torch.float64,
+                                                      device=x.device)
+        if x.dtype == torch.float32 and -127 <= exponent <= 126:
+            # A power-of-two scaling is exact in x's own dtype (a value it pushes below the
+            # normal range rounds to 0 either way), so this equals the float64 rule.
+            scratch = self._scratch.get(x.device)
+            if scratch is None or scratch.numel() < x.numel():
+                scratch = self._scratch[x.device] = torch.empty(
+                    max(self.sizes), dtype=torch.float32, device=x.device)
+            q = torch.mul(x, 2.0 ** -exponent, out=scratch[: x.numel()])
+        else:  # 2**-exponent is not a float32
+            q = x.to(torch.float64) * (2.0 ** -exponent)
         q.round_()
-        self._buffer[self.offsets[slot] : self.offsets[slot + 1]].add_(q)
-        self._max_sums[slot] += int(max_q)
+        sums[self.offsets[slot] : self.offsets[slot + 1]].add_(q)
 
     def payload(self, zero: bool, meta: torch.Tensor | None = None,
                 keep: Sequence[int] = ()) -> torch.Tensor:
@@ -207,6 +252,10 @@ class ExactSum:
         `begin` was given) at its end; values and sums zeroed when `zero` (the rank voted the
         step down) except the slots in `keep`; the overflow always kept."""
         end = self.offsets[-1]
+        ints = self._buffer[:end]
+        ints.zero_()
+        for sums in self._sums.values():  # exact: integers below 2**53
+            ints.add_(sums.cpu() if sums.device.type != "cpu" else sums)
         if zero:
             kept = {k: self._buffer[self.offsets[k] : self.offsets[k + 1]].clone() for k in keep}
             self._buffer[:end].zero_()
@@ -235,6 +284,14 @@ class ExactSum:
         assert self._summed is not None, "finish() first"
         ints = self._summed[self.offsets[slot] : self.offsets[slot + 1]]
         return ints * (2.0 ** self.exponents[slot])
+
+    def values(self, slots: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+        """`value` of each of `slots`, on `device`: the summed integers copied there once,
+        then scaled there (a power-of-two scaling: the same bits as on the host)."""
+        assert self._summed is not None, "finish() first"
+        ints = self._summed[: self.offsets[-1]].to(device)
+        return [ints[self.offsets[k] : self.offsets[k + 1]] * (2.0 ** self.exponents[k])
+                for k in slots]
 
     def scalar(self, slot: int) -> float:
         return float(self.value(slot)[0])

@@ -526,17 +526,18 @@ class ExactReducer(_Hooks):
 
     def after_forward(self, loss: torch.Tensor, items: float, form: LossForm) -> None:
         """One group's loss (and `LossSum` count) into the exact sums."""
-        self.exact.add(self.loss_slot, loss.detach().reshape(1))
+        values = [(self.loss_slot, loss.detach().reshape(1))]
         if form == LossForm.SUM:
-            self.exact.add(self.loss_slot + 1, torch.tensor([items], dtype=torch.float64))
+            values.append((self.loss_slot + 1, torch.tensor([items], dtype=torch.float64)))
+        self.exact.add_many(values)
 
     def after_backward(self) -> None:
         """One group's gradient into the exact sums, each group's on its own (the next
         backward starts from no gradient)."""
-        for slot, p in enumerate(self.params):
-            if p.grad is not None:
-                self.exact.add(slot, p.grad)
-                p.grad = None
+        self.exact.add_many([(slot, p.grad) for slot, p in enumerate(self.params)
+                             if p.grad is not None])
+        for p in self.params:
+            p.grad = None
 
     def used(self) -> torch.Tensor:
         added = self.exact.added
@@ -565,5 +566,10 @@ class ExactReducer(_Hooks):
         return replace(reduced, loss=loss, count=count)
 
     def assign(self, reduced: Reduced) -> None:
+        by_device: dict[torch.device, list[int]] = {}
         for slot, p in enumerate(self.params):
-            p.grad = self.exact.value(slot).to(p.dtype).view_as(p).to(p.device)
+            by_device.setdefault(p.device, []).append(slot)
+        for device, slots in by_device.items():  # one copy of the sums to each device
+            for slot, value in zip(slots, self.exact.values(slots, device), strict=True):
+                p = self.params[slot]
+                p.grad = value.to(p.dtype).view_as(p)

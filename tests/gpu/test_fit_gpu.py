@@ -19,6 +19,7 @@ from elastic import BatchConfig, ChaosEvent, FitConfig, ScalingConfig, TrainJob
 from elastic.config import CollectiveConfig
 from elastic.events import OomBackoff, WorkerFailure
 from tests.events import of_kind
+from tests.gpu import deterministic_kernels
 from tests.jobs import make_dataset, make_model, make_optimizer, mse, reference_weights, regression_job
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
@@ -121,3 +122,29 @@ def test_four_workers_sharing_one_gpu_train_as_the_gpu_reference_through_two_kil
         assert seen == list(range(96))
     torch.testing.assert_close(result.model_state,
                                reference_weights(0, B, steps, device="cuda"), **TOLERANCE)
+
+
+def test_exact_mode_with_four_workers_sharing_one_gpu_ends_with_the_plain_gpu_bits(ray_cluster,
+                                                                                  tmp_path):
+    """batch.exact on GPU workers (the host plane, picked by 'auto'): a kill mid-step, and
+    the final weights are the very bits of one plain process on the GPU summing the same
+    groups in fixed point (tests/fidelity.py), under the same deterministic kernels."""
+    from tests import fidelity
+
+    steps, seed, group = 6, 0, 4
+    kills = (ChaosEvent(step=2, rank=1, action="kill", phase="backward"),)
+    config = FitConfig(
+        scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4, use_gpu=True,
+                              gpus_per_worker=0.25),
+        batch=BatchConfig(global_batch_size=B, group_size=group, exact=True, autotune=False),
+        run_dir=str(tmp_path / "run"), max_steps=steps, seed=seed, chaos=kills)
+    assert config.collective.backend == "gloo"
+    result = elastic.fit(fidelity.flat_cnn_job(), config)
+    assert result.steps == steps
+    assert len(of_kind(result.events, WorkerFailure)) == 1
+    with deterministic_kernels():
+        expected = fidelity.exact_reference(fidelity.flat_cnn_job(), seed, B, group, steps,
+                                            device="cuda")
+    assert result.model_state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(result.model_state[key].cpu(), value), key

@@ -21,6 +21,7 @@ from elastic.trainer.buckets import GradientBuckets
 from elastic.trainer.device import is_out_of_memory, resolve_device, to_host
 from elastic.trainer.reducers import SoloReducer
 from elastic.trainer.replica import OutOfMemory, Replica, StepRecord
+from tests.gpu import deterministic_kernels
 from tests.gpu.planes import PlaneCheck
 from tests.jobs import make_dataset, make_model, make_optimizer, mse, reference_weights, regression_job
 
@@ -354,3 +355,13 @@ def test_two_gpu_ranks_sharing_the_gpu_sum_in_their_registered_regions(tmp_path,
         assert pinned and not after  # page-locked while used, unlocked once released
         torch.testing.assert_close(weights, reference, **TOLERANCE)
     assert sorted(set(registered)) == [0, 1]
+
+
+def test_exact_mode_on_gpu_ranks_sharing_the_gpu_ends_with_the_plain_gpu_process_bits(tmp_path):
+    # GPU ranks as threads sharing the GPU on the host plane, four down to one through kills
+    # and resizes, a CNN with BatchNorm: torch.equal with one plain process on the GPU that
+    # sums the same groups in fixed point (tests/fidelity.py, from the README's rules).
+    from tests.unit.test_exact import exact_matches_the_plain_process
+
+    with deterministic_kernels():
+        exact_matches_the_plain_process(tmp_path, "cuda")

@@ -23,6 +23,26 @@ def test_collective_config_defaults_are_auto():
 def test_auto_picks_nccl_only_for_gpu_workers_that_own_a_gpu_and_have_it(use_gpu, gpus, nccl,
                                                                           chosen):
     assert choose_backend(use_gpu, gpus, nccl) == chosen
+    assert choose_backend(use_gpu, gpus, nccl, exact=True) == "gloo"  # sums on the host
+
+
+def test_exact_mode_runs_gpu_workers_on_the_host_plane_and_refuses_nccl(monkeypatch):
+    import elastic.config as module
+
+    monkeypatch.setattr(module, "nccl_installed", lambda: True)
+    batch = BatchConfig(global_batch_size=8, exact=True)
+    config = FitConfig(scaling=ScalingConfig(num_workers=2, use_gpu=True), max_steps=1,
+                       batch=batch)
+    assert config.collective.backend == "gloo"  # 'auto', with a GPU each and NCCL installed
+    shared = FitConfig(scaling=ScalingConfig(num_workers=4, use_gpu=True, gpus_per_worker=0.25),
+                       max_steps=1, batch=batch, collective=CollectiveConfig(backend="gloo"))
+    assert shared.batch.exact
+    for use_gpu in (True, False):
+        with pytest.raises(pydantic.ValidationError,
+                           match=r"batch\.exact .*collective\.backend='nccl': set it to 'gloo'"):
+            FitConfig(scaling=ScalingConfig(num_workers=2, use_gpu=use_gpu), max_steps=1,
+                      batch=batch, collective=CollectiveConfig(
+                          backend="nccl", nccl_simulator=not use_gpu))
 
 
 def _fit(**scaling) -> FitConfig:

@@ -12,12 +12,13 @@ import random
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from elastic import BatchConfig, FitConfig, ScalingConfig
 from elastic.adapt.groups import decide_grouping
-from elastic.adapt.plan import plan_batch
-from elastic.collective import RendezvousServer
-from elastic.config import CheckpointConfig
+from elastic.adapt.plan import BatchPlan, plan_batch
+from elastic.collective import Communicator, RendezvousServer
+from elastic.config import CheckpointConfig, CollectiveConfig
 from elastic.errors import ConfigError
 from elastic.trainer import exact as ex
 from elastic.trainer.exact import ExactSum
@@ -173,6 +174,90 @@ def test_exact_mode_turns_groups_on_for_any_model():
 
 # --- whole runs -------------------------------------------------------------------------------
 
+class HostReads(TorchFunctionMode):
+    """Counts the reads of a tensor's values by the host (each a wait for the device on a
+    GPU) made under it."""
+
+    READS = frozenset({"tolist", "item", "__float__", "__bool__", "__int__", "__index__", "cpu",
+                       "numpy"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_group_of_many_slots_is_read_once_and_sums_by_the_fixed_point_rule():
+    """`add_many` (what a group's gradients, BatchNorm terms and loss go through): one read
+    of the values' peaks per group, however many slots, and per slot the sum of the README's
+    rule (`tests/fidelity.py`), float32, float64 and bfloat16 values alike."""
+    groups, sizes = 4, [7, 1, 30, 0, 5, 12]
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float32, torch.float32,
+              torch.float64]
+    values = [[v.to(dtype) for v in _groups(groups, n, seed=10 + k)]
+              for k, (n, dtype) in enumerate(zip(sizes, dtypes, strict=True))]
+    s = ExactSum(sizes, groups)
+    s.begin()
+    for j in range(groups):
+        with HostReads() as reads:
+            s.add_many([(k, values[k][j]) for k in range(len(sizes))])
+        assert reads.count == 1
+    assert not (s.nonfinite or s.overflowed) and s.added == set(range(len(sizes)))
+    s.finish(s.payload(zero=False))
+    for k in range(len(sizes)):
+        total, exponent, largest = fidelity._fixed_point_sum(values[k], s.exponents[k], groups)
+        assert exponent == s.exponents[k]
+        assert torch.equal(s.value(k), total), k
+        assert s._tail(0)[k] == largest
+    # Read again on a device (here the host): the same bits.
+    for k, value in zip(range(len(sizes)), s.values(range(len(sizes)), torch.device("cpu")),
+                        strict=True):
+        assert torch.equal(value, s.value(k))
+
+
+def _deep_exact_replica(tmp_path, depth: int) -> Replica:
+    from elastic.bench.step import _Deep, _Images, _loss, _sgd
+    from elastic.job import TrainJob
+
+    job = TrainJob(model=_Deep(depth, 4), optimizer=_sgd, loss=_loss, dataset=_Images(64, 4))
+    config = FitConfig(scaling=ScalingConfig(num_workers=1), max_steps=10,
+                       batch=BatchConfig(global_batch_size=8, group_size=2, exact=True,
+                                         autotune=False, rebalance=False),
+                       run_dir=str(tmp_path / f"depth{depth}"))
+    return Replica(job, config, config.run_dir)
+
+
+@pytest.mark.timeout(120)
+def test_an_exact_step_reads_values_a_fixed_number_of_times_whatever_the_depth(tmp_path):
+    """On a GPU each read of a tensor's values by the host waits for the device: a step whose
+    reads grow with the layers (two per parameter and BatchNorm statistic per group, before)
+    is as slow as its number of layers, whatever the GPU."""
+    torch.set_num_threads(1)
+    counts = []
+    server = RendezvousServer()
+    try:
+        for depth in (2, 6):
+            replica = _deep_exact_replica(tmp_path, depth)
+            replica.comm = comm = Communicator(0, 1, server.endpoint, depth, CollectiveConfig(),
+                                               secret=server.secret)
+            plan = BatchPlan(8, (8,), (2,))
+            try:
+                assert isinstance(replica.run_step(plan, []), StepRecord)
+                with HostReads() as reads:
+                    assert isinstance(replica.run_step(plan, []), StepRecord)
+                counts.append(reads.count)
+            finally:
+                replica.close()
+                comm.close()
+    finally:
+        server.close()
+    assert counts[0] == counts[1], counts
+
+
 JOBS = {"mlp": fidelity.mlp_job, **fidelity.JOBS}
 SCHEDULES = {
     "4_workers": [(4, 6, None)],
@@ -197,6 +282,27 @@ def test_every_schedule_ends_with_the_bits_of_one_plain_process(tmp_path, kind, 
     floats = fidelity.reference(JOBS[kind](), SEED, B, G, 6)
     for key, value in floats.items():
         torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+# Kills and resizes down to one rank, for the GPU tier's run of the same test on GPU ranks.
+DEVICE_SCHEDULE = [(4, 1, None), (3, 2, None), (2, 1, None), (1, 2, None)]
+
+
+def exact_matches_the_plain_process(tmp_path, device: str) -> None:
+    """Ranks on `device` through `DEVICE_SCHEDULE` end with the bits of one plain process on
+    it (`tests/gpu/test_replica_gpu.py` runs this on a GPU)."""
+    expected = fidelity.exact_reference(fidelity.flat_cnn_job(), SEED, B, G, 6, device=device)
+    final = _elastic(tmp_path, fidelity.flat_cnn_job(), DEVICE_SCHEDULE, exact=True,
+                     device=device)
+    assert final.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(final[key], value), key
+
+
+@pytest.mark.timeout(120)
+def test_the_gpu_tiers_exact_schedule_ends_with_the_plain_bits_on_the_cpu(tmp_path):
+    torch.set_num_threads(1)
+    exact_matches_the_plain_process(tmp_path, "cpu")
 
 
 @pytest.mark.timeout(120)

@@ -44,13 +44,17 @@ class _SerialReplica(Replica):
 
 
 def _elastic(tmp_path, job, schedule, group: int = G, micro: int | None = None,
-             overlap: bool = False, exact: bool = False, loader_workers: int = 0):
+             overlap: bool = False, exact: bool = False, loader_workers: int = 0,
+             device: str = "cpu"):
     """Runs `schedule`, a list of (world size, steps, weights), each segment a new generation
     whose replicas start from the previous segment's rank-0 state (as after a kill or a
-    resize). Returns every rank's state dict after every step, per segment."""
-    config = FitConfig(scaling=ScalingConfig(num_workers=4, min_workers=1),
-                       collective=CollectiveConfig(overlap=overlap, bucket_bytes=1024,
-                                                   first_bucket_bytes=1024),
+    resize). Returns the last state dict (on the CPU), the same bits on every rank after
+    every step. `device` 'cuda': GPU workers sharing the GPU, on the host plane."""
+    gpu = device != "cpu"
+    config = FitConfig(scaling=ScalingConfig(num_workers=4, min_workers=1, use_gpu=gpu,
+                                             gpus_per_worker=0.25 if gpu else 1.0),
+                       collective=CollectiveConfig(backend="gloo", overlap=overlap,
+                                                   bucket_bytes=1024, first_bucket_bytes=1024),
                        batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False,
                                          exact=exact),
                        run_dir=str(tmp_path), max_steps=100, seed=SEED,
@@ -64,8 +68,10 @@ def _elastic(tmp_path, job, schedule, group: int = G, micro: int | None = None,
             plan = plan_batch(B, world, micro or group, weights, unit=group)
 
             def body(comm, plan=plan, steps=steps, state=state):
+                if gpu:
+                    torch.cuda.set_device(torch.device(device))
                 with building:
-                    replica = _SerialReplica(job, config, str(tmp_path))
+                    replica = _SerialReplica(job, config, str(tmp_path), torch.device(device))
                 replica.comm = comm
                 try:
                     if state is not None and comm.rank == 0:
@@ -74,7 +80,8 @@ def _elastic(tmp_path, job, schedule, group: int = G, micro: int | None = None,
                     states = []
                     for _ in range(steps):
                         assert isinstance(replica.run_step(plan, []), StepRecord)
-                        states.append({k: v.clone() for k, v in replica.model.state_dict().items()})
+                        states.append({k: v.cpu().clone()
+                                       for k, v in replica.model.state_dict().items()})
                 finally:
                     replica.close()
                 return replica, states
