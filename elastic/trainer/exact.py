@@ -83,19 +83,39 @@ def _clamp(exponent: int) -> int:
 
 
 def _largest(xs: Sequence[torch.Tensor]) -> list[float]:
-    """Each tensor's largest magnitude (NaN where it holds a NaN, inf where an infinity): one
-    fused reduction per device and dtype, and one read per device."""
-    where: dict[torch.device, dict[torch.dtype, list[int]]] = {}
+    """Each tensor's largest magnitude (NaN where it holds a NaN), with one read by the host
+    per device: `_peaks_cpu` on the CPU, `_peaks_fused` elsewhere."""
+    where: dict[torch.device, list[int]] = {}
     for i, x in enumerate(xs):
-        where.setdefault(x.device, {}).setdefault(x.dtype, []).append(i)
+        where.setdefault(x.device, []).append(i)
     out = [0.0] * len(xs)
-    for by_dtype in where.values():
-        order = [i for indices in by_dtype.values() for i in indices]
-        peaks = torch.cat([torch.stack(torch._foreach_norm([xs[i] for i in indices],
-                                                           ord=math.inf)).to(torch.float64)
-                           for indices in by_dtype.values()])
-        for i, peak in zip(order, peaks.tolist(), strict=True):
+    for device, indices in where.items():
+        read = _peaks_cpu if device.type == "cpu" else _peaks_fused
+        for i, peak in zip(indices, read([xs[i] for i in indices]), strict=True):
             out[i] = peak
+    return out
+
+
+def _peaks_cpu(xs: Sequence[torch.Tensor]) -> list[float]:
+    """`_largest` of tensors on one device, from `aminmax` (one pass each: on the CPU 25x
+    faster than `_foreach_norm`)."""
+    bounds = torch.stack([torch.stack(torch.aminmax(x)).to(torch.float64) for x in xs]).tolist()
+    return [math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
+            for low, high in bounds]
+
+
+def _peaks_fused(xs: Sequence[torch.Tensor]) -> list[float]:
+    """`_largest` of tensors on one device, one fused reduction per dtype (`_foreach_norm` of
+    order inf, which propagates NaN): a few kernels on a GPU, where one per tensor would be
+    hundreds."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, x in enumerate(xs):
+        by_dtype.setdefault(x.dtype, []).append(i)
+    peaks = torch.cat([torch.stack(torch._foreach_norm([xs[i] for i in group], ord=math.inf))
+                       .to(torch.float64) for group in by_dtype.values()]).tolist()
+    out = [0.0] * len(xs)
+    for i, peak in zip([i for group in by_dtype.values() for i in group], peaks, strict=True):
+        out[i] = peak
     return out
 
 
@@ -152,8 +172,9 @@ class ExactSum:
         self.nonfinite = False
         self.overflowed = False
         self._buffer = torch.zeros(0, dtype=torch.float64)
-        # This attempt's sums of the values added, on each device the values lay on (copied
-        # into the host buffer by `payload`), and a float32 scratch per device.
+        # This attempt's sums of the values added on each device but the CPU (whose go into
+        # the host buffer), added into the host buffer by `payload`; a float32 scratch per
+        # device.
         self._sums: dict[torch.device, torch.Tensor] = {}
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self._max_sums = [0] * len(self.sizes)
@@ -176,6 +197,8 @@ class ExactSum:
         length = self.payload_length + extra
         if self._buffer.numel() != length:
             self._buffer = torch.zeros(length, dtype=torch.float64)
+        else:
+            self._buffer[: self.offsets[-1]].zero_()
         for sums in self._sums.values():
             sums.zero_()
         self._max_sums = [0] * self.slots
@@ -229,10 +252,13 @@ class ExactSum:
 
     def _accumulate(self, slot: int, x: torch.Tensor, exponent: int) -> None:
         """`round(x * 2**-exponent)` into `slot`'s sums on `x`'s device."""
-        sums = self._sums.get(x.device)
-        if sums is None:
-            sums = self._sums[x.device] = torch.zeros(self.offsets[-1], dtype=torch.float64,
-                                                      device=x.device)
+        if x.device.type == "cpu":
+            sums = self._buffer[: self.offsets[-1]]
+        else:
+            sums = self._sums.get(x.device)
+            if sums is None:
+                sums = self._sums[x.device] = torch.zeros(self.offsets[-1], dtype=torch.float64,
+                                                          device=x.device)
         if x.dtype == torch.float32 and -127 <= exponent <= 126:
             # A power-of-two scaling is exact in x's own dtype (a value it pushes below the
             # normal range rounds to 0 either way), so this equals the float64 rule.
@@ -252,10 +278,9 @@ class ExactSum:
         `begin` was given) at its end; values and sums zeroed when `zero` (the rank voted the
         step down) except the slots in `keep`; the overflow always kept."""
         end = self.offsets[-1]
-        ints = self._buffer[:end]
-        ints.zero_()
-        for sums in self._sums.values():  # exact: integers below 2**53
-            ints.add_(sums.cpu() if sums.device.type != "cpu" else sums)
+        for sums in self._sums.values():  # the sums made on a device join the host's (exact:
+            self._buffer[:end].add_(sums.cpu())  # integers below 2**53), once
+            sums.zero_()
         if zero:
             kept = {k: self._buffer[self.offsets[k] : self.offsets[k + 1]].clone() for k in keep}
             self._buffer[:end].zero_()

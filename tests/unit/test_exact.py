@@ -7,6 +7,7 @@ project's code). Ranks run as threads of the test process (the harness of
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -217,6 +218,19 @@ def test_one_group_of_many_slots_is_read_once_and_sums_by_the_fixed_point_rule()
     for k, value in zip(range(len(sizes)), s.values(range(len(sizes)), torch.device("cpu")),
                         strict=True):
         assert torch.equal(value, s.value(k))
+
+
+def test_a_gpus_fused_peaks_are_the_hosts_nan_and_infinity_included():
+    """What a GPU reads (`_peaks_fused`, run here on CPU tensors) is what the host reads
+    (`_peaks_cpu`): each tensor's largest magnitude in its place, whatever the dtypes' order."""
+    nan, inf = float("nan"), float("inf")
+    xs = [torch.tensor([1.0, -3.0]), torch.tensor([2.0, -7.5], dtype=torch.float64),
+          torch.tensor([0.5, nan, 9.0]), torch.tensor([-inf, 1.0], dtype=torch.float64),
+          torch.tensor([-0.25]), torch.tensor([4.0, nan], dtype=torch.float64)]
+    host, fused = ex._peaks_cpu(xs), ex._peaks_fused(xs)
+    assert host[:2] == fused[:2] == [3.0, 7.5]
+    assert math.isnan(host[2]) and math.isnan(fused[2]) and math.isnan(host[5]) and math.isnan(fused[5])
+    assert host[3] == fused[3] == inf and host[4] == fused[4] == 0.25
 
 
 def _deep_exact_replica(tmp_path, depth: int) -> Replica:
