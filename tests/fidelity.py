@@ -57,19 +57,6 @@ def cnn_job() -> TrainJob:
     return TrainJob(model=cnn, optimizer=sgd, loss=classify, dataset=images)
 
 
-def flat_cnn() -> nn.Module:
-    """`cnn` with its pooling replaced by flattening: every kernel of its backward pass has a
-    deterministic CUDA implementation (AdaptiveAvgPool2d's has none), as exact mode on a GPU
-    needs."""
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-                         nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None), nn.ReLU(),
-                         nn.Flatten(), nn.Linear(4 * 6 * 6, 4))
-
-
-def flat_cnn_job() -> TrainJob:
-    return TrainJob(model=flat_cnn, optimizer=sgd, loss=classify, dataset=images)
-
-
 # --- a padded-token language model with a sum-and-count loss ----------------------------------
 
 

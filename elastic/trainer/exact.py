@@ -82,30 +82,26 @@ def _clamp(exponent: int) -> int:
     return max(_LOWEST, min(_HIGHEST, exponent))
 
 
-def _largest(xs: Sequence[torch.Tensor]) -> list[float]:
-    """Each tensor's largest magnitude (NaN where it holds a NaN), with one read by the host
-    per device: `_peaks_cpu` on the CPU, `_peaks_fused` elsewhere."""
-    where: dict[torch.device, list[int]] = {}
-    for i, x in enumerate(xs):
-        where.setdefault(x.device, []).append(i)
-    out = [0.0] * len(xs)
-    for device, indices in where.items():
-        read = _peaks_cpu if device.type == "cpu" else _peaks_fused
-        for i, peak in zip(indices, read([xs[i] for i in indices]), strict=True):
-            out[i] = peak
-    return out
+def fused_on(device: torch.device) -> bool:
+    """Whether the exact sums of values on `device` are made the GPU's way (`ExactSum.add_many`):
+    the largest magnitudes of a group's values read in one go, the values rounded and summed on
+    the device, the sums copied to the host once per step. On the CPU each value is read,
+    rounded and summed on its own, while it is still in cache: the GPU's way made a step of two
+    CPU workers 1.3x slower (`elastic bench exact`, MLP). Tests run the GPU's way on the CPU by
+    replacing this function."""
+    return device.type != "cpu"
 
 
-def _peaks_cpu(xs: Sequence[torch.Tensor]) -> list[float]:
-    """`_largest` of tensors on one device, from `aminmax` (one pass each: on the CPU 25x
-    faster than `_foreach_norm`)."""
-    bounds = torch.stack([torch.stack(torch.aminmax(x)).to(torch.float64) for x in xs]).tolist()
-    return [math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
-            for low, high in bounds]
+def _peak_cpu(x: torch.Tensor) -> float:
+    """`x`'s largest magnitude (NaN where it holds a NaN), from `aminmax` (one pass: on the CPU
+    25x faster than `_foreach_norm`)."""
+    low, high = torch.stack(torch.aminmax(x)).tolist()
+    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
 
 
 def _peaks_fused(xs: Sequence[torch.Tensor]) -> list[float]:
-    """`_largest` of tensors on one device, one fused reduction per dtype (`_foreach_norm` of
+    """Each tensor's largest magnitude (NaN where it holds a NaN), for tensors on one device:
+    one fused reduction per dtype (`_foreach_norm` of
     order inf, which propagates NaN): a few kernels on a GPU, where one per tensor would be
     hundreds."""
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -121,12 +117,16 @@ def _peaks_fused(xs: Sequence[torch.Tensor]) -> list[float]:
 
 def environment() -> dict[str, Any]:
     """What exactness assumes of this process: the same group on the same inputs gives the same
-    bits only with the same torch build, intra-op threads, CPU features and device."""
-    device = (torch.cuda.get_device_name(torch.cuda.current_device())
-              if torch.cuda.is_available() else "cpu")
-    return {"torch": str(torch.__version__), "threads": torch.get_num_threads(),
-            "cpu": str(torch.backends.cpu.get_cpu_capability()), "machine": platform.machine(),
-            "device": device}
+    bits only with the same torch build, intra-op threads, CPU features and device (and, on a
+    GPU, CUDA and cuDNN versions)."""
+    gpu = torch.cuda.is_available()
+    device = torch.cuda.get_device_name(torch.cuda.current_device()) if gpu else "cpu"
+    found = {"torch": str(torch.__version__), "threads": torch.get_num_threads(),
+             "cpu": str(torch.backends.cpu.get_cpu_capability()), "machine": platform.machine(),
+             "device": device}
+    if gpu:  # the GPU's kernels come with CUDA and cuDNN
+        found.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
+    return found
 
 
 def environment_changes(saved: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -173,10 +173,9 @@ class ExactSum:
         self.overflowed = False
         self._buffer = torch.zeros(0, dtype=torch.float64)
         # This attempt's sums of the values added on each device but the CPU (whose go into
-        # the host buffer), added into the host buffer by `payload`; a float32 scratch per
-        # device.
+        # the host buffer), added into the host buffer by `payload`.
         self._sums: dict[torch.device, torch.Tensor] = {}
-        self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._scratch = torch.empty(max(self.sizes, default=0), dtype=torch.float32)
         self._max_sums = [0] * len(self.sizes)
         self.added: set[int] = set()  # the slots a value was added to in this step's attempt
         self._overflow = [0] * len(self.sizes)
@@ -214,13 +213,14 @@ class ExactSum:
         self.add_many([(slot, value)])
 
     def add_many(self, values: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """`add` for one group's value of each of several slots (`(slot, value)` pairs). The
-        values' largest magnitudes are read with one copy to the host per device (on a GPU one
-        wait for it, where a value at a time would wait twice per slot), and each value is
-        rounded and summed where it lies: on a GPU the group sums stay there until `payload`
-        copies them to the host, once per step. The arithmetic is the same on every device
-        (a power-of-two scaling, rounding ties to even, sums of integers below 2**53)."""
-        pending: list[tuple[int, torch.Tensor]] = []
+        """`add` for one group's value of each of several slots (`(slot, value)` pairs). On a
+        GPU (`fused_on`) the values' largest magnitudes are read with one copy to the host per
+        device (where a value at a time would wait for the device per slot), and each value
+        is rounded and summed there: the group sums stay on the device until `payload` copies
+        them to the host, once per step. On the CPU each value is read and summed on its own.
+        The arithmetic is the same on every device (a power-of-two scaling, rounding ties to
+        even, sums of integers below 2**53)."""
+        fused: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for slot, value in values:
             x = value.detach().reshape(-1)
             if x.numel() != self.sizes[slot]:
@@ -230,29 +230,42 @@ class ExactSum:
                 continue
             if x.dtype not in (torch.float32, torch.float64):
                 x = x.float()  # 16-bit floats: scaled values could overflow their range
-            pending.append((slot, x))
-        for (slot, x), largest in zip(pending, _largest([x for _, x in pending]), strict=True):
-            if not math.isfinite(largest):
-                self.nonfinite = True
-                continue
-            exponent = self.exponents[slot]
-            try:
-                max_q = round(math.ldexp(largest, -exponent))  # ties to even, like torch.round
-            except OverflowError:  # beyond float64: as wide a rescale as one redo may take
-                max_q = math.inf
-            if max_q >= self._limit:
-                self.overflowed = True
-                bits = self.bits if max_q == math.inf else overflow_bits(float(max_q), self.groups)
-                self._overflow[slot] += 1 << bits
-                continue
-            if max_q == 0:
-                continue
-            self._accumulate(slot, x, exponent)
-            self._max_sums[slot] += int(max_q)
+            if fused_on(x.device):
+                fused.setdefault(x.device, []).append((slot, x))
+            else:
+                self._add_one(slot, x, _peak_cpu(x))
+        for pending in fused.values():
+            for (slot, x), largest in zip(pending, _peaks_fused([x for _, x in pending]),
+                                          strict=True):
+                self._add_one(slot, x, largest)
+
+    def fused(self, device: torch.device) -> bool:
+        """Whether values on `device` are summed the GPU's way (`fused_on`)."""
+        return fused_on(device)
+
+    def _add_one(self, slot: int, x: torch.Tensor, largest: float) -> None:
+        """`x` (flat, float32 or float64) into `slot`, its largest magnitude `largest` read."""
+        if not math.isfinite(largest):
+            self.nonfinite = True
+            return
+        exponent = self.exponents[slot]
+        try:
+            max_q = round(math.ldexp(largest, -exponent))  # ties to even, like torch.round
+        except OverflowError:  # beyond float64: as wide a rescale as one redo may take
+            max_q = math.inf
+        if max_q >= self._limit:
+            self.overflowed = True
+            bits = self.bits if max_q == math.inf else overflow_bits(float(max_q), self.groups)
+            self._overflow[slot] += 1 << bits
+            return
+        if max_q == 0:
+            return
+        self._accumulate(slot, x, exponent)
+        self._max_sums[slot] += int(max_q)
 
     def _accumulate(self, slot: int, x: torch.Tensor, exponent: int) -> None:
         """`round(x * 2**-exponent)` into `slot`'s sums on `x`'s device."""
-        if x.device.type == "cpu":
+        if not fused_on(x.device):
             sums = self._buffer[: self.offsets[-1]]
         else:
             sums = self._sums.get(x.device)
@@ -261,12 +274,13 @@ class ExactSum:
                                                           device=x.device)
         if x.dtype == torch.float32 and -127 <= exponent <= 126:
             # A power-of-two scaling is exact in x's own dtype (a value it pushes below the
-            # normal range rounds to 0 either way), so this equals the float64 rule.
-            scratch = self._scratch.get(x.device)
-            if scratch is None or scratch.numel() < x.numel():
-                scratch = self._scratch[x.device] = torch.empty(
-                    max(self.sizes), dtype=torch.float32, device=x.device)
-            q = torch.mul(x, 2.0 ** -exponent, out=scratch[: x.numel()])
+            # normal range rounds to 0 either way), so this equals the float64 rule. On the
+            # CPU into a scratch kept from call to call; on a GPU a temporary, which the
+            # caching allocator keeps safe for whatever stream reads it.
+            if x.device.type == "cpu":
+                q = torch.mul(x, 2.0 ** -exponent, out=self._scratch[: x.numel()])
+            else:
+                q = x * (2.0 ** -exponent)
         else:  # 2**-exponent is not a float32
             q = x.to(torch.float64) * (2.0 ** -exponent)
         q.round_()
@@ -279,7 +293,12 @@ class ExactSum:
         step down) except the slots in `keep`; the overflow always kept."""
         end = self.offsets[-1]
         for sums in self._sums.values():  # the sums made on a device join the host's (exact:
-            self._buffer[:end].add_(sums.cpu())  # integers below 2**53), once
+            if zero:                      # integers below 2**53), once; the kept slots' only
+                for k in keep:            # when the rest is zeroed
+                    span = slice(self.offsets[k], self.offsets[k + 1])
+                    self._buffer[span].add_(sums[span].cpu())
+            else:
+                self._buffer[:end].add_(sums.cpu())
             sums.zero_()
         if zero:
             kept = {k: self._buffer[self.offsets[k] : self.offsets[k + 1]].clone() for k in keep}
@@ -311,12 +330,21 @@ class ExactSum:
         return ints * (2.0 ** self.exponents[slot])
 
     def values(self, slots: Sequence[int], device: torch.device) -> list[torch.Tensor]:
-        """`value` of each of `slots`, on `device`: the summed integers copied there once,
-        then scaled there (a power-of-two scaling: the same bits as on the host)."""
+        """`value` of each of `slots` (consecutive or not), on `device`: the summed integers
+        of the span from the first slot to the last copied there once, then scaled there in
+        place (a power-of-two scaling: the same bits as on the host)."""
         assert self._summed is not None, "finish() first"
-        ints = self._summed[: self.offsets[-1]].to(device)
-        return [ints[self.offsets[k] : self.offsets[k + 1]] * (2.0 ** self.exponents[k])
-                for k in slots]
+        slots = list(slots)
+        if not slots:
+            return []
+        low, high = self.offsets[min(slots)], self.offsets[max(slots) + 1]
+        span = self._summed[low:high]
+        ints = span.to(device, copy=True)  # a copy of its own, on the host too
+        out = []
+        for k in slots:
+            piece = ints[self.offsets[k] - low : self.offsets[k + 1] - low]
+            out.append(piece.mul_(2.0 ** self.exponents[k]))
+        return out
 
     def scalar(self, slot: int) -> float:
         return float(self.value(slot)[0])

@@ -534,8 +534,16 @@ class ExactReducer(_Hooks):
     def after_backward(self) -> None:
         """One group's gradient into the exact sums, each group's on its own (the next
         backward starts from no gradient)."""
-        self.exact.add_many([(slot, p.grad) for slot, p in enumerate(self.params)
-                             if p.grad is not None])
+        fused = []  # on a GPU: every gradient read in one go (`ExactSum.add_many`)
+        for slot, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            if self.exact.fused(p.grad.device):
+                fused.append((slot, p.grad))
+            else:  # on the CPU one at a time, and freed at once
+                self.exact.add(slot, p.grad)
+                p.grad = None
+        self.exact.add_many(fused)
         for p in self.params:
             p.grad = None
 
@@ -568,8 +576,11 @@ class ExactReducer(_Hooks):
     def assign(self, reduced: Reduced) -> None:
         by_device: dict[torch.device, list[int]] = {}
         for slot, p in enumerate(self.params):
-            by_device.setdefault(p.device, []).append(slot)
-        for device, slots in by_device.items():  # one copy of the sums to each device
+            if self.exact.fused(p.device):
+                by_device.setdefault(p.device, []).append(slot)
+            else:  # on the CPU one at a time
+                p.grad = self.exact.value(slot).to(p.dtype).view_as(p)
+        for device, slots in by_device.items():  # one copy of the sums to each GPU
             for slot, value in zip(slots, self.exact.values(slots, device), strict=True):
                 p = self.params[slot]
                 p.grad = value.to(p.dtype).view_as(p)

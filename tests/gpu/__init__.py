@@ -19,7 +19,7 @@ def deterministic_kernels() -> Iterator[None]:
     run under; switched off again after (also where a replica built inside turned them on)."""
     import torch
 
-    benchmark = torch.backends.cudnn.benchmark
+    benchmark, threads = torch.backends.cudnn.benchmark, torch.get_num_threads()
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
     try:
@@ -27,3 +27,4 @@ def deterministic_kernels() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.benchmark = benchmark
+        torch.set_num_threads(threads)

@@ -139,11 +139,11 @@ def test_exact_mode_with_four_workers_sharing_one_gpu_ends_with_the_plain_gpu_bi
         batch=BatchConfig(global_batch_size=B, group_size=group, exact=True, autotune=False),
         run_dir=str(tmp_path / "run"), max_steps=steps, seed=seed, chaos=kills)
     assert config.collective.backend == "gloo"
-    result = elastic.fit(fidelity.flat_cnn_job(), config)
+    result = elastic.fit(fidelity.cnn_job(), config)
     assert result.steps == steps
     assert len(of_kind(result.events, WorkerFailure)) == 1
     with deterministic_kernels():
-        expected = fidelity.exact_reference(fidelity.flat_cnn_job(), seed, B, group, steps,
+        expected = fidelity.exact_reference(fidelity.cnn_job(), seed, B, group, steps,
                                             device="cuda")
     assert result.model_state.keys() == expected.keys()
     for key, value in expected.items():

@@ -365,3 +365,47 @@ def test_exact_mode_on_gpu_ranks_sharing_the_gpu_ends_with_the_plain_gpu_process
 
     with deterministic_kernels():
         exact_matches_the_plain_process(tmp_path, "cuda")
+
+
+def test_exact_sums_made_on_the_gpu_are_the_hosts_bits():
+    """`ExactSum.add_many` on CUDA tensors (the fused peaks, the rounding and the sums on the
+    GPU, one copy to the host per step) against the same values on the CPU: the same payload
+    bits and flags, for float32, float64 and bfloat16 values, exponents outside float32's
+    range, a NaN, an infinity, an overflow and a tensor of several kernel chunks."""
+    from elastic.trainer.exact import ExactSum
+
+    g = torch.Generator().manual_seed(3)
+    # slot: (elements, dtype, magnitude, exponent): slots 0 and 1 at exponents whose
+    # 2**-exponent no float32 holds, slot 0 longer than one kernel chunk.
+    slots = [(70_000, torch.float32, 1e-30, -140), (5, torch.float64, 1e45, 130),
+             (33, torch.bfloat16, 1.0, -20), (12, torch.float32, 1.0, -20),
+             (1, torch.float32, 1.0, -20), (9, torch.float64, 1.0, -20)]
+    sizes = [n for n, *_ in slots]
+    groups = 4
+    values = [[(torch.randn(n, generator=g, dtype=torch.float64) * scale
+                * 10.0 ** torch.randint(-3, 1, (n,), generator=g)).to(dtype)
+               for n, dtype, scale, _ in slots] for _ in range(groups)]
+    values[1][3][4] = float("nan")
+    values[2][4][0] = float("inf")
+    values[3][5] *= 1e12  # beyond the slot's scale: an overflow
+    results = []
+    for device in ("cpu", "cuda"):
+        for zero in (False, True):  # True: a rank that voted the step down keeps slot 2 only
+            s = ExactSum(sizes, groups)
+            s.exponents = [e for *_, e in slots]
+            s.begin(1)
+            for group in values:
+                s.add_many([(k, v.to(device)) for k, v in enumerate(group)])
+            payload = s.payload(zero=zero, meta=torch.tensor([7.0], dtype=torch.float64),
+                                keep=(2,)).clone()
+            s.finish(payload)
+            on_device = torch.cat(s.values(range(len(sizes)), torch.device(device))).cpu()
+            results.append((payload, on_device, s.nonfinite, s.overflowed, sorted(s.added)))
+    host, _, gpu, gpu_zero = results
+    assert gpu[2:] == host[2:] and host[2] and host[3]
+    for got, want in zip(gpu[:2] + gpu_zero[:2], host[:2] + results[1][:2], strict=True):
+        assert torch.equal(got, want)
+    for k in (0, 1, 2):  # summed, not rounded away nor left out
+        assert host[0][s.offsets[k] : s.offsets[k + 1]].abs().sum() > 0, k
+    assert not results[1][0][: s.offsets[2]].any()  # zeroed but for the kept slot 2
+    assert torch.equal(results[1][0][s.offsets[2] : s.offsets[3]], host[0][s.offsets[2] : s.offsets[3]])

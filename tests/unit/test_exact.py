@@ -192,10 +192,20 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_one_group_of_many_slots_is_read_once_and_sums_by_the_fixed_point_rule():
-    """`add_many` (what a group's gradients, BatchNorm terms and loss go through): one read
-    of the values' peaks per group, however many slots, and per slot the sum of the README's
-    rule (`tests/fidelity.py`), float32, float64 and bfloat16 values alike."""
+@pytest.fixture
+def gpu_way(monkeypatch):
+    """The GPU's way of `ExactSum.add_many` (`elastic.trainer.exact.fused_on`), on the CPU."""
+    monkeypatch.setattr(ex, "fused_on", lambda device: True)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["gpu_way", "cpu_way"])
+def test_one_group_of_many_slots_is_read_once_and_sums_by_the_fixed_point_rule(monkeypatch,
+                                                                              fused):
+    """`add_many` (what a group's gradients, BatchNorm terms and loss go through): the GPU's
+    way reads the values' peaks once per group, however many slots; both ways give per slot
+    the sum of the README's rule (`tests/fidelity.py`), float32, float64 and bfloat16 values
+    alike."""
+    monkeypatch.setattr(ex, "fused_on", lambda device: fused)
     groups, sizes = 4, [7, 1, 30, 0, 5, 12]
     dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float32, torch.float32,
               torch.float64]
@@ -206,7 +216,7 @@ def test_one_group_of_many_slots_is_read_once_and_sums_by_the_fixed_point_rule()
     for j in range(groups):
         with HostReads() as reads:
             s.add_many([(k, values[k][j]) for k in range(len(sizes))])
-        assert reads.count == 1
+        assert reads.count == (1 if fused else sum(1 for n in sizes if n))
     assert not (s.nonfinite or s.overflowed) and s.added == set(range(len(sizes)))
     s.finish(s.payload(zero=False))
     for k in range(len(sizes)):
@@ -214,20 +224,23 @@ def test_one_group_of_many_slots_is_read_once_and_sums_by_the_fixed_point_rule()
         assert exponent == s.exponents[k]
         assert torch.equal(s.value(k), total), k
         assert s._tail(0)[k] == largest
-    # Read again on a device (here the host): the same bits.
-    for k, value in zip(range(len(sizes)), s.values(range(len(sizes)), torch.device("cpu")),
-                        strict=True):
-        assert torch.equal(value, s.value(k))
+    # Read again on a device (here the host), all or some in any order: the same bits, and
+    # the summed integers left as they were.
+    before = [s.value(k) for k in range(len(sizes))]
+    for slots in (range(len(sizes)), [4, 1], [2]):
+        for k, value in zip(slots, s.values(slots, torch.device("cpu")), strict=True):
+            assert torch.equal(value, before[k]), k
+    assert all(torch.equal(s.value(k), before[k]) for k in range(len(sizes)))
 
 
 def test_a_gpus_fused_peaks_are_the_hosts_nan_and_infinity_included():
     """What a GPU reads (`_peaks_fused`, run here on CPU tensors) is what the host reads
-    (`_peaks_cpu`): each tensor's largest magnitude in its place, whatever the dtypes' order."""
+    (`_peak_cpu`): each tensor's largest magnitude in its place, whatever the dtypes' order."""
     nan, inf = float("nan"), float("inf")
     xs = [torch.tensor([1.0, -3.0]), torch.tensor([2.0, -7.5], dtype=torch.float64),
           torch.tensor([0.5, nan, 9.0]), torch.tensor([-inf, 1.0], dtype=torch.float64),
           torch.tensor([-0.25]), torch.tensor([4.0, nan], dtype=torch.float64)]
-    host, fused = ex._peaks_cpu(xs), ex._peaks_fused(xs)
+    host, fused = [ex._peak_cpu(x) for x in xs], ex._peaks_fused(xs)
     assert host[:2] == fused[:2] == [3.0, 7.5]
     assert math.isnan(host[2]) and math.isnan(fused[2]) and math.isnan(host[5]) and math.isnan(fused[5])
     assert host[3] == fused[3] == inf and host[4] == fused[4] == 0.25
@@ -246,10 +259,11 @@ def _deep_exact_replica(tmp_path, depth: int) -> Replica:
 
 
 @pytest.mark.timeout(120)
-def test_an_exact_step_reads_values_a_fixed_number_of_times_whatever_the_depth(tmp_path):
+def test_an_exact_step_reads_values_a_fixed_number_of_times_whatever_the_depth(tmp_path,
+                                                                             gpu_way):
     """On a GPU each read of a tensor's values by the host waits for the device: a step whose
     reads grow with the layers (two per parameter and BatchNorm statistic per group, before)
-    is as slow as its number of layers, whatever the GPU."""
+    is as slow as its number of layers, whatever the GPU. The GPU's way, run on the CPU."""
     torch.set_num_threads(1)
     counts = []
     server = RendezvousServer()
@@ -305,8 +319,8 @@ DEVICE_SCHEDULE = [(4, 1, None), (3, 2, None), (2, 1, None), (1, 2, None)]
 def exact_matches_the_plain_process(tmp_path, device: str) -> None:
     """Ranks on `device` through `DEVICE_SCHEDULE` end with the bits of one plain process on
     it (`tests/gpu/test_replica_gpu.py` runs this on a GPU)."""
-    expected = fidelity.exact_reference(fidelity.flat_cnn_job(), SEED, B, G, 6, device=device)
-    final = _elastic(tmp_path, fidelity.flat_cnn_job(), DEVICE_SCHEDULE, exact=True,
+    expected = fidelity.exact_reference(fidelity.cnn_job(), SEED, B, G, 6, device=device)
+    final = _elastic(tmp_path, fidelity.cnn_job(), DEVICE_SCHEDULE, exact=True,
                      device=device)
     assert final.keys() == expected.keys()
     for key, value in expected.items():
@@ -314,8 +328,11 @@ def exact_matches_the_plain_process(tmp_path, device: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_the_gpu_tiers_exact_schedule_ends_with_the_plain_bits_on_the_cpu(tmp_path):
+@pytest.mark.parametrize("fused", [True, False], ids=["gpu_way", "cpu_way"])
+def test_the_gpu_tiers_exact_schedule_ends_with_the_plain_bits_on_the_cpu(tmp_path, monkeypatch,
+                                                                         fused):
     torch.set_num_threads(1)
+    monkeypatch.setattr(ex, "fused_on", lambda device: fused)
     exact_matches_the_plain_process(tmp_path, "cpu")
 
 

@@ -51,6 +51,7 @@ def _elastic(tmp_path, job, schedule, group: int = G, micro: int | None = None,
     resize). Returns the last state dict (on the CPU), the same bits on every rank after
     every step. `device` 'cuda': GPU workers sharing the GPU, on the host plane."""
     gpu = device != "cpu"
+    where = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
     config = FitConfig(scaling=ScalingConfig(num_workers=4, min_workers=1, use_gpu=gpu,
                                              gpus_per_worker=0.25 if gpu else 1.0),
                        collective=CollectiveConfig(backend="gloo", overlap=overlap,
@@ -69,9 +70,9 @@ def _elastic(tmp_path, job, schedule, group: int = G, micro: int | None = None,
 
             def body(comm, plan=plan, steps=steps, state=state):
                 if gpu:
-                    torch.cuda.set_device(torch.device(device))
+                    torch.cuda.set_device(where)
                 with building:
-                    replica = _SerialReplica(job, config, str(tmp_path), torch.device(device))
+                    replica = _SerialReplica(job, config, str(tmp_path), where)
                 replica.comm = comm
                 try:
                     if state is not None and comm.rank == 0:
