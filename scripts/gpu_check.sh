@@ -14,8 +14,8 @@
 # GPU_CHECK_PARTS picks parts (default: all, in that order). Each part writes its log and
 # results into GPU_CHECK_OUT (default: $OUT, else gpu-check-out) as it ends, and a line to
 # parts.txt; scripts/gpu_summary.py then prints the table of every part in that folder and
-# writes summary.json. Typical: tier 2-3 min, step 0.5, throughput 4, data 1, allreduce 0.5; the
-# limits add up to 13. On a machine lent 10 min a call, a call cut short keeps the parts that
+# writes summary.json. Typical: tier 3-4 min, step 0.5, throughput 4, data 1, allreduce 0.5; the
+# limits add up to 14. On a machine lent 10 min a call, a call cut short keeps the parts that
 # ended: run the others with GPU_CHECK_PARTS into the same folder (or join the two folders'
 # parts.txt and results, and run scripts/gpu_summary.py on them: standard library only).
 # Ray and pydantic come from an offline bundle when Python lacks them: GPU_BUNDLE (default
@@ -69,7 +69,7 @@ if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
   timeout "${GPU_CHECK_PROFILE_S:-90}" $PY scripts/gpu_profile.py "$OUT" > "$OUT/profile.log" 2>&1
   echo "profile rc=$?"
 fi
-part tier "${GPU_CHECK_TIER_S:-240}" tier.xml bash -c '$0 -m pytest -m gpu tests/gpu -p no:cacheprovider -q -rA \
+part tier "${GPU_CHECK_TIER_S:-300}" tier.xml bash -c '$0 -m pytest -m gpu tests/gpu -p no:cacheprovider -q -rA \
   -o timeout=120 --junitxml="$1/tier.xml" && $0 scripts/junit_ran.py "$1/tier.xml"' "$PY" "$OUT"
 part step "${GPU_CHECK_STEP_S:-60}" step.json "${ELASTIC[@]}" bench step --device cuda --depths 16,52 \
   --width 64 --batch 32 --image-size 32 --steps 30 --json "$OUT/step.json"

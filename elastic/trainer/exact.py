@@ -101,9 +101,8 @@ def _peak_cpu(x: torch.Tensor) -> float:
 
 def _peaks_fused(xs: Sequence[torch.Tensor]) -> list[float]:
     """Each tensor's largest magnitude (NaN where it holds a NaN), for tensors on one device:
-    one fused reduction per dtype (`_foreach_norm` of
-    order inf, which propagates NaN): a few kernels on a GPU, where one per tensor would be
-    hundreds."""
+    one fused reduction per dtype (`_foreach_norm` of order inf, which propagates NaN, on a
+    GPU too), a few kernels where one per tensor would be hundreds, and one read."""
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, x in enumerate(xs):
         by_dtype.setdefault(x.dtype, []).append(i)
