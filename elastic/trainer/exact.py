@@ -336,6 +336,7 @@ class ExactSum:
         slots = list(slots)
         if not slots:
             return []
+        assert len(set(slots)) == len(slots), f"slots named twice: {slots}"  # scaled in place
         low, high = self.offsets[min(slots)], self.offsets[max(slots) + 1]
         span = self._summed[low:high]
         ints = span.to(device, copy=True)  # a copy of its own, on the host too

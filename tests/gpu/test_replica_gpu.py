@@ -369,9 +369,10 @@ def test_exact_mode_on_gpu_ranks_sharing_the_gpu_ends_with_the_plain_gpu_process
 
 def test_exact_sums_made_on_the_gpu_are_the_hosts_bits():
     """`ExactSum.add_many` on CUDA tensors (the fused peaks, the rounding and the sums on the
-    GPU, one copy to the host per step) against the same values on the CPU: the same payload
-    bits and flags, for float32, float64 and bfloat16 values, exponents outside float32's
-    range, a NaN, an infinity, an overflow and a tensor of several kernel chunks."""
+    GPU, one copy to the host per step), some beside CPU tensors in the same calls, against
+    the same values all on the CPU: the same payload bits and flags, kept slots included, for
+    float32, float64 and bfloat16 values, exponents outside float32's range, a NaN, an
+    infinity, an overflow and a tensor of several kernel chunks."""
     from elastic.trainer.exact import ExactSum
 
     g = torch.Generator().manual_seed(3)
@@ -390,14 +391,17 @@ def test_exact_sums_made_on_the_gpu_are_the_hosts_bits():
     values[3][5] *= 1e12  # beyond the slot's scale: an overflow
     results = []
     for device in ("cpu", "cuda"):
-        for zero in (False, True):  # True: a rank that voted the step down keeps slot 2 only
+        # On the GPU run the odd slots stay on the CPU: one call mixes both ways, as a step
+        # does with a LossSum count on the host beside the loss on the GPU.
+        where = [device if k % 2 == 0 else "cpu" for k in range(len(sizes))]
+        for zero in (False, True):  # True: a rank that voted the step down keeps 2 and 3
             s = ExactSum(sizes, groups)
             s.exponents = [e for *_, e in slots]
             s.begin(1)
             for group in values:
-                s.add_many([(k, v.to(device)) for k, v in enumerate(group)])
+                s.add_many([(k, v.to(where[k])) for k, v in enumerate(group)])
             payload = s.payload(zero=zero, meta=torch.tensor([7.0], dtype=torch.float64),
-                                keep=(2,)).clone()
+                                keep=(2, 3)).clone()
             s.finish(payload)
             on_device = torch.cat(s.values(range(len(sizes)), torch.device(device))).cpu()
             results.append((payload, on_device, s.nonfinite, s.overflowed, sorted(s.added)))
@@ -407,5 +411,5 @@ def test_exact_sums_made_on_the_gpu_are_the_hosts_bits():
         assert torch.equal(got, want)
     for k in (0, 1, 2):  # summed, not rounded away nor left out
         assert host[0][s.offsets[k] : s.offsets[k + 1]].abs().sum() > 0, k
-    assert not results[1][0][: s.offsets[2]].any()  # zeroed but for the kept slot 2
-    assert torch.equal(results[1][0][s.offsets[2] : s.offsets[3]], host[0][s.offsets[2] : s.offsets[3]])
+    assert not results[1][0][: s.offsets[2]].any()  # zeroed but for the kept slots 2 and 3
+    assert torch.equal(results[1][0][s.offsets[2] : s.offsets[4]], host[0][s.offsets[2] : s.offsets[4]])

@@ -367,8 +367,11 @@ def _steps(replicas, plan, steps: int):
 
 
 @pytest.mark.timeout(120)
-def test_a_large_gradient_redoes_the_step_at_a_wider_scale_and_still_matches(tmp_path):
+@pytest.mark.parametrize("fused", [True, False], ids=["gpu_way", "cpu_way"])
+def test_a_large_gradient_redoes_the_step_at_a_wider_scale_and_still_matches(tmp_path, monkeypatch,
+                                                                           fused):
     torch.set_num_threads(1)
+    monkeypatch.setattr(ex, "fused_on", lambda device: fused)
     job = fidelity.mlp_job(loss_scale=1e5)
     config = _config(tmp_path, **{}).model_copy(update={"checkpoint": None})
     replicas = [_SerialReplica(job, config, str(tmp_path)) for _ in range(2)]
@@ -453,10 +456,13 @@ def _summed_mse(model, batch):
 
 
 @pytest.mark.timeout(120)
-def test_a_non_finite_losssum_group_is_skipped_alike_at_any_world_size(tmp_path):
+@pytest.mark.parametrize("fused", [True, False], ids=["gpu_way", "cpu_way"])
+def test_a_non_finite_losssum_group_is_skipped_alike_at_any_world_size(tmp_path, monkeypatch,
+                                                                       fused):
     """The count travels whatever the vote, so whether the step's count is 0 does not depend
     on which rank held the NaN group; the skipped step leaves the exponents as they were."""
     torch.set_num_threads(1)
+    monkeypatch.setattr(ex, "fused_on", lambda device: fused)
     job = fidelity.mlp_job()
     job = type(job)(model=job.model, optimizer=job.optimizer, loss=_summed_mse, dataset=_poisoned)
     config = _config(tmp_path).model_copy(update={"checkpoint": None})
