@@ -66,3 +66,41 @@ def run_ranks(
         if e is not None:
             raise e
     return results
+
+
+def train_two_ranks(server: RendezvousServer, config: Any, run_dir: str, steps: int,
+                    release: bool = False) -> list[Any]:
+    """Two ranks of a real replica (`tests.jobs.regression_job`, global batch 16 as 9 + 7 in
+    micro-batches of 4 and 3) as threads over real shared memory, each lent the registered
+    region its reducer asks for; `release`: each releases its reducer after its steps. Asserts
+    every step committed and both ranks end on the plain loop's weights (rtol 1e-9); returns
+    the replicas."""
+    import torch
+
+    from elastic.adapt.plan import BatchPlan
+    from elastic.trainer.replica import Replica, StepRecord
+    from tests.jobs import reference_weights, regression_job
+
+    batch, plan = 16, BatchPlan(16, (9, 7), (4, 3))
+    assert config.batch.global_batch_size == batch
+    building = threading.Lock()  # the model is built under the process-wide torch seed
+    with building:
+        lend = Replica(regression_job(), config, run_dir).registered_bytes()
+    assert lend > 0  # the reducer asks the communicator for a region
+
+    def body(comm: Communicator) -> tuple[list[Any], Replica]:
+        with building:
+            replica = Replica(regression_job(), config, run_dir)
+        replica.comm = comm
+        replica.sync_from(0)
+        outcomes = [replica.run_step(plan, []) for _ in range(steps)]
+        if release:
+            replica.reducer.release()
+        return outcomes, replica
+
+    results = run_ranks(server, 2, body, shared_bytes=lend)
+    reference = reference_weights(0, batch, steps)
+    for outcomes, replica in results:
+        assert all(isinstance(o, StepRecord) for o in outcomes)
+        torch.testing.assert_close(replica.model.state_dict(), reference, rtol=1e-9, atol=1e-10)
+    return [replica for _, replica in results]

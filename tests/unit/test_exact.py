@@ -198,14 +198,20 @@ def gpu_way(monkeypatch):
     monkeypatch.setattr(ex, "fused_on", lambda device: True)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["gpu_way", "cpu_way"])
-def test_one_group_of_many_slots_is_read_once_and_sums_by_the_fixed_point_rule(monkeypatch,
-                                                                              fused):
+@pytest.fixture(params=[True, False], ids=["gpu_way", "cpu_way"])
+def either_way(request, monkeypatch) -> bool:
+    """The test twice: the GPU's way of `ExactSum.add_many` run on the CPU, then the CPU's;
+    returns whether it is the GPU's."""
+    monkeypatch.setattr(ex, "fused_on", lambda device: request.param)
+    return request.param
+
+
+def test_one_group_of_many_slots_is_read_once_and_sums_by_the_fixed_point_rule(either_way):
     """`add_many` (what a group's gradients, BatchNorm terms and loss go through): the GPU's
     way reads the values' peaks once per group, however many slots; both ways give per slot
     the sum of the README's rule (`tests/fidelity.py`), float32, float64 and bfloat16 values
     alike."""
-    monkeypatch.setattr(ex, "fused_on", lambda device: fused)
+    fused = either_way
     groups, sizes = 4, [7, 1, 30, 0, 5, 12]
     dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float32, torch.float32,
               torch.float64]
@@ -328,11 +334,8 @@ def exact_matches_the_plain_process(tmp_path, device: str) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fused", [True, False], ids=["gpu_way", "cpu_way"])
-def test_the_gpu_tiers_exact_schedule_ends_with_the_plain_bits_on_the_cpu(tmp_path, monkeypatch,
-                                                                         fused):
+def test_the_gpu_tiers_exact_schedule_ends_with_the_plain_bits_on_the_cpu(tmp_path, either_way):
     torch.set_num_threads(1)
-    monkeypatch.setattr(ex, "fused_on", lambda device: fused)
     exact_matches_the_plain_process(tmp_path, "cpu")
 
 
@@ -367,11 +370,8 @@ def _steps(replicas, plan, steps: int):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fused", [True, False], ids=["gpu_way", "cpu_way"])
-def test_a_large_gradient_redoes_the_step_at_a_wider_scale_and_still_matches(tmp_path, monkeypatch,
-                                                                           fused):
+def test_a_large_gradient_redoes_the_step_at_a_wider_scale_and_still_matches(tmp_path, either_way):
     torch.set_num_threads(1)
-    monkeypatch.setattr(ex, "fused_on", lambda device: fused)
     job = fidelity.mlp_job(loss_scale=1e5)
     config = _config(tmp_path, **{}).model_copy(update={"checkpoint": None})
     replicas = [_SerialReplica(job, config, str(tmp_path)) for _ in range(2)]
@@ -456,13 +456,10 @@ def _summed_mse(model, batch):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fused", [True, False], ids=["gpu_way", "cpu_way"])
-def test_a_non_finite_losssum_group_is_skipped_alike_at_any_world_size(tmp_path, monkeypatch,
-                                                                       fused):
+def test_a_non_finite_losssum_group_is_skipped_alike_at_any_world_size(tmp_path, either_way):
     """The count travels whatever the vote, so whether the step's count is 0 does not depend
     on which rank held the NaN group; the skipped step leaves the exponents as they were."""
     torch.set_num_threads(1)
-    monkeypatch.setattr(ex, "fused_on", lambda device: fused)
     job = fidelity.mlp_job()
     job = type(job)(model=job.model, optimizer=job.optimizer, loss=_summed_mse, dataset=_poisoned)
     config = _config(tmp_path).model_copy(update={"checkpoint": None})

@@ -22,16 +22,14 @@ import torch
 from torch import nn
 
 from elastic import BatchConfig, FitConfig, ScalingConfig
-from elastic.adapt.plan import BatchPlan
 from elastic.collective import RendezvousServer, shm
 from elastic.config import CollectiveConfig
 from elastic.errors import CollectiveError
 from elastic.trainer.buckets import GradientBuckets
 from elastic.trainer.flat import flatten_grads, unflatten_grads
-from elastic.trainer.replica import Replica, StepRecord
+from elastic.trainer.replica import Replica
 from elastic.trainer.staging import HostStaging
-from tests.jobs import reference_weights, regression_job
-from tests.threads import run_ranks
+from tests.threads import train_two_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -406,7 +404,6 @@ def test_two_staged_ranks_sum_in_their_registered_regions_and_train_as_plain_pyt
         collective=CollectiveConfig(overlap=overlap, bucket_bytes=1024, first_bucket_bytes=1024),
         batch=BatchConfig(global_batch_size=batch, autotune=False, rebalance=False),
         run_dir=str(tmp_path), max_steps=steps, ledger=True)
-    plan = BatchPlan(batch, (9, 7), (4, 3))
     fakes: list[DeferredStreams] = []
 
     def staging(replica: Replica) -> HostStaging:  # as a GPU worker on the host plane
@@ -414,29 +411,11 @@ def test_two_staged_ranks_sum_in_their_registered_regions_and_train_as_plain_pyt
         return HostStaging(fakes[-1])
 
     monkeypatch.setattr(Replica, "_staging", staging)
-    building = threading.Lock()  # the model is built under the process-wide torch seed
-    with building:
-        lend = Replica(regression_job(), config, str(tmp_path)).registered_bytes()
-    assert lend > 0  # the staged reducer asks the communicator for a region
-
-    def body(comm):
-        with building:
-            replica = Replica(regression_job(), config, str(tmp_path))
-        replica.comm = comm
-        replica.sync_from(0)
-        outcomes = [replica.run_step(plan, []) for _ in range(steps)]
-        replica.reducer.release()
-        return outcomes, replica
-
-    results = run_ranks(server, 2, body, shared_bytes=lend)
-    reference = reference_weights(0, batch, steps)
-    for outcomes, replica in results:
-        assert all(isinstance(o, StepRecord) for o in outcomes)
-        torch.testing.assert_close(replica.model.state_dict(), reference, rtol=1e-9, atol=1e-10)
+    replicas = train_two_ranks(server, config, str(tmp_path), steps, release=True)
     # every sum was made where the gradients lay: in the registered regions
     assert registered_calls and sorted(set(registered_calls)) == [0, 1]
     assert len(registered_calls) == 2 * steps * (1 if not overlap else len(
-        results[0][1].reducer.buckets.buckets))
+        replicas[0].reducer.buckets.buckets))
     built = fakes[1:]  # the first built the replica that asked the region's size
     for fake in built:
         assert fake.violations == []

@@ -14,13 +14,12 @@ import pytest
 import torch
 
 from elastic import BatchConfig, FitConfig, ScalingConfig
-from elastic.adapt.plan import BatchPlan
 from elastic.collective import RendezvousServer, direct, shm, shm_segments
 from elastic.config import CollectiveConfig
 from elastic.errors import CollectiveError
-from elastic.trainer.replica import Replica, StepRecord
-from tests.jobs import reference_weights, regression_job
-from tests.threads import run_ranks
+from elastic.trainer.replica import Replica
+from tests.jobs import regression_job
+from tests.threads import run_ranks, train_two_ranks
 
 pytestmark = [pytest.mark.skipif(shm.supported() is not None, reason=str(shm.supported())),
               pytest.mark.timeout(120)]
@@ -228,25 +227,7 @@ def test_training_steps_reduce_the_flat_gradients_where_they_lie(tmp_path, serve
         scaling=ScalingConfig(num_workers=2, min_workers=1),
         batch=BatchConfig(global_batch_size=batch, autotune=False, rebalance=False),
         run_dir=str(tmp_path), max_steps=steps, ledger=True)
-    plan = BatchPlan(batch, (9, 7), (4, 3))
-    building = threading.Lock()  # the model is built under the process-wide torch seed
-    with building:
-        lend = Replica(regression_job(), config, str(tmp_path)).registered_bytes()
-    assert lend > 0
-
-    def body(comm):
-        with building:
-            replica = Replica(regression_job(), config, str(tmp_path))
-        replica.comm = comm
-        replica.sync_from(0)
-        outcomes = [replica.run_step(plan, []) for _ in range(steps)]
-        return outcomes, replica
-
-    results = run_ranks(server, 2, body, shared_bytes=lend)
-    reference = reference_weights(0, batch, steps)
-    for outcomes, replica in results:
-        assert all(isinstance(o, StepRecord) for o in outcomes)
-        torch.testing.assert_close(replica.model.state_dict(), reference, rtol=1e-9, atol=1e-10)
+    train_two_ranks(server, config, str(tmp_path), steps)
     assert sorted(registered_calls) == [0] * steps + [1] * steps
 
 
