@@ -173,8 +173,9 @@ class Replica:
 
     def _staging(self) -> HostStaging | None:
         """GPU workers on the host plane (no NCCL): their gradients are summed in host memory
-        (`elastic.trainer.staging`)."""
-        if self.device.type != "cuda" or self.config.collective.backend == "nccl":
+        (`elastic.trainer.staging`); not in exact mode, whose integer sums are made apart."""
+        if (self.device.type != "cuda" or self.config.collective.backend == "nccl"
+                or self.config.batch.exact):
             return None
         return HostStaging(CudaStreams())
 
