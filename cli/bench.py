@@ -475,22 +475,40 @@ def bench_gpu(
         help="Also run this many workers sharing the GPU (backend gloo); 0: only 1 worker.")] = 4,
     out_dir: Annotated[pathlib.Path, typer.Option(
         help="Where gpu_throughput.json goes (written after each measurement).")] = pathlib.Path("bench-out"),
+    device: Annotated[str, typer.Option(
+        help="'cuda', or 'cpu' with --size tiny: a rehearsal of the bench on CPU workers.")] = "cuda",
+    size: Annotated[str, typer.Option(
+        help="'full' (ResNet-50 at 224 px, GPT-2 124M) or 'tiny' (the same code, seconds on a CPU).")
+    ] = "full",
 ) -> None:
     """Training throughput on one GPU: elastic.fit with 1 worker (and several sharing the GPU)
     against a plain PyTorch loop, same model, data, batch, bf16 autocast and loaders. Needs
     CUDA (and torchvision, transformers)."""
     import torch
 
-    from elastic.bench.gpu import MODELS, run, table
+    from elastic.bench.gpu import MODELS, SIZES, missing, run, table
 
-    if not torch.cuda.is_available():
-        raise fail(f"elastic bench gpu needs a CUDA device; torch {torch.__version__} sees none")
+    if device not in ("cuda", "cpu"):
+        raise fail(f"--device: 'cuda' or 'cpu', got {device!r}")
+    if size not in SIZES:
+        raise fail(f"--size: one of {', '.join(SIZES)}, got {size!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise fail(f"elastic bench gpu needs a CUDA device; torch {torch.__version__} sees none "
+                   "(--device cpu --size tiny rehearses it on the CPU)")
+    if device == "cpu" and size != "tiny":
+        raise fail("--device cpu runs only at --size tiny (a full-size run on a CPU takes hours)")
+    if shared == 1 or shared < 0:
+        raise fail(f"--shared: 0 (none) or 2 and more workers sharing the GPU, got {shared}")
     chosen = tuple(m.strip() for m in models.split(",") if m.strip())
     unknown = sorted(set(chosen) - set(MODELS))
-    if unknown:
-        raise fail(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    if unknown or not chosen:
+        raise fail(f"--models: unknown {', '.join(unknown) or '(none given)'}; choose from "
+                   f"{', '.join(MODELS)}")
+    reasons = [why for why in map(missing, chosen) if why]
+    if reasons:
+        raise fail("--models: " + "; ".join(reasons))
     out_dir.mkdir(parents=True, exist_ok=True)
-    run(str(out_dir), chosen, shared)
+    run(str(out_dir), chosen, shared, device, size)
     table(str(out_dir / "gpu_throughput.json"))
 
 

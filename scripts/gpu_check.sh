@@ -21,14 +21,28 @@
 # Ray and pydantic come from an offline bundle when Python lacks them: GPU_BUNDLE (default
 # .gpu/bundle.tar.xz, built on a machine with network by `make gpu-bundle`) is unpacked
 # into a private folder.
+# GPU_CHECK_DEVICE=cpu is the rehearsal, on a machine without a GPU (`make test` runs it): every
+# part's own command at a size a CPU runs in seconds (the tier is collected and skipped, the
+# benches run on CPU workers), then the summary with `--rehearsal` (the parts ran and wrote
+# readable results; no target is judged). A mistake in the check itself then costs nothing of
+# a GPU machine's few minutes.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${GPU_CHECK_OUT:-${OUT:-gpu-check-out}}; mkdir -p "$OUT"  # OUT: the device machine's
 PY=${PY:-python3}
 MODELS=${GPU_CHECK_MODELS:-resnet50,gpt2}
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
-if ! version=$($PY -c "import torch, sys; print(torch.__version__); sys.exit(0 if torch.cuda.is_available() else 1)"); then
+if [ "$DEVICE" = cpu ]; then
+  echo "gpu-check: a rehearsal on the CPU (GPU_CHECK_DEVICE=cpu): each part at a tiny size, no target judged"
+  # ResNet-50 needs torchvision: where it is missing the rehearsal runs GPT-2 alone.
+  MODELS=${GPU_CHECK_MODELS:-$($PY -c "import importlib.util as u; print('resnet50,gpt2' if u.find_spec('torchvision') else 'gpt2')")}
+elif [ "$DEVICE" != cuda ]; then
+  echo "gpu-check: GPU_CHECK_DEVICE is 'cuda' (the default) or 'cpu' (the rehearsal), not '$DEVICE'"
+  exit 2
+elif ! version=$($PY -c "import torch, sys; print(torch.__version__); sys.exit(0 if torch.cuda.is_available() else 1)"); then
   echo "gpu-check: torch sees no CUDA device here (torch $version): nothing to check"
+  echo "(GPU_CHECK_DEVICE=cpu rehearses the check on the CPU)"
   exit 3
 fi
 if ! $PY -c "import ray, pydantic" 2>/dev/null; then
@@ -44,7 +58,8 @@ if ! $PY -c "import ray, pydantic" 2>/dev/null; then
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
+{ if [ "$DEVICE" = cpu ]; then echo "rehearsal on the CPU ($(uname -m))"; else
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; fi; nproc
   $PY -c "import ray, pydantic, torch; print('ray', ray.__version__, 'pydantic', pydantic.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)"
   $PY -c "import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version())" 2>&1 | tail -1
 } > "$OUT/env.txt" 2>&1
@@ -69,14 +84,23 @@ if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
   timeout "${GPU_CHECK_PROFILE_S:-90}" $PY scripts/gpu_profile.py "$OUT" > "$OUT/profile.log" 2>&1
   echo "profile rc=$?"
 fi
+if [ "$DEVICE" = cpu ]; then  # the rehearsal's sizes: seconds each on two cores
+  TIER_CHECK=true; STEP=(--depths 2,4 --width 8 --batch 8 --image-size 8 --steps 3)
+  BENCH=(--size tiny --shared 2); DATA=(--loader-workers 1 --steps 9 --batch 16 --image-size 24)
+  SIZES=4KB,64KB; SUMMARY=(--rehearsal)
+else
+  TIER_CHECK=$PY; STEP=(--depths 16,52 --width 64 --batch 32 --image-size 32 --steps 30)
+  BENCH=(--shared "${GPU_CHECK_SHARED:-4}"); DATA=(--loader-workers 2 --steps 30); SIZES=1MB,16MB
+  SUMMARY=()
+fi
 part tier "${GPU_CHECK_TIER_S:-300}" tier.xml bash -c '$0 -m pytest -m gpu tests/gpu -p no:cacheprovider -q -rA \
-  -o timeout=120 --junitxml="$1/tier.xml" && $0 scripts/junit_ran.py "$1/tier.xml"' "$PY" "$OUT"
-part step "${GPU_CHECK_STEP_S:-60}" step.json "${ELASTIC[@]}" bench step --device cuda --depths 16,52 \
-  --width 64 --batch 32 --image-size 32 --steps 30 --json "$OUT/step.json"
+  -o timeout=120 --junitxml="$1/tier.xml" && $2 scripts/junit_ran.py "$1/tier.xml"' "$PY" "$OUT" "$TIER_CHECK"
+part step "${GPU_CHECK_STEP_S:-60}" step.json "${ELASTIC[@]}" bench step --device "$DEVICE" "${STEP[@]}" \
+  --json "$OUT/step.json"
 part throughput "${GPU_CHECK_BENCH_S:-270}" gpu_throughput.json "${ELASTIC[@]}" bench gpu \
-  --models "$MODELS" --shared "${GPU_CHECK_SHARED:-4}" --out-dir "$OUT"
-part data "${GPU_CHECK_DATA_S:-120}" data.json "${ELASTIC[@]}" bench data --workers 2 --loader-workers 2 \
-  --steps 30 --rounds 1 --json "$OUT/data.json"
+  --models "$MODELS" --device "$DEVICE" "${BENCH[@]}" --out-dir "$OUT"
+part data "${GPU_CHECK_DATA_S:-120}" data.json "${ELASTIC[@]}" bench data --workers 2 "${DATA[@]}" \
+  --rounds 1 --json "$OUT/data.json"
 part allreduce "${GPU_CHECK_ALLREDUCE_S:-90}" allreduce.json "${ELASTIC[@]}" bench allreduce --world-size 4 \
-  --hosts 2 --sizes 1MB,16MB --json "$OUT/allreduce.json"
-$PY scripts/gpu_summary.py "$OUT"
+  --hosts 2 --sizes "$SIZES" --json "$OUT/allreduce.json"
+$PY scripts/gpu_summary.py "$OUT" "${SUMMARY[@]}"

@@ -15,10 +15,11 @@ import warnings
 
 import torch
 
-from elastic.bench.gpu import Cycled, loss_of, make_model, make_optimizer
+from elastic.bench.gpu import SIZES, Cycled, loss_of, make_model, make_optimizer
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "."
 B, STEPS, WARMUP = 128, 15, 5
+SIZE = SIZES["full"]["resnet50"]
 log = open(os.path.join(OUT, "profile.txt"), "w")
 
 
@@ -30,7 +31,7 @@ def say(*parts: object) -> None:
 def plain(batch) -> float:
     device = torch.device("cuda", 0)
     torch.manual_seed(0)
-    model = make_model("resnet50").to(device)
+    model = make_model("resnet50", SIZE).to(device)
     opt = make_optimizer("resnet50", model.parameters())
     for i in range(WARMUP + STEPS):
         if i == WARMUP:
@@ -55,9 +56,9 @@ def replica(alone: bool = True):
     from elastic.trainer.step import BatchPlan
     from tests.gpu.planes import PlaneCheck
 
-    job = TrainJob(model=_Factory(make_model, "resnet50"),
+    job = TrainJob(model=_Factory(make_model, "resnet50", SIZE),
                    optimizer=_Factory(make_optimizer, "resnet50"), loss=_Loss("resnet50"),
-                   dataset=_Factory(Cycled, "resnet50", B * 1000))
+                   dataset=_Factory(Cycled, "resnet50", SIZE, B * 1000))
     config = FitConfig(scaling=ScalingConfig(num_workers=1, use_gpu=True),
                        collective=CollectiveConfig(backend="nccl", overlap=True),
                        batch=BatchConfig(global_batch_size=B, max_micro_batch=B, autotune=False,
@@ -85,7 +86,7 @@ def timed(r, plan) -> float:
 
 
 def main() -> None:
-    data = Cycled("resnet50", B)
+    data = Cycled("resnet50", SIZE, B)
     batch = [torch.stack([data[i][0] for i in range(B)]).pin_memory(),
              torch.stack([data[i][1] for i in range(B)]).pin_memory()]
     say(f"plain: {plain(batch) * 1e3:.1f} ms/step")

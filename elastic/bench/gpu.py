@@ -7,8 +7,13 @@ sequences (tokens/s; transformers). The data are synthetic and cycle over a smal
 so building them costs nothing beside the step. Throughput is measured over the steps after a
 warm-up, from the end of the last warm-up step to the end of the last step: the plain loop's
 with `torch.cuda.synchronize()`, `elastic.fit`'s from its metrics lines (each step's end on the
-last rank to end it). Needs CUDA; `elastic.fit` runs with `scaling.use_gpu` and backend 'nccl'
-(world size 1: no NCCL call) or, with several workers sharing the GPU, backend 'shm'.
+last rank to end it). On CUDA `elastic.fit` runs with `scaling.use_gpu` and backend 'nccl'
+(world size 1: no NCCL call) or, with several workers sharing the GPU, backend 'gloo' (the
+host-staged plane).
+
+`size="tiny"` with `device="cpu"` is the rehearsal: the same code at a size a CPU runs in
+seconds (`make test` runs it; `make gpu-check` with `GPU_CHECK_DEVICE=cpu` too), so that a GPU
+machine's few minutes are not spent on finding a mistake in the bench itself.
 """
 
 from __future__ import annotations
@@ -25,23 +30,48 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 MODELS = ("resnet50", "gpt2")
-# model -> (global batch, samples per item unit for the rate, warm-up steps, measured steps)
-SIZES = {"resnet50": (128, 1, 8, 30), "gpt2": (8, 1024, 5, 20)}
-IMAGE, CLASSES, DISTINCT = 224, 1000, 256
-VOCAB, SEQ = 50257, 1024
+CLASSES, DISTINCT = 1000, 256
+
+
+@dataclass(frozen=True)
+class Size:
+    """One model's run: global batch, warm-up and measured steps, and the model's shape
+    (image side for the CNN; sequence, layers, width and vocabulary for GPT-2)."""
+
+    batch: int
+    warmup: int
+    steps: int
+    image: int = 224
+    seq: int = 1024
+    layers: int = 12
+    width: int = 768
+    vocab: int = 50257
+    threads: int = 2  # CPU threads of each elastic worker (and its Ray CPUs)
+
+    def unit(self, model: str) -> int:
+        """Items per sample: one image, or `seq` tokens."""
+        return 1 if model == "resnet50" else self.seq
+
+
+SIZES = {
+    "full": {"resnet50": Size(128, 8, 30), "gpt2": Size(8, 5, 20)},
+    "tiny": {"resnet50": Size(4, 2, 3, image=32, threads=1),
+             "gpt2": Size(4, 2, 3, seq=32, layers=2, width=64, vocab=512, threads=1)},
+}
 
 
 class Cycled(Dataset):
     """`length` samples cycling over `DISTINCT` seeded ones (uint8 images or token ids)."""
 
-    def __init__(self, model: str, length: int) -> None:
+    def __init__(self, model: str, size: Size, length: int) -> None:
         g = torch.Generator().manual_seed(0)
         self.model, self.length = model, length
         if model == "resnet50":
-            self.x = torch.randint(0, 256, (DISTINCT, 3, IMAGE, IMAGE), dtype=torch.uint8, generator=g)
+            self.x = torch.randint(0, 256, (DISTINCT, 3, size.image, size.image), dtype=torch.uint8,
+                                   generator=g)
             self.y = torch.randint(0, CLASSES, (DISTINCT,), generator=g)
         else:
-            self.x = torch.randint(0, VOCAB, (DISTINCT, SEQ), generator=g)
+            self.x = torch.randint(0, size.vocab, (DISTINCT, size.seq), generator=g)
             self.y = None
 
     def __len__(self) -> int:
@@ -52,7 +82,7 @@ class Cycled(Dataset):
         return (self.x[j], self.y[j]) if self.y is not None else self.x[j]
 
 
-def make_model(model: str) -> nn.Module:
+def make_model(model: str, size: Size) -> nn.Module:
     torch.backends.cudnn.benchmark = True
     if model == "resnet50":
         import torchvision
@@ -60,8 +90,9 @@ def make_model(model: str) -> nn.Module:
         return torchvision.models.resnet50(num_classes=CLASSES).to(memory_format=torch.channels_last)
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(n_positions=SEQ, n_embd=768, n_layer=12, n_head=12,
-                                      vocab_size=VOCAB))
+    return GPT2LMHeadModel(GPT2Config(n_positions=size.seq, n_embd=size.width, n_layer=size.layers,
+                                      n_head=12 if size.width % 12 == 0 else 4,
+                                      vocab_size=size.vocab))
 
 
 def make_optimizer(model: str, params: Any) -> torch.optim.Optimizer:
@@ -78,6 +109,14 @@ def loss_of(model_name: str, model: nn.Module, batch: Any) -> torch.Tensor:
     return model(input_ids=batch, labels=batch).loss
 
 
+def missing(model: str) -> str | None:
+    """Why `model` cannot be built here (the library it needs), or None."""
+    import importlib.util
+
+    library = "torchvision" if model == "resnet50" else "transformers"
+    return None if importlib.util.find_spec(library) else f"{model} needs {library}, not installed"
+
+
 @dataclass
 class Throughput:
     model: str
@@ -92,34 +131,42 @@ class Throughput:
     phases: dict[str, float | None] | None = None
 
 
-def plain(model_name: str, device: torch.device) -> Throughput:
-    """The plain loop: DataLoader with 2 workers and pinned memory, bf16 autocast."""
-    batch, unit, warmup, steps = SIZES[model_name]
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain(model_name: str, device: torch.device, size: Size) -> Throughput:
+    """The plain loop: DataLoader with 2 workers (pinned memory on a GPU), bf16 autocast."""
     torch.manual_seed(0)
-    model = make_model(model_name).to(device)
+    model = make_model(model_name, size).to(device)
     optimizer = make_optimizer(model_name, model.parameters())
-    loader = DataLoader(Cycled(model_name, batch * (warmup + steps)), batch_size=batch,
-                        num_workers=2, pin_memory=True)
-    torch.cuda.reset_peak_memory_stats(device)
+    loader = DataLoader(Cycled(model_name, size, size.batch * (size.warmup + size.steps)),
+                        batch_size=size.batch, num_workers=2, pin_memory=device.type == "cuda")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     start = None
     for i, b in enumerate(loader):
-        if i == warmup:
-            torch.cuda.synchronize(device)
+        if i == size.warmup:
+            _sync(device)
             start = time.perf_counter()
         b = [t.to(device, non_blocking=True) for t in b] if isinstance(b, list) else b.to(
             device, non_blocking=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = loss_of(model_name, model, b)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    torch.cuda.synchronize(device)
+    _sync(device)
+    assert start is not None, "the loader gave no more than the warm-up steps"
     seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated(device) / 1e9
+    peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
     del model, optimizer
-    torch.cuda.empty_cache()
-    return Throughput(model_name, "plain", batch, steps, batch * unit * steps / seconds,
-                      seconds / steps, peak)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return Throughput(model_name, "plain", size.batch, size.steps,
+                      size.batch * size.unit(model_name) * size.steps / seconds,
+                      seconds / size.steps, peak)
 
 
 class _Loss:
@@ -138,9 +185,10 @@ class _Factory:
         return self.fn(*self.args, *more)
 
 
-def elastic_run(model_name: str, workers: int = 1, backend: str = "nccl",
-                gpus_per_worker: float | None = None) -> Throughput:
-    """`elastic.fit` on the GPU with `workers` workers (more than one share it)."""
+def elastic_run(model_name: str, device: torch.device, size: Size, workers: int = 1) -> Throughput:
+    """`elastic.fit` with `workers` workers: on CUDA each with the GPU to itself (1, backend
+    'nccl') or sharing it (several, `gpus_per_worker` 1/workers, backend 'gloo'); on the CPU
+    (the rehearsal) CPU workers, backend 'gloo'."""
     from elastic.api import fit
     from elastic.bench.overhead import breakdown, elastic_rows
     from elastic.config import (
@@ -154,53 +202,58 @@ def elastic_run(model_name: str, workers: int = 1, backend: str = "nccl",
     )
     from elastic.job import TrainJob
 
-    batch, unit, warmup, steps = SIZES[model_name]
-    job = TrainJob(model=_Factory(make_model, model_name),
+    gpu = device.type == "cuda"
+    job = TrainJob(model=_Factory(make_model, model_name, size),
                    optimizer=_Factory(make_optimizer, model_name), loss=_Loss(model_name),
-                   dataset=_Factory(Cycled, model_name, batch * (warmup + steps)))
-    scaling: dict[str, Any] = {"num_workers": workers, "use_gpu": True, "cpus_per_worker": 2,
-                               "threads_per_worker": 2}
-    if gpus_per_worker is not None:
-        scaling["gpus_per_worker"] = gpus_per_worker
+                   dataset=_Factory(Cycled, model_name, size,
+                                    size.batch * (size.warmup + size.steps)))
+    scaling: dict[str, Any] = {"num_workers": workers, "use_gpu": gpu,
+                               "cpus_per_worker": size.threads, "threads_per_worker": size.threads}
+    if gpu and workers > 1:
+        scaling["gpus_per_worker"] = 1 / workers
+    backend = "nccl" if gpu and workers == 1 else "gloo"
     config = FitConfig(
         scaling=ScalingConfig(**scaling),
         collective=CollectiveConfig(backend=backend),
-        batch=BatchConfig(global_batch_size=batch, max_micro_batch=batch, autotune=False),
-        data=DataConfig(loader_workers=2, pin_memory=True),
+        batch=BatchConfig(global_batch_size=size.batch, max_micro_batch=size.batch, autotune=False),
+        data=DataConfig(loader_workers=2, pin_memory=gpu),
         training=TrainingConfig(precision="bf16-mixed"),
         logging=LoggingConfig(progress="off"),
-        max_steps=warmup + steps,
+        max_steps=size.warmup + size.steps,
         run_dir=tempfile.mkdtemp(prefix=f"bench-gpu-{model_name}-"),
     )
     result = fit(job, config)
     rows = elastic_rows(result.metrics)
-    seconds = rows[-1]["time"] - rows[warmup - 1]["time"]
-    phases = asdict(breakdown(rows, warmup))
-    return Throughput(model_name, f"elastic-{workers}", batch, steps,
-                      batch * unit * steps / seconds, seconds / steps, None, phases)
+    assert len(rows) == size.warmup + size.steps, f"{len(rows)} metrics lines"
+    seconds = rows[-1]["time"] - rows[size.warmup - 1]["time"]
+    phases = asdict(breakdown(rows, size.warmup))
+    return Throughput(model_name, f"elastic-{workers}", size.batch, size.steps,
+                      size.batch * size.unit(model_name) * size.steps / seconds,
+                      seconds / size.steps, None, phases)
 
 
-def run(out_dir: str, models: tuple[str, ...] = MODELS, shared_workers: int = 4) -> list[Throughput]:
+def run(out_dir: str, models: tuple[str, ...] = MODELS, shared_workers: int = 4,
+        device: str = "cuda", size: str = "full") -> list[Throughput]:
     """Every model, plain then elastic (1 worker, then `shared_workers` sharing the GPU if
     above 0); writes gpu_throughput.json in `out_dir` after each measurement."""
-    device = torch.device("cuda", 0)
+    where = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     results: list[Throughput] = []
     path = os.path.join(out_dir, "gpu_throughput.json")
+    name = torch.cuda.get_device_name(where) if where.type == "cuda" else "cpu"
 
     def keep(result: Throughput) -> None:
         results.append(result)
         print(json.dumps(asdict(result)), flush=True)
         with open(path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(device),
-                       "torch": torch.__version__, "results": [asdict(r) for r in results]}, f,
-                      indent=1)
+            json.dump({"device": name, "size": size, "torch": torch.__version__,
+                       "results": [asdict(r) for r in results]}, f, indent=1)
 
     for model_name in models:
-        keep(plain(model_name, device))
-        keep(elastic_run(model_name))
+        chosen = SIZES[size][model_name]
+        keep(plain(model_name, where, chosen))
+        keep(elastic_run(model_name, where, chosen))
         if shared_workers:
-            keep(elastic_run(model_name, shared_workers, backend="gloo",
-                             gpus_per_worker=1 / shared_workers))
+            keep(elastic_run(model_name, where, chosen, shared_workers))
     return results
 
 
@@ -213,7 +266,9 @@ def table(path: str) -> None:
     with open(path) as f:
         data = json.load(f)
     plain_rate = {r["model"]: r["per_s"] for r in data["results"] if r["runner"] == "plain"}
-    out = Table(title=f"{data['device']}, torch {data['torch']}: bf16 autocast, 2 loader processes")
+    size = data.get("size", "full")
+    out = Table(title=f"{data['device']}, torch {data['torch']}: bf16 autocast, 2 loader processes"
+                      + ("" if size == "full" else f" ({size} size: a rehearsal, not a measurement)"))
     for column in ("model", "runner", "batch", "rate /s", "ms / step", "vs plain"):
         out.add_column(column, justify="right")
     for r in data["results"]:

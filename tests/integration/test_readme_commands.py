@@ -16,6 +16,7 @@ import shlex
 import shutil
 import subprocess
 import threading
+from xml.etree import ElementTree
 
 import pytest
 
@@ -338,3 +339,37 @@ def test_every_readme_command_runs_and_gives_what_it_promises(head, tmp_path):
         except BaseException:  # a stream's failure, or this test's timeout: both stop
             failed.set()
             raise
+
+
+@pytest.mark.timeout(600)
+def test_the_gpu_check_rehearses_every_part_on_the_cpu(head, tmp_path):
+    """`GPU_CHECK_DEVICE=cpu bash scripts/gpu_check.sh`: every part's own command line, at a
+    tiny size on CPU workers, so that a mistake in the check costs no GPU time: the tier is
+    collected (each GPU test skipped here), the step, throughput, data and allreduce benches
+    run and write what the summary reads, and the summary passes as a rehearsal."""
+    out = tmp_path / "check"
+    env = {**head["env"], "RAY_ADDRESS": head["gcs"], "GPU_CHECK_DEVICE": "cpu",
+           "GPU_CHECK_OUT": str(out), "PY": str(BIN / "python")}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    parts = [line.split() for line in (out / "parts.txt").read_text().splitlines()]
+    assert [(name, rc) for name, rc, _ in parts] == [
+        (name, "0") for name in ("tier", "step", "throughput", "data", "allreduce")]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rehearsal"] and summary["passed"]
+    [suite] = ElementTree.parse(out / "tier.xml").getroot()
+    assert int(suite.get("tests")) == int(suite.get("skipped")) > 0  # each GPU test, skipped
+    assert [(r["depth"], r["runner"]) for r in json.loads((out / "step.json").read_text())["rows"]] \
+        == [(d, r) for d in (2, 4) for r in ("plain PyTorch", "elastic, 1 worker")]
+    throughput = json.loads((out / "gpu_throughput.json").read_text())
+    assert throughput["device"] == "cpu" and throughput["size"] == "tiny"
+    models = [m for m in ("resnet50", "gpt2") if any(r["model"] == m for r in throughput["results"])]
+    assert "gpt2" in models
+    assert [(r["model"], r["runner"]) for r in throughput["results"]] == [
+        (m, runner) for m in models for runner in ("plain", "elastic-1", "elastic-2")]
+    for r in throughput["results"]:
+        assert r["per_s"] > 0 and r["steps"] == 3 and (r["phases"] is None) == (r["runner"] == "plain")
+    assert json.loads((out / "data.json").read_text())["loader_workers"] == 1
+    allreduce = json.loads((out / "allreduce.json").read_text())
+    assert allreduce["hosts"] == 2 and all(r["correct"] for r in allreduce["records"])

@@ -45,6 +45,42 @@ def test_bench_overhead_rejects_an_unknown_model_before_running_any_with_exit_co
     assert "gpt" in result.output and "lm" in result.output
 
 
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--device", "tpu"], "--device: 'cuda' or 'cpu', got 'tpu'"),
+    (["--device", "cpu", "--size", "huge"], "--size: one of full, tiny, got 'huge'"),
+    (["--device", "cpu"], "--device cpu runs only at --size tiny"),
+    (["--device", "cpu", "--size", "tiny", "--shared", "1"], "--shared: 0 (none) or 2 and more"),
+    (["--device", "cpu", "--size", "tiny", "--models", "gpt2,vit"], "--models: unknown vit"),
+    (["--device", "cpu", "--size", "tiny", "--models", ","], "--models: unknown (none given)"),
+])
+def test_bench_gpu_refuses_what_it_cannot_run_with_exit_code_2_before_any_run(argv, says,
+                                                                               tmp_path):
+    result = runner.invoke(app, ["bench", "gpu", "--out-dir", str(tmp_path / "out"), *argv])
+    assert result.exit_code == 2 and says in _text(result.output), result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_gpu_without_cuda_says_how_to_rehearse_it(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = runner.invoke(app, ["bench", "gpu"])
+    assert result.exit_code == 2
+    assert "--device cpu --size tiny rehearses it on the CPU" in _text(result.output)
+
+
+def test_bench_gpu_names_the_library_a_model_needs(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchvision" else real(name, *a))
+    result = runner.invoke(app, ["bench", "gpu", "--device", "cpu", "--size", "tiny",
+                                 "--models", "resnet50"])
+    assert result.exit_code == 2
+    assert "resnet50 needs torchvision, not installed" in _text(result.output)
+
+
 def test_run_with_a_missing_target_file_exits_2_naming_it():
     result = runner.invoke(app, ["run", "nowhere/job.py:job", "--workers", "2",
                                  "--global-batch", "8", "--max-steps", "1"])
@@ -190,7 +226,7 @@ def test_the_option_surface_is_what_was_reviewed():
         "bench control": ["calls", "json_path"],
         "bench decisions": ["json_path", "members", "steps"],
         "bench exact": ["batch", "json_path", "models", "rounds", "steps", "workers"],
-        "bench gpu": ["models", "out_dir", "shared"],
+        "bench gpu": ["device", "models", "out_dir", "shared", "size"],
         "bench drift": ["json_path", "steps", "workers"],
         "bench step": ["batch", "depths", "device", "image_size", "json_path", "steps", "width"],
         "bench memory": ["json_path", "model", "replicas", "stages", "steps", "workers"],

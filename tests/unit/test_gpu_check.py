@@ -108,3 +108,32 @@ def test_a_throughput_part_cut_short_or_a_torn_file_misses_its_target(tmp_path):
     assert not rows["throughput"]["target_met"]  # no 1-worker row: not met
     assert rows["tier"]["result"].startswith("unreadable results (ParseError")
     assert done.returncode == 1
+
+
+def test_a_rehearsal_passes_on_parts_that_ran_and_wrote_results_whatever_their_figures(tmp_path):
+    """`--rehearsal` (the check on a CPU): a throughput far below its target is no failure; a
+    part that failed or wrote nothing readable is."""
+    summary_py = os.path.join(ROOT, "scripts", "gpu_summary.py")
+    _parts(tmp_path, "throughput 0 40\n")
+    _throughput(tmp_path, 100.0)  # 0.10x of plain: a tiny model on a CPU
+    done = subprocess.run([sys.executable, summary_py, str(tmp_path), "--rehearsal"],
+                          capture_output=True, text=True, timeout=60)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert done.returncode == 0, done.stdout
+    assert summary["rehearsal"] and summary["passed"] and not summary["targets_met"]
+    assert "a rehearsal: targets not judged" in done.stdout
+    # Judged as a GPU run, the same folder fails on the target.
+    done = subprocess.run([sys.executable, summary_py, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and "MISSED" in done.stdout
+    _parts(tmp_path, "throughput 0 40\nstep 0 3\n")  # step.json never written
+    done = subprocess.run([sys.executable, summary_py, str(tmp_path), "--rehearsal"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "FAILED  no results written" in done.stdout
+    _parts(tmp_path, "throughput 2 40\n")  # the part's command failed
+    done = subprocess.run([sys.executable, summary_py, str(tmp_path), "--rehearsal"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    done = subprocess.run([sys.executable, summary_py, str(tmp_path), "--judge"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "usage" in done.stderr
