@@ -11,6 +11,8 @@
 #               (elastic bench data);
 #   allreduce   on the machine's CPUs: the allreduce of 4 ranks as 2 hosts
 #               (elastic bench allreduce --hosts 2).
+# GPU_CHECK_PROFILE=1 first profiles the replica's step beside a plain step in one process
+# (scripts/gpu_profile.py: profile.txt, with every wait for the device in a step).
 # GPU_CHECK_PARTS picks parts (default: all, in that order). Each part writes its log and
 # results into GPU_CHECK_OUT (default: $OUT, else gpu-check-out) as it ends, and a line to
 # parts.txt; scripts/gpu_summary.py then prints the table of every part in that folder and
@@ -80,8 +82,9 @@ part() {
   echo "$name rc=$rc ($(( $(date +%s) - started )) s)"
   [ "$rc" = 0 ] || tail -n 25 "$OUT/$name.log"
 }
-if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
-  timeout "${GPU_CHECK_PROFILE_S:-90}" $PY scripts/gpu_profile.py "$OUT" > "$OUT/profile.log" 2>&1
+if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then  # the replica's step in one process (profile.txt)
+  if [ "$DEVICE" = cpu ]; then PROFILE=("${MODELS##*,}" cpu tiny); else PROFILE=(resnet50); fi
+  timeout "${GPU_CHECK_PROFILE_S:-90}" $PY scripts/gpu_profile.py "$OUT" "${PROFILE[@]}" > "$OUT/profile.log" 2>&1
   echo "profile rc=$?"
 fi
 if [ "$DEVICE" = cpu ]; then  # the rehearsal's sizes: seconds each on two cores

@@ -3,7 +3,11 @@
 batch already in pinned host memory for both. Writes to the folder argv[1]: profile.txt (the
 timings, the profiler's top operations, and every place a step waits for the device, from
 torch's sync debug mode), for the replica alone (a generation of one rank) and summing
-through buckets as a rank of several would."""
+through buckets as a rank of several would.
+
+Usage: gpu_profile.py OUT [MODEL [DEVICE SIZE]]: MODEL resnet50 (the default) or gpt2; DEVICE
+cpu with SIZE tiny is the rehearsal (`GPU_CHECK_DEVICE=cpu GPU_CHECK_PROFILE=1`): the same
+code on the CPU, where no wait for a device is counted."""
 
 from __future__ import annotations
 
@@ -18,8 +22,13 @@ import torch
 from elastic.bench.gpu import SIZES, Cycled, loss_of, make_model, make_optimizer
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "."
-B, STEPS, WARMUP = 128, 15, 5
-SIZE = SIZES["full"]["resnet50"]
+MODEL = sys.argv[2] if len(sys.argv) > 2 else "resnet50"
+DEVICE = torch.device("cuda", 0) if (sys.argv[3] if len(sys.argv) > 3 else "cuda") == "cuda" \
+    else torch.device("cpu")
+SIZE = SIZES[sys.argv[4] if len(sys.argv) > 4 else "full"][MODEL]
+B = SIZE.batch
+STEPS, WARMUP = (15, 5) if DEVICE.type == "cuda" else (3, 2)
+CUDA = DEVICE.type == "cuda"
 log = open(os.path.join(OUT, "profile.txt"), "w")
 
 
@@ -28,23 +37,31 @@ def say(*parts: object) -> None:
     print(*parts, flush=True)
 
 
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def moved(batch):
+    return ([t.to(DEVICE, non_blocking=True) for t in batch] if isinstance(batch, list)
+            else batch.to(DEVICE, non_blocking=True))
+
+
 def plain(batch) -> float:
-    device = torch.device("cuda", 0)
     torch.manual_seed(0)
-    model = make_model("resnet50", SIZE).to(device)
-    opt = make_optimizer("resnet50", model.parameters())
+    model = make_model(MODEL, SIZE).to(DEVICE)
+    opt = make_optimizer(MODEL, model.parameters())
     for i in range(WARMUP + STEPS):
         if i == WARMUP:
-            torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
-        b = [t.to(device, non_blocking=True) for t in batch]
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_of("resnet50", model, b)
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            loss = loss_of(MODEL, model, moved(batch))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        float(loss)  # one read of the loss per step, as a training loop that logs it
-    torch.cuda.synchronize()
+        float(loss.detach())  # one read of the loss per step, as a training loop that logs it
+    sync()
     return (time.perf_counter() - start) / STEPS
 
 
@@ -56,21 +73,21 @@ def replica(alone: bool = True):
     from elastic.trainer.step import BatchPlan
     from tests.gpu.planes import PlaneCheck
 
-    job = TrainJob(model=_Factory(make_model, "resnet50", SIZE),
-                   optimizer=_Factory(make_optimizer, "resnet50"), loss=_Loss("resnet50"),
-                   dataset=_Factory(Cycled, "resnet50", SIZE, B * 1000))
-    config = FitConfig(scaling=ScalingConfig(num_workers=1, use_gpu=True),
-                       collective=CollectiveConfig(backend="nccl", overlap=True),
+    job = TrainJob(model=_Factory(make_model, MODEL, SIZE),
+                   optimizer=_Factory(make_optimizer, MODEL), loss=_Loss(MODEL),
+                   dataset=_Factory(Cycled, MODEL, SIZE, B * 1000))
+    config = FitConfig(scaling=ScalingConfig(num_workers=1, use_gpu=CUDA),
+                       collective=CollectiveConfig(backend="nccl" if CUDA else "gloo", overlap=True),
                        batch=BatchConfig(global_batch_size=B, max_micro_batch=B, autotune=False,
                                          rebalance=False),
                        training=TrainingConfig(precision="bf16-mixed"),
                        run_dir=tempfile.mkdtemp(), max_steps=10_000)
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    r = Replica(job, config, config.run_dir, device)
+    if CUDA:
+        torch.cuda.set_device(DEVICE)
+    r = Replica(job, config, config.run_dir, DEVICE)
     if not alone:  # the reducer a rank of several runs (buckets or flat), at one rank
         r._solo = None
-    r.comm = PlaneCheck()
+    r.comm = PlaneCheck(cuda=CUDA)
     plan = BatchPlan(B, (B,), (B,))
     return r, plan
 
@@ -78,17 +95,20 @@ def replica(alone: bool = True):
 def timed(r, plan) -> float:
     for i in range(WARMUP + STEPS):
         if i == WARMUP:
-            torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
         r.run_step(plan, [])
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start) / STEPS
 
 
 def main() -> None:
-    data = Cycled("resnet50", SIZE, B)
-    batch = [torch.stack([data[i][0] for i in range(B)]).pin_memory(),
-             torch.stack([data[i][1] for i in range(B)]).pin_memory()]
+    from torch.utils.data import default_collate
+
+    data = Cycled(MODEL, SIZE, B)
+    batch = default_collate([data[i] for i in range(B)])
+    if CUDA:
+        batch = [t.pin_memory() for t in batch] if isinstance(batch, list) else batch.pin_memory()
     say(f"plain: {plain(batch) * 1e3:.1f} ms/step")
     for alone in (True, False):
         r, plan = replica(alone)
@@ -100,16 +120,20 @@ def main() -> None:
         if alone:
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])
+            with profile(activities=activities) as prof:
                 for _ in range(3):
                     r.run_step(plan, [])
-                torch.cuda.synchronize()
+                sync()
             say(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
+                if CUDA:  # on the CPU nothing waits for a device: none are counted
+                    torch.cuda.set_sync_debug_mode("warn")
                 r.run_step(plan, [])
-                torch.cuda.set_sync_debug_mode(0)
+                if CUDA:
+                    torch.cuda.set_sync_debug_mode(0)
+                caught = [w for w in caught if "synchroniz" in str(w.message)]
             sites: dict[str, int] = {}
             for w in caught:
                 where = f"{w.filename}:{w.lineno} {str(w.message)[:60]}"
@@ -119,7 +143,8 @@ def main() -> None:
                 say(f"  {n} x {message}")
         r.close()
         del r
-        torch.cuda.empty_cache()
+        if CUDA:
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

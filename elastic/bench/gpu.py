@@ -92,7 +92,8 @@ def make_model(model: str, size: Size) -> nn.Module:
 
     return GPT2LMHeadModel(GPT2Config(n_positions=size.seq, n_embd=size.width, n_layer=size.layers,
                                       n_head=12 if size.width % 12 == 0 else 4,
-                                      vocab_size=size.vocab))
+                                      vocab_size=size.vocab, bos_token_id=size.vocab - 1,
+                                      eos_token_id=size.vocab - 1))
 
 
 def make_optimizer(model: str, params: Any) -> torch.optim.Optimizer:

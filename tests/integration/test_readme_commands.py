@@ -343,16 +343,22 @@ def test_every_readme_command_runs_and_gives_what_it_promises(head, tmp_path):
 
 @pytest.mark.timeout(600)
 def test_the_gpu_check_rehearses_every_part_on_the_cpu(head, tmp_path):
-    """`GPU_CHECK_DEVICE=cpu bash scripts/gpu_check.sh`: every part's own command line, at a
-    tiny size on CPU workers, so that a mistake in the check costs no GPU time: the tier is
-    collected (each GPU test skipped here), the step, throughput, data and allreduce benches
-    run and write what the summary reads, and the summary passes as a rehearsal."""
+    """`GPU_CHECK_DEVICE=cpu GPU_CHECK_PROFILE=1 bash scripts/gpu_check.sh`: every part's own
+    command line and the profile's, at a tiny size on CPU workers, so that a mistake in the
+    check costs no GPU time: the tier is collected (each GPU test skipped here), the step,
+    throughput, data and allreduce benches run and write what the summary reads, and the
+    summary passes as a rehearsal."""
     out = tmp_path / "check"
     env = {**head["env"], "RAY_ADDRESS": head["gcs"], "GPU_CHECK_DEVICE": "cpu",
-           "GPU_CHECK_OUT": str(out), "PY": str(BIN / "python")}
+           "GPU_CHECK_OUT": str(out), "PY": str(BIN / "python"), "GPU_CHECK_PROFILE": "1"}
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "profile rc=0" in done.stdout, (out / "profile.log").read_text()[-3000:]
+    profile = (out / "profile.txt").read_text()  # the replica's step beside a plain one
+    assert re.search(r"^plain: [\d.]+ ms/step", profile, re.M)
+    assert re.search(r"^replica alone \(one rank\): [\d.]+ ms/step", profile, re.M)
+    assert re.search(r"^replica buckets at one rank: [\d.]+ ms/step", profile, re.M)
     parts = [line.split() for line in (out / "parts.txt").read_text().splitlines()]
     assert [(name, rc) for name, rc, _ in parts] == [
         (name, "0") for name in ("tier", "step", "throughput", "data", "allreduce")]
