@@ -544,7 +544,8 @@ class DataConfig(_Frozen):
     pin_memory: bool = Field(
         default=False,
         description="Copy loaded batches into pinned (page-locked) host memory, from where "
-        "they are copied to the GPU asynchronously (non_blocking); needs scaling.use_gpu.",
+        "they are copied to the GPU asynchronously (non_blocking); with loader processes, "
+        "on a background thread as each batch arrives; needs scaling.use_gpu.",
     )
     start_method: Literal["spawn", "forkserver"] = Field(
         default="spawn",

@@ -114,17 +114,19 @@ def built_data(job: TrainJob, config: FitConfig) -> BuiltData:
 
 
 def start_loaders(job: TrainJob, data: DataConfig, data_rng: torch.Tensor,
-                   built_in: float) -> Prefetcher | None:
+                   built_in: float, device: torch.device | None = None) -> Prefetcher | None:
     """The worker's loader processes (none without `data.loader_workers`), started.
 
     They have built the data set before the worker reports itself started: a worker that
     joins a running generation then holds no rank's step while its loaders build it. They are
     not waited on for long past what the worker's own build took (`built_in` seconds; they
     build it side by side): a loader stuck in the factory is then found at the first step (as
-    a hung data phase), not left holding the worker's start."""
+    a hung data phase), not left holding the worker's start. `device`: the worker's GPU, for
+    the thread that pins batches (`data.pin_memory`)."""
     if not data.loader_workers:
         return None
-    prefetcher = Prefetcher(job, data.loader_workers, data.start_method, data_rng, data.pin_memory)
+    prefetcher = Prefetcher(job, data.loader_workers, data.start_method, data_rng, data.pin_memory,
+                            device)
     patience = max(_LOADER_START_MIN_S, 3 * built_in)
     try:
         if not prefetcher.wait_started(patience):

@@ -162,7 +162,8 @@ class Replica:
         # sums make the bits independent of the world size).
         self._solo = SoloReducer(self._params) if self.exact is None and keep is None else None
         # Last: nothing above may fail after loader processes exist.
-        self.prefetcher = start_loaders(job, config.data, data.rng_state, data.built_in)
+        self.prefetcher = start_loaders(job, config.data, data.rng_state, data.built_in,
+                                        self.device)
 
     def _shards(self) -> OptimizerShards | None:
         """Sharded optimizer state: the parts this rank owns (`elastic.trainer.sharding`)."""

@@ -186,3 +186,31 @@ def test_a_region_cuda_refuses_to_page_lock_leaves_no_error_behind_for_the_next_
     assert torch.equal(lent, staging_copy.cpu())
     first.release()
     second.release()
+
+
+def test_loader_batches_are_pinned_ahead_on_a_thread_bound_to_the_workers_gpu():
+    """`data.pin_memory`: the pinning thread binds the worker's GPU before it pins (an unbound
+    thread would make a CUDA context on the first GPU), and `take` hands out pinned batches
+    equal to the ones read in the worker."""
+    import threading
+
+    from torch.utils.data import default_collate
+
+    from elastic.trainer.loader import Piece, Prefetcher, load_piece
+    from tests.jobs import regression_job
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    job = regression_job()
+    loader = Prefetcher(job, 1, "spawn", torch.get_rng_state(), pin_memory=True, device=device)
+    try:
+        pieces = [Piece(0, 1, (3, 1, 4)), Piece(1, 2, (5, 9))]
+        loader.want(pieces)
+        for piece in pieces:
+            batch, _ = loader.take(piece)
+            expected = load_piece(job.dataset(), default_collate, piece.indices, piece.seed)
+            assert all(t.is_pinned() and torch.equal(t, e) for t, e in zip(batch, expected,
+                                                                            strict=True))
+        [thread] = [t for t in threading.enumerate() if t.name.startswith("elastic-pin")]
+        assert thread.is_alive()
+    finally:
+        loader.close()

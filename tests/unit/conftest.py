@@ -23,8 +23,8 @@ def prefetcher():
     made: list[Prefetcher] = []
     warm_context()
 
-    def make(job, workers: int = 2, start_method: str = "forkserver") -> Prefetcher:
-        p = Prefetcher(job, workers, start_method, torch.get_rng_state())
+    def make(job, workers: int = 2, start_method: str = "forkserver", **options) -> Prefetcher:
+        p = Prefetcher(job, workers, start_method, torch.get_rng_state(), **options)
         made.append(p)
         return p
 

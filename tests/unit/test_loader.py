@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch.utils.data import default_collate
 
 from elastic.trainer.loader import LoadError, Piece, generator_state, load_piece
 from tests import fidelity, jobs
+from tests.head import wait_until
 from tests.procs import alive, wait_gone
 from tests.unit.test_split_independence import SCHEDULES, SEED, B, G, _elastic
 
@@ -88,6 +90,73 @@ def test_a_killed_loader_process_is_an_error_of_that_piece_then_loaders_restart(
     loader.want([Piece(2, 1, (3,))])
     assert loader.take(Piece(2, 1, (3,))) is not None
     assert loader.pids() and pid not in loader.pids()
+
+
+class _FakePin:
+    """`elastic.trainer.loader._pin` on a machine without CUDA: records which thread pinned
+    which piece's batch (told apart by their samples), in one order with the test's own notes,
+    and returns it marked as pinned; raises for the piece `fail`."""
+
+    def __init__(self, job, pieces: list[Piece], fail: Piece) -> None:
+        self.expected = {p: load_piece(job.dataset(), default_collate, p.indices, p.seed)
+                         for p in pieces}
+        self.events: list[tuple[str, Piece, str]] = []
+        self.fail = fail
+        self.lock = threading.Lock()
+
+    def note(self, what: str, piece: Piece) -> None:
+        with self.lock:
+            self.events.append((what, piece, threading.current_thread().name))
+
+    def __call__(self, batch):
+        [piece] = [p for p, b in self.expected.items()
+                   if all(torch.equal(x, y) for x, y in zip(batch, b, strict=True))]
+        self.note("pinned", piece)
+        if piece == self.fail:
+            raise RuntimeError("CUDA error: out of memory (pinning)")
+        return ("pinned", batch)
+
+    def pinned(self, piece: Piece) -> bool:
+        with self.lock:
+            return any(e[:2] == ("pinned", piece) for e in self.events)
+
+
+def test_batches_are_pinned_on_a_thread_of_their_own_as_they_arrive(prefetcher, monkeypatch):
+    """`pin_memory`: a batch is pinned once received, on the loader's pinning thread, while
+    the step goes on; `take` hands out the pinned batch (the same samples, generators
+    included), a pinning error is the step's, a dropped piece is never handed out, and close
+    ends the pinning thread."""
+    from elastic.trainer import loader as loader_module
+
+    job = fidelity.augmented_job()
+    pieces = [Piece(0, 1, (5, 1)), Piece(1, 2, (9, 3)), Piece(2, 3, (40,)), Piece(3, 4, (7,)),
+              Piece(9, 9, (11,))]
+    fake = _FakePin(job, pieces, fail=pieces[2])
+    monkeypatch.setattr(loader_module, "_pin", fake)
+    loader = prefetcher(job, workers=1, pin_memory=True)
+    loader.want(pieces[:4])
+    first = loader.take(pieces[0])
+    fake.note("taken", pieces[0])
+    # The next piece is pinned without the step asking for it: `want` (each step's start)
+    # receives it, and the pinning thread copies it.
+    wait_until(lambda: loader.want(pieces[1:]) or fake.pinned(pieces[1]), limit=60)
+    fake.note("taking", pieces[1])
+    second = loader.take(pieces[1])
+    for piece, (batch, state) in zip(pieces, (first, second), strict=False):
+        assert batch[0] == "pinned"
+        assert all(torch.equal(a, b) for a, b in zip(batch[1], fake.expected[piece], strict=True))
+        load_piece(job.dataset(), default_collate, piece.indices, piece.seed)
+        assert torch.equal(state[0], generator_state()[0])  # generators as read here
+    order = [e for e in fake.events if e[1] == pieces[1]]
+    assert [e[0] for e in order] == ["pinned", "taking"]  # pinned before it was asked for
+    assert order[0][2].startswith("elastic-pin") and order[1][2] == threading.current_thread().name
+    with pytest.raises(RuntimeError, match="out of memory \\(pinning\\)"):
+        loader.take(pieces[2])  # its pinning failed: the step's error, as pinning here was
+    loader.want([pieces[4]])  # a replan: piece 3 is dropped, pinned or not
+    assert loader.take(pieces[3]) is None
+    assert loader.take(pieces[4])[0][0] == "pinned"
+    loader.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("elastic-pin")]
 
 
 def test_close_leaves_no_loader_process(prefetcher):

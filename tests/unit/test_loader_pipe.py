@@ -204,7 +204,7 @@ def test_a_start_notice_arriving_after_a_piece_was_asked_is_not_taken_for_its_ba
     pipe = _LatePipe([bytes(ForkingPickler.dumps(loader_module._STARTED)),
                       bytes(ForkingPickler.dumps(reply))])
     prefetcher = loader_module.Prefetcher.__new__(loader_module.Prefetcher)
-    prefetcher._wanted, prefetcher._ready = {piece: None}, {}
+    prefetcher._wanted, prefetcher._ready, prefetcher._pinner = {piece: None}, {}, None
     one = loader_module._Loader(process=None, conn=pipe, asked=deque([piece]))
     assert prefetcher._receive(one)  # nothing there yet
     assert prefetcher._receive(one)  # the notice, then the batch
