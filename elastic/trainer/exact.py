@@ -117,14 +117,18 @@ def _peaks_fused(xs: Sequence[torch.Tensor]) -> list[float]:
 def environment() -> dict[str, Any]:
     """What exactness assumes of this process: the same group on the same inputs gives the same
     bits only with the same torch build, intra-op threads, CPU features and device (and, on a
-    GPU, CUDA and cuDNN versions)."""
+    GPU, CUDA and cuDNN versions, whether matrix products and convolutions may round their
+    inputs to TF32, and cuBLAS's workspace setting, which fixes its reduction splits)."""
     gpu = torch.cuda.is_available()
     device = torch.cuda.get_device_name(torch.cuda.current_device()) if gpu else "cpu"
     found = {"torch": str(torch.__version__), "threads": torch.get_num_threads(),
              "cpu": str(torch.backends.cpu.get_cpu_capability()), "machine": platform.machine(),
              "device": device}
     if gpu:  # the GPU's kernels come with CUDA and cuDNN
-        found.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
+        found.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
+                     tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32),
+                     tf32_cudnn=bool(torch.backends.cudnn.allow_tf32),
+                     cublas_workspace=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
     return found
 
 

@@ -384,6 +384,32 @@ def test_a_large_gradient_redoes_the_step_at_a_wider_scale_and_still_matches(tmp
         assert torch.equal(replicas[1].model.state_dict()[key], value), key
 
 
+def test_on_a_gpu_the_environment_names_tf32_and_cublas_workspace_and_a_change_is_seen(
+        monkeypatch):
+    """A GPU's bits also depend on whether TF32 may round matrix products and convolutions and
+    on cuBLAS's workspace setting: an exact state written under other values is flagged."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91000)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:  # flags of torch's (monkeypatch cannot set them)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+        saved = ex.environment()
+        assert saved["device"] == "NVIDIA H100 80GB HBM3" and saved["cuda"] == "13.0"
+        assert (saved["tf32_matmul"], saved["tf32_cudnn"], saved["cublas_workspace"]) == (
+            False, True, ":4096:8")
+        assert ex.environment_changes(saved) == {}
+        torch.backends.cuda.matmul.allow_tf32 = True
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        assert ex.environment_changes(saved) == {"tf32_matmul": (False, True),
+                                                 "cublas_workspace": (":4096:8", ":16:8")}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
 def test_a_checkpoint_from_another_environment_or_without_exact_mode_is_refused(tmp_path):
     torch.set_num_threads(1)
     job = fidelity.mlp_job()
