@@ -101,6 +101,8 @@ def compute(host: ComputeHost, context: StepContext) -> Computed:
     loss_sum = data_s = count = 0.0
     metrics, form = MetricSums(), LossForm.NONE
     error, vote, used = None, Vote.OK, None
+    losses: list[torch.Tensor] = []  # each piece's, read by the host once the pieces are done
+    counts: list[float | torch.Tensor] = []
     host.reducer.reset(context.meta_len)  # each attempt of the step sums afresh
     set_current_step(context.step)
     try:
@@ -111,7 +113,14 @@ def compute(host: ComputeHost, context: StepContext) -> Computed:
             loss, items, form, loading_s = _piece(host, context, index, start, length,
                                                        index == len(pieces) - 1, form,
                                                        metrics)
-            loss_sum, count, data_s = loss_sum + loss, count + items, data_s + loading_s
+            losses.append(loss)
+            counts.append(items)
+            data_s += loading_s
+        read = host_values([*losses, *counts])
+        for value in read[: len(losses)]:  # summed in order, as each piece's float
+            loss_sum += value
+        for value in read[len(losses) :]:
+            count += value
         used = host.reducer.used()
         host.faults.stretch(context.step, context.started)
     except Exception as e:  # latched into the vote
@@ -127,11 +136,41 @@ def compute(host: ComputeHost, context: StepContext) -> Computed:
                     compute_s=time.perf_counter() - context.started, metrics=metrics, used=used)
 
 
+def batched_read(device: torch.device) -> bool:
+    """Whether the host reads values on `device` together (`host_values`): on a GPU each read
+    waits for the device to finish everything queued before it. Tests replace it to run the
+    GPU's way on the CPU."""
+    return device.type != "cpu"
+
+
+def host_values(values: list[float | torch.Tensor]) -> list[float]:
+    """`values` (floats, or tensors of one element) as floats: on a GPU (`batched_read`) all
+    of a device's read in one copy, so that a step with many micro-batches waits for the device
+    once, after its last backward pass, not once per micro-batch; on the CPU each as `float`
+    (nothing to wait for there)."""
+    out: list[float] = [0.0] * len(values)
+    batched: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if not isinstance(v, torch.Tensor):
+            out[i] = float(v)
+        elif batched_read(v.device):
+            batched.setdefault(v.device, []).append(i)
+        else:
+            out[i] = float(v)
+    for indices in batched.values():
+        joined = torch.stack([values[i].reshape(()).to(torch.float64) for i in indices])
+        for i, x in zip(indices, joined.tolist(), strict=True):
+            out[i] = x
+    return out
+
+
 def _piece(host: ComputeHost, context: StepContext, index: int, start: int, length: int, last: bool,
-           form: LossForm, metrics: MetricSums) -> tuple[float, float, LossForm, float]:
+           form: LossForm, metrics: MetricSums
+           ) -> tuple[torch.Tensor, float | torch.Tensor, LossForm, float]:
     """One micro-batch of the compute phase (`index` of this rank's, `length` samples from
     `start` of its share; `last`: the step's last backward pass): loaded, forward and
-    backward. Returns its loss, item count, loss form and loading seconds."""
+    backward. Returns its loss (detached, not read yet), item count (a float, or a tensor of
+    one element not read yet), loss form and loading seconds."""
     piece = context.first_piece + index
     loading = time.perf_counter()
     seed = forward_seed(host.config.seed, context.step, context.plan.offset(context.rank) + start)
@@ -151,14 +190,14 @@ def _piece(host: ComputeHost, context: StepContext, index: int, start: int, leng
         host.faults.fire(context.chaos, "backward")
     host.reducer.arm(last)
     (loss * context.scale if context.scale != 1.0 else loss).backward()
-    value = float(loss.detach())
+    value = loss.detach()
     del batch, loss
     host.reducer.after_backward()
     return value, items, form, loading_s
 
 
 def _forward(host: ComputeHost, batch: Any, scale: float, form: LossForm, metrics: MetricSums,
-             samples: int) -> tuple[torch.Tensor, float, LossForm]:
+             samples: int) -> tuple[torch.Tensor, float | torch.Tensor, LossForm]:
     """One micro-batch's forward and loss (under autocast with mixed precision): the
     tensor to backpropagate, its item count and form; its user metrics into `metrics`."""
     with host.training.autocast(host.model):

@@ -42,7 +42,7 @@ class LossForm(IntEnum):
     SUM = 2  # a `LossSum`
 
 
-def loss_term(out: Any, scale: float, form: LossForm) -> tuple[Any, float, LossForm]:
+def loss_term(out: Any, scale: float, form: LossForm) -> tuple[Any, Any, LossForm]:
     """What one micro-batch backpropagates, given what `TrainJob.loss` returned.
 
     Args:
@@ -51,7 +51,9 @@ def loss_term(out: Any, scale: float, form: LossForm) -> tuple[Any, float, LossF
         form: the form of this rank's earlier micro-batches in this step.
 
     Returns:
-        The tensor to backpropagate, the micro-batch's item count (0 for a scalar) and its form.
+        The tensor to backpropagate, the micro-batch's item count (0 for a scalar; a
+        `LossSum`'s tensor count as a detached tensor of one element, read by the caller
+        with the loss, so that it costs no wait for a GPU here) and its form.
 
     Raises:
         ValueError: `out` is not of the form of this step's earlier micro-batches, or what it
@@ -73,7 +75,14 @@ def loss_term(out: Any, scale: float, form: LossForm) -> tuple[Any, float, LossF
             "it must be a tensor of one element: the mean over the micro-batch's samples (for "
             "example reduction='mean'), or LossSum(total, count) with the summed total")
     if isinstance(out, LossSum):
-        return out.total, float(out.count), this
+        count = out.count
+        if isinstance(count, torch.Tensor):
+            if count.numel() != 1 or count.is_complex():
+                raise ValueError(f"LossSum.count must be a number or a real tensor of one "
+                                 f"element, got a tensor of shape {tuple(count.shape)} "
+                                 f"({count.dtype})")
+            return out.total, count.detach().reshape(()), this
+        return out.total, float(count), this
     return out * scale, 0.0, this
 
 

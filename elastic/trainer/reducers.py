@@ -84,7 +84,8 @@ class Reducer(Protocol):
         """Before each backward pass; `last`: the step's last on this rank."""
         ...
 
-    def after_forward(self, loss: torch.Tensor, items: float, form: LossForm) -> None:
+    def after_forward(self, loss: torch.Tensor, items: float | torch.Tensor,
+                      form: LossForm) -> None:
         """After each forward pass, before its backward (the loss it will backpropagate)."""
         ...
 
@@ -279,7 +280,8 @@ class _Hooks:
     def arm(self, last: bool) -> None:
         return
 
-    def after_forward(self, loss: torch.Tensor, items: float, form: LossForm) -> None:
+    def after_forward(self, loss: torch.Tensor, items: float | torch.Tensor,
+                      form: LossForm) -> None:
         return
 
     def after_backward(self) -> None:
@@ -524,11 +526,14 @@ class ExactReducer(_Hooks):
     def reset(self, meta_len: int) -> None:
         self.exact.begin(meta_len)  # each attempt of the step sums afresh
 
-    def after_forward(self, loss: torch.Tensor, items: float, form: LossForm) -> None:
-        """One group's loss (and `LossSum` count) into the exact sums."""
+    def after_forward(self, loss: torch.Tensor, items: float | torch.Tensor,
+                      form: LossForm) -> None:
+        """One group's loss (and `LossSum` count, where it lies) into the exact sums."""
         values = [(self.loss_slot, loss.detach().reshape(1))]
         if form == LossForm.SUM:
-            values.append((self.loss_slot + 1, torch.tensor([items], dtype=torch.float64)))
+            values.append((self.loss_slot + 1,
+                           items.reshape(1).to(torch.float64) if isinstance(items, torch.Tensor)
+                           else torch.tensor([items], dtype=torch.float64)))
         self.exact.add_many(values)
 
     def after_backward(self) -> None:

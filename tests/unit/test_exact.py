@@ -21,6 +21,7 @@ from elastic.adapt.plan import BatchPlan, plan_batch
 from elastic.collective import Communicator, RendezvousServer
 from elastic.config import CheckpointConfig, CollectiveConfig
 from elastic.errors import ConfigError
+from elastic.trainer import compute
 from elastic.trainer import exact as ex
 from elastic.trainer.exact import ExactSum
 from elastic.trainer.replica import OutOfMemory, Replica, StepRecord, UserFailure
@@ -194,15 +195,18 @@ class HostReads(TorchFunctionMode):
 
 @pytest.fixture
 def gpu_way(monkeypatch):
-    """The GPU's way of `ExactSum.add_many` (`elastic.trainer.exact.fused_on`), on the CPU."""
+    """The GPU's way of `ExactSum.add_many` (`elastic.trainer.exact.fused_on`) and of reading
+    the step's losses (`elastic.trainer.compute.batched_read`), on the CPU."""
     monkeypatch.setattr(ex, "fused_on", lambda device: True)
+    monkeypatch.setattr(compute, "batched_read", lambda device: True)
 
 
 @pytest.fixture(params=[True, False], ids=["gpu_way", "cpu_way"])
 def either_way(request, monkeypatch) -> bool:
-    """The test twice: the GPU's way of `ExactSum.add_many` run on the CPU, then the CPU's;
-    returns whether it is the GPU's."""
+    """The test twice: the GPU's ways (`gpu_way`) run on the CPU, then the CPU's; returns
+    whether it is the GPU's."""
     monkeypatch.setattr(ex, "fused_on", lambda device: request.param)
+    monkeypatch.setattr(compute, "batched_read", lambda device: request.param)
     return request.param
 
 

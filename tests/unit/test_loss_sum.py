@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils.data import TensorDataset
 
 from elastic import BatchConfig, FitConfig, LossSum, ScalingConfig, TrainJob
@@ -208,3 +209,75 @@ def test_the_verdict_divides_by_the_count_only_for_sums_and_names_disagreeing_ra
     assert isinstance(failure, UserFailure) and failure.ranks == (0, 2)
     # An out-of-memory rank's count is missing: no zero-count error, the step is redone.
     assert form_error(3, (total, total), 0.0, complete=False) is None
+
+
+class _ScalarReads(TorchFunctionMode):
+    """Counts the host's reads of one-element tensors (on a GPU each waits for the device to
+    finish what was queued before it) made under it."""
+
+    READS = frozenset({"tolist", "item", "__float__", "__bool__", "__int__", "__index__"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS and args[0].numel() == 1:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _one_rank(tmp_path) -> tuple[Replica, object]:
+    from elastic.collective import Communicator
+
+    config = FitConfig(scaling=ScalingConfig(num_workers=1),
+                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+                       run_dir=str(tmp_path), max_steps=STEPS, seed=SEED)
+    replica = Replica(job(token_sum), config, str(tmp_path))
+    server = RendezvousServer()
+    replica.comm = Communicator(0, 1, server.endpoint, 0, config.collective, secret=server.secret)
+    return replica, server
+
+
+@pytest.mark.parametrize("gpu_way", [True, False], ids=["gpu_way", "cpu_way"])
+def test_the_loss_and_count_of_every_micro_batch_are_read_once_per_step_on_a_gpu(
+        tmp_path, monkeypatch, gpu_way):
+    """On a GPU (`compute.batched_read`, run here on the CPU) the micro-batches' losses and
+    `LossSum` counts are read by the host together after the last backward pass: a step of 4
+    micro-batches reads as many scalars as a step of 1 (each micro-batch's read would stall
+    the device between micro-batches); losses and weights stay the plain loop's. On the CPU
+    each is read as it comes (nothing to wait for)."""
+    from elastic.trainer import compute
+
+    monkeypatch.setattr(compute, "batched_read", lambda device: gpu_way)
+    weights, losses = reference()
+    replica, server = _one_rank(tmp_path)
+    try:
+        reads, outcomes = [], []
+        for step in range(STEPS):  # 1 micro-batch of 8, then 4 of 2, in turn
+            plan = BatchPlan(B, (B,), (B,) if step % 2 == 0 else (2,))
+            with _ScalarReads() as counted:
+                outcomes.append(replica.run_step(plan, []))
+            reads.append(counted.count)
+    finally:
+        replica.close()
+        replica.comm.close()
+        server.close()
+    assert [o.loss for o in outcomes] == pytest.approx(losses, rel=1e-9)
+    torch.testing.assert_close(replica.model.state_dict(), weights, rtol=0, atol=1e-6)
+    one, four = set(reads[0::2]), set(reads[1::2])
+    assert len(one) == len(four) == 1
+    # The CPU's way reads 3 more losses and 3 more counts: what the GPU's way saves.
+    assert four.pop() - one.pop() == (0 if gpu_way else 6)
+
+
+def test_a_loss_sum_count_of_several_elements_is_a_user_error_that_says_so(tmp_path):
+    def per_sample_counts(model, batch):
+        total = token_sum(model, batch).total
+        return LossSum(total, (batch[1] != PAD).sum(dim=1))
+
+    (outcomes, replica), = run(tmp_path, [job(per_sample_counts)], PLANS["one-rank"], steps=1)
+    assert isinstance(outcomes[0], UserFailure)
+    assert ("ValueError: LossSum.count must be a number or a real tensor of one element, got a "
+            "tensor of shape (3,)") in outcomes[0].traceback
+    assert replica.global_step == 0
