@@ -21,7 +21,12 @@ from elastic.job import TrainJob
 from elastic.trainer.buffers import BufferSync
 from elastic.trainer.current import set_current_step
 from elastic.trainer.data import Cursor, SampleOrder
-from elastic.trainer.device import MoveBatch, is_allocation_failure, release_cached_memory
+from elastic.trainer.device import (
+    MoveBatch,
+    host_values,
+    is_allocation_failure,
+    release_cached_memory,
+)
 from elastic.trainer.faults import FaultInjector
 from elastic.trainer.loader import Piece, Prefetcher, load_piece, seed_torch, set_generator_state
 from elastic.trainer.loss import LossForm, loss_term
@@ -116,11 +121,13 @@ def compute(host: ComputeHost, context: StepContext) -> Computed:
             losses.append(loss)
             counts.append(items)
             data_s += loading_s
-        read = host_values([*losses, *counts])
+        # One read of the step's scalars: losses, counts and the metrics beside them.
+        read = host_values([*losses, *counts, *metrics.unread()])
         for value in read[: len(losses)]:  # summed in order, as each piece's float
             loss_sum += value
-        for value in read[len(losses) :]:
+        for value in read[len(losses) : 2 * len(losses)]:
             count += value
+        metrics.settle(read[2 * len(losses) :])
         used = host.reducer.used()
         host.faults.stretch(context.step, context.started)
     except Exception as e:  # latched into the vote
@@ -134,34 +141,6 @@ def compute(host: ComputeHost, context: StepContext) -> Computed:
             release_cached_memory(host.device)
     return Computed(loss_sum=loss_sum, count=count, form=form, vote=vote, error=error, data_s=data_s,
                     compute_s=time.perf_counter() - context.started, metrics=metrics, used=used)
-
-
-def batched_read(device: torch.device) -> bool:
-    """Whether the host reads values on `device` together (`host_values`): on a GPU each read
-    waits for the device to finish everything queued before it. Tests replace it to run the
-    GPU's way on the CPU."""
-    return device.type != "cpu"
-
-
-def host_values(values: list[float | torch.Tensor]) -> list[float]:
-    """`values` (floats, or tensors of one element) as floats: on a GPU (`batched_read`) all
-    of a device's read in one copy, so that a step with many micro-batches waits for the device
-    once, after its last backward pass, not once per micro-batch; on the CPU each as `float`
-    (nothing to wait for there)."""
-    out: list[float] = [0.0] * len(values)
-    batched: dict[torch.device, list[int]] = {}
-    for i, v in enumerate(values):
-        if not isinstance(v, torch.Tensor):
-            out[i] = float(v)
-        elif batched_read(v.device):
-            batched.setdefault(v.device, []).append(i)
-        else:
-            out[i] = float(v)
-    for indices in batched.values():
-        joined = torch.stack([values[i].reshape(()).to(torch.float64) for i in indices])
-        for i, x in zip(indices, joined.tolist(), strict=True):
-            out[i] = x
-    return out
 
 
 def _piece(host: ComputeHost, context: StepContext, index: int, start: int, length: int, last: bool,

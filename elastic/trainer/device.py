@@ -74,6 +74,34 @@ def resolve_device(use_gpu: bool, gpu_ids: Sequence[int | str], visible: str | N
     return torch.device("cuda", local_gpu_index(gpu_ids, visible))
 
 
+def batched_read(device: torch.device) -> bool:
+    """Whether the host reads values on `device` together (`host_values`): on a GPU each read
+    waits for the device to finish everything queued before it. Tests replace it to run the
+    GPU's way on the CPU."""
+    return device.type != "cpu"
+
+
+def host_values(values: list[float | torch.Tensor]) -> list[float]:
+    """`values` (floats, or tensors of one element) as floats: on a GPU (`batched_read`) all
+    of a device's read in one copy, so that a step with many micro-batches waits for the device
+    once, after its last backward pass, not once per micro-batch; on the CPU each as `float`
+    (nothing to wait for there)."""
+    out: list[float] = [0.0] * len(values)
+    batched: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if not isinstance(v, torch.Tensor):
+            out[i] = float(v)
+        elif batched_read(v.device):
+            batched.setdefault(v.device, []).append(i)
+        else:
+            out[i] = float(v)
+    for indices in batched.values():
+        joined = torch.stack([values[i].reshape(()).to(torch.float64) for i in indices])
+        for i, x in zip(indices, joined.tolist(), strict=True):
+            out[i] = x
+    return out
+
+
 def bind_thread(device: torch.device) -> None:
     """Makes `device` the calling thread's current CUDA device (CUDA's current device is per
     thread: every thread that allocates or launches work binds it); nothing on the CPU."""

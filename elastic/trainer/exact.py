@@ -117,18 +117,43 @@ def _peaks_fused(xs: Sequence[torch.Tensor]) -> list[float]:
 def environment() -> dict[str, Any]:
     """What exactness assumes of this process: the same group on the same inputs gives the same
     bits only with the same torch build, intra-op threads, CPU features and device (and, on a
-    GPU, CUDA and cuDNN versions, whether matrix products and convolutions may round their
-    inputs to TF32, and cuBLAS's workspace setting, which fixes its reduction splits)."""
+    GPU, CUDA and cuDNN versions and the precision settings of `_gpu_precision`)."""
     gpu = torch.cuda.is_available()
     device = torch.cuda.get_device_name(torch.cuda.current_device()) if gpu else "cpu"
     found = {"torch": str(torch.__version__), "threads": torch.get_num_threads(),
              "cpu": str(torch.backends.cpu.get_cpu_capability()), "machine": platform.machine(),
              "device": device}
-    if gpu:  # the GPU's kernels come with CUDA and cuDNN
+    if gpu:  # the GPU's kernels come with CUDA and cuDNN, and their precision settings
         found.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
-                     tf32_matmul=bool(torch.backends.cuda.matmul.allow_tf32),
-                     tf32_cudnn=bool(torch.backends.cudnn.allow_tf32),
-                     cublas_workspace=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+                     **_gpu_precision())
+    return found
+
+
+def _gpu_precision() -> dict[str, Any]:
+    """The settings that change a GPU's bits for the same inputs: TF32 for float32 matrix
+    products, convolutions and RNNs (the flags of old, and since torch 2.9 per operation),
+    reduced-precision reductions in half-precision products, and cuBLAS's workspace (which
+    fixes its reduction splits)."""
+    backends = torch.backends
+
+    def read(get: Any) -> Any:
+        try:
+            return get()
+        except RuntimeError:  # torch refuses an old flag that the new ones made ambiguous
+            return "mixed"
+
+    found = {
+        "tf32_matmul": read(lambda: bool(backends.cuda.matmul.allow_tf32)),
+        "tf32_cudnn": read(lambda: bool(backends.cudnn.allow_tf32)),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "bf16_reduced_reduction": bool(backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
+        "fp16_reduced_reduction": bool(backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
+        "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    }
+    if hasattr(backends.cuda.matmul, "fp32_precision"):  # torch 2.9 and later
+        found.update(fp32_matmul=read(lambda: backends.cuda.matmul.fp32_precision),
+                     fp32_conv=read(lambda: backends.cudnn.conv.fp32_precision),
+                     fp32_rnn=read(lambda: backends.cudnn.rnn.fp32_precision))
     return found
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from elastic.errors import CollectiveError
+from elastic.trainer.device import host_values
 from elastic.trainer.loss import LossSum
 
 # Bytes one rank may announce for its metric names (a peer cannot make a rank allocate more).
@@ -49,22 +50,18 @@ def split_output(out: Any) -> tuple[Any, Mapping[str, Any] | None]:
     return out[0], metrics
 
 
-def term(value: Any, samples: int) -> tuple[float, float]:
-    """One micro-batch's (weighted sum, weight) of a metric `value` over `samples` samples.
+def _checked(value: Any) -> float | torch.Tensor:
+    """A metric's value as a float, or as a detached tensor of one element, not read yet (on
+    a GPU a read waits for the device: `MetricSums` reads a step's values together).
 
     Raises:
-        ValueError: a value that is not a scalar or a `LossSum` of scalars.
+        ValueError: a value that is not a number or a real tensor of one element.
     """
-    if isinstance(value, LossSum):
-        return _scalar(value.total), _scalar(value.count)
-    return _scalar(value) * samples, float(samples)
-
-
-def _scalar(value: Any) -> float:
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"a metric must be a scalar, got a tensor of shape {tuple(value.shape)}")
-        return float(value.detach())
+        if value.numel() != 1 or value.is_complex():
+            raise ValueError(f"a metric must be a scalar, got a tensor of shape {tuple(value.shape)}"
+                             + (f" ({value.dtype})" if value.is_complex() else ""))
+        return value.detach().reshape(())
     if isinstance(value, (int, float)):
         return float(value)
     raise ValueError(f"a metric must be a number, a scalar tensor or a LossSum, got "
@@ -73,20 +70,50 @@ def _scalar(value: Any) -> float:
 
 @dataclass
 class MetricSums:
-    """One rank's metric sums over its micro-batches of a step."""
+    """One rank's metric sums over its micro-batches of a step.
+
+    `add` checks each micro-batch's values at once (a bad one is that micro-batch's error) and
+    keeps them unread; the step reads them with its losses (`unread`, then `settle` with what
+    was read), or `section` reads them itself."""
 
     sums: dict[str, list[float]] = field(default_factory=dict)
+    # (name, value, factor, weight) per micro-batch and metric: its sum is value * factor
+    _terms: list[tuple[str, Any, float, Any]] = field(default_factory=list)
 
     def add(self, metrics: Mapping[str, Any], samples: int) -> None:
+        """One micro-batch's metrics over its `samples` samples: a scalar weighted by
+        `samples`, or a `LossSum` as its total and count.
+
+        Raises:
+            ValueError: a value that is not a scalar or a `LossSum` of scalars.
+        """
         for name, value in metrics.items():
-            total, weight = term(value, samples)
+            if isinstance(value, LossSum):
+                self._terms.append((name, _checked(value.total), 1.0, _checked(value.count)))
+            else:
+                self._terms.append((name, _checked(value), float(samples), float(samples)))
+
+    def unread(self) -> list[Any]:
+        """The values `settle` needs, in its order (floats, and tensors not read yet)."""
+        return [x for _, value, _, weight in self._terms for x in (value, weight)]
+
+    def settle(self, read: Sequence[float] | None = None) -> None:
+        """Adds the kept values into `sums`, in the order they came: `read` is `unread()` as
+        floats (None: read here)."""
+        if not self._terms:
+            return
+        values = host_values(self.unread()) if read is None else list(read)
+        assert len(values) == 2 * len(self._terms), "settle takes what unread gave"
+        for i, (name, _, factor, _) in enumerate(self._terms):
             pair = self.sums.setdefault(name, [0.0, 0.0])
-            pair[0] += total
-            pair[1] += weight
+            pair[0] += values[2 * i] * factor
+            pair[1] += values[2 * i + 1]
+        self._terms.clear()
 
     def section(self, names: Sequence[str]) -> torch.Tensor:
         """The metadata's metrics section under `names`: the flag (1.0 when this rank has a
         name not in `names`), then (sum, weight) per name."""
+        self.settle()
         known = set(names)
         flag = 1.0 if any(name not in known for name in self.sums) else 0.0
         values = [flag]

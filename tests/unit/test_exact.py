@@ -21,7 +21,7 @@ from elastic.adapt.plan import BatchPlan, plan_batch
 from elastic.collective import Communicator, RendezvousServer
 from elastic.config import CheckpointConfig, CollectiveConfig
 from elastic.errors import ConfigError
-from elastic.trainer import compute
+from elastic.trainer import device
 from elastic.trainer import exact as ex
 from elastic.trainer.exact import ExactSum
 from elastic.trainer.replica import OutOfMemory, Replica, StepRecord, UserFailure
@@ -196,9 +196,9 @@ class HostReads(TorchFunctionMode):
 @pytest.fixture
 def gpu_way(monkeypatch):
     """The GPU's way of `ExactSum.add_many` (`elastic.trainer.exact.fused_on`) and of reading
-    the step's losses (`elastic.trainer.compute.batched_read`), on the CPU."""
+    the step's losses (`elastic.trainer.device.batched_read`), on the CPU."""
     monkeypatch.setattr(ex, "fused_on", lambda device: True)
-    monkeypatch.setattr(compute, "batched_read", lambda device: True)
+    monkeypatch.setattr(device, "batched_read", lambda device: True)
 
 
 @pytest.fixture(params=[True, False], ids=["gpu_way", "cpu_way"])
@@ -206,7 +206,7 @@ def either_way(request, monkeypatch) -> bool:
     """The test twice: the GPU's ways (`gpu_way`) run on the CPU, then the CPU's; returns
     whether it is the GPU's."""
     monkeypatch.setattr(ex, "fused_on", lambda device: request.param)
-    monkeypatch.setattr(compute, "batched_read", lambda device: request.param)
+    monkeypatch.setattr(device, "batched_read", lambda device: request.param)
     return request.param
 
 
@@ -388,30 +388,46 @@ def test_a_large_gradient_redoes_the_step_at_a_wider_scale_and_still_matches(tmp
         assert torch.equal(replicas[1].model.state_dict()[key], value), key
 
 
-def test_on_a_gpu_the_environment_names_tf32_and_cublas_workspace_and_a_change_is_seen(
-        monkeypatch):
-    """A GPU's bits also depend on whether TF32 may round matrix products and convolutions and
-    on cuBLAS's workspace setting: an exact state written under other values is flagged."""
+@pytest.fixture
+def precision_settings():
+    """Restores torch's TF32 and reduced-precision settings after the test."""
+    b = torch.backends
+    saved = (b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision,
+             b.cudnn.rnn.fp32_precision, b.fp32_precision, torch.get_float32_matmul_precision(),
+             b.cuda.matmul.allow_bf16_reduced_precision_reduction)
+    yield
+    (b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision, b.cudnn.rnn.fp32_precision,
+     b.fp32_precision) = saved[:4]
+    torch.set_float32_matmul_precision(saved[4])
+    b.cuda.matmul.allow_bf16_reduced_precision_reduction = saved[5]
+
+
+def test_on_a_gpu_the_environment_names_the_precision_settings_and_a_change_is_seen(
+        monkeypatch, precision_settings):
+    """A GPU's bits also depend on TF32 (matrix products, convolutions, RNNs, set the old
+    way or per operation), reduced-precision reductions and cuBLAS's workspace setting: an
+    exact state written under other values is flagged. A mix of the old and new ways, which
+    torch refuses to read back as an old flag, is recorded, not raised."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91000)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    try:  # flags of torch's (monkeypatch cannot set them)
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
-        saved = ex.environment()
-        assert saved["device"] == "NVIDIA H100 80GB HBM3" and saved["cuda"] == "13.0"
-        assert (saved["tf32_matmul"], saved["tf32_cudnn"], saved["cublas_workspace"]) == (
-            False, True, ":4096:8")
-        assert ex.environment_changes(saved) == {}
-        torch.backends.cuda.matmul.allow_tf32 = True
-        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
-        assert ex.environment_changes(saved) == {"tf32_matmul": (False, True),
-                                                 "cublas_workspace": (":4096:8", ":16:8")}
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    saved = ex.environment()
+    assert saved["device"] == "NVIDIA H100 80GB HBM3" and saved["cuda"] == "13.0"
+    assert saved["cublas_workspace"] == ":4096:8" and "fp32_conv" in saved
+    assert ex.environment_changes(saved) == {}
+    torch.backends.cudnn.conv.fp32_precision = "ieee"  # conv and RNN now differ: "mixed"
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    changes = ex.environment_changes(saved)
+    assert changes["fp32_conv"] == (saved["fp32_conv"], "ieee")
+    assert changes["tf32_cudnn"] == (saved["tf32_cudnn"], "mixed")
+    assert changes["bf16_reduced_reduction"] == (True, False)
+    assert changes["cublas_workspace"] == (":4096:8", ":16:8")
+    torch.set_float32_matmul_precision("high")
+    assert ex.environment_changes(saved)["matmul_precision"] == ("highest", "high")
 
 
 def test_a_checkpoint_from_another_environment_or_without_exact_mode_is_refused(tmp_path):

@@ -227,31 +227,40 @@ class _ScalarReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _one_rank(tmp_path) -> tuple[Replica, object]:
+def _one_rank(tmp_path, loss) -> tuple[Replica, object]:
     from elastic.collective import Communicator
 
     config = FitConfig(scaling=ScalingConfig(num_workers=1),
                        batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
-                       run_dir=str(tmp_path), max_steps=STEPS, seed=SEED)
-    replica = Replica(job(token_sum), config, str(tmp_path))
+                       run_dir=str(tmp_path), max_steps=STEPS, seed=SEED, ledger=True)
+    replica = Replica(job(loss), config, str(tmp_path))
     server = RendezvousServer()
     replica.comm = Communicator(0, 1, server.endpoint, 0, config.collective, secret=server.secret)
     return replica, server
 
 
-@pytest.mark.parametrize("gpu_way", [True, False], ids=["gpu_way", "cpu_way"])
-def test_the_loss_and_count_of_every_micro_batch_are_read_once_per_step_on_a_gpu(
-        tmp_path, monkeypatch, gpu_way):
-    """On a GPU (`compute.batched_read`, run here on the CPU) the micro-batches' losses and
-    `LossSum` counts are read by the host together after the last backward pass: a step of 4
-    micro-batches reads as many scalars as a step of 1 (each micro-batch's read would stall
-    the device between micro-batches); losses and weights stay the plain loop's. On the CPU
-    each is read as it comes (nothing to wait for)."""
-    from elastic.trainer import compute
+def token_sum_and_metrics(model: nn.Module, batch):
+    """`token_sum` with two metrics beside it: a tensor mean and a `LossSum` of tensors."""
+    out = token_sum(model, batch)
+    _, y = batch
+    return out, {"real_share": (y != PAD).double().mean(),
+                 "tokens": LossSum(out.count, torch.tensor(len(y)))}
 
-    monkeypatch.setattr(compute, "batched_read", lambda device: gpu_way)
+
+@pytest.mark.parametrize("gpu_way", [True, False], ids=["gpu_way", "cpu_way"])
+def test_the_losses_counts_and_metrics_of_every_micro_batch_are_read_once_per_step_on_a_gpu(
+        tmp_path, monkeypatch, gpu_way):
+    """On a GPU (`device.batched_read`, run here on the CPU) the micro-batches' losses,
+    `LossSum` counts and metrics are read by the host together after the last backward pass:
+    a step of 4 micro-batches reads as many scalars as a step of 1 (each micro-batch's reads
+    would stall the device between micro-batches); losses, metrics and weights stay the plain
+    loop's. On the CPU each is read as it comes (nothing to wait for)."""
+    from elastic.trainer import device
+
+    monkeypatch.setattr(device, "batched_read", lambda where: gpu_way)
     weights, losses = reference()
-    replica, server = _one_rank(tmp_path)
+    replica, server = _one_rank(tmp_path, token_sum_and_metrics)
+    _, y = make_dataset().tensors
     try:
         reads, outcomes = [], []
         for step in range(STEPS):  # 1 micro-batch of 8, then 4 of 2, in turn
@@ -265,10 +274,16 @@ def test_the_loss_and_count_of_every_micro_batch_are_read_once_per_step_on_a_gpu
         server.close()
     assert [o.loss for o in outcomes] == pytest.approx(losses, rel=1e-9)
     torch.testing.assert_close(replica.model.state_dict(), weights, rtol=0, atol=1e-6)
-    one, four = set(reads[0::2]), set(reads[1::2])
-    assert len(one) == len(four) == 1
-    # The CPU's way reads 3 more losses and 3 more counts: what the GPU's way saves.
-    assert four.pop() - one.pop() == (0 if gpu_way else 6)
+    for o in outcomes:  # the global batch's: tokens per sequence, share of real targets
+        real = (y[list(o.indices)] != PAD)
+        assert o.metrics == pytest.approx({"tokens": float(real.sum()) / B,
+                                           "real_share": float(real.double().mean())}, rel=1e-12)
+    # Steps 0 and 1 left out: the first step that names metrics exchanges the names.
+    one, four = set(reads[2::2]), set(reads[3::2])
+    assert len(one) == len(four) == 1, reads
+    # The CPU's way reads the 5 values of each of the 3 more micro-batches (loss, count, the
+    # mean metric, the LossSum metric's total and count): what the GPU's way saves.
+    assert four.pop() - one.pop() == (0 if gpu_way else 15)
 
 
 def test_a_loss_sum_count_of_several_elements_is_a_user_error_that_says_so(tmp_path):
