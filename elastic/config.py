@@ -543,9 +543,10 @@ class DataConfig(_Frozen):
     )
     pin_memory: bool = Field(
         default=False,
-        description="Copy loaded batches into pinned (page-locked) host memory, from where "
-        "they are copied to the GPU asynchronously (non_blocking); with loader processes, "
-        "on a background thread as each batch arrives; needs scaling.use_gpu.",
+        description="With loader processes (data.loader_workers): copy the batches they read "
+        "into pinned (page-locked) host memory, on a background thread as each arrives, from "
+        "where they are copied to the GPU asynchronously (non_blocking); the batches read "
+        "ahead are held there until taken. Needs scaling.use_gpu.",
     )
     start_method: Literal["spawn", "forkserver"] = Field(
         default="spawn",

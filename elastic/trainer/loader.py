@@ -23,13 +23,16 @@ joining a running generation does not hold every rank's first step while its loa
 data set (2.3 s of CPU each for the data bench's 512 PNGs).
 
 Each loader process has a pipe to the worker; requests go out and batches come in only inside
-`want` and `take`, on the training thread, so nothing wakes during forward and backward to
-compete for the GIL. Every batch a loader sends is received, those dropped included: a
-tensor's shared memory stays open in the loader until the worker takes its handle. With
-`pin_memory` (GPU workers) a batch is copied into page-locked memory as soon as it is
-received, on one thread of the worker's (as `DataLoader`'s pin-memory thread), while the step
-goes on: the copy (19 MB for a batch of 128 ResNet images) runs in C++ without the GIL, and
-the step that takes the batch finds it pinned instead of copying it on its own path.
+`want` and `take`, on the training thread. Every batch a loader sends is received, those
+dropped included: a tensor's shared memory stays open in the loader until the worker takes
+its handle. With `pin_memory` (GPU workers) a batch is copied into page-locked memory once it
+is received (at a step's `want`, or a `take`), on one thread of the worker's (as
+`DataLoader`'s pin-memory thread), while the step goes on: the copy (19 MB for a batch of 128
+ResNet images) runs in C++ without the GIL, and the step that takes the batch finds it pinned
+instead of copying it on its own path. That thread is the only one that wakes during forward
+and backward. A piece dropped before its copy began is never copied; the pinned copies of the
+pieces read ahead stay in page-locked memory until taken (torch's host allocator keeps the
+blocks for the next ones).
 """
 
 from __future__ import annotations
@@ -290,7 +293,9 @@ class Prefetcher:
                               and p not in self._ready and p not in asked)
         self._wanted = wanted
         for piece in [p for p in self._ready if p not in wanted]:
-            del self._ready[piece]  # its shared memory goes with it
+            _, value, _ = self._ready.pop(piece)  # its shared memory goes with it
+            if isinstance(value, Future):
+                value.cancel()  # not copied, if its turn has not come
         self._receive_sent()
         self._send()
 
@@ -321,9 +326,9 @@ class Prefetcher:
                         f"code) while reading step {piece.step}'s samples; it was restarted")
         del self._wanted[piece]
         ok, value, state = self._ready.pop(piece)
-        self._send()
         if self._pinner is not None:
             self._receive_sent()  # the next pieces, if here, are pinned during this step
+        self._send()  # (after receiving: a loader that answered takes its next request now)
         if not ok:
             raise LoadError(f"in a loader process (step {piece.step}):\n{value}")
         self.served += 1
@@ -412,6 +417,9 @@ class Prefetcher:
         """Stops the loader processes and waits for them to exit."""
         self._closed = True
         self._wanted.clear()
+        for _, value, _ in self._ready.values():
+            if isinstance(value, Future):
+                value.cancel()
         self._ready.clear()
         for end in self._alive:
             end.close()  # every loader exits, even one stuck in user code
@@ -422,8 +430,9 @@ class Prefetcher:
 
 
 def _pinned(batch: Any, device: torch.device | None) -> Any:
-    """On the pinning thread: `batch` in page-locked memory of `device`'s CUDA context (made the
-    thread's current device first: CUDA's current device is per thread)."""
+    """On the pinning thread: `batch` in page-locked memory, with the worker's GPU `device`
+    as the thread's current device (CUDA's current device is per thread; bound as
+    `DataLoader`'s pin-memory thread binds it)."""
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
     return _pin(batch)

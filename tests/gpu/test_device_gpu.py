@@ -189,18 +189,26 @@ def test_a_region_cuda_refuses_to_page_lock_leaves_no_error_behind_for_the_next_
 
 
 def test_loader_batches_are_pinned_ahead_on_a_thread_bound_to_the_workers_gpu():
-    """`data.pin_memory`: the pinning thread binds the worker's GPU before it pins (an unbound
-    thread would make a CUDA context on the first GPU), and `take` hands out pinned batches
+    """`data.pin_memory`: the pinning thread binds the worker's GPU before it pins (as
+    DataLoader's pin-memory thread does), and `take` hands out pinned batches
     equal to the ones read in the worker."""
     import threading
 
     from torch.utils.data import default_collate
 
+    from elastic.trainer import loader as loader_module
     from elastic.trainer.loader import Piece, Prefetcher, load_piece
     from tests.jobs import regression_job
 
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     job = regression_job()
+    bound, pin = [], loader_module._pin
+
+    def recording_pin(batch):
+        bound.append(torch.cuda.current_device())
+        return pin(batch)
+
+    loader_module._pin = recording_pin
     loader = Prefetcher(job, 1, "spawn", torch.get_rng_state(), pin_memory=True, device=device)
     try:
         pieces = [Piece(0, 1, (3, 1, 4)), Piece(1, 2, (5, 9))]
@@ -211,6 +219,7 @@ def test_loader_batches_are_pinned_ahead_on_a_thread_bound_to_the_workers_gpu():
             assert all(t.is_pinned() and torch.equal(t, e) for t, e in zip(batch, expected,
                                                                             strict=True))
         [thread] = [t for t in threading.enumerate() if t.name.startswith("elastic-pin")]
-        assert thread.is_alive()
+        assert thread.is_alive() and bound == [device.index] * len(pieces)
     finally:
         loader.close()
+        loader_module._pin = pin

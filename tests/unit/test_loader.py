@@ -97,11 +97,13 @@ class _FakePin:
     which piece's batch (told apart by their samples), in one order with the test's own notes,
     and returns it marked as pinned; raises for the piece `fail`."""
 
-    def __init__(self, job, pieces: list[Piece], fail: Piece) -> None:
+    def __init__(self, job, pieces: list[Piece], fail: Piece | None = None,
+                 hold: Piece | None = None) -> None:
         self.expected = {p: load_piece(job.dataset(), default_collate, p.indices, p.seed)
                          for p in pieces}
         self.events: list[tuple[str, Piece, str]] = []
         self.fail = fail
+        self.hold, self.release = hold, threading.Event()  # pinning `hold` waits for release
         self.lock = threading.Lock()
 
     def note(self, what: str, piece: Piece) -> None:
@@ -112,6 +114,8 @@ class _FakePin:
         [piece] = [p for p, b in self.expected.items()
                    if all(torch.equal(x, y) for x, y in zip(batch, b, strict=True))]
         self.note("pinned", piece)
+        if piece == self.hold:
+            assert self.release.wait(60), "the test never released the pinning thread"
         if piece == self.fail:
             raise RuntimeError("CUDA error: out of memory (pinning)")
         return ("pinned", batch)
@@ -157,6 +161,26 @@ def test_batches_are_pinned_on_a_thread_of_their_own_as_they_arrive(prefetcher, 
     assert loader.take(pieces[4])[0][0] == "pinned"
     loader.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("elastic-pin")]
+
+
+def test_a_piece_dropped_before_its_turn_to_be_pinned_is_never_pinned(prefetcher, monkeypatch):
+    """A replan drops the pieces read ahead for the old plan: those still waiting for the
+    pinning thread are never copied (the thread would otherwise pin them before the pieces
+    now wanted)."""
+    from elastic.trainer import loader as loader_module
+
+    job = fidelity.augmented_job()
+    pieces = [Piece(0, 1, (5, 1)), Piece(1, 2, (9, 3)), Piece(2, 3, (40,))]
+    fake = _FakePin(job, pieces, hold=pieces[0])
+    monkeypatch.setattr(loader_module, "_pin", fake)
+    loader = prefetcher(job, workers=1, pin_memory=True)
+    # The pinning thread is held in piece 0's copy while pieces 1 and 2 arrive behind it.
+    wait_until(lambda: loader.want(pieces) or all(p in loader._ready for p in pieces), limit=60)
+    loader.want(pieces[:2])  # a replan: piece 2 is dropped while queued
+    fake.release.set()
+    assert loader.take(pieces[0])[0][0] == loader.take(pieces[1])[0][0] == "pinned"
+    loader.close()
+    assert [e[1] for e in fake.events if e[0] == "pinned"] == pieces[:2]
 
 
 def test_close_leaves_no_loader_process(prefetcher):
