@@ -507,6 +507,9 @@ def bench_gpu(
     reasons = [why for why in map(missing, chosen) if why]
     if reasons:
         raise fail("--models: " + "; ".join(reasons))
+    small = [f"{m} (batch {SIZES[size][m].batch})" for m in chosen if shared > SIZES[size][m].batch]
+    if small:
+        raise fail(f"--shared {shared}: more workers than samples per step of {', '.join(small)}")
     out_dir.mkdir(parents=True, exist_ok=True)
     run(str(out_dir), chosen, shared, device, size)
     table(str(out_dir / "gpu_throughput.json"))

@@ -32,13 +32,13 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${GPU_CHECK_OUT:-${OUT:-gpu-check-out}}; mkdir -p "$OUT"  # OUT: the device machine's
 PY=${PY:-python3}
-MODELS=${GPU_CHECK_MODELS:-resnet50,gpt2}
+MODELS=${GPU_CHECK_MODELS:-resnet50,gpt2}; MODELS=${MODELS// /}; MODELS=${MODELS%,}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 if [ "$DEVICE" = cpu ]; then
   echo "gpu-check: a rehearsal on the CPU (GPU_CHECK_DEVICE=cpu): each part at a tiny size, no target judged"
   # ResNet-50 needs torchvision: where it is missing the rehearsal runs GPT-2 alone.
-  MODELS=${GPU_CHECK_MODELS:-$($PY -c "import importlib.util as u; print('resnet50,gpt2' if u.find_spec('torchvision') else 'gpt2')")}
+  [ -n "${GPU_CHECK_MODELS:-}" ] || MODELS=$($PY -c "import importlib.util as u; print('resnet50,gpt2' if u.find_spec('torchvision') else 'gpt2')")
 elif [ "$DEVICE" != cuda ]; then
   echo "gpu-check: GPU_CHECK_DEVICE is 'cuda' (the default) or 'cpu' (the rehearsal), not '$DEVICE'"
   exit 2
@@ -83,7 +83,7 @@ part() {
   [ "$rc" = 0 ] || tail -n 25 "$OUT/$name.log"
 }
 if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then  # the replica's step in one process (profile.txt)
-  if [ "$DEVICE" = cpu ]; then PROFILE=("${MODELS##*,}" cpu tiny); else PROFILE=(resnet50); fi
+  if [ "$DEVICE" = cpu ]; then PROFILE=("${MODELS%%,*}" cpu tiny); else PROFILE=(resnet50 cuda full); fi
   timeout "${GPU_CHECK_PROFILE_S:-90}" $PY scripts/gpu_profile.py "$OUT" "${PROFILE[@]}" > "$OUT/profile.log" 2>&1
   echo "profile rc=$?"
 fi
@@ -106,4 +106,4 @@ part data "${GPU_CHECK_DATA_S:-120}" data.json "${ELASTIC[@]}" bench data --work
   --rounds 1 --json "$OUT/data.json"
 part allreduce "${GPU_CHECK_ALLREDUCE_S:-90}" allreduce.json "${ELASTIC[@]}" bench allreduce --world-size 4 \
   --hosts 2 --sizes "$SIZES" --json "$OUT/allreduce.json"
-$PY scripts/gpu_summary.py "$OUT" "${SUMMARY[@]}"
+$PY scripts/gpu_summary.py "$OUT" ${SUMMARY[@]+"${SUMMARY[@]}"}

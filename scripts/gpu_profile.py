@@ -6,8 +6,8 @@ torch's sync debug mode), for the replica alone (a generation of one rank) and s
 through buckets as a rank of several would.
 
 Usage: gpu_profile.py OUT [MODEL [DEVICE SIZE]]: MODEL resnet50 (the default) or gpt2; DEVICE
-cpu with SIZE tiny is the rehearsal (`GPU_CHECK_DEVICE=cpu GPU_CHECK_PROFILE=1`): the same
-code on the CPU, where no wait for a device is counted."""
+SIZE cuda full (the default), or cpu tiny: the rehearsal (`GPU_CHECK_DEVICE=cpu
+GPU_CHECK_PROFILE=1`), the same code on the CPU, where no wait for a device is counted."""
 
 from __future__ import annotations
 
@@ -21,11 +21,13 @@ import torch
 
 from elastic.bench.gpu import SIZES, Cycled, loss_of, make_model, make_optimizer
 
-OUT = sys.argv[1] if len(sys.argv) > 1 else "."
-MODEL = sys.argv[2] if len(sys.argv) > 2 else "resnet50"
-DEVICE = torch.device("cuda", 0) if (sys.argv[3] if len(sys.argv) > 3 else "cuda") == "cuda" \
-    else torch.device("cpu")
-SIZE = SIZES[sys.argv[4] if len(sys.argv) > 4 else "full"][MODEL]
+_ARGS = sys.argv[1:] + ["."] * (len(sys.argv) < 2)
+OUT, MODEL, _DEVICE, _SIZE = (_ARGS + ["resnet50", "cuda", "full"][len(_ARGS) - 1 :])[:4]
+if len(_ARGS) > 4 or MODEL not in SIZES["full"] or _DEVICE not in ("cuda", "cpu") \
+        or _SIZE not in SIZES or (_DEVICE == "cpu") != (_SIZE == "tiny"):
+    sys.exit("usage: gpu_profile.py OUT [resnet50|gpt2 [cuda full|cpu tiny]]")
+DEVICE = torch.device("cuda", 0) if _DEVICE == "cuda" else torch.device("cpu")
+SIZE = SIZES[_SIZE][MODEL]
 B = SIZE.batch
 STEPS, WARMUP = (15, 5) if DEVICE.type == "cuda" else (3, 2)
 CUDA = DEVICE.type == "cuda"

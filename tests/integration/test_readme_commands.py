@@ -9,11 +9,14 @@ there fails here until it has an entry below. Only values shrink; the flags are 
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import json
+import os
 import pathlib
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import threading
 from xml.etree import ElementTree
@@ -341,7 +344,7 @@ def test_every_readme_command_runs_and_gives_what_it_promises(head, tmp_path):
             raise
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1100)
 def test_the_gpu_check_rehearses_every_part_on_the_cpu(head, tmp_path):
     """`GPU_CHECK_DEVICE=cpu GPU_CHECK_PROFILE=1 bash scripts/gpu_check.sh`: every part's own
     command line and the profile's, at a tiny size on CPU workers, so that a mistake in the
@@ -350,11 +353,21 @@ def test_the_gpu_check_rehearses_every_part_on_the_cpu(head, tmp_path):
     summary passes as a rehearsal."""
     out = tmp_path / "check"
     env = {**head["env"], "RAY_ADDRESS": head["gcs"], "GPU_CHECK_DEVICE": "cpu",
-           "GPU_CHECK_OUT": str(out), "PY": str(BIN / "python"), "GPU_CHECK_PROFILE": "1"}
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=540)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "profile rc=0" in done.stdout, (out / "profile.log").read_text()[-3000:]
+           "GPU_CHECK_OUT": str(out), "PY": str(BIN / "python"), "GPU_CHECK_PROFILE": "1",
+           # Each part's own limit, well inside this test's: a part that hangs fails by name.
+           **{f"GPU_CHECK_{part}_S": "150" for part in
+              ("TIER", "STEP", "BENCH", "DATA", "ALLREDUCE", "PROFILE")}}
+    check = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env,
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        stdout, stderr = check.communicate(timeout=1000)
+    finally:
+        if check.poll() is None:  # the whole group: the parts' Python processes too
+            os.killpg(check.pid, signal.SIGKILL)
+            check.wait()
+    assert check.returncode == 0, stdout[-4000:] + stderr[-2000:]
+    assert "profile rc=0" in stdout, (out / "profile.log").read_text()[-3000:]
     profile = (out / "profile.txt").read_text()  # the replica's step beside a plain one
     assert re.search(r"^plain: [\d.]+ ms/step", profile, re.M)
     assert re.search(r"^replica alone \(one rank\): [\d.]+ ms/step", profile, re.M)
@@ -370,8 +383,8 @@ def test_the_gpu_check_rehearses_every_part_on_the_cpu(head, tmp_path):
         == [(d, r) for d in (2, 4) for r in ("plain PyTorch", "elastic, 1 worker")]
     throughput = json.loads((out / "gpu_throughput.json").read_text())
     assert throughput["device"] == "cpu" and throughput["size"] == "tiny"
-    models = [m for m in ("resnet50", "gpt2") if any(r["model"] == m for r in throughput["results"])]
-    assert "gpt2" in models
+    # ResNet-50 where torchvision is installed (not with CPU torch 2.13 here), and GPT-2.
+    models = ["resnet50", "gpt2"] if importlib.util.find_spec("torchvision") else ["gpt2"]
     assert [(r["model"], r["runner"]) for r in throughput["results"]] == [
         (m, runner) for m in models for runner in ("plain", "elastic-1", "elastic-2")]
     for r in throughput["results"]:

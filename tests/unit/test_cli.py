@@ -52,6 +52,8 @@ def test_bench_overhead_rejects_an_unknown_model_before_running_any_with_exit_co
     (["--device", "cpu", "--size", "tiny", "--shared", "1"], "--shared: 0 (none) or 2 and more"),
     (["--device", "cpu", "--size", "tiny", "--models", "gpt2,vit"], "--models: unknown vit"),
     (["--device", "cpu", "--size", "tiny", "--models", ","], "--models: unknown (none given)"),
+    (["--device", "cpu", "--size", "tiny", "--models", "gpt2", "--shared", "9"],
+     "--shared 9: more workers than samples per step of gpt2 (batch 8)"),
 ])
 def test_bench_gpu_refuses_what_it_cannot_run_with_exit_code_2_before_any_run(argv, says,
                                                                                tmp_path):

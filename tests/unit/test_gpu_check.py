@@ -49,8 +49,9 @@ def _parts(folder, lines: str) -> None:
     (folder / "env.txt").write_text("NVIDIA H100 80GB HBM3, 81559 MiB, 580.00\n16\n")
 
 
-def _throughput(folder, elastic_rate: float) -> None:
-    (folder / "gpu_throughput.json").write_text(json.dumps({"device": "H100", "torch": "2.11",
+def _throughput(folder, elastic_rate: float, device: str = "H100", size: str = "full") -> None:
+    (folder / "gpu_throughput.json").write_text(json.dumps({"device": device, "size": size,
+                                                            "torch": "2.11",
         "results": [{"model": "resnet50", "runner": "plain", "per_s": 1000.0},
                     {"model": "resnet50", "runner": "elastic-1", "per_s": elastic_rate},
                     {"model": "resnet50", "runner": "elastic-4", "per_s": 300.0}]}))
@@ -115,7 +116,7 @@ def test_a_rehearsal_passes_on_parts_that_ran_and_wrote_results_whatever_their_f
     part that failed or wrote nothing readable is."""
     summary_py = os.path.join(ROOT, "scripts", "gpu_summary.py")
     _parts(tmp_path, "throughput 0 40\n")
-    _throughput(tmp_path, 100.0)  # 0.10x of plain: a tiny model on a CPU
+    _throughput(tmp_path, 100.0, device="cpu", size="tiny")  # 0.10x of plain: tiny, a CPU
     done = subprocess.run([sys.executable, summary_py, str(tmp_path), "--rehearsal"],
                           capture_output=True, text=True, timeout=60)
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -137,3 +138,19 @@ def test_a_rehearsal_passes_on_parts_that_ran_and_wrote_results_whatever_their_f
     done = subprocess.run([sys.executable, summary_py, str(tmp_path), "--judge"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "usage" in done.stderr
+
+
+def test_a_rehearsals_figures_left_in_the_folder_meet_no_target_of_a_gpu_run(tmp_path):
+    """A GPU run that reruns some parts into a folder a rehearsal wrote: the rehearsal's
+    throughput (however high) and step results are not taken for the GPU's."""
+    _parts(tmp_path, "throughput 0 40\nstep 0 3\n")
+    _throughput(tmp_path, 2000.0, device="cpu", size="tiny")  # 2x of plain
+    (tmp_path / "step.json").write_text(json.dumps({"device": "cpu", "rows": [
+        {"runner": "plain PyTorch", "depth": 2, "vs_plain": 1.0, "beyond_plain": 0},
+        {"runner": "elastic, 1 worker", "depth": 2, "vs_plain": 0.9, "beyond_plain": 47}]}))
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_summary.py"),
+                           str(tmp_path)], capture_output=True, text=True, timeout=60)
+    rows = {r["part"]: r for r in json.loads((tmp_path / "summary.json").read_text())["parts"]}
+    assert not rows["throughput"]["target_met"] and "a rehearsal's figures" in done.stdout
+    assert not rows["step"]["target_met"] and rows["step"]["result"].endswith("(on a CPU)")
+    assert done.returncode == 1
