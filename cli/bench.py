@@ -21,6 +21,27 @@ if TYPE_CHECKING:
 app = typer.Typer(no_args_is_help=True, help="Benchmarks that print a table and write JSON.")
 
 
+def _names(text: str) -> list[str]:
+    """A comma-separated option's items, blanks dropped."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _numbers(option: str, text: str, least: int = 0, example: str = "1,2") -> list[int]:
+    """A comma-separated option's whole numbers, each at least `least`.
+
+    Raises:
+        typer.Exit: (code 2) one line naming `option` and what it takes.
+    """
+    try:
+        values = [int(part) for part in _names(text)]
+    except ValueError:
+        raise fail(f"{option}: whole numbers separated by commas (such as {example}), "
+                   f"got {text!r}") from None
+    if not values or min(values) < least:
+        raise fail(f"{option}: at least one number, each {least} or more, got {text!r}")
+    return values
+
+
 def _human(size: int) -> str:
     for unit, factor in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
         if size >= factor and size % factor == 0:
@@ -52,14 +73,14 @@ def bench_allreduce(
     from elastic.bench.allreduce import parse_size, plot_allreduce, run_allreduce_bench
 
     try:
-        size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
+        size_list = [parse_size(s) for s in _names(sizes)]
     except ValueError as e:
         raise fail(f"--sizes: {e}") from None
     try:
         segment = parse_size(segment_bytes)
     except ValueError as e:
         raise fail(f"--segment-bytes: {e}") from None
-    algorithm_list = [a.strip() for a in algorithms.split(",") if a.strip()]
+    algorithm_list = _names(algorithms)
     unknown = [a for a in algorithm_list if a not in ALGORITHMS]
     if unknown:
         raise fail(f"--algorithms: unknown {', '.join(unknown)}; choose from {', '.join(ALGORITHMS)}")
@@ -148,10 +169,7 @@ def bench_preemption(
     """Time planned departures (SIGTERM) and kills with and without hot spares."""
     from elastic.bench.preemption import Summary, run_preemption_bench
 
-    try:
-        counts = [int(part) for part in spares.split(",") if part.strip()]
-    except ValueError:
-        raise fail(f"--spares: comma-separated counts such as 0,1, got {spares!r}") from None
+    counts = _numbers("--spares", spares, example="0,1")
     try:
         result = run_preemption_bench(workers, counts, trials, seed=seed)
     except (ValueError, ElasticError) as e:
@@ -229,7 +247,7 @@ def bench_overhead(
     the time per step goes in each."""
     from elastic.bench.overhead import MODELS, run_overhead_bench
 
-    names = [m.strip() for m in model.split(",") if m.strip()]
+    names = _names(model)
     unknown = [m for m in names if m not in MODELS]
     if unknown or not names:
         raise fail(f"--model: unknown {', '.join(unknown) or 'none given'}; choose from {', '.join(MODELS)}")
@@ -290,9 +308,9 @@ def bench_scaling(
     """Samples/s and scaling efficiency against workers and batch; projection to 256 workers."""
     from elastic.bench.scaling import plot_scaling, run_scaling_bench
 
+    worker_list = _numbers("--workers", workers, least=1)
+    batch_list = _numbers("--batch-sizes", batch_sizes, least=1, example="64,256")
     try:
-        worker_list = [int(x) for x in workers.split(",") if x]
-        batch_list = [int(x) for x in batch_sizes.split(",") if x]
         r = run_scaling_bench(model, worker_list, batch_list, steps)
     except (ValueError, ElasticError) as e:
         raise fail(one_line(e)) from None
@@ -376,8 +394,8 @@ def bench_decisions(
     """The controller's own time per step at each world size (simulated members, no Ray)."""
     from elastic.bench.decisions import run_decision_bench
 
+    sizes = _numbers("--members", members, least=1, example="4,16")
     try:
-        sizes = [int(m) for m in members.split(",") if m.strip()]
         rows = run_decision_bench(sizes, steps)
     except (ValueError, RuntimeError) as e:
         raise fail(one_line(e)) from None
@@ -405,10 +423,9 @@ def bench_exact(
     """Exact mode (batch.exact) against the default: step time and bytes per step."""
     from elastic.bench.exact import run_exact_bench
 
+    worker_list = _numbers("--workers", workers, least=1)
     try:
-        r = run_exact_bench([m.strip() for m in models.split(",") if m.strip()],
-                            [int(w) for w in workers.split(",") if w.strip()], steps, batch,
-                            rounds=rounds)
+        r = run_exact_bench(_names(models), worker_list, steps, batch, rounds=rounds)
     except (ValueError, ElasticError) as e:
         raise fail(one_line(e)) from None
     table = Table(title=f"exact mode against the default, global batch {batch} in groups of "
@@ -499,7 +516,7 @@ def bench_gpu(
         raise fail("--device cpu runs only at --size tiny (a full-size run on a CPU takes hours)")
     if shared == 1 or shared < 0:
         raise fail(f"--shared: 0 (none) or 2 and more workers sharing the GPU, got {shared}")
-    chosen = tuple(m.strip() for m in models.split(",") if m.strip())
+    chosen = tuple(_names(models))
     unknown = sorted(set(chosen) - set(MODELS))
     if unknown or not chosen:
         raise fail(f"--models: unknown {', '.join(unknown) or '(none given)'}; choose from "
@@ -527,12 +544,7 @@ def bench_drift(
 
     from elastic.bench.drift import run_drift
 
-    try:
-        lengths = [int(s) for s in steps.split(",") if s.strip()]
-    except ValueError:
-        raise fail(f"--steps: whole numbers separated by commas, got {steps!r}") from None
-    if not lengths or min(lengths) < 1:
-        raise fail("--steps: at least one run length of 1 or more")
+    lengths = _numbers("--steps", steps, least=1, example="12,120")
     points = run_drift(lengths, workers)
     table = Table(title=f"default mode on {workers} workers against one plain process (no fault)")
     for column in ("steps", "largest weight difference"):
@@ -562,12 +574,7 @@ def bench_step(
 
     from elastic.bench.step import run_step_bench
 
-    try:
-        levels = [int(s) for s in depths.split(",") if s.strip()]
-    except ValueError:
-        raise fail(f"--depths: whole numbers separated by commas, got {depths!r}") from None
-    if not levels or min(levels) < 0:
-        raise fail("--depths: at least one depth of 0 or more")
+    levels = _numbers("--depths", depths, example="4,16,52")
     if min(width, batch, image_size, steps) < 1:
         raise fail("--width, --batch, --image-size and --steps: 1 or more")
     if device not in ("cpu", "cuda"):
@@ -606,11 +613,8 @@ def bench_memory(
 
     if model != "gpt":
         raise fail(f"--model: only 'gpt' is built in, got {model!r}")
-    try:
-        wanted = sorted({int(s) for s in stages.split(",") if s.strip()})
-    except ValueError:
-        raise fail(f"--stages: whole numbers separated by commas, got {stages!r}") from None
-    if not wanted or any(s not in (0, 1, 2) for s in wanted):
+    wanted = sorted(set(_numbers("--stages", stages, example="0,1,2")))
+    if any(s not in (0, 1, 2) for s in wanted):
         raise fail(f"--stages: 0, 1 or 2, got {stages!r}")
     if not 1 <= replicas <= workers:
         raise fail(f"--replicas: between 1 and --workers ({workers}), got {replicas}")

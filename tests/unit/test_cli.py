@@ -62,6 +62,22 @@ def test_bench_gpu_refuses_what_it_cannot_run_with_exit_code_2_before_any_run(ar
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("argv", "says"), [
+    (["preemption", "--spares", "0,x"],
+     "--spares: whole numbers separated by commas (such as 0,1), got '0,x'"),
+    (["step", "--depths", "4,-1"], "--depths: at least one number, each 0 or more, got '4,-1'"),
+    (["drift", "--steps", ","], "--steps: at least one number, each 1 or more, got ','"),
+    (["scaling", "--workers", "1,0"], "--workers: at least one number, each 1 or more"),
+    (["scaling", "--batch-sizes", "64;256"], "--batch-sizes: whole numbers separated by commas"),
+    (["decisions", "--members", "4,sixteen"], "--members: whole numbers separated by commas"),
+    (["exact", "--workers", "2,two"], "--workers: whole numbers separated by commas"),
+    (["memory", "--stages", "1,3"], "--stages: 0, 1 or 2, got '1,3'"),
+])
+def test_a_bench_list_option_that_is_not_whole_numbers_exits_2_naming_it(argv, says):
+    result = runner.invoke(app, ["bench", *argv])
+    assert result.exit_code == 2 and says in _text(result.output), result.output
+
+
 def test_bench_gpu_without_cuda_says_how_to_rehearse_it(monkeypatch):
     import torch
 
