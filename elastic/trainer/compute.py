@@ -25,6 +25,7 @@ from elastic.trainer.device import (
     MoveBatch,
     host_values,
     is_allocation_failure,
+    read_later,
     release_cached_memory,
 )
 from elastic.trainer.faults import FaultInjector
@@ -106,7 +107,7 @@ def compute(host: ComputeHost, context: StepContext) -> Computed:
     loss_sum = data_s = count = 0.0
     metrics, form = MetricSums(), LossForm.NONE
     error, vote, used = None, Vote.OK, None
-    losses: list[torch.Tensor] = []  # each piece's, read by the host once the pieces are done
+    losses: list[float | torch.Tensor] = []  # on a GPU read by the host after the last piece
     counts: list[float | torch.Tensor] = []
     host.reducer.reset(context.meta_len)  # each attempt of the step sums afresh
     set_current_step(context.step)
@@ -135,7 +136,10 @@ def compute(host: ComputeHost, context: StepContext) -> Computed:
         vote = Vote.OUT_OF_MEMORY if is_allocation_failure(e) else Vote.USER_ERROR
     if vote != Vote.OK:
         # Out of the except block, so that the failed attempt's frames (its batch,
-        # activations, half-allocated buffers) are gone; its gradients are never sent.
+        # activations, half-allocated buffers) are gone; its gradients are never sent. Its
+        # metrics not read yet are dropped unread: the step is not committed, and a read
+        # after a failure on the device would raise its error again outside the vote.
+        metrics.discard_unread()
         host.drop_grads()
         if vote == Vote.OUT_OF_MEMORY:
             release_cached_memory(host.device)
@@ -148,8 +152,8 @@ def _piece(host: ComputeHost, context: StepContext, index: int, start: int, leng
            ) -> tuple[torch.Tensor, float | torch.Tensor, LossForm, float]:
     """One micro-batch of the compute phase (`index` of this rank's, `length` samples from
     `start` of its share; `last`: the step's last backward pass): loaded, forward and
-    backward. Returns its loss (detached, not read yet), item count (a float, or a tensor of
-    one element not read yet), loss form and loading seconds."""
+    backward. Returns its loss and item count (floats, or on a GPU as `read_later` keeps
+    them, not read yet), loss form and loading seconds."""
     piece = context.first_piece + index
     loading = time.perf_counter()
     seed = forward_seed(host.config.seed, context.step, context.plan.offset(context.rank) + start)
@@ -169,7 +173,7 @@ def _piece(host: ComputeHost, context: StepContext, index: int, start: int, leng
         host.faults.fire(context.chaos, "backward")
     host.reducer.arm(last)
     (loss * context.scale if context.scale != 1.0 else loss).backward()
-    value = loss.detach()
+    value = read_later(loss)
     del batch, loss
     host.reducer.after_backward()
     return value, items, form, loading_s

@@ -81,6 +81,16 @@ def batched_read(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def read_later(value: torch.Tensor) -> float | torch.Tensor:
+    """A one-element tensor of the step to be summed by the host: read now where reading
+    costs nothing (the CPU: `float`, as it is at this moment), else a copy of it on its
+    device, not read yet (`host_values` reads the step's together); a copy, since the user's
+    tensor may change in place later in the step, and a view would keep its whole base."""
+    if batched_read(value.device):
+        return value.detach().reshape(()).clone()
+    return float(value.detach())
+
+
 def host_values(values: list[float | torch.Tensor]) -> list[float]:
     """`values` (floats, or tensors of one element) as floats: on a GPU (`batched_read`) all
     of a device's read in one copy, so that a step with many micro-batches waits for the device

@@ -52,8 +52,8 @@ def loss_term(out: Any, scale: float, form: LossForm) -> tuple[Any, Any, LossFor
 
     Returns:
         The tensor to backpropagate, the micro-batch's item count (0 for a scalar; a
-        `LossSum`'s tensor count as a detached tensor of one element, read by the caller
-        with the loss, so that it costs no wait for a GPU here) and its form.
+        `LossSum`'s tensor count on a GPU as `read_later` keeps it, read by the caller with
+        the loss, so that it costs no wait for the device here) and its form.
 
     Raises:
         ValueError: `out` is not of the form of this step's earlier micro-batches, or what it
@@ -81,7 +81,9 @@ def loss_term(out: Any, scale: float, form: LossForm) -> tuple[Any, Any, LossFor
                 raise ValueError(f"LossSum.count must be a number or a real tensor of one "
                                  f"element, got a tensor of shape {tuple(count.shape)} "
                                  f"({count.dtype})")
-            return out.total, count.detach().reshape(()), this
+            from elastic.trainer.device import read_later
+
+            return out.total, read_later(count), this
         return out.total, float(count), this
     return out * scale, 0.0, this
 

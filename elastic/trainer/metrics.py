@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from elastic.errors import CollectiveError
-from elastic.trainer.device import host_values
+from elastic.trainer.device import host_values, read_later
 from elastic.trainer.loss import LossSum
 
 # Bytes one rank may announce for its metric names (a peer cannot make a rank allocate more).
@@ -51,8 +51,8 @@ def split_output(out: Any) -> tuple[Any, Mapping[str, Any] | None]:
 
 
 def _checked(value: Any) -> float | torch.Tensor:
-    """A metric's value as a float, or as a detached tensor of one element, not read yet (on
-    a GPU a read waits for the device: `MetricSums` reads a step's values together).
+    """A metric's value as a float, or on a GPU as `read_later` keeps it, not read yet (a
+    read waits for the device: `MetricSums` reads a step's values together).
 
     Raises:
         ValueError: a value that is not a number or a real tensor of one element.
@@ -61,7 +61,7 @@ def _checked(value: Any) -> float | torch.Tensor:
         if value.numel() != 1 or value.is_complex():
             raise ValueError(f"a metric must be a scalar, got a tensor of shape {tuple(value.shape)}"
                              + (f" ({value.dtype})" if value.is_complex() else ""))
-        return value.detach().reshape(())
+        return read_later(value)
     if isinstance(value, (int, float)):
         return float(value)
     raise ValueError(f"a metric must be a number, a scalar tensor or a LossSum, got "
@@ -78,7 +78,8 @@ class MetricSums:
 
     sums: dict[str, list[float]] = field(default_factory=dict)
     # (name, value, factor, weight) per micro-batch and metric: its sum is value * factor
-    _terms: list[tuple[str, Any, float, Any]] = field(default_factory=list)
+    _terms: list[tuple[str, Any, float, Any]] = field(default_factory=list, init=False,
+                                                      repr=False, compare=False)
 
     def add(self, metrics: Mapping[str, Any], samples: int) -> None:
         """One micro-batch's metrics over its `samples` samples: a scalar weighted by
@@ -108,6 +109,10 @@ class MetricSums:
             pair = self.sums.setdefault(name, [0.0, 0.0])
             pair[0] += values[2 * i] * factor
             pair[1] += values[2 * i + 1]
+        self._terms.clear()
+
+    def discard_unread(self) -> None:
+        """Drops the values kept since the last `settle` (a failed attempt's)."""
         self._terms.clear()
 
     def section(self, names: Sequence[str]) -> torch.Tensor:

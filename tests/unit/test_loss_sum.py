@@ -296,3 +296,51 @@ def test_a_loss_sum_count_of_several_elements_is_a_user_error_that_says_so(tmp_p
     assert ("ValueError: LossSum.count must be a number or a real tensor of one element, got a "
             "tensor of shape (3,)") in outcomes[0].traceback
     assert replica.global_step == 0
+
+
+@pytest.mark.parametrize("gpu_way", [True, False], ids=["gpu_way", "cpu_way"])
+def test_a_metric_tensor_changed_in_place_later_in_the_step_counts_as_it_was_returned(
+        tmp_path, monkeypatch, gpu_way):
+    """A value kept for the step's one read is the value as the loss returned it: a tensor of
+    the user's changed in place by a later micro-batch does not change what was summed."""
+    from elastic.trainer import device
+
+    monkeypatch.setattr(device, "batched_read", lambda where: gpu_way)
+    calls = torch.zeros((), dtype=torch.float64)
+
+    def counting(model, batch):
+        calls.add_(1)  # one tensor, returned by every micro-batch, then changed in place
+        return token_sum(model, batch), {"call": calls}
+
+    replica, server = _one_rank(tmp_path, counting)
+    try:
+        record = replica.run_step(BatchPlan(B, (B,), (2,)), [])  # 4 micro-batches of 2
+    finally:
+        replica.close()
+        replica.comm.close()
+        server.close()
+    assert record.metrics["call"] == pytest.approx((1 + 2 + 3 + 4) / 4)
+
+
+def test_a_failed_read_of_the_steps_values_is_the_steps_user_error_not_a_crash(
+        tmp_path, monkeypatch):
+    """On a GPU the step's values are read after its last backward pass, where an error on
+    the device surfaces: it is this rank's user error in the vote, and the failed attempt's
+    metrics are never read again (the reduce would raise it a second time, outside the vote).
+    A metric on the meta device (its reads raise) stands for such a device here."""
+    from elastic.trainer import device
+
+    monkeypatch.setattr(device, "batched_read", lambda where: True)
+
+    def unreadable(model, batch):
+        return token_sum(model, batch), {"broken": torch.ones((), device="meta")}
+
+    replica, server = _one_rank(tmp_path, unreadable)
+    try:
+        outcome = replica.run_step(BatchPlan(B, (B,), (2,)), [])
+    finally:
+        replica.close()
+        replica.comm.close()
+        server.close()
+    assert isinstance(outcome, UserFailure) and replica.global_step == 0
+    assert "meta" in outcome.traceback
