@@ -149,7 +149,7 @@ def compute(host: ComputeHost, context: StepContext) -> Computed:
 
 def _piece(host: ComputeHost, context: StepContext, index: int, start: int, length: int, last: bool,
            form: LossForm, metrics: MetricSums
-           ) -> tuple[torch.Tensor, float | torch.Tensor, LossForm, float]:
+           ) -> tuple[float | torch.Tensor, float | torch.Tensor, LossForm, float]:
     """One micro-batch of the compute phase (`index` of this rank's, `length` samples from
     `start` of its share; `last`: the step's last backward pass): loaded, forward and
     backward. Returns its loss and item count (floats, or on a GPU as `read_later` keeps
@@ -173,7 +173,7 @@ def _piece(host: ComputeHost, context: StepContext, index: int, start: int, leng
         host.faults.fire(context.chaos, "backward")
     host.reducer.arm(last)
     (loss * context.scale if context.scale != 1.0 else loss).backward()
-    value = read_later(loss)
+    value = read_later(loss, "the loss")
     del batch, loss
     host.reducer.after_backward()
     return value, items, form, loading_s

@@ -81,32 +81,34 @@ def batched_read(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def read_later(value: torch.Tensor) -> float | torch.Tensor:
-    """A one-element tensor of the step to be summed by the host: read now where reading
-    costs nothing (the CPU: `float`, as it is at this moment), else a copy of it on its
-    device, not read yet (`host_values` reads the step's together); a copy, since the user's
-    tensor may change in place later in the step, and a view would keep its whole base."""
+def read_later(value: torch.Tensor, what: str) -> float | torch.Tensor:
+    """A one-element tensor of the step (`what`, for the error) to be summed by the host: read
+    now where reading costs nothing (the CPU: `float`, as it is at this moment), else a copy of
+    it on its device, not read yet (`host_values` reads the step's together); a copy, since the
+    user's tensor may change in place later in the step, and a view would keep its whole base.
+
+    Raises:
+        ValueError: `value` has more or fewer than one element, or is complex.
+    """
+    if value.numel() != 1 or value.is_complex():
+        raise ValueError(f"{what} must be a number or a real tensor of one element, got a tensor "
+                         f"of shape {tuple(value.shape)} ({value.dtype})")
     if batched_read(value.device):
         return value.detach().reshape(()).clone()
     return float(value.detach())
 
 
 def host_values(values: list[float | torch.Tensor]) -> list[float]:
-    """`values` (floats, or tensors of one element) as floats: on a GPU (`batched_read`) all
-    of a device's read in one copy, so that a step with many micro-batches waits for the device
-    once, after its last backward pass, not once per micro-batch; on the CPU each as `float`
-    (nothing to wait for there)."""
-    out: list[float] = [0.0] * len(values)
-    batched: dict[torch.device, list[int]] = {}
+    """`values` as floats: the tensors among them (those `read_later` kept on a GPU) read in
+    one copy per device, so that a step with many micro-batches waits for the device once,
+    after its last backward pass, not once per micro-batch."""
+    out = [v if isinstance(v, float) else 0.0 for v in values]
+    by_device: dict[torch.device, list[int]] = {}
     for i, v in enumerate(values):
-        if not isinstance(v, torch.Tensor):
-            out[i] = float(v)
-        elif batched_read(v.device):
-            batched.setdefault(v.device, []).append(i)
-        else:
-            out[i] = float(v)
-    for indices in batched.values():
-        joined = torch.stack([values[i].reshape(()).to(torch.float64) for i in indices])
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append(i)
+    for indices in by_device.values():
+        joined = torch.stack([values[i].to(torch.float64) for i in indices])
         for i, x in zip(indices, joined.tolist(), strict=True):
             out[i] = x
     return out

@@ -220,8 +220,8 @@ class Prefetcher:
         start_method: 'spawn' or 'forkserver'.
         rng_state: torch's generator state in which the worker called `job.dataset()`.
         pin_memory: pin every batch (for copies to a GPU), in the background as it arrives.
-        device: the worker's GPU, which the pinning thread binds (pinned memory is the CUDA
-            context's: an unbound thread would make one on the first GPU).
+        device: the worker's GPU, which the pinning thread makes its current device (as
+            `DataLoader`'s pin-memory thread does).
     """
 
     def __init__(self, job: Any, workers: int, start_method: str, rng_state: torch.Tensor,

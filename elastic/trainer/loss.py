@@ -75,16 +75,11 @@ def loss_term(out: Any, scale: float, form: LossForm) -> tuple[Any, Any, LossFor
             "it must be a tensor of one element: the mean over the micro-batch's samples (for "
             "example reduction='mean'), or LossSum(total, count) with the summed total")
     if isinstance(out, LossSum):
-        count = out.count
-        if isinstance(count, torch.Tensor):
-            if count.numel() != 1 or count.is_complex():
-                raise ValueError(f"LossSum.count must be a number or a real tensor of one "
-                                 f"element, got a tensor of shape {tuple(count.shape)} "
-                                 f"({count.dtype})")
+        if isinstance(out.count, torch.Tensor):
             from elastic.trainer.device import read_later
 
-            return out.total, read_later(count), this
-        return out.total, float(count), this
+            return out.total, read_later(out.count, "LossSum.count"), this
+        return out.total, float(out.count), this
     return out * scale, 0.0, this
 
 

@@ -58,10 +58,7 @@ def _checked(value: Any) -> float | torch.Tensor:
         ValueError: a value that is not a number or a real tensor of one element.
     """
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_complex():
-            raise ValueError(f"a metric must be a scalar, got a tensor of shape {tuple(value.shape)}"
-                             + (f" ({value.dtype})" if value.is_complex() else ""))
-        return read_later(value)
+        return read_later(value, "a metric")
     if isinstance(value, (int, float)):
         return float(value)
     raise ValueError(f"a metric must be a number, a scalar tensor or a LossSum, got "

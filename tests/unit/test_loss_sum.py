@@ -344,3 +344,14 @@ def test_a_failed_read_of_the_steps_values_is_the_steps_user_error_not_a_crash(
         server.close()
     assert isinstance(outcome, UserFailure) and replica.global_step == 0
     assert "meta" in outcome.traceback
+
+
+def test_a_metric_of_several_elements_is_a_user_error_that_says_so(tmp_path):
+    def per_sample_metric(model, batch):
+        return token_sum(model, batch), {"real": (batch[1] != PAD).sum(dim=1)}
+
+    (outcomes, replica), = run(tmp_path, [job(per_sample_metric)], PLANS["one-rank"], steps=1)
+    assert isinstance(outcomes[0], UserFailure)
+    assert ("ValueError: a metric must be a number or a real tensor of one element, got a "
+            "tensor of shape (3,)") in outcomes[0].traceback
+    assert replica.global_step == 0
