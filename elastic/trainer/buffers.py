@@ -14,7 +14,8 @@ contributes, so each rank adds up its own pieces' terms, the terms ride in the s
 allreduce, and every rank writes the same b_n: exactly the sequential result (up to
 floating-point summation order), for any shares, micro-batches and world size. Each piece's
 term is read off the layer itself: its running statistics are zeroed before the forward, so
-afterwards they hold `f_k * s_k`.
+afterwards they hold `f_k * s_k`. A layer in eval mode (frozen) keeps its statistics through
+the forward, which normalises with them, and adds no term.
 
 Every other buffer (a user's own running average, a counter) cannot be reasoned about: when any
 rank's forward changed one, the first rank with a share broadcasts them all (as DDP does), so
@@ -171,10 +172,18 @@ class BufferSync:
                                      device=self._counts[0].device)
 
     def before_piece(self, k: int) -> None:
-        """Before forward pass `k` (its place in the step's global order)."""
+        """Before forward pass `k` (its place in the step's global order): the running
+        statistics of the layers in training mode zeroed, so that the forward leaves its term
+        in them. A layer in eval mode (a frozen one: `norm_eval`, fine-tuning) normalises with
+        its statistics, which stay as they are; its forward adds no term."""
         with torch.no_grad():
             if self._stat_tensors:
-                torch._foreach_zero_(self._stat_tensors)
+                training = [m.training for _, m in self.norms]
+                if all(training):
+                    torch._foreach_zero_(self._stat_tensors)
+                elif any(training):
+                    torch._foreach_zero_([t for (_, m), on in zip(self.norms, training, strict=True)
+                                          if on for t in (m.running_mean, m.running_var)])
             self._set_counts(k)
 
     def _set_counts(self, k: int) -> None:

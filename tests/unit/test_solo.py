@@ -228,6 +228,56 @@ def test_a_model_that_overrides_train_is_asked_every_step(tmp_path):
     assert torch.equal(replica.model.bn.running_mean, stats)
 
 
+class _FrozenStats(_FrozenNorm):
+    """A frozen BatchNorm with statistics of its own (fine-tuning a pretrained network): its
+    forward normalises with them, so they must be in place during every forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.no_grad():
+            self.bn.running_mean.fill_(2.0)
+            self.bn.running_var.fill_(4.0)
+
+
+@pytest.mark.parametrize("group", [B, 8], ids=["one-piece", "two-pieces"])
+def test_a_frozen_batchnorm_normalises_with_its_own_statistics_as_in_a_plain_loop(tmp_path,
+                                                                                  group):
+    job = TrainJob(model=_FrozenStats, optimizer=fidelity.sgd, loss=fidelity.classify,
+                   dataset=fidelity.images)
+    config = FitConfig(scaling=ScalingConfig(num_workers=1), seed=3, max_steps=8,
+                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+                       run_dir=str(tmp_path))
+    replica = Replica(job, config, str(tmp_path))
+    replica.comm = PlaneCheck(cuda=False)
+    records = _run(replica, 3, BatchPlan(B, (B,), (group,)))
+    assert all(isinstance(r, StepRecord) for r in records)
+    expected = fidelity.reference(job, 3, B, group, 3)
+    assert torch.equal(replica.model.bn.running_mean, torch.full((4,), 2.0))
+    torch.testing.assert_close(replica.model.state_dict(), expected)
+
+
+def test_only_layers_in_training_mode_are_zeroed_before_a_forward_pass():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4))
+    with torch.no_grad():
+        for bn in (model[1], model[2]):
+            bn.running_mean.fill_(2.0)
+            bn.running_var.fill_(4.0)
+    model.train()
+    model[1].eval()
+    x = torch.randn(6, 3)
+    sync = BufferSync(model)
+    sync.begin(1)
+    sync.before_piece(0)
+    assert torch.equal(model[1].running_mean, torch.full((4,), 2.0))
+    assert torch.equal(model[1].running_var, torch.full((4,), 4.0))
+    assert torch.equal(model[2].running_mean, torch.zeros(4))  # its term is read off it
+    model(x)
+    sync.after_piece(0)
+    sync.section()
+    assert torch.equal(model[1].running_mean, torch.full((4,), 2.0))
+    assert int(model[1].num_batches_tracked) == 0
+
+
 def test_batchnorm_statistics_swapped_under_the_snapshot_are_read_where_they_now_are():
     model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
     sync = BufferSync(model)
