@@ -154,7 +154,7 @@ def move_batch(batch: Any, device: torch.device, non_blocking: bool = True) -> A
     """
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
-    return _map_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
 
 
 def _unbuildable(value: Any, error: BaseException) -> TypeError:
@@ -164,13 +164,13 @@ def _unbuildable(value: Any, error: BaseException) -> TypeError:
         "TrainJob.move_batch(batch, device) that moves such a batch")
 
 
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """`value` with `fn` applied to every tensor in it (see `move_batch` for the containers
     and when one is rebuilt); leaves that are not tensors are the same objects."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, Mapping):
-        moved = {k: _map_tensors(v, fn) for k, v in value.items()}
+        moved = {k: map_tensors(v, fn) for k, v in value.items()}
         if all(moved[k] is v for k, v in value.items()):
             return value
         if type(value) is dict:
@@ -185,7 +185,7 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
             except Exception as e:
                 raise _unbuildable(value, e) from e
     if isinstance(value, tuple):
-        items = [_map_tensors(v, fn) for v in value]
+        items = [map_tensors(v, fn) for v in value]
         if all(new is old for new, old in zip(items, value, strict=True)):
             return value
         if type(value) is tuple:
@@ -195,7 +195,7 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         except Exception as e:
             raise _unbuildable(value, e) from e
     if isinstance(value, list):
-        items = [_map_tensors(v, fn) for v in value]
+        items = [map_tensors(v, fn) for v in value]
         if all(new is old for new, old in zip(items, value, strict=True)):
             return value
         if type(value) is list:
@@ -207,7 +207,7 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         except Exception as e:
             raise _unbuildable(value, e) from e
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: _map_tensors(getattr(value, f.name), fn)
+        fields = {f.name: map_tensors(getattr(value, f.name), fn)
                   for f in dataclasses.fields(value)}
         if all(new is getattr(value, name) for name, new in fields.items()):
             return value

@@ -58,6 +58,8 @@ import torch
 import torch.multiprocessing  # registers the shared-memory reductions of tensors
 from torch.utils.data import default_collate
 
+from elastic.trainer.device import map_tensors
+
 __all__ = ["LoadError", "Piece", "Prefetcher", "generator_state", "load_piece",
            "seed_generators", "seed_torch", "set_generator_state"]
 
@@ -439,11 +441,11 @@ def _pinned(batch: Any, device: torch.device | None) -> Any:
 
 
 def _pin(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
-    if isinstance(batch, dict):
-        return {k: _pin(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        pinned = [_pin(v) for v in batch]
-        return type(batch)(*pinned) if hasattr(batch, "_fields") else type(batch)(pinned)
-    return batch
+    """`batch` with every tensor in page-locked memory, in the containers `move_batch` takes
+    (kept with their types: OrderedDict, Hugging Face's `BatchEncoding`, dataclasses, named
+    tuples, list subclasses); what it cannot rebuild is an error naming `TrainJob.move_batch`."""
+    return map_tensors(batch, _page_locked)
+
+
+def _page_locked(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_pinned() else t.pin_memory()

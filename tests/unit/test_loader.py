@@ -4,12 +4,14 @@ traceback; loader processes never outlive the worker, however it ends."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+from collections import OrderedDict, UserDict, defaultdict, namedtuple
 
 import pytest
 import torch
@@ -295,3 +297,59 @@ def test_steps_train_on_the_pieces_the_loaders_read(tmp_path):
     expected = fidelity.reference(fidelity.augmented_job(), SEED, B, G, 5)
     for key, value in expected.items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+# --- what the pinning thread does to a batch's containers ------------------------------------
+
+
+class _Encoding(UserDict):
+    """Hugging Face's `BatchEncoding` is a `UserDict` with attributes of its own."""
+
+    def __init__(self, data, tag: str) -> None:
+        super().__init__(data)
+        self.tag = tag
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sample:
+    x: torch.Tensor
+    name: str
+
+
+class _Tagged(list):
+    def __init__(self, items, tag: str) -> None:
+        super().__init__(items)
+        self.tag = tag
+
+
+_Pair = namedtuple("_Pair", ["x", "y"])
+
+
+def test_pinning_keeps_every_container_and_pins_every_tensor_in_it(monkeypatch):
+    """Pinned in the containers `move_batch` takes, with their types and attributes (before,
+    a `UserDict` such as `BatchEncoding` or a dataclass was left unpinned, an OrderedDict
+    became a dict and a list subclass raised)."""
+    from elastic.trainer import loader as loader_module
+
+    pinned: set[int] = set()
+
+    def pin(self, *args, **kwargs):  # no CUDA here: a copy, remembered as page-locked
+        out = self.clone()
+        pinned.add(id(out))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    t = torch.arange(3.0)
+    batch = {"ordered": OrderedDict(a=t), "default": defaultdict(list, b=t),
+             "encoding": _Encoding({"input_ids": t}, "fast"), "sample": _Sample(t, "s"),
+             "pair": _Pair(t, [t, 1]), "tagged": _Tagged([t, "x"], "y"), "text": "hello"}
+    out = loader_module._pin(batch)
+    assert type(out["ordered"]) is OrderedDict and type(out["default"]) is defaultdict
+    assert type(out["encoding"]) is _Encoding and out["encoding"].tag == "fast"
+    assert type(out["sample"]) is _Sample and out["sample"].name == "s"
+    assert type(out["pair"]) is _Pair and type(out["tagged"]) is _Tagged
+    assert out["tagged"].tag == "y" and out["tagged"][1] == "x" and out["text"] == "hello"
+    leaves = [out["ordered"]["a"], out["default"]["b"], out["encoding"]["input_ids"],
+              out["sample"].x, out["pair"].x, out["pair"].y[0], out["tagged"][0]]
+    assert all(id(x) in pinned and torch.equal(x, t) for x in leaves)
+    assert batch["encoding"]["input_ids"] is t  # the batch itself is left as it was
