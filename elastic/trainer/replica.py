@@ -189,9 +189,12 @@ class Replica:
         return lambda: shards.owned
 
     def close(self) -> None:
-        """Stops the loader processes (they also exit by themselves when this process dies)."""
+        """Stops the loader processes (they also exit by themselves when this process dies)
+        and releases what the reducer holds (on the host plane: its registered region,
+        unregistered before its mapping goes)."""
         if self.prefetcher is not None:
             self.prefetcher.close()
+        self.reducer.release()
 
     def _exact_sums(self) -> ExactSum:
         """Exact mode's slots: every parameter's gradient, the loss, the `LossSum` count, then

@@ -45,8 +45,10 @@ class CudaStreams:
         return torch.cuda.current_stream()
 
     def fence(self, stream: object) -> object:
-        """An event recorded on `stream` after the work queued on it so far."""
-        event = torch.cuda.Event()
+        """An event recorded on `stream` after the work queued on it so far (blocking: a
+        host that waits for it sleeps, where the default spins a core; workers sharing a GPU
+        share the host's cores with their sums)."""
+        event = torch.cuda.Event(blocking=True)
         event.record(stream)  # type: ignore[arg-type]
         return event
 

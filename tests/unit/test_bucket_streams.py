@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from torch import nn
 
 from elastic.trainer.buckets import GradientBuckets
+from tests import streams
 
 
 class FakeStreams:
@@ -27,7 +29,7 @@ class FakeStreams:
         return "comm" if threading.current_thread().name.startswith("elastic-grad-comm") else "user"
 
     def current(self) -> str:
-        return self._name()
+        return streams.current(self._name())
 
     def fence(self, stream: str) -> tuple:
         with self.lock:
@@ -113,3 +115,28 @@ def test_a_gradient_accumulated_again_on_another_stream_lands_after_the_first_co
         assert ("wait", threading.current_thread().name, fence) in streams.log
     finally:
         buckets.abandon()  # the communication thread ends whatever happened
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["buckets", "flat"])
+def test_float16_gradients_whose_sum_exceeds_float16_are_finite(overlap):
+    """Finiteness is read off a sum; in float16 one of 100,000 gradients of 1 is infinite
+    (the largest float16 is 65504), which voted a finite step down."""
+    from elastic.trainer.flat import all_finite
+
+    weight = nn.Parameter(torch.zeros(100_000, dtype=torch.float16))
+    if not overlap:
+        assert all_finite({torch.float16: torch.ones(100_000, dtype=torch.float16)})
+        assert not all_finite({torch.float16: torch.tensor([1.0, float("nan")],
+                                                           dtype=torch.float16)})
+        return
+    buckets = GradientBuckets([weight], bucket_bytes=1 << 20, first_bucket_bytes=1 << 20)
+    log: list = []
+    meta = torch.zeros(2, dtype=torch.float64)
+    buckets.begin(Comm(log, threading.Lock()), meta_len=len(meta), vote_slot=1,
+                  nonfinite_vote=3.0)
+    buckets.arm(True)
+    weight.sum().backward()
+    buckets.finish(meta)
+    summed = buckets.wait()
+    assert float(summed[1]) == 0.0  # the vote slot: OK
+    buckets.release()

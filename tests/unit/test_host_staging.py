@@ -29,6 +29,7 @@ from elastic.trainer.buckets import GradientBuckets
 from elastic.trainer.flat import flatten_grads, unflatten_grads
 from elastic.trainer.replica import Replica
 from elastic.trainer.staging import HostStaging
+from tests import streams
 from tests.threads import train_two_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -52,7 +53,8 @@ class DeferredStreams:
 
     @staticmethod
     def current() -> str:
-        return "comm" if threading.current_thread().name.startswith("elastic-grad-comm") else "user"
+        return streams.current("comm" if threading.current_thread().name.startswith(
+            "elastic-grad-comm") else "user")
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with self.lock:
@@ -317,8 +319,10 @@ def test_buckets_sum_what_the_gpu_copied_and_copy_the_sums_back_before_the_step_
         b.numel + (len(meta) if i == len(buckets.buckets) - 1 else 0)
         for i, b in enumerate(buckets.buckets)]
     assert streams.violations == []
-    # every bucket's host buffer was read by the host only after the copies into it were done
-    assert [e[1] for e in streams.log if e[0] == "block"].count("comm") >= len(buckets.buckets) * 2
+    # every bucket's host buffer was read by the host only after the copies into it were done:
+    # one wait per bucket and step (all its copies on one stream; a wait per parameter before)
+    blocks = [e for e in streams.log if e[0] == "block" and e[1] == "comm"]
+    assert len(blocks) == len(buckets.buckets) * 2
     assert (len(streams.registered) == 1) == lent
     buckets.release()
     assert streams.registered == {}

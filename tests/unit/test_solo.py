@@ -303,8 +303,9 @@ def test_a_parameter_frozen_while_one_rank_ran_alone_does_not_stop_the_buckets(t
         for replica in generations.replicas.values():
             replica.model[0].bias.requires_grad_(False)
         assert all(isinstance(r, StepRecord) for r in generations.pair())
+        first = generations.replicas[0]
+        assert _hooks(first) == [0 if p is first.model[0].bias else 1
+                                 for p in first.model.parameters()]
     finally:
         generations.close()
-    first = generations.replicas[0]
-    assert _hooks(first) == [0 if p is first.model[0].bias else 1
-                             for p in first.model.parameters()]
+    assert _hooks(first) == [0] * 4  # closed: its reducer released, the hooks removed
