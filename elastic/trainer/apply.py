@@ -28,7 +28,7 @@ from elastic.trainer.faults import FaultInjector
 from elastic.trainer.metrics import read_section
 from elastic.trainer.outcomes import StepRecord
 from elastic.trainer.reducers import Reducer, release_frames
-from elastic.trainer.sharding import OptimizerShards, PendingStep
+from elastic.trainer.sharding import OptimizerShards, PendingStep, staged_streams
 from elastic.trainer.step import Commit, Computed, Reduced, StepContext
 from elastic.trainer.training import Training, after_step
 
@@ -229,7 +229,7 @@ def _gather(host: ApplyHost, context: StepContext) -> str | None:
     host.faults.fire(context.chaos, "gather")
     comm = context.comm
     try:
-        host.shards.gather(comm, host.device.type == "cuda" and comm.control is comm)
+        host.shards.gather(comm, staged_streams(host.device, comm))
     except CollectiveError as e:
         return str(e)
     except Exception as e:

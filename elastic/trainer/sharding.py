@@ -36,6 +36,7 @@ import torch
 
 from elastic.adapt.sharding import Move, Ownership, assign, describe, lost_parts, moves
 from elastic.errors import CollectiveError, ConfigError
+from elastic.trainer.staging import CudaStreams
 from elastic.trainer.state import tensor_bytes
 
 # Largest buffer of parameter values one gather reduces at a time (elements): the gather
@@ -111,42 +112,58 @@ class OptimizerShards:
             if part not in owned:
                 p.grad = None
 
-    def gather(self, comm: Any, host_staged: bool) -> None:
+    def gather(self, comm: Any, streams: Any | None) -> None:
         """After the optimizer step: every rank takes each part's values from its primary
         owner (`_take_from`)."""
         assert self.ownership is not None, "no ownership map: a generation must form first"
         self._take_from(comm, [self.ownership.primary(part) for part in range(len(self.params))],
-                        host_staged)
+                        streams)
 
-    def _take_from(self, comm: Any, sources: Sequence[int], host_staged: bool) -> None:
+    def _take_from(self, comm: Any, sources: Sequence[int], streams: Any | None) -> None:
         """Every rank takes part `p`'s values from rank `sources[p]`: one sum over the ranks
         per window of parts of a dtype, of a buffer that holds the parts this rank is the
         source of and zeros elsewhere (a sum with zeros is exact, so every rank gets the
-        source's bits). `host_staged`: GPU parameters on a host plane go through host memory.
+        source's bits). A generation of one rank is its own source: nothing moves.
+
+        `streams`: GPU parameters on a host plane go through page-locked host memory, with
+        these stream operations (`elastic.trainer.staging.CudaStreams`): the copies from the
+        GPU are queued, then waited for once per window before the sum reads them (a
+        blocking copy would wait for the device once per part); None: the buffer is on the
+        parameters' device.
 
         Raises:
             CollectiveError: the communication failed or was aborted.
         """
         rank = comm.rank
+        if comm.world_size == 1:
+            return
         by_dtype: dict[torch.dtype, list[int]] = {}
         for part, p in enumerate(self.params):
             by_dtype.setdefault(p.dtype, []).append(part)
         for dtype, parts in by_dtype.items():
             for window in _windows(parts, self.sizes, _GATHER_ELEMENTS):
                 device = self.params[window[0]].device
-                stage = host_staged and device.type == "cuda"
                 total = sum(self.sizes[part] for part in window)
-                flat = torch.zeros(total, dtype=dtype,
-                                   device="cpu" if stage else device, pin_memory=stage)
+                if streams is not None:
+                    flat = streams.pinned(total, dtype)
+                    flat.zero_()
+                else:
+                    flat = torch.zeros(total, dtype=dtype, device=device)
                 offset = 0
                 for part in window:
                     n = self.sizes[part]
                     if sources[part] == rank:
-                        flat[offset : offset + n].copy_(self.params[part].detach().reshape(-1))
+                        source = self.params[part].detach().reshape(-1)
+                        if streams is not None:
+                            streams.copy(flat[offset : offset + n], source)
+                        else:
+                            flat[offset : offset + n].copy_(source)
                     offset += n
+                if streams is not None:
+                    streams.synchronize()  # the host's sum reads what the device copied
                 comm.allreduce(flat)
-                if stage:
-                    flat = flat.to(device, non_blocking=True)
+                if streams is not None:
+                    flat = streams.to_device(flat, device)
                 offset = 0
                 with torch.no_grad():
                     for part in window:
@@ -206,14 +223,14 @@ class OptimizerShards:
         return Survey(newest, tuple(holders),
                       assign(self.sizes, world, self.replicas, holders, leaving))
 
-    def take_values(self, data: Any, survey: Survey, host_staged: bool) -> None:
+    def take_values(self, data: Any, survey: Survey, streams: Any | None) -> None:
         """Every rank takes each part's values at the newest step from a holder (the new
         primary where it holds the part): a rank whose gather failed, or that is a step
         behind, then holds the whole model of the newest step."""
         ownership, holders = survey.ownership, survey.holders
         sources = [ownership.primary(part) if ownership.primary(part) in holders[part]
                    else min(holders[part]) for part in range(len(self.params))]
-        self._take_from(data, sources, host_staged)
+        self._take_from(data, sources, streams)
 
     def place_state(self, control: Any, survey: Survey,
                     kept: dict[int, dict[str, Any]]) -> list[Move]:
@@ -426,13 +443,18 @@ def sync_sharded(host: ShardedHost, comm: Any, src: int,
         pending.drop()
     current = step == survey.newest
     kept = shards.keep(current)
-    host_staged = host.device.type == "cuda" and comm.control is comm
-    shards.take_values(comm, survey, host_staged)
+    shards.take_values(comm, survey, staged_streams(host.device, comm))
     unfinished, host.unfinished = host.unfinished, None
     if unfinished is not None and current:
         unfinished()
     sync_replicated()
     return shards.place_state(comm.control, survey, kept)
+
+
+def staged_streams(device: torch.device, comm: Any) -> Any | None:
+    """The stream operations through which GPU parameters move on a host plane (the
+    communicator is its own control plane: no NCCL), or None."""
+    return CudaStreams() if device.type == "cuda" and comm.control is comm else None
 
 
 def check_shardable(optimizer: torch.optim.Optimizer) -> None:

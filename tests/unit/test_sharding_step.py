@@ -517,3 +517,38 @@ def test_parts_received_in_a_failed_hand_over_are_kept_and_claimed(tmp_path, mon
         for replica in replicas.values():
             replica.close()
     _assert_plain(replicas["a"], 4)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gpu_parameters_on_a_host_plane_are_gathered_in_host_memory_waited_for_once(
+        tmp_path, monkeypatch, stage):
+    """GPU workers sharing a GPU (host plane): the gather after each step and the values a
+    generation takes go through page-locked host memory. The fake streams defer every copy
+    from the GPU until the host waits for it (a copy's destination reads NaN until then), so
+    a sum that read too early ends in NaN weights; the host waits once per window of parts,
+    not once per part (before: a blocking copy per part); a generation of one rank moves
+    nothing (before: every parameter copied out and summed with itself)."""
+    from elastic.trainer import sharding as sharding_module
+    from tests.unit.test_host_staging import DeferredStreams
+
+    made: list[tuple[int, DeferredStreams]] = []
+
+    def streams(device, comm):  # as on a GPU worker whose communicator is its own control
+        made.append((comm.world_size, DeferredStreams()))
+        return made[-1][1]
+
+    monkeypatch.setattr(apply_module, "staged_streams", streams)
+    monkeypatch.setattr(sharding_module, "staged_streams", streams)
+    schedule = [(["a", "b"], 2), (["a"], 1), (["a", "d"], 2)]
+    replicas = _run(tmp_path, _job(_sgd), _config(tmp_path, stage=stage), schedule)
+    final = replicas["d"].model.state_dict()
+    for key, value in _reference(_sgd, 5).items():
+        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    several = [fake for world, fake in made if world > 1]
+    alone = [fake for world, fake in made if world == 1]
+    assert len(several) == 2 * (1 + 2) * 2  # per rank: each generation's take, its gathers
+    assert all(fake.violations == [] for fake in several)
+    # this model's parameters fit one window: one wait for the device per gather
+    assert all([e[0] for e in fake.log].count("synchronize") == 1 for fake in several)
+    assert len(alone) == 1 + 1 and all(fake.log == [] for fake in alone)
