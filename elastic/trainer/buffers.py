@@ -36,6 +36,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from elastic.collective import Communicator
+from elastic.trainer import device as _device
 from elastic.trainer.exact import ExactSum
 
 
@@ -51,7 +52,7 @@ def norm_layers(model: torch.nn.Module) -> list[tuple[str, _BatchNorm]]:
 class _Before:
     mean: torch.Tensor
     var: torch.Tensor
-    tracked: int
+    tracked: int | None  # None: not read by the host (`BufferSync` on a GPU: on the device)
 
 
 def _read_counts(counts: list[torch.Tensor]) -> list[int]:
@@ -62,6 +63,13 @@ def _read_counts(counts: list[torch.Tensor]) -> list[int]:
     if len({t.device for t in counts}) > 1:  # layers spread over devices: one read each
         return [int(t) for t in counts]
     return torch.cat(counts).tolist()
+
+
+def _ran_again(name: str, calls: int) -> ValueError:
+    return ValueError(
+        f"BatchNorm layer {name!r} ran {calls} times in one forward pass; elastic keeps "
+        "running statistics exact for layers that run once per forward. Give each use its own "
+        "layer, or set track_running_stats=False on it")
 
 
 class BufferSync:
@@ -102,6 +110,10 @@ class BufferSync:
         self._others_before: list[torch.Tensor] = []
         self._sums: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._ran: list[bool] = []
+        # On a GPU (`_deferred`): each forward pass's calls per layer, on the device, checked
+        # in the step's one read (`unread`, `settle`) instead of read after each forward.
+        self._deferred = False
+        self._calls: list[tuple[int, torch.Tensor]] = []
         self._pieces = 0
         self._exact: ExactSum | None = None
         self._slot = 0
@@ -125,10 +137,14 @@ class BufferSync:
         """Snapshot before a step of `pieces` forward passes over all ranks."""
         self._pieces = pieces
         self._refresh_views()
-        tracked = _read_counts(self._count_views)  # one device-to-host read for every layer
-        if self._whole:
-            self._begin_whole(tracked)
+        self._calls = []
+        self._deferred = self._defers()
+        if self._deferred:  # the counters stay on the device: nothing here waits for it
+            self._begin_whole([None] * len(self.norms))
+        elif self._whole:
+            self._begin_whole(_read_counts(self._count_views))  # one read for every layer
         else:
+            tracked = _read_counts(self._count_views)
             self._before = [_Before(m.running_mean.detach().clone(),
                                     m.running_var.detach().clone(), n)
                             for (_, m), n in zip(self.norms, tracked, strict=True)]
@@ -148,7 +164,19 @@ class BufferSync:
             self._stat_flat = [t.detach().reshape(-1) for t in self._stat_tensors]
             self._count_views = [t.detach().reshape(1) for t in self._counts]
 
-    def _begin_whole(self, tracked: list[int]) -> None:
+    def _defers(self) -> bool:
+        """Whether this step leaves the BatchNorm counters on the device (`unread`): on a GPU,
+        where each read waits for the device (so the host could not queue a backward pass
+        before its forward ran), with every statistic on one device (`_whole`), outside exact
+        mode, and every layer's update factor a momentum, the same for all (their weights then
+        need no counter: `_later_decay`)."""
+        if not (self._whole and self.norms and self._exact is None
+                and _device.batched_read(self._stat_tensors[0].device)):
+            return False
+        momenta = {m.momentum for _, m in self.norms}
+        return len(momenta) == 1 and None not in momenta
+
+    def _begin_whole(self, tracked: list[int | None]) -> None:
         """`begin`'s snapshot with every statistic on one device and dtype: one copy into a
         flat tensor and one zeroing of the flat sums (allocated at the first step and kept,
         with their views per layer), not a copy and an allocation per layer."""
@@ -168,8 +196,9 @@ class BufferSync:
         self._flat_sums.zero_()
         self._before = [_Before(mean, var, n)
                         for (mean, var), n in zip(self._before_views, tracked, strict=True)]
-        self._tracked = torch.tensor(tracked, dtype=self._counts[0].dtype,
-                                     device=self._counts[0].device)
+        self._tracked = (torch.cat(self._count_views) if self._deferred else
+                         torch.tensor(tracked, dtype=self._counts[0].dtype,
+                                      device=self._counts[0].device))
 
     def before_piece(self, k: int) -> None:
         """Before forward pass `k` (its place in the step's global order): the running
@@ -195,6 +224,7 @@ class BufferSync:
                 torch._foreach_copy_(self._counts, list(values.unbind()))
                 return
             for (_, m), before in zip(self.norms, self._before, strict=True):
+                assert before.tracked is not None
                 m.num_batches_tracked.fill_(before.tracked + k)
 
     def after_piece(self, k: int) -> None:
@@ -205,6 +235,9 @@ class BufferSync:
             ValueError: a BatchNorm layer ran more than once in one forward pass, or in exact
                 mode the forward changed another buffer.
         """
+        if self._deferred:
+            self._after_piece_deferred(k)
+            return
         exact = self._exact
         if exact is not None:
             for (name, b), b0 in zip(self.others, self._others_before, strict=True):
@@ -218,12 +251,10 @@ class BufferSync:
         weights: list[float | None] = []  # None: the layer did not run in training mode
         for i, ((name, m), before, count) in enumerate(
                 zip(self.norms, self._before, counts, strict=True)):
+            assert before.tracked is not None
             calls = count - (before.tracked + k)
             if calls not in (0, 1):
-                raise ValueError(
-                    f"BatchNorm layer {name!r} ran {calls} times in one forward pass; elastic "
-                    "keeps running statistics exact for layers that run once per forward. Give "
-                    "each use its own layer, or set track_running_stats=False on it")
+                raise _ran_again(name, calls)
             weights.append(self._later_decay(m, before.tracked, k) if calls else None)
             self._ran[i] = self._ran[i] or calls == 1
         if (exact is None and self._flat_sums is not None and weights
@@ -245,13 +276,53 @@ class BufferSync:
             mean.add_(m.running_mean.detach().to(torch.float64), alpha=weight)
             var.add_(m.running_var.detach().to(torch.float64), alpha=weight)
 
-    def _later_decay(self, m: _BatchNorm, tracked: int, k: int) -> float:
+    def _after_piece_deferred(self, k: int) -> None:
+        """`after_piece` on a GPU: the layers' calls kept on the device (checked in the step's
+        one read), and the terms of the layers in training mode added with the one weight of
+        their momentum. A layer in training mode that did not run holds zeros (`before_piece`):
+        its term adds nothing."""
+        assert self._flat_sums is not None and self._tracked is not None
+        self._calls.append((k, torch.cat(self._count_views).sub_(self._tracked)))
+        weight = self._later_decay(self.norms[0][1], None, k)
+        training = [m.training for _, m in self.norms]
+        if all(training):
+            self._flat_sums.add_(torch.cat(self._stat_flat).to(torch.float64), alpha=weight)
+            return
+        for ((_, m), (mean, var), on) in zip(self.norms, self._sums, training, strict=True):
+            if on:
+                mean.add_(m.running_mean.detach().to(torch.float64), alpha=weight)
+                var.add_(m.running_var.detach().to(torch.float64), alpha=weight)
+
+    def unread(self) -> list[torch.Tensor]:
+        """On a GPU, the values the step's one read (`host_values`) takes for this step's
+        forward passes: how many times a layer ran other than 0 or 1 in one of them (0: all
+        is well; `settle` raises otherwise). Empty where `after_piece` checked them itself."""
+        if not self._calls:
+            return []
+        calls = torch.stack([c - k for k, c in self._calls])
+        return [((calls < 0) | (calls > 1)).sum()]
+
+    def settle(self, values: list[float]) -> None:
+        """Takes the values read for `unread`.
+
+        Raises:
+            ValueError: a BatchNorm layer ran more than once in one forward pass.
+        """
+        if not values or values[0] == 0:
+            return
+        for k, calls in self._calls:  # an error: the counters read to name the layer
+            for (name, _), ran in zip(self.norms, (calls - k).tolist(), strict=True):
+                if ran not in (0, 1):
+                    raise _ran_again(name, ran)
+
+    def _later_decay(self, m: _BatchNorm, tracked: int | None, k: int) -> float:
         """prod over the pieces i after `k` of (1 - f_i), in closed form: (1 - m)^(n - k - 1)
         for momentum m; for the cumulative average (f_i = 1 / (tracked + i + 1)) the product
         telescopes to (tracked + k + 1) / (tracked + n)."""
         n = self._pieces
         if m.momentum is not None:
             return (1.0 - float(m.momentum)) ** (n - k - 1)
+        assert tracked is not None, "a cumulative average needs the layer's count"
         return (tracked + k + 1) / (tracked + n) if tracked + n > 0 else 1.0
 
     def section(self) -> torch.Tensor:
@@ -261,14 +332,19 @@ class BufferSync:
         every buffer as it was at `begin`'s snapshot except the other buffers' new values."""
         changed = any(not torch.equal(b, b0) for (_, b), b0 in
                       zip(self.others, self._others_before, strict=True))
-        parts = [torch.tensor([float(changed)], dtype=torch.float64),
-                 torch.tensor([float(r) for r in self._ran], dtype=torch.float64)]
-        if self._exact is None and self._sums:
-            # Joined where they lie, then one copy to the host (on a GPU: one read, not one
-            # per layer, each of which would wait for the device).
-            flat = (self._flat_sums if self._flat_sums is not None else
-                    torch.cat([t.reshape(-1) for pair in self._sums for t in pair]))
-            parts.append(flat.cpu())
+        parts = [torch.tensor([float(changed)], dtype=torch.float64)]
+        if self._deferred and self._calls:  # which layers ran: from the counters on the device
+            assert self._flat_sums is not None
+            ran = (torch.stack([c - k for k, c in self._calls]) == 1).any(0)
+            parts.append(torch.cat([ran.to(torch.float64), self._flat_sums]).cpu())
+        else:
+            parts.append(torch.tensor([float(r) for r in self._ran], dtype=torch.float64))
+            if self._exact is None and self._sums:
+                # Joined where they lie, then one copy to the host (on a GPU: one read, not
+                # one per layer, each of which would wait for the device).
+                flat = (self._flat_sums if self._flat_sums is not None else
+                        torch.cat([t.reshape(-1) for pair in self._sums for t in pair]))
+                parts.append(flat.cpu())
         self._restore_norms()
         return torch.cat(parts)
 
@@ -314,7 +390,11 @@ class BufferSync:
                     before.mean.device)).to(m.running_mean.dtype))
                 m.running_var.copy_((before.var.to(torch.float64) * keep + var.to(
                     before.var.device)).to(m.running_var.dtype))
-                m.num_batches_tracked.fill_(before.tracked + self._pieces)
+                if before.tracked is None:  # on the device
+                    assert self._tracked is not None
+                    m.num_batches_tracked.copy_(self._tracked[i] + self._pieces)
+                else:
+                    m.num_batches_tracked.fill_(before.tracked + self._pieces)
         self._after_commit(changed, comm, src)
 
     def _commit_whole(self, stats: torch.Tensor, keep: float) -> None:

@@ -122,13 +122,16 @@ def compute(host: ComputeHost, context: StepContext) -> Computed:
             losses.append(loss)
             counts.append(items)
             data_s += loading_s
-        # One read of the step's scalars: losses, counts and the metrics beside them.
-        read = host_values([*losses, *counts, *metrics.unread()])
+        # One read of the step's scalars: losses, counts, the metrics beside them and (on a
+        # GPU) the check of the BatchNorm layers' calls.
+        unread = metrics.unread()
+        read = host_values([*losses, *counts, *unread, *host.buffers.unread()])
         for value in read[: len(losses)]:  # summed in order, as each piece's float
             loss_sum += value
         for value in read[len(losses) : 2 * len(losses)]:
             count += value
-        metrics.settle(read[2 * len(losses) :])
+        metrics.settle(read[2 * len(losses) : 2 * len(losses) + len(unread)])
+        host.buffers.settle(read[2 * len(losses) + len(unread) :])
         used = host.reducer.used()
         host.faults.stretch(context.step, context.started)
     except Exception as e:  # latched into the vote

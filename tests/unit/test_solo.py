@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from elastic import BatchConfig, FitConfig, ScalingConfig, TrainJob
 from elastic.adapt.plan import BatchPlan
@@ -19,7 +20,7 @@ from elastic.collective import RendezvousServer
 from elastic.config import CollectiveConfig
 from elastic.trainer.buffers import BufferSync
 from elastic.trainer.reducers import SoloReducer, grads_finite
-from elastic.trainer.replica import NonFinite, Replica, StepRecord
+from elastic.trainer.replica import NonFinite, Replica, StepRecord, UserFailure
 from tests import fidelity
 from tests.gpu.planes import PlaneCheck
 from tests.jobs import reference_weights, regression_job
@@ -309,3 +310,116 @@ def test_a_parameter_frozen_while_one_rank_ran_alone_does_not_stop_the_buckets(t
     finally:
         generations.close()
     assert _hooks(first) == [0] * 4  # closed: its reducer released, the hooks removed
+
+
+# --- BatchNorm counters on a GPU: read once per step, with the step's other values ------------
+
+
+def _momentum_cnn() -> nn.Module:
+    """Every BatchNorm layer with the same momentum (ResNet-50's): on a GPU their counters
+    stay on the device through the step."""
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 4))
+
+
+class _Twice(nn.Module):
+    """Runs its BatchNorm layer twice in one forward pass (which elastic refuses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), \
+            nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bn(self.bn(self.conv(x))).mean((2, 3)))
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the host's reads of tensor values (on a GPU each waits for the device)."""
+
+    READS = frozenset({"tolist", "item", "__float__", "__bool__", "__int__", "__index__",
+                       "cpu", "equal", "numpy"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _gpu_way(monkeypatch, on: bool) -> None:
+    from elastic.trainer import device
+
+    monkeypatch.setattr(device, "batched_read", lambda where: on)
+
+
+def _bn_replica(tmp_path, model) -> Replica:
+    job = TrainJob(model=model, optimizer=fidelity.sgd, loss=fidelity.classify,
+                   dataset=fidelity.images)
+    config = FitConfig(scaling=ScalingConfig(num_workers=1), seed=3, max_steps=8,
+                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+                       run_dir=str(tmp_path))
+    replica = Replica(job, config, str(tmp_path))
+    replica.comm = PlaneCheck(cuda=False)
+    return replica
+
+
+@pytest.mark.parametrize("gpu_way", [True, False], ids=["gpu_way", "cpu_way"])
+def test_batchnorm_counters_are_not_read_between_forward_and_backward_on_a_gpu(
+        tmp_path, monkeypatch, gpu_way):
+    """On a GPU (`device.batched_read`, forced here on the CPU) the layers' counters are
+    checked in the step's one read: a step of 4 micro-batches reads the host's list of each
+    micro-batch's samples (host memory on a GPU too) and nothing else more than a step of 1.
+    Before, each micro-batch's counters were read between its forward and its backward (the
+    host could not queue the backward before the forward had run), and once as the step
+    began; the CPU's way still reads them so (nothing to wait for there)."""
+    _gpu_way(monkeypatch, gpu_way)
+    replica = _bn_replica(tmp_path, _momentum_cnn)
+    reads = []
+    try:
+        for micro in (B, 4, B, 4):
+            with _HostReads() as counted:
+                assert isinstance(replica.run_step(BatchPlan(B, (B,), (micro,)), []), StepRecord)
+            reads.append(counted.count)
+    finally:
+        replica.close()
+    assert reads[0] == reads[2] and reads[1] == reads[3]
+    # per further micro-batch: its sample list; the CPU's way also its counters and its loss
+    assert reads[1] - reads[0] == (3 if gpu_way else 3 * 3)
+
+
+@pytest.mark.parametrize("model", [_momentum_cnn, fidelity.cnn, _FrozenStats],
+                         ids=["momentum", "cumulative-average", "frozen"])
+def test_batchnorm_statistics_on_a_gpu_are_a_plain_loops(tmp_path, monkeypatch, model):
+    """The GPU's way (forced on the CPU) keeps the statistics of one plain process: layers
+    that share a momentum keep their counters on the device; a cumulative average
+    (momentum None) and a frozen layer take the host's way."""
+    _gpu_way(monkeypatch, True)
+    replica = _bn_replica(tmp_path, model)
+    try:
+        records = [replica.run_step(BatchPlan(B, (B,), (4,)), []) for _ in range(3)]
+    finally:
+        replica.close()
+    assert all(isinstance(r, StepRecord) for r in records)
+    job = TrainJob(model=model, optimizer=fidelity.sgd, loss=fidelity.classify,
+                   dataset=fidelity.images)
+    torch.testing.assert_close(replica.model.state_dict(), fidelity.reference(job, 3, B, 4, 3))
+
+
+@pytest.mark.parametrize("gpu_way", [True, False], ids=["gpu_way", "cpu_way"])
+def test_a_batchnorm_layer_run_twice_is_the_steps_user_error_either_way(tmp_path, monkeypatch,
+                                                                        gpu_way):
+    _gpu_way(monkeypatch, gpu_way)
+    replica = _bn_replica(tmp_path, _Twice)
+    before = {k: v.clone() for k, v in replica.model.state_dict().items()}
+    try:
+        outcome = replica.run_step(BatchPlan(B, (B,), (4,)), [])
+    finally:
+        replica.close()
+    assert isinstance(outcome, UserFailure)
+    assert "BatchNorm layer 'bn' ran 2 times in one forward pass" in outcome.traceback
+    torch.testing.assert_close(replica.model.state_dict(), before, rtol=0, atol=0)
