@@ -231,15 +231,22 @@ class Replica:
         Raises:
             ConfigError: exact mode, and the state was written under another environment.
         """
+        parts = None
         if self.shards is not None and origin == "checkpoint":
             # What this rank kept of a step of the timeline the checkpoint replaces goes first
             # (dropping it rolls buffers and exponents back; the checkpoint overwrites them).
             pending, self.shards.pending, self.unfinished = self.shards.pending, None, None
             if pending is not None:
                 pending.drop()
+            # A checkpoint holds the whole optimizer state: it waits in host memory, and the
+            # generation that forms next gives each rank the parts it owns (installed into
+            # one optimizer, it would be every part's state on one device).
+            optimizer = state["optimizer"]
+            parts = optimizer.get("state", {})
+            state = {**state, "optimizer": {**optimizer, "state": {}}}
         load_committed(self, state, origin)
-        if self.shards is not None and origin == "checkpoint":
-            self.shards.load_whole()  # a checkpoint holds the whole optimizer state
+        if self.shards is not None and parts is not None:
+            self.shards.load_whole(parts)
 
     def state_bytes(self) -> bytes:
         """The committed state, serialised for a peer (with sharded state, without the

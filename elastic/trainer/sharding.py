@@ -271,9 +271,15 @@ class OptimizerShards:
                           if part in states and self.state_ids[part] is not None}
         self.optimizer.load_state_dict(whole)
 
-    def load_whole(self) -> None:
-        """A whole optimizer state was loaded (a checkpoint): this rank holds every part."""
-        self.held, self._kept = frozenset(range(len(self.params))), None
+    def load_whole(self, states: dict[int, dict[str, Any]]) -> None:
+        """A checkpoint was loaded: this rank holds every part, their optimizer state
+        (`states`, by state id, as `optimizer.state_dict()['state']` holds them) kept here in
+        host memory, not in the optimizer, until the next generation places each part with
+        its owners (`keep`, `place_state`)."""
+        part_of = {sid: part for part, sid in enumerate(self.state_ids) if sid is not None}
+        self.held = frozenset(range(len(self.params)))
+        self._kept = {part_of[sid]: dict(state) for sid, state in states.items()
+                      if sid in part_of}
 
     def primary_states(self) -> dict[int, dict[str, Any]]:
         """The optimizer state of the parts this rank is the first owner of (all it holds
@@ -288,9 +294,17 @@ class OptimizerShards:
     def part_states(self, parts: Collection[int]) -> dict[int, dict[str, Any]]:
         """The optimizer state of `parts` (which this rank holds) by state-dict id, as
         `optimizer.state_dict()['state']` holds them."""
-        state = self.optimizer.state
-        return {self.state_ids[part]: dict(state[self.params[part]]) for part in sorted(parts)
-                if self.params[part] in state and self.state_ids[part] is not None}
+        state, kept = self.optimizer.state, self._kept or {}
+        out: dict[int, dict[str, Any]] = {}
+        for part in sorted(parts):
+            sid = self.state_ids[part]
+            if sid is None:
+                continue
+            if self.params[part] in state:
+                out[sid] = dict(state[self.params[part]])
+            elif part in kept:  # a checkpoint's, not placed yet (`load_whole`)
+                out[sid] = dict(kept[part])
+        return out
 
 
 

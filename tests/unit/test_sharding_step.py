@@ -552,3 +552,42 @@ def test_gpu_parameters_on_a_host_plane_are_gathered_in_host_memory_waited_for_o
     # this model's parameters fit one window: one wait for the device per gather
     assert all([e[0] for e in fake.log].count("synchronize") == 1 for fake in several)
     assert len(alone) == 1 + 1 and all(fake.log == [] for fake in alone)
+
+
+def test_a_sharded_checkpoint_stays_in_host_memory_until_each_rank_installs_its_own_parts(
+        tmp_path, monkeypatch):
+    """The worker that loads a checkpoint (its shards joined: the whole optimizer state) does
+    not install it into its optimizer (on a GPU, every part's state on one device: the memory
+    sharding exists to save); the state waits in host memory until the generation forms, and
+    each rank installs the parts it owns only. The weights are those of one plain process."""
+    first = _run(tmp_path / "a", _job(), _config(tmp_path / "a", stage=1, replicas=2),
+                 [(["a", "b"], 2)])
+    checkpoint = first["a"].state()  # two ranks, two replicas: "a" holds every part
+    assert len(checkpoint["optimizer"]["state"]) == len(list(first["a"].model.parameters()))
+    installed: dict[int, list[int]] = {}
+    load = torch.optim.Optimizer.load_state_dict
+
+    def spy(self, state_dict):
+        installed.setdefault(id(self), []).append(len(state_dict["state"]))
+        return load(self, state_dict)
+
+    monkeypatch.setattr(torch.optim.Optimizer, "load_state_dict", spy)
+    loaded: list[Replica] = []
+
+    def make(job, config, run_dir):
+        replica = Replica(job, config, run_dir)
+        if not loaded:
+            replica.load_state(checkpoint, origin="checkpoint")
+            assert _state_tensors(replica) == 0  # in host memory, not the optimizer's
+            loaded.append(replica)
+        return replica
+
+    replicas = _run(tmp_path / "c", _job(), _config(tmp_path / "c", stage=1, replicas=1),
+                    [(["c", "d"], 2)], make=make)
+    final = replicas["d"].model.state_dict()
+    for key, value in _reference(_adamw, 4).items():
+        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    c = replicas["c"]
+    assert c is loaded[0] and c.shards.owned and len(c.shards.owned) < len(c.shards.params)
+    # never more parts installed at once than it owns
+    assert max(installed[id(c.optimizer)]) == len(c.shards.owned)
