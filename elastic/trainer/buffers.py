@@ -330,9 +330,7 @@ class BufferSync:
         floating dtype, float32 for a float32 model): whether a forward changed another buffer,
         which BatchNorm layers ran, and this rank's terms of their running statistics. Leaves
         every buffer as it was at `begin`'s snapshot except the other buffers' new values."""
-        changed = any(not torch.equal(b, b0) for (_, b), b0 in
-                      zip(self.others, self._others_before, strict=True))
-        parts = [torch.tensor([float(changed)], dtype=torch.float64)]
+        parts = [torch.tensor([float(self._others_changed())], dtype=torch.float64)]
         if self._deferred and self._calls:  # which layers ran: from the counters on the device
             assert self._flat_sums is not None
             ran = (torch.stack([c - k for k, c in self._calls]) == 1).any(0)
@@ -347,6 +345,21 @@ class BufferSync:
                 parts.append(flat.cpu())
         self._restore_norms()
         return torch.cat(parts)
+
+    def _others_changed(self) -> bool:
+        """Whether a forward changed another buffer: on a GPU one read for all of them (a
+        `torch.equal` each waits for the device once per buffer: Hugging Face models keep
+        position ids and rotary frequencies as buffers), else compared one by one."""
+        pairs = list(zip((b for _, b in self.others), self._others_before, strict=True))
+        if not pairs:
+            return False
+        if any(b.shape != b0.shape or b.dtype != b0.dtype for b, b0 in pairs):
+            return True
+        devices = {b.device for b, _ in pairs}
+        if len(devices) > 1 or not _device.batched_read(devices.pop()):
+            return any(not torch.equal(b, b0) for b, b0 in pairs)
+        # NaN != NaN, as torch.equal has it
+        return bool(torch.stack([torch.ne(b, b0).any() for b, b0 in pairs]).any())
 
     def commit(self, summed: torch.Tensor, comm: Communicator, src: int) -> None:
         """Writes the step's buffers from the summed sections: the BatchNorm statistics as one

@@ -423,3 +423,40 @@ def test_a_batchnorm_layer_run_twice_is_the_steps_user_error_either_way(tmp_path
     assert isinstance(outcome, UserFailure)
     assert "BatchNorm layer 'bn' ran 2 times in one forward pass" in outcome.traceback
     torch.testing.assert_close(replica.model.state_dict(), before, rtol=0, atol=0)
+
+
+class _Buffers(nn.Module):
+    """Buffers beside BatchNorm: position ids and frequencies a forward only reads (Hugging
+    Face's), and a counter one forward changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        for i in range(4):
+            self.register_buffer(f"positions{i}", torch.arange(6))
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor, count: bool) -> torch.Tensor:
+        if count:
+            self.seen += 1
+        return self.lin(x) + self.positions0[:3]
+
+
+@pytest.mark.parametrize("gpu_way", [True, False], ids=["gpu_way", "cpu_way"])
+def test_other_buffers_are_compared_in_one_read_on_a_gpu(monkeypatch, gpu_way):
+    _gpu_way(monkeypatch, gpu_way)
+    model = _Buffers()
+    sync = BufferSync(model)
+    flags, reads = [], []
+    for count in (False, True):
+        sync.begin(1)
+        sync.before_piece(0)
+        model(torch.randn(2, 3), count)
+        sync.after_piece(0)
+        with _HostReads() as counted:
+            flags.append(float(sync.section()[0]))
+        reads.append(counted.count)
+        sync.rollback()
+    assert flags == [0.0, 1.0]  # the forward that counted changed a buffer
+    # one read for the five buffers on a GPU (a torch.equal each waited for the device)
+    assert reads == ([2, 2] if gpu_way else [6, 6])
