@@ -489,16 +489,11 @@ class WorkerActor:
         bind_thread(self.device)
         replica = self.replica
         comm = replica.comm
-        eval_step = replica.job.eval_step
-        assert comm is not None and self._eval_set is not None and eval_step is not None
+        assert comm is not None and self._eval_set is not None
         mine = [e for e in chaos if e.rank == comm.rank and e.phase == "evaluate"]
-
-        def on_device(model: torch.nn.Module, batch: Any) -> Any:  # as the training batches
-            return eval_step(model, replica.move(batch, replica.device))
-
         try:
             result = evaluate_share(comm, replica.model, self._eval_set, replica.collate,
-                                    on_device, shares, eval_batch_size(self.config),
+                                    replica.eval_step, shares, eval_batch_size(self.config),
                                     self.config.seed, lambda: self._fire(mine), replica.progress)
         except CollectiveError as e:
             return EvalInterrupted(str(e))

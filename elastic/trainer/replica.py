@@ -216,6 +216,15 @@ class Replica:
         (`elastic.trainer.build.model_traits`)."""
         return model_traits(self.model)
 
+    def eval_step(self, model: torch.nn.Module, batch: Any) -> Any:
+        """`TrainJob.eval_step` on a batch of the evaluation set: moved as the training
+        batches are, under the run's mixed precision (autocast, as the training forward;
+        Lightning and the Hugging Face Trainer evaluate so)."""
+        eval_step = self.job.eval_step
+        assert eval_step is not None, "the job has no eval_step"
+        with self.training.autocast(model):
+            return eval_step(model, self.move(batch, self.device))
+
     def state(self) -> dict[str, Any]:
         """The committed state (`elastic.trainer.state.committed_state`).
 

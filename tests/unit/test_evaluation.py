@@ -247,3 +247,31 @@ def test_the_verdict_is_a_function_of_the_summed_header():
     differ = judge(row() + row(hashed=8.0), 0, None).failure
     assert differ is not None and differ.ranks == (0, 1)
     assert judge(row(names=0, hashed=0, nbytes=0) * 2, 0, None).names_from == -1
+
+
+def _autocast_seen(model: nn.Module, batch) -> dict:
+    x, y = batch
+    enabled = torch.is_autocast_enabled("cpu")
+    out = model(x.float())
+    return {"autocast": (float(enabled) * len(y), len(y)),
+            "bf16": (float(out.dtype == torch.bfloat16) * len(y), len(y))}
+
+
+@pytest.mark.parametrize(("precision", "expected"), [("bf16-mixed", 1.0), ("32", 0.0)])
+def test_evaluation_runs_under_the_runs_mixed_precision(tmp_path, precision, expected):
+    """As the training forward, and as Lightning and the Hugging Face Trainer evaluate."""
+    from elastic import BatchConfig, FitConfig, ScalingConfig, TrainJob
+    from elastic.config import TrainingConfig
+    from elastic.trainer.evaluation import evaluate_slice
+    from elastic.trainer.replica import Replica
+
+    job = TrainJob(model=lambda: nn.Linear(4, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                   loss=lambda m, b: m(b[0]).sum(), dataset=_data, eval_dataset=_data,
+                   eval_step=_autocast_seen)
+    config = FitConfig(scaling=ScalingConfig(num_workers=1), max_steps=1, run_dir=str(tmp_path),
+                       batch=BatchConfig(global_batch_size=4),
+                       training=TrainingConfig(precision=precision))
+    replica = Replica(job, config, str(tmp_path))
+    sums = evaluate_slice(replica.model, _data(), default_collate, replica.eval_step,
+                          range(0, 8), 4, SEED)
+    assert sums == {"autocast": [8 * expected, 8.0], "bf16": [8 * expected, 8.0]}
