@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from elastic.collective import Communicator
-from elastic.trainer.device import bind_thread, finite_sum
+from elastic.trainer.device import bind_thread, finite_sum, shaped_like
 from elastic.trainer.staging import CudaStreams, HostStaging
 
 
@@ -214,8 +214,7 @@ class GradientBuckets:
             kept = None
         else:  # the buffers come as their gradients do (`_buffer`)
             buffers = [None] * len(self.buckets)
-            kept = {i: torch.empty(self.params[i].shape, dtype=self.params[i].dtype,
-                                   device=self.params[i].device)
+            kept = {i: torch.empty_like(self.params[i], memory_format=torch.preserve_format)
                     for i in sorted(self._keep())}
         state = _StepState(buffers=buffers, host=host,
                            ready=[threading.Event() for _ in self.buckets],
@@ -261,17 +260,19 @@ class GradientBuckets:
         its buffer. Called with the lock held."""
         return state.host[b] if state.host is not None else self._buffer(state, b)
 
-    def _put(self, state: _StepState, target: torch.Tensor, grad: torch.Tensor | None) -> None:
-        """`grad` (None: zeros) into `target`, a slice of a bucket: on a GPU on the current
-        stream; into a host buffer (host staging) as a copy the device makes, or as zeros the
-        host writes once the last step's copies out of it are done."""
+    def _put(self, state: _StepState, target: torch.Tensor, p: torch.nn.Parameter) -> None:
+        """`p`'s gradient (None: zeros) into `target`, its slice of a bucket, laid out as `p`
+        (`shaped_like`): on a GPU on the current stream; into a host buffer (host staging) as
+        a copy the device makes, or as zeros the host writes once the last step's copies out
+        of it are done."""
+        grad = p.grad
         if state.host is None:
             if grad is None:
                 target.zero_()
             else:
-                target.copy_(grad.reshape(-1))
+                shaped_like(target, p).copy_(grad)
         elif grad is not None:
-            self._streams.copy(target, grad.reshape(-1))
+            self._streams.copy(shaped_like(target, p), grad)
         else:
             self._settle()
             target.zero_()
@@ -328,7 +329,7 @@ class GradientBuckets:
                 # calls backward once per segment): the whole gradient replaces the part
                 # copied, unless that part is gone (stage 2 freed it) or on its way.
                 self._again(state, p, b)
-            self._put(state, self._target(state, b)[offset : offset + p.numel()], p.grad)
+            self._put(state, self._target(state, b)[offset : offset + p.numel()], p)
             self._copied_on(state, b)
             if again:
                 return
@@ -394,7 +395,7 @@ class GradientBuckets:
                 if id(p) in state.copied:
                     continue
                 b, offset = self._where[id(p)]
-                self._put(state, self._target(state, b)[offset : offset + p.numel()], p.grad)
+                self._put(state, self._target(state, b)[offset : offset + p.numel()], p)
                 self._copied_on(state, b)
                 if state.kept is not None:
                     p.grad = None
@@ -479,7 +480,7 @@ class GradientBuckets:
             b, offset = self._where[id(p)]
             buffer = state.buffers[b]
             assert buffer is not None
-            p.grad = buffer[offset : offset + p.numel()].view_as(p)
+            p.grad = shaped_like(buffer[offset : offset + p.numel()], p)
 
     def taken(self) -> frozenset[int]:
         """The ids of the parameters whose gradient a hook copied into a bucket this step
@@ -548,7 +549,7 @@ class GradientBuckets:
                 state.norms[i] = torch.linalg.vector_norm(
                     piece, dtype=torch.float32 if piece.element_size() < 4 else None)
             if i in state.kept:
-                state.kept[i].view(-1).copy_(piece)
+                state.kept[i].copy_(shaped_like(piece, p))
         if last:
             return
         if self._streams is not None:

@@ -114,6 +114,27 @@ def host_values(values: list[float | torch.Tensor]) -> list[float]:
     return out
 
 
+def shaped_like(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`flat` (one dimension, `like.numel()` elements) as a tensor of `like`'s shape, laid out
+    as `like` is where that is dense in another order than the contiguous one (channels-last
+    convolutions): a gradient then has its parameter's strides, as PyTorch's autograd makes it
+    (an optimizer's fused and foreach kernels take the slow path on mixed layouts), and a
+    copy between the two is one block. Anything else: contiguous."""
+    if like.is_contiguous() or not _dense(like):
+        return flat.view(like.shape)
+    return flat.as_strided(like.shape, like.stride())
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill one block without gaps or overlaps, in some order."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def finite_sum(t: torch.Tensor) -> torch.Tensor:
     """The sum of `t`'s elements, to tell whether every element is finite (the sum is not
     finite iff an element is not, or the sum overflows: 30x cheaper than

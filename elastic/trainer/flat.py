@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import torch
 
 from elastic.collective import Communicator
-from elastic.trainer.device import finite_sum
+from elastic.trainer.device import finite_sum, shaped_like
 from elastic.trainer.staging import HostStaging, Lender
 
 
@@ -82,7 +82,7 @@ def flatten_grads(params: list[torch.nn.Parameter], zero: bool, meta_len: int = 
         start, n = offsets[p.dtype], p.numel()
         target = buffers[p.dtype][start : start + n]
         if p.grad is not None:
-            target.copy_(p.grad.reshape(-1))
+            shaped_like(target, p).copy_(p.grad)
         else:
             target.zero_()
         offsets[p.dtype] = start + n
@@ -101,7 +101,7 @@ def _staged(params: list[torch.nn.Parameter], buffers: dict[torch.dtype, torch.T
         start, n = offsets[p.dtype], p.numel()
         target = buffers[p.dtype][start : start + n]
         if p.grad is not None and not zero:
-            staging.streams.copy(target, p.grad.reshape(-1))
+            staging.streams.copy(shaped_like(target, p), p.grad)
         else:
             missing.append(target)
         offsets[p.dtype] = start + n
@@ -134,7 +134,7 @@ def unflatten_grads(params: list[torch.nn.Parameter], buffers: dict[torch.dtype,
             if p.dtype not in on_device:
                 on_device[p.dtype] = staging.streams.to_device(buffer, p.device)
             buffer = on_device[p.dtype]
-        p.grad = buffer[start : start + n].view_as(p)
+        p.grad = shaped_like(buffer[start : start + n], p)
         offsets[p.dtype] = start + n
 
 

@@ -591,3 +591,27 @@ def test_a_sharded_checkpoint_stays_in_host_memory_until_each_rank_installs_its_
     assert c is loaded[0] and c.shards.owned and len(c.shards.owned) < len(c.shards.params)
     # never more parts installed at once than it owns
     assert max(installed[id(c.optimizer)]) == len(c.shards.owned)
+
+
+def _transposed_model() -> torch.nn.Module:
+    """The sharding job's model with its first weight stored transposed (dense, not
+    contiguous: as a channels-last convolution's), so that its gradient is too."""
+    net = sharding.model()
+    first = net[0]
+    first.weight = torch.nn.Parameter(first.weight.detach().t().contiguous().t())
+    assert not first.weight.is_contiguous()
+    return net
+
+
+@pytest.mark.timeout(120)
+def test_stage_2_keeps_the_sums_of_parameters_laid_out_in_another_order_as_stage_0(tmp_path):
+    job = TrainJob(model=_transposed_model, optimizer=_adamw, loss=sharding.mse,
+                   dataset=sharding.data, lr_scheduler=sharding.warmup)
+    schedule = [(["a", "b", "c"], 2), (["a", "c"], 1)]
+    finals = {}
+    for stage in (0, 2):
+        replicas = _run(tmp_path / str(stage), job, _config(tmp_path / str(stage), stage=stage),
+                        schedule)
+        finals[stage] = replicas["a"].model.state_dict()
+    for key, value in finals[0].items():
+        torch.testing.assert_close(finals[2][key], value, rtol=1e-6, atol=1e-7, msg=key)

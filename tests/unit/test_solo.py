@@ -460,3 +460,49 @@ def test_other_buffers_are_compared_in_one_read_on_a_gpu(monkeypatch, gpu_way):
     assert flags == [0.0, 1.0]  # the forward that counted changed a buffer
     # one read for the five buffers on a GPU (a torch.equal each waited for the device)
     assert reads == ([2, 2] if gpu_way else [6, 6])
+
+
+# --- gradients laid out as their parameters ----------------------------------------------------
+
+
+def _channels_last_cnn() -> nn.Module:
+    return fidelity.cnn().to(memory_format=torch.channels_last)
+
+
+class _StridesSeen(torch.optim.SGD):
+    """SGD that notes, at each step, whether every gradient has its parameter's strides."""
+
+    seen: list[bool] = []
+
+    def step(self, closure=None):
+        _StridesSeen.seen.append(all(p.grad.stride() == p.stride() for g in self.param_groups
+                                     for p in g["params"] if p.grad is not None))
+        return super().step(closure)
+
+
+def _strides_sgd(params) -> torch.optim.Optimizer:
+    return _StridesSeen(params, lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["flat", "buckets"])
+def test_summed_gradients_of_channels_last_parameters_keep_their_strides(tmp_path, overlap):
+    """A channels-last convolution's gradient comes out of the flat buffers and buckets with
+    the parameter's strides, as autograd makes it (before: contiguous, which puts fused and
+    foreach optimizers on their slow path on a GPU); the weights are a plain loop's."""
+    _StridesSeen.seen = []
+    job = TrainJob(model=_channels_last_cnn, optimizer=_strides_sgd, loss=fidelity.classify,
+                   dataset=fidelity.images)
+    config = FitConfig(scaling=ScalingConfig(num_workers=2, min_workers=1), seed=3, max_steps=8,
+                       collective=CollectiveConfig(overlap=overlap, bucket_bytes=1024,
+                                                   first_bucket_bytes=1024),
+                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+                       run_dir=str(tmp_path))
+    replica = Replica(job, config, str(tmp_path))
+    replica._solo = None  # the reducers of several ranks, at one
+    replica.comm = PlaneCheck(cuda=False)
+    assert any(not p.is_contiguous() for p in replica.model.parameters())
+    records = _run(replica, 3, BatchPlan(B, (B,), (4,)))
+    assert all(isinstance(r, StepRecord) for r in records)
+    assert _StridesSeen.seen == [True] * 3
+    expected = fidelity.reference(job, 3, B, 4, 3)
+    torch.testing.assert_close(replica.model.state_dict(), expected)
