@@ -156,7 +156,8 @@ class GradientBuckets:
         # host buffers, which the host then writes only once they are done).
         self._copied_back: object | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="elastic-grad-comm",
-                                        initializer=bind_thread, initargs=(device,))
+                                        initializer=_comm_thread,
+                                        initargs=(device, self._streams))
         self._handles: list[object] = []
         self._hooked()
 
@@ -564,6 +565,14 @@ class GradientBuckets:
         # memory) keeps its vote.
         if not finite and meta[1 + state.vote_slot] == 0:
             meta[1 + state.vote_slot] = state.nonfinite_vote
+
+
+def _comm_thread(device: torch.device, streams: Any) -> None:
+    """The communication thread's start: bound to the device, on a stream of its own
+    (`CudaStreams.own_stream`) where there are streams."""
+    bind_thread(device)
+    if streams is not None:
+        streams.own_stream()
 
 
 def _finite(sums: list[torch.Tensor]) -> bool:

@@ -44,6 +44,14 @@ class CudaStreams:
     def current(self) -> object:
         return torch.cuda.current_stream()
 
+    def own_stream(self) -> None:
+        """The calling thread (the buckets' communication thread) works on a stream of its
+        own from now on: what it queues (sums, copies back, NCCL's wait for its producer)
+        waits for the fences it is given, not for everything the backward pass has queued on
+        the default stream meanwhile (which would hold each bucket's reduction back until
+        the backward caught up with the host; DDP's reducer has a stream of its own too)."""
+        torch.cuda.set_stream(torch.cuda.Stream())
+
     def fence(self, stream: object) -> object:
         """An event recorded on `stream` after the work queued on it so far (blocking: a
         host that waits for it sleeps, where the default spins a core; workers sharing a GPU

@@ -18,18 +18,22 @@ from tests import streams
 
 
 class FakeStreams:
-    """Each thread's current stream is named after the thread ('user' for the test's, 'comm'
-    for the communication thread); every call is logged in order."""
+    """Each thread's current stream is CUDA's default ('user') until it takes its own (the
+    communication thread: 'comm'; `tests.streams.Threads`); every call is logged in order."""
 
     def __init__(self) -> None:
         self.log: list[tuple] = []
         self.lock = threading.Lock()
+        self.threads = streams.Threads()
 
     def _name(self) -> str:
-        return "comm" if threading.current_thread().name.startswith("elastic-grad-comm") else "user"
+        return self.threads.name()
 
     def current(self) -> str:
         return streams.current(self._name())
+
+    def own_stream(self) -> None:
+        self.threads.own_stream()
 
     def fence(self, stream: str) -> tuple:
         with self.lock:

@@ -36,8 +36,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class DeferredStreams:
-    """Each thread's stream is named after the thread ('comm' for the buckets' communication
-    thread, else 'user'). See the module."""
+    """Each thread's current stream is CUDA's default ('user') until it takes its own (the
+    buckets' communication thread: 'comm'; `tests.streams.Threads`). See the module."""
 
     def __init__(self, fail_register: str | None = None) -> None:
         self.lock = threading.RLock()
@@ -50,11 +50,13 @@ class DeferredStreams:
         self.log: list[tuple] = []
         self.registered: dict[int, int] = {}
         self.fail_register = fail_register
+        self.threads = streams.Threads()
 
-    @staticmethod
-    def current() -> str:
-        return streams.current("comm" if threading.current_thread().name.startswith(
-            "elastic-grad-comm") else "user")
+    def current(self) -> str:
+        return self.threads.current()
+
+    def own_stream(self) -> None:
+        self.threads.own_stream()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with self.lock:

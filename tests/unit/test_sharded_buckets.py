@@ -27,6 +27,9 @@ class Streams:
     def current(self) -> str:
         return streams.current("stream")
 
+    def own_stream(self) -> None:
+        return
+
     def fence(self, stream: str) -> tuple:
         return ("event", stream)
 
