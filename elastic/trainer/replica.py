@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -262,11 +263,24 @@ class Replica:
         optimizer's per-parameter state: that moves part by part)."""
         state = self.state()
         if self.shards is not None:
+            # Nor the parameters: as a generation forms, every rank has taken them from their
+            # holders over the data plane already (`OptimizerShards.take_values`); a second
+            # copy of the whole model over the control plane would be the largest transfer of
+            # the recovery. Buffers (BatchNorm statistics) still come from here.
             state["optimizer"] = {**state["optimizer"], "state": {}}
+            names = set(dict(self.model.named_parameters(remove_duplicate=False)))
+            state["model"] = _with_metadata(
+                state["model"], ((k, v) for k, v in state["model"].items() if k not in names))
         return state_bytes(state)
 
     def load_state_bytes(self, data: bytes) -> None:
-        self.load_state(state_from_bytes(data), origin="peer")
+        state = state_from_bytes(data)
+        if self.shards is not None:  # the parameters this rank took as the generation formed
+            own = self.model.state_dict()
+            names = dict(self.model.named_parameters(remove_duplicate=False))
+            state["model"] = _with_metadata(state["model"], [
+                *((k, own[k]) for k in names if k in own), *state["model"].items()])
+        self.load_state(state, origin="peer")
 
     def sync_from(self, src: int, leaving: Sequence[int] = ()) -> None:
         """Every rank of the generation calls this; afterwards all hold `src`'s state
@@ -467,3 +481,13 @@ class Replica:
         """Sets every parameter's gradient to None."""
         for p in self._params:
             p.grad = None
+
+
+def _with_metadata(model_state: Any, items: Any) -> OrderedDict[str, Any]:
+    """`items` as a model state dict that keeps `model_state`'s `_metadata` (the modules'
+    versions, which `load_state_dict` reads)."""
+    out: OrderedDict[str, Any] = OrderedDict(items)
+    metadata = getattr(model_state, "_metadata", None)
+    if metadata is not None:
+        out._metadata = metadata  # type: ignore[attr-defined]
+    return out

@@ -615,3 +615,28 @@ def test_stage_2_keeps_the_sums_of_parameters_laid_out_in_another_order_as_stage
         finals[stage] = replicas["a"].model.state_dict()
     for key, value in finals[0].items():
         torch.testing.assert_close(finals[2][key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_a_forming_generation_sends_no_parameters_over_the_control_plane(tmp_path, monkeypatch):
+    """With sharded state every rank takes the parameters from their holders over the data
+    plane as the generation forms; the committed state the source sends over the control
+    plane holds the rest only (it held a second copy of the whole model). A fresh rank still
+    ends on the plain process's weights."""
+    from elastic.trainer import state as state_module
+
+    sent: list[set[str]] = []  # the model keys of each state received
+    inner = state_module.state_from_bytes
+
+    def spy(data):
+        state = inner(data)
+        sent.append(set(state["model"]))
+        return state
+
+    monkeypatch.setattr("elastic.trainer.replica.state_from_bytes", spy)
+    replicas = _run(tmp_path, _job(_sgd), _config(tmp_path, stage=1),
+                    [(["a", "b"], 2), (["a", "c"], 2)])
+    names = {name for name, _ in replicas["c"].model.named_parameters()}
+    assert sent and all(not names & keys for keys in sent)
+    for key, value in _reference(_sgd, 4).items():
+        torch.testing.assert_close(replicas["c"].model.state_dict()[key], value, rtol=1e-5,
+                                   atol=1e-5, msg=key)
