@@ -268,18 +268,27 @@ class Replica:
             # copy of the whole model over the control plane would be the largest transfer of
             # the recovery. Buffers (BatchNorm statistics) still come from here.
             state["optimizer"] = {**state["optimizer"], "state": {}}
-            names = set(dict(self.model.named_parameters(remove_duplicate=False)))
+            names = self._part_names()
             state["model"] = _with_metadata(
                 state["model"], ((k, v) for k, v in state["model"].items() if k not in names))
         return state_bytes(state)
+
+    def _part_names(self) -> set[str]:
+        """The state-dict names of the sharded parts (the parameters that take gradients:
+        each rank takes their values over the data plane as a generation forms); a frozen
+        parameter is not one, and travels with the rest of the state."""
+        assert self.shards is not None
+        parts = {id(p) for p in self.shards.params}
+        return {name for name, p in self.model.named_parameters(remove_duplicate=False)
+                if id(p) in parts}
 
     def load_state_bytes(self, data: bytes) -> None:
         state = state_from_bytes(data)
         if self.shards is not None:  # the parameters this rank took as the generation formed
             own = self.model.state_dict()
-            names = dict(self.model.named_parameters(remove_duplicate=False))
             state["model"] = _with_metadata(state["model"], [
-                *((k, own[k]) for k in names if k in own), *state["model"].items()])
+                *((k, own[k]) for k in self._part_names() if k in own),
+                *state["model"].items()])
         self.load_state(state, origin="peer")
 
     def sync_from(self, src: int, leaving: Sequence[int] = ()) -> None:

@@ -640,3 +640,28 @@ def test_a_forming_generation_sends_no_parameters_over_the_control_plane(tmp_pat
     for key, value in _reference(_sgd, 4).items():
         torch.testing.assert_close(replicas["c"].model.state_dict()[key], value, rtol=1e-5,
                                    atol=1e-5, msg=key)
+
+
+def _with_frozen() -> torch.nn.Module:
+    net = sharding.model()
+    net.register_parameter("frozen", torch.nn.Parameter(torch.zeros(3), requires_grad=False))
+    return net
+
+
+def test_a_frozen_parameter_reaches_a_rank_that_joins_a_sharded_run(tmp_path):
+    """A parameter that takes no gradient (a frozen backbone, an EMA teacher) is no sharded
+    part: it comes with the rest of the committed state, not over the data plane."""
+    job = TrainJob(model=_with_frozen, optimizer=_sgd, loss=sharding.mse, dataset=sharding.data)
+    made: list[Replica] = []
+
+    def make(job, config, run_dir):
+        replica = Replica(job, config, run_dir)
+        if not made:
+            with torch.no_grad():
+                replica.model.frozen.fill_(7.0)  # as a checkpoint or a teacher update left it
+        made.append(replica)
+        return replica
+
+    replicas = _run(tmp_path, job, _config(tmp_path, stage=1, replicas=1),
+                    [(["a"], 1), (["a", "b"], 1)], make=make)
+    assert torch.equal(replicas["b"].model.frozen, torch.full((3,), 7.0))
