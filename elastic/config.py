@@ -546,7 +546,8 @@ class DataConfig(_Frozen):
         description="With loader processes (data.loader_workers): copy the batches they read "
         "into pinned (page-locked) host memory, on a background thread as each arrives, from "
         "where they are copied to the GPU asynchronously (non_blocking); the batches read "
-        "ahead are held there until taken. Needs scaling.use_gpu and data.loader_workers >= 1.",
+        "ahead are held there until taken. Without loader processes the worker pins each batch "
+        "as it reads it (as DataLoader with num_workers=0). Needs scaling.use_gpu.",
     )
     start_method: Literal["spawn", "forkserver"] = Field(
         default="spawn",
@@ -871,10 +872,6 @@ class FitConfig(_Frozen):
         if self.data.pin_memory and not self.scaling.use_gpu:
             raise ValueError("data.pin_memory pins host memory for copies to a GPU; it needs "
                              "scaling.use_gpu=True (set data.pin_memory=False on CPU workers)")
-        if self.data.pin_memory and self.data.loader_workers == 0:
-            raise ValueError("data.pin_memory pins the batches of loader processes; with "
-                             "data.loader_workers=0 there are none: set data.loader_workers to 1 "
-                             "or more, or data.pin_memory=False")
         training = self.training
         if training.clip_grad_norm is not None and training.clip_grad_value is not None:
             raise ValueError("set one of training.clip_grad_norm and training.clip_grad_value")

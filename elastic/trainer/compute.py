@@ -29,7 +29,14 @@ from elastic.trainer.device import (
     release_cached_memory,
 )
 from elastic.trainer.faults import FaultInjector
-from elastic.trainer.loader import Piece, Prefetcher, load_piece, seed_torch, set_generator_state
+from elastic.trainer.loader import (
+    Piece,
+    Prefetcher,
+    load_piece,
+    pin_batch,
+    seed_torch,
+    set_generator_state,
+)
 from elastic.trainer.loss import LossForm, loss_term
 from elastic.trainer.metrics import MetricSums, split_output
 from elastic.trainer.reducers import Reducer
@@ -85,7 +92,10 @@ def load(host: ComputeHost, step: int, seed: int, samples: torch.Tensor) -> Any:
             seed_torch(seed)  # for CUDA's generators: the CPU ones continue from `state`
             set_generator_state(state)
             return host.move(batch, host.device)
-    return host.move(load_piece(host.dataset, host.collate, indices, seed), host.device)
+    batch = load_piece(host.dataset, host.collate, indices, seed)
+    if host.config.data.pin_memory:  # no loader processes: pinned here, as DataLoader does
+        batch = pin_batch(batch)
+    return host.move(batch, host.device)
 
 
 def compute(host: ComputeHost, context: StepContext) -> Computed:

@@ -186,8 +186,12 @@ def move_batch(batch: Any, device: torch.device, non_blocking: bool = True) -> A
     return map_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
 
 
+class UnbuildableBatch(TypeError):
+    """A batch holds a container that cannot be rebuilt with its tensors replaced."""
+
+
 def _unbuildable(value: Any, error: BaseException) -> TypeError:
-    return TypeError(
+    return UnbuildableBatch(
         f"cannot move a batch holding a {type(value).__qualname__} to the device: it could not "
         f"be rebuilt with its tensors moved ({type(error).__name__}: {error}); give the job a "
         "TrainJob.move_batch(batch, device) that moves such a batch")

@@ -58,9 +58,9 @@ import torch
 import torch.multiprocessing  # registers the shared-memory reductions of tensors
 from torch.utils.data import default_collate
 
-from elastic.trainer.device import map_tensors
+from elastic.trainer.device import UnbuildableBatch, map_tensors
 
-__all__ = ["LoadError", "Piece", "Prefetcher", "generator_state", "load_piece",
+__all__ = ["LoadError", "Piece", "Prefetcher", "generator_state", "load_piece", "pin_batch",
            "seed_generators", "seed_torch", "set_generator_state"]
 
 # Requests a loader process holds unanswered (the one it reads and those queued behind it);
@@ -443,8 +443,18 @@ def _pinned(batch: Any, device: torch.device | None) -> Any:
 def _pin(batch: Any) -> Any:
     """`batch` with every tensor in page-locked memory, in the containers `move_batch` takes
     (kept with their types: OrderedDict, Hugging Face's `BatchEncoding`, dataclasses, named
-    tuples, list subclasses); what it cannot rebuild is an error naming `TrainJob.move_batch`."""
-    return map_tensors(batch, _page_locked)
+    tuples, list subclasses); a batch holding a container it cannot rebuild stays as it is
+    (the job's own `TrainJob.move_batch` may know it; the default move says what to do)."""
+    try:
+        return map_tensors(batch, _page_locked)
+    except UnbuildableBatch:
+        return batch
+
+
+def pin_batch(batch: Any) -> Any:
+    """`_pin`, for a batch the worker read itself (`data.pin_memory` without loader
+    processes)."""
+    return _pin(batch)
 
 
 def _page_locked(t: torch.Tensor) -> torch.Tensor:

@@ -353,3 +353,48 @@ def test_pinning_keeps_every_container_and_pins_every_tensor_in_it(monkeypatch):
               out["sample"].x, out["pair"].x, out["pair"].y[0], out["tagged"][0]]
     assert all(id(x) in pinned and torch.equal(x, t) for x in leaves)
     assert batch["encoding"]["input_ids"] is t  # the batch itself is left as it was
+
+
+class _Odd(tuple):
+    """A tuple subclass that cannot be rebuilt from its items."""
+
+    def __new__(cls, a, b, tag):
+        return super().__new__(cls, (a, b, tag))
+
+
+def test_a_batch_pinning_cannot_rebuild_is_left_as_it_is(monkeypatch):
+    """The job's own `move_batch` may know the container; before, the pinning thread's error
+    failed the step."""
+    from elastic.trainer import loader as loader_module
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self.clone())
+    batch = _Odd(torch.ones(2), torch.zeros(2), "x")
+    assert loader_module._pin(batch) is batch
+
+
+def test_without_loader_processes_the_worker_pins_each_batch_it_reads(tmp_path, monkeypatch):
+    """`data.pin_memory` with `loader_workers=0`: each micro-batch pinned as it is read, as
+    `DataLoader(num_workers=0, pin_memory=True)` does (before, nothing was pinned)."""
+    from elastic import BatchConfig, FitConfig, ScalingConfig
+    from elastic.adapt.plan import BatchPlan
+    from elastic.config import DataConfig
+    from elastic.trainer.replica import Replica, StepRecord
+    from tests.gpu.planes import PlaneCheck
+
+    pinned: list[tuple[int, ...]] = []
+
+    def pin(self, *args, **kwargs):  # no CUDA here: a copy, noted
+        pinned.append(tuple(self.shape))
+        return self.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    config = FitConfig(scaling=ScalingConfig(num_workers=1, use_gpu=True), max_steps=2,
+                       batch=BatchConfig(global_batch_size=8, autotune=False, rebalance=False),
+                       data=DataConfig(pin_memory=True), run_dir=str(tmp_path))
+    replica = Replica(jobs.regression_job(), config, str(tmp_path))
+    replica.comm = PlaneCheck(cuda=False)
+    try:
+        assert isinstance(replica.run_step(BatchPlan(8, (8,), (4,)), []), StepRecord)
+    finally:
+        replica.close()
+    assert len(pinned) == 2 * 2  # two micro-batches of (x, y)
