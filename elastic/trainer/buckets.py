@@ -18,13 +18,15 @@ host buffer, a slice of the communicator's registered region where it lends one.
 queue a copy of each gradient into it (a DMA into page-locked memory, which the host does not
 wait for); the communication thread waits until a bucket's copies are done, sums the host
 buffer with the host allreduce while the backward pass goes on, and queues the copy of the sums
-back into the bucket's buffer on the device, on its thread's current stream. Both threads'
-current streams are CUDA's default stream unless the user set another, so the copies take
-turns with the backward pass's kernels: what overlaps is the host's work (the sums, and a
-rank's wait for its peers). The host writes into the host buffers (zeros for a gradient that
-did not come) only once the last step's copies back are done.
+back into the bucket's buffer on the device, on the communication thread's own stream
+(`CudaStreams.own_stream`). The copies out run on the backward pass's stream and take turns
+with its kernels; what overlaps is the host's work (the sums, and a rank's wait for its
+peers). The host writes into the host buffers (zeros for a gradient that did not come) only
+once the last step's copies back are done.
 
-The buffers live on the parameters' device; the communication thread binds that device. On a
+The buffers live on the parameters' device; the communication thread binds that device and
+works on a stream of its own, so that a bucket's reduction waits for that bucket's fences
+only, not for all the backward pass has queued on the default stream meanwhile. On a
 GPU the hooks copy on the stream autograd runs them on (the user's, under
 `torch.cuda.stream(s)`), not the communication thread's: each bucket's copies are fenced with
 an event on every stream that made them, which the communication thread's stream waits for
@@ -551,6 +553,8 @@ class GradientBuckets:
                     piece, dtype=torch.float32 if piece.element_size() < 4 else None)
             if i in state.kept:
                 state.kept[i].copy_(shaped_like(piece, p))
+                if self._streams is not None:  # allocated on the caller's stream
+                    self._streams.retire(state.kept[i])
         if last:
             return
         if self._streams is not None:

@@ -119,9 +119,12 @@ def shaped_like(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     as `like` is where that is dense in another order than the contiguous one (channels-last
     convolutions): a gradient then has its parameter's strides, as PyTorch's autograd makes it
     (an optimizer's fused and foreach kernels take the slow path on mixed layouts), and a
-    copy between the two is one block. Anything else: contiguous."""
-    if like.is_contiguous() or not _dense(like):
-        return flat.view(like.shape)
+    copy between the two is one block. Anything else: contiguous. The strides are `like`'s
+    exactly, those of its dimensions of size 1 too (which `is_contiguous` does not look at:
+    a channels-last depthwise convolution's weight)."""
+    view = flat.view(like.shape)
+    if view.stride() == like.stride() or not _dense(like):
+        return view
     return flat.as_strided(like.shape, like.stride())
 
 

@@ -49,8 +49,10 @@ class CudaStreams:
         own from now on: what it queues (sums, copies back, NCCL's wait for its producer)
         waits for the fences it is given, not for everything the backward pass has queued on
         the default stream meanwhile (which would hold each bucket's reduction back until
-        the backward caught up with the host; DDP's reducer has a stream of its own too)."""
-        torch.cuda.set_stream(torch.cuda.Stream())
+        the backward caught up with the host; DDP's reducer has a stream of its own too).
+        Of high priority: torch hands out streams of a priority from a small pool, and a
+        user's side streams are of the default one."""
+        torch.cuda.set_stream(torch.cuda.Stream(priority=-1))
 
     def fence(self, stream: object) -> object:
         """An event recorded on `stream` after the work queued on it so far (blocking: a
