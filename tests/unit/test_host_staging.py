@@ -159,7 +159,11 @@ class DeferredStreams:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
+    """`t`'s memory as bytes, in address order (a gradient laid out as its parameter, say
+    transposed, is one block too: a view of it, not a copy in logical order)."""
+    if t.is_contiguous():
+        return t.reshape(-1).view(torch.uint8)
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
 # --- the lifecycle of the registered region --------------------------------------------------
@@ -280,22 +284,27 @@ class TwoBranches(nn.Module):
         return self.out(torch.tanh(h))
 
 
-def _staged_two_branches() -> tuple[TwoBranches, list[nn.Parameter], DeferredStreams, Region,
-                                     HostStaging]:
+def _staged_two_branches(transposed: bool = False) -> tuple[
+        TwoBranches, list[nn.Parameter], DeferredStreams, Region, HostStaging]:
     """The model of the two tests below, its parameters, and a staging over deferred streams
-    with a region it may be lent."""
+    with a region it may be lent; `transposed`: `a`'s weight stored transposed (dense, not
+    contiguous, as a channels-last convolution's), and so its gradient."""
     torch.manual_seed(0)
     model = TwoBranches()
+    if transposed:
+        model.a.weight = nn.Parameter(model.a.weight.detach().t().contiguous().t())
     streams = DeferredStreams()
     return (model, list(model.parameters()), streams, Region(nbytes=16 * mmap.PAGESIZE),
             HostStaging(streams))
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
 @pytest.mark.parametrize("lent", [True, False], ids=["lent", "own"])
-def test_buckets_sum_what_the_gpu_copied_and_copy_the_sums_back_before_the_step_reads_them(lent):
+def test_buckets_sum_what_the_gpu_copied_and_copy_the_sums_back_before_the_step_reads_them(
+        lent, transposed):
     # Step 1 reaches every parameter; step 2 leaves `b` out, so the host writes zeros into
     # b's part of a host buffer that step 1's copies back read: only after they are done.
-    model, params, streams, region, staging = _staged_two_branches()
+    model, params, streams, region, staging = _staged_two_branches(transposed)
     buckets = GradientBuckets(params, bucket_bytes=16 * 17 * 4, first_bucket_bytes=1024,
                               staging=staging)
     assert len(buckets.buckets) >= 3 and buckets.staged
@@ -317,6 +326,7 @@ def test_buckets_sum_what_the_gpu_copied_and_copy_the_sums_back_before_the_step_
         torch.testing.assert_close(summed, meta)
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad, expected[name], rtol=0, atol=0, msg=name)
+            assert p.grad.stride() == p.stride(), name
     assert comm.sums[: len(buckets.buckets)] == [
         b.numel + (len(meta) if i == len(buckets.buckets) - 1 else 0)
         for i, b in enumerate(buckets.buckets)]
@@ -330,12 +340,14 @@ def test_buckets_sum_what_the_gpu_copied_and_copy_the_sums_back_before_the_step_
     assert streams.registered == {}
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
 @pytest.mark.parametrize("lent", [True, False], ids=["lent", "own"])
-def test_flat_buffers_are_filled_by_the_gpu_before_the_host_writes_zeros_into_them(lent):
+def test_flat_buffers_are_filled_by_the_gpu_before_the_host_writes_zeros_into_them(lent,
+                                                                                    transposed):
     # As above, after the backward pass: step 2's zeros for `b` go into host memory that step
     # 1's copy back to the device read, only once the copies of step 2 are done (which the
     # stream orders after step 1's).
-    model, params, streams, region, staging = _staged_two_branches()
+    model, params, streams, region, staging = _staged_two_branches(transposed)
     x = torch.randn(4, 16)
     for use_b in (True, False):
         model.zero_grad(set_to_none=True)
@@ -349,6 +361,7 @@ def test_flat_buffers_are_filled_by_the_gpu_before_the_host_writes_zeros_into_th
         unflatten_grads(params, flat, staging)
         for p, want in zip(params, expected, strict=True):
             torch.testing.assert_close(p.grad, want, rtol=0, atol=0)
+            assert p.grad.stride() == p.stride()
     streams.synchronize()
     assert streams.violations == []
 

@@ -396,8 +396,8 @@ def test_batchnorm_counters_are_not_read_between_forward_and_backward_on_a_gpu(
                          ids=["momentum", "cumulative-average", "frozen"])
 def test_batchnorm_statistics_on_a_gpu_are_a_plain_loops(tmp_path, monkeypatch, model):
     """The GPU's way (forced on the CPU) keeps the statistics of one plain process: layers
-    that share a momentum keep their counters on the device; a cumulative average
-    (momentum None) and a frozen layer take the host's way."""
+    that share a momentum keep their counters on the device (a frozen one among them adds no
+    term); a cumulative average (momentum None) takes the host's way."""
     _gpu_way(monkeypatch, True)
     replica = _bn_replica(tmp_path, model)
     try:
@@ -506,3 +506,49 @@ def test_summed_gradients_of_channels_last_parameters_keep_their_strides(tmp_pat
     assert _StridesSeen.seen == [True] * 3
     expected = fidelity.reference(job, 3, B, 4, 3)
     torch.testing.assert_close(replica.model.state_dict(), expected)
+
+
+class _ThreeNorms(nn.Module):
+    """Three BatchNorm layers, those in `frozen` held in eval mode through train()."""
+
+    frozen: tuple[int, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _momentum_cnn()
+        self.body.insert(6, nn.BatchNorm2d(4))  # a third layer, before the pooling
+        with torch.no_grad():
+            for i, bn in enumerate(self.norms()):
+                bn.running_mean.fill_(0.5 * i)
+                bn.running_var.fill_(1.0 + i)
+
+    def norms(self) -> list[nn.BatchNorm2d]:
+        return [m for m in self.body if isinstance(m, nn.BatchNorm2d)]
+
+    def train(self, mode: bool = True) -> _ThreeNorms:
+        super().train(mode)
+        for i, bn in enumerate(self.norms()):
+            if i in self.frozen:
+                bn.eval()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("gpu_way", [True, False], ids=["gpu_way", "cpu_way"])
+@pytest.mark.parametrize("frozen", [(), (0,), (1, 2), (0, 1, 2)],
+                         ids=["none", "first", "last-two", "all"])
+def test_some_batchnorm_layers_frozen_keep_a_plain_loops_statistics(tmp_path, monkeypatch,
+                                                                     gpu_way, frozen):
+    _gpu_way(monkeypatch, gpu_way)
+    model = type("Frozen", (_ThreeNorms,), {"frozen": frozen})
+    replica = _bn_replica(tmp_path, model)
+    try:
+        records = [replica.run_step(BatchPlan(B, (B,), (4,)), []) for _ in range(3)]
+    finally:
+        replica.close()
+    assert all(isinstance(r, StepRecord) for r in records)
+    job = TrainJob(model=model, optimizer=fidelity.sgd, loss=fidelity.classify,
+                   dataset=fidelity.images)
+    torch.testing.assert_close(replica.model.state_dict(), fidelity.reference(job, 3, B, 4, 3))
