@@ -93,7 +93,9 @@ def load(host: ComputeHost, step: int, seed: int, samples: torch.Tensor) -> Any:
             set_generator_state(state)
             return host.move(batch, host.device)
     batch = load_piece(host.dataset, host.collate, indices, seed)
-    if host.config.data.pin_memory:  # no loader processes: pinned here, as DataLoader does
+    if host.config.data.pin_memory and host.device.type == "cuda":
+        # Read here (no loader processes, or a piece they did not have): pinned here, on the
+        # step's path, as DataLoader with num_workers=0 pins.
         batch = pin_batch(batch)
     return host.move(batch, host.device)
 

@@ -458,4 +458,4 @@ def pin_batch(batch: Any) -> Any:
 
 
 def _page_locked(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_pinned() else t.pin_memory()
+    return t if t.device.type != "cpu" or t.is_pinned() else t.pin_memory()

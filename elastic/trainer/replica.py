@@ -283,6 +283,9 @@ class Replica:
                 if id(p) in parts}
 
     def load_state_bytes(self, data: bytes) -> None:
+        """Takes a peer's committed state (`state_bytes`). With sharded state its parameters
+        are this rank's own, which `OptimizerShards.take_values` set as the generation formed
+        (`sync_sharded` runs it first)."""
         state = state_from_bytes(data)
         if self.shards is not None:  # the parameters this rank took as the generation formed
             own = self.model.state_dict()

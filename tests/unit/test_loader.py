@@ -372,14 +372,14 @@ def test_a_batch_pinning_cannot_rebuild_is_left_as_it_is(monkeypatch):
     assert loader_module._pin(batch) is batch
 
 
-def test_without_loader_processes_the_worker_pins_each_batch_it_reads(tmp_path, monkeypatch):
-    """`data.pin_memory` with `loader_workers=0`: each micro-batch pinned as it is read, as
-    `DataLoader(num_workers=0, pin_memory=True)` does (before, nothing was pinned)."""
-    from elastic import BatchConfig, FitConfig, ScalingConfig
-    from elastic.adapt.plan import BatchPlan
-    from elastic.config import DataConfig
-    from elastic.trainer.replica import Replica, StepRecord
-    from tests.gpu.planes import PlaneCheck
+def test_without_loader_processes_the_worker_pins_each_batch_it_reads(monkeypatch):
+    """`data.pin_memory` with `loader_workers=0` on a GPU worker: each micro-batch pinned as it
+    is read, as `DataLoader(num_workers=0, pin_memory=True)` does (before, nothing was
+    pinned); a tensor the data set already put on a device is left there."""
+    from types import SimpleNamespace
+
+    from elastic.trainer import loader as loader_module
+    from elastic.trainer.compute import load
 
     pinned: list[tuple[int, ...]] = []
 
@@ -388,13 +388,15 @@ def test_without_loader_processes_the_worker_pins_each_batch_it_reads(tmp_path, 
         return self.clone()
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
-    config = FitConfig(scaling=ScalingConfig(num_workers=1, use_gpu=True), max_steps=2,
-                       batch=BatchConfig(global_batch_size=8, autotune=False, rebalance=False),
-                       data=DataConfig(pin_memory=True), run_dir=str(tmp_path))
-    replica = Replica(jobs.regression_job(), config, str(tmp_path))
-    replica.comm = PlaneCheck(cuda=False)
-    try:
-        assert isinstance(replica.run_step(BatchPlan(8, (8,), (4,)), []), StepRecord)
-    finally:
-        replica.close()
-    assert len(pinned) == 2 * 2  # two micro-batches of (x, y)
+    dataset = jobs.make_dataset()
+    moved: list = []
+    for gpu in (True, False):
+        host = SimpleNamespace(
+            prefetcher=None, dataset=dataset, collate=default_collate,
+            config=SimpleNamespace(data=SimpleNamespace(pin_memory=True)),
+            device=torch.device("cuda" if gpu else "cpu"),
+            move=lambda batch, device: moved.append(batch) or batch)
+        load(host, 0, 1, torch.tensor([3, 1, 4]))
+    assert pinned == [(3, 6), (3, 1)]  # the GPU worker's batch only: x and y
+    meta = torch.empty(2, device="meta")  # already on a device: not pinned
+    assert loader_module._pin([meta])[0] is meta
