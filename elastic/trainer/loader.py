@@ -37,6 +37,7 @@ blocks for the next ones).
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import random
@@ -444,11 +445,26 @@ def _pin(batch: Any) -> Any:
     """`batch` with every tensor in page-locked memory, in the containers `move_batch` takes
     (kept with their types: OrderedDict, Hugging Face's `BatchEncoding`, dataclasses, named
     tuples, list subclasses); a batch holding a container it cannot rebuild stays as it is
-    (the job's own `TrainJob.move_batch` may know it; the default move says what to do)."""
+    (the job's own `TrainJob.move_batch` may know it; the default move says what to do). So
+    does a batch that page-locked memory has no room for (`cudaHostAlloc` failed: the batches
+    read ahead hold it, or the host's limit on locked memory): its copy to the GPU then waits,
+    training goes on, and the first such failure is logged."""
     try:
         return map_tensors(batch, _page_locked)
     except UnbuildableBatch:
         return batch
+    except RuntimeError as e:
+        global _unpinned_said
+        if not _unpinned_said:
+            _unpinned_said = True
+            _logger.warning("data.pin_memory: a batch could not be pinned (%s); it is copied to "
+                            "the GPU from pageable memory, and so is any other that cannot be "
+                            "(fewer data.prefetch_steps hold less pinned memory)", e)
+        return batch
+
+
+_logger = logging.getLogger(__name__)
+_unpinned_said = False
 
 
 def pin_batch(batch: Any) -> Any:

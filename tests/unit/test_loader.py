@@ -400,3 +400,22 @@ def test_without_loader_processes_the_worker_pins_each_batch_it_reads(monkeypatc
     assert pinned == [(3, 6), (3, 1)]  # the GPU worker's batch only: x and y
     meta = torch.empty(2, device="meta")  # already on a device: not pinned
     assert loader_module._pin([meta])[0] is meta
+
+
+def test_a_batch_page_locked_memory_has_no_room_for_is_used_unpinned_and_said_once(monkeypatch,
+                                                                                  caplog):
+    """`cudaHostAlloc` failing (the batches read ahead hold the locked memory, or the host's
+    limit) ended the step as the user's error; training goes on with a pageable copy."""
+    from elastic.trainer import loader as loader_module
+
+    def pin(self, *args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(loader_module, "_unpinned_said", False)
+    batch = [torch.ones(2), torch.zeros(2)]
+    with caplog.at_level("WARNING", logger="elastic.trainer.loader"):
+        assert loader_module._pin(batch) is batch
+        assert loader_module._pin(batch) is batch
+    said = [r for r in caplog.records if "could not be pinned" in r.getMessage()]
+    assert len(said) == 1 and "out of memory" in said[0].getMessage()
