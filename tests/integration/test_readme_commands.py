@@ -346,14 +346,16 @@ def test_every_readme_command_runs_and_gives_what_it_promises(head, tmp_path):
 
 @pytest.mark.timeout(1100)
 def test_the_gpu_check_rehearses_every_part_on_the_cpu(head, tmp_path):
-    """`GPU_CHECK_DEVICE=cpu GPU_CHECK_PROFILE=1 bash scripts/gpu_check.sh`: every part's own
-    command line and the profile's, at a tiny size on CPU workers, so that a mistake in the
+    """`GPU_CHECK_DEVICE=cpu GPU_CHECK_PROFILE=1 bash scripts/gpu_check.sh`: the parts' own
+    command lines and the profile's, at a tiny size on CPU workers, so that a mistake in the
     check costs no GPU time: the tier is collected (each GPU test skipped here), the step,
-    throughput, data and allreduce benches run and write what the summary reads, and the
-    summary passes as a rehearsal."""
+    throughput and allreduce benches run and write what the summary reads, and the summary
+    passes as a rehearsal. The data part is left out here (40 s): its command is the README's
+    `elastic bench data` at the same size, which this module runs."""
     out = tmp_path / "check"
     env = {**head["env"], "RAY_ADDRESS": head["gcs"], "GPU_CHECK_DEVICE": "cpu",
            "GPU_CHECK_OUT": str(out), "PY": str(BIN / "python"), "GPU_CHECK_PROFILE": "1",
+           "GPU_CHECK_PARTS": "tier,step,throughput,allreduce",
            # Each part's own limit, well inside this test's: a part that hangs fails by name.
            **{f"GPU_CHECK_{part}_S": "150" for part in
               ("TIER", "STEP", "BENCH", "DATA", "ALLREDUCE", "PROFILE")}}
@@ -374,7 +376,7 @@ def test_the_gpu_check_rehearses_every_part_on_the_cpu(head, tmp_path):
     assert re.search(r"^replica buckets at one rank: [\d.]+ ms/step", profile, re.M)
     parts = [line.split() for line in (out / "parts.txt").read_text().splitlines()]
     assert [(name, rc) for name, rc, _ in parts] == [
-        (name, "0") for name in ("tier", "step", "throughput", "data", "allreduce")]
+        (name, "0") for name in ("tier", "step", "throughput", "allreduce")]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rehearsal"] and summary["passed"]
     [suite] = ElementTree.parse(out / "tier.xml").getroot()
@@ -389,6 +391,5 @@ def test_the_gpu_check_rehearses_every_part_on_the_cpu(head, tmp_path):
         (m, runner) for m in models for runner in ("plain", "elastic-1", "elastic-2")]
     for r in throughput["results"]:
         assert r["per_s"] > 0 and r["steps"] == 3 and (r["phases"] is None) == (r["runner"] == "plain")
-    assert json.loads((out / "data.json").read_text())["loader_workers"] == 1
     allreduce = json.loads((out / "allreduce.json").read_text())
     assert allreduce["hosts"] == 2 and all(r["correct"] for r in allreduce["records"])
