@@ -13,7 +13,6 @@ import random
 import pytest
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from elastic import BatchConfig, FitConfig, ScalingConfig
 from elastic.adapt.groups import decide_grouping
@@ -27,6 +26,7 @@ from elastic.trainer.exact import ExactSum
 from elastic.trainer.replica import OutOfMemory, Replica, StepRecord, UserFailure
 from elastic.trainer.step import Rescale, Vote, verdict
 from tests import fidelity
+from tests.reads import HostReads
 from tests.threads import run_ranks
 from tests.unit.test_split_independence import SEED, B, G, _elastic, _SerialReplica
 
@@ -175,23 +175,6 @@ def test_exact_mode_turns_groups_on_for_any_model():
 
 
 # --- whole runs -------------------------------------------------------------------------------
-
-class HostReads(TorchFunctionMode):
-    """Counts the reads of a tensor's values by the host (each a wait for the device on a
-    GPU) made under it."""
-
-    READS = frozenset({"tolist", "item", "__float__", "__bool__", "__int__", "__index__", "cpu",
-                       "numpy"})
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.READS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
 
 @pytest.fixture
 def gpu_way(monkeypatch):

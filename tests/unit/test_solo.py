@@ -11,7 +11,6 @@ import threading
 import pytest
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from elastic import BatchConfig, FitConfig, ScalingConfig, TrainJob
 from elastic.adapt.plan import BatchPlan
@@ -24,6 +23,7 @@ from elastic.trainer.replica import NonFinite, Replica, StepRecord, UserFailure
 from tests import fidelity
 from tests.gpu.planes import PlaneCheck
 from tests.jobs import reference_weights, regression_job
+from tests.reads import READS, HostReads
 from tests.threads import run_ranks
 
 B = 16
@@ -335,20 +335,8 @@ class _Twice(nn.Module):
         return self.head(self.bn(self.bn(self.conv(x))).mean((2, 3)))
 
 
-class _HostReads(TorchFunctionMode):
-    """Counts the host's reads of tensor values (on a GPU each waits for the device)."""
-
-    READS = frozenset({"tolist", "item", "__float__", "__bool__", "__int__", "__index__",
-                       "cpu", "equal", "numpy"})
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.READS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+# and torch.equal, which the buffers' bookkeeping calls (a read on a GPU too)
+_READS = READS | {"equal"}
 
 
 def _gpu_way(monkeypatch, on: bool) -> None:
@@ -368,6 +356,20 @@ def _bn_replica(tmp_path, model) -> Replica:
     return replica
 
 
+def _trains_as_a_plain_loop(tmp_path, model) -> None:
+    """Three steps of four micro-batches of 4 at one rank end on a plain loop's weights and
+    statistics."""
+    replica = _bn_replica(tmp_path, model)
+    try:
+        records = [replica.run_step(BatchPlan(B, (B,), (4,)), []) for _ in range(3)]
+    finally:
+        replica.close()
+    assert all(isinstance(r, StepRecord) for r in records)
+    job = TrainJob(model=model, optimizer=fidelity.sgd, loss=fidelity.classify,
+                   dataset=fidelity.images)
+    torch.testing.assert_close(replica.model.state_dict(), fidelity.reference(job, 3, B, 4, 3))
+
+
 @pytest.mark.parametrize("gpu_way", [True, False], ids=["gpu_way", "cpu_way"])
 def test_batchnorm_counters_are_not_read_between_forward_and_backward_on_a_gpu(
         tmp_path, monkeypatch, gpu_way):
@@ -382,7 +384,7 @@ def test_batchnorm_counters_are_not_read_between_forward_and_backward_on_a_gpu(
     reads = []
     try:
         for micro in (B, 4, B, 4):
-            with _HostReads() as counted:
+            with HostReads(_READS) as counted:
                 assert isinstance(replica.run_step(BatchPlan(B, (B,), (micro,)), []), StepRecord)
             reads.append(counted.count)
     finally:
@@ -399,15 +401,7 @@ def test_batchnorm_statistics_on_a_gpu_are_a_plain_loops(tmp_path, monkeypatch, 
     that share a momentum keep their counters on the device (a frozen one among them adds no
     term); a cumulative average (momentum None) takes the host's way."""
     _gpu_way(monkeypatch, True)
-    replica = _bn_replica(tmp_path, model)
-    try:
-        records = [replica.run_step(BatchPlan(B, (B,), (4,)), []) for _ in range(3)]
-    finally:
-        replica.close()
-    assert all(isinstance(r, StepRecord) for r in records)
-    job = TrainJob(model=model, optimizer=fidelity.sgd, loss=fidelity.classify,
-                   dataset=fidelity.images)
-    torch.testing.assert_close(replica.model.state_dict(), fidelity.reference(job, 3, B, 4, 3))
+    _trains_as_a_plain_loop(tmp_path, model)
 
 
 @pytest.mark.parametrize("gpu_way", [True, False], ids=["gpu_way", "cpu_way"])
@@ -453,7 +447,7 @@ def test_other_buffers_are_compared_in_one_read_on_a_gpu(monkeypatch, gpu_way):
         sync.before_piece(0)
         model(torch.randn(2, 3), count)
         sync.after_piece(0)
-        with _HostReads() as counted:
+        with HostReads(_READS) as counted:
             flags.append(float(sync.section()[0]))
         reads.append(counted.count)
         sync.rollback()
@@ -543,12 +537,4 @@ def test_some_batchnorm_layers_frozen_keep_a_plain_loops_statistics(tmp_path, mo
                                                                      gpu_way, frozen):
     _gpu_way(monkeypatch, gpu_way)
     model = type("Frozen", (_ThreeNorms,), {"frozen": frozen})
-    replica = _bn_replica(tmp_path, model)
-    try:
-        records = [replica.run_step(BatchPlan(B, (B,), (4,)), []) for _ in range(3)]
-    finally:
-        replica.close()
-    assert all(isinstance(r, StepRecord) for r in records)
-    job = TrainJob(model=model, optimizer=fidelity.sgd, loss=fidelity.classify,
-                   dataset=fidelity.images)
-    torch.testing.assert_close(replica.model.state_dict(), fidelity.reference(job, 3, B, 4, 3))
+    _trains_as_a_plain_loop(tmp_path, model)
