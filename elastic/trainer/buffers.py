@@ -111,9 +111,12 @@ class BufferSync:
         self._sums: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._ran: list[bool] = []
         # On a GPU (`_deferred`): each forward pass's calls per layer, on the device, checked
-        # in the step's one read (`unread`, `settle`) instead of read after each forward.
+        # in the step's one read (`unread`, `settle`) instead of read after each forward; and
+        # the step's as one tensor (forward passes x layers), once asked for.
         self._deferred = False
-        self._calls: list[tuple[int, torch.Tensor]] = []
+        self._calls: list[torch.Tensor] = []
+        self._stacked: torch.Tensor | None = None
+        self._training: list[bool] = []  # which layers the last `before_piece` zeroed
         self._pieces = 0
         self._exact: ExactSum | None = None
         self._slot = 0
@@ -137,7 +140,7 @@ class BufferSync:
         """Snapshot before a step of `pieces` forward passes over all ranks."""
         self._pieces = pieces
         self._refresh_views()
-        self._calls = []
+        self._calls, self._stacked = [], None
         self._deferred = self._defers()
         if self._deferred:  # the counters stay on the device: nothing here waits for it
             self._begin_whole([None] * len(self.norms))
@@ -207,7 +210,7 @@ class BufferSync:
         its statistics, which stay as they are; its forward adds no term."""
         with torch.no_grad():
             if self._stat_tensors:
-                training = [m.training for _, m in self.norms]
+                self._training = training = [m.training for _, m in self.norms]
                 if all(training):
                     torch._foreach_zero_(self._stat_tensors)
                 elif any(training):
@@ -282,13 +285,13 @@ class BufferSync:
         their momentum. A layer in training mode that did not run holds zeros (`before_piece`):
         its term adds nothing."""
         assert self._flat_sums is not None and self._tracked is not None
-        self._calls.append((k, torch.cat(self._count_views).sub_(self._tracked)))
+        self._calls.append(torch.cat(self._count_views).sub_(self._tracked).sub_(k))
+        self._stacked = None
         weight = self._later_decay(self.norms[0][1], None, k)
-        training = [m.training for _, m in self.norms]
-        if all(training):
+        if all(self._training):
             self._flat_sums.add_(torch.cat(self._stat_flat).to(torch.float64), alpha=weight)
             return
-        for ((_, m), (mean, var), on) in zip(self.norms, self._sums, training, strict=True):
+        for ((_, m), (mean, var), on) in zip(self.norms, self._sums, self._training, strict=True):
             if on:
                 mean.add_(m.running_mean.detach().to(torch.float64), alpha=weight)
                 var.add_(m.running_var.detach().to(torch.float64), alpha=weight)
@@ -299,8 +302,14 @@ class BufferSync:
         is well; `settle` raises otherwise). Empty where `after_piece` checked them itself."""
         if not self._calls:
             return []
-        calls = torch.stack([c - k for k, c in self._calls])
+        calls = self._all_calls()
         return [((calls < 0) | (calls > 1)).sum()]
+
+    def _all_calls(self) -> torch.Tensor:
+        """This step's calls per forward pass and layer, as one tensor on the device."""
+        if self._stacked is None:
+            self._stacked = torch.stack(self._calls)
+        return self._stacked
 
     def settle(self, values: list[float]) -> None:
         """Takes the values read for `unread`.
@@ -310,8 +319,8 @@ class BufferSync:
         """
         if not values or values[0] == 0:
             return
-        for k, calls in self._calls:  # an error: the counters read to name the layer
-            for (name, _), ran in zip(self.norms, (calls - k).tolist(), strict=True):
+        for calls in self._calls:  # an error: the counters read to name the layer
+            for (name, _), ran in zip(self.norms, calls.tolist(), strict=True):
                 if ran not in (0, 1):
                     raise _ran_again(name, ran)
 
@@ -333,7 +342,7 @@ class BufferSync:
         parts = [torch.tensor([float(self._others_changed())], dtype=torch.float64)]
         if self._deferred and self._calls:  # which layers ran: from the counters on the device
             assert self._flat_sums is not None
-            ran = (torch.stack([c - k for k, c in self._calls]) == 1).any(0)
+            ran = (self._all_calls() == 1).any(0)
             parts.append(torch.cat([ran.to(torch.float64), self._flat_sums]).cpu())
         else:
             parts.append(torch.tensor([float(r) for r in self._ran], dtype=torch.float64))
