@@ -438,10 +438,10 @@ def _pinned(batch: Any, device: torch.device | None) -> Any:
     `DataLoader`'s pin-memory thread binds it)."""
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
-    return _pin(batch)
+    return pin_batch(batch)
 
 
-def _pin(batch: Any) -> Any:
+def pin_batch(batch: Any) -> Any:
     """`batch` with every tensor in page-locked memory, in the containers `move_batch` takes
     (kept with their types: OrderedDict, Hugging Face's `BatchEncoding`, dataclasses, named
     tuples, list subclasses); a batch holding a container it cannot rebuild stays as it is
@@ -465,12 +465,6 @@ def _pin(batch: Any) -> Any:
 
 _logger = logging.getLogger(__name__)
 _unpinned_said = False
-
-
-def pin_batch(batch: Any) -> Any:
-    """`_pin`, for a batch the worker read itself (`data.pin_memory` without loader
-    processes)."""
-    return _pin(batch)
 
 
 def _page_locked(t: torch.Tensor) -> torch.Tensor:

@@ -202,13 +202,13 @@ def test_loader_batches_are_pinned_ahead_on_a_thread_bound_to_the_workers_gpu():
 
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     job = regression_job()
-    bound, pin = [], loader_module._pin
+    bound, pin = [], loader_module.pin_batch
 
     def recording_pin(batch):
         bound.append(torch.cuda.current_device())
         return pin(batch)
 
-    loader_module._pin = recording_pin
+    loader_module.pin_batch = recording_pin
     loader = Prefetcher(job, 1, "spawn", torch.get_rng_state(), pin_memory=True, device=device)
     try:
         pieces = [Piece(0, 1, (3, 1, 4)), Piece(1, 2, (5, 9))]
@@ -222,4 +222,4 @@ def test_loader_batches_are_pinned_ahead_on_a_thread_bound_to_the_workers_gpu():
         assert thread.is_alive() and bound == [device.index] * len(pieces)
     finally:
         loader.close()
-        loader_module._pin = pin
+        loader_module.pin_batch = pin

@@ -95,7 +95,7 @@ def test_a_killed_loader_process_is_an_error_of_that_piece_then_loaders_restart(
 
 
 class _FakePin:
-    """`elastic.trainer.loader._pin` on a machine without CUDA: records which thread pinned
+    """`elastic.trainer.loader.pin_batch` on a machine without CUDA: records which thread pinned
     which piece's batch (told apart by their samples), in one order with the test's own notes,
     and returns it marked as pinned; raises for the piece `fail`."""
 
@@ -138,7 +138,7 @@ def test_batches_are_pinned_on_a_thread_of_their_own_as_they_arrive(prefetcher, 
     pieces = [Piece(0, 1, (5, 1)), Piece(1, 2, (9, 3)), Piece(2, 3, (40,)), Piece(3, 4, (7,)),
               Piece(9, 9, (11,))]
     fake = _FakePin(job, pieces, fail=pieces[2])
-    monkeypatch.setattr(loader_module, "_pin", fake)
+    monkeypatch.setattr(loader_module, "pin_batch", fake)
     loader = prefetcher(job, workers=1, pin_memory=True)
     loader.want(pieces[:4])
     first = loader.take(pieces[0])
@@ -174,7 +174,7 @@ def test_a_piece_dropped_before_its_turn_to_be_pinned_is_never_pinned(prefetcher
     job = fidelity.augmented_job()
     pieces = [Piece(0, 1, (5, 1)), Piece(1, 2, (9, 3)), Piece(2, 3, (40,))]
     fake = _FakePin(job, pieces, hold=pieces[0])
-    monkeypatch.setattr(loader_module, "_pin", fake)
+    monkeypatch.setattr(loader_module, "pin_batch", fake)
     loader = prefetcher(job, workers=1, pin_memory=True)
     # The pinning thread is held in piece 0's copy while pieces 1 and 2 arrive behind it.
     wait_until(lambda: loader.want(pieces) or all(p in loader._ready for p in pieces), limit=60)
@@ -343,7 +343,7 @@ def test_pinning_keeps_every_container_and_pins_every_tensor_in_it(monkeypatch):
     batch = {"ordered": OrderedDict(a=t), "default": defaultdict(list, b=t),
              "encoding": _Encoding({"input_ids": t}, "fast"), "sample": _Sample(t, "s"),
              "pair": _Pair(t, [t, 1]), "tagged": _Tagged([t, "x"], "y"), "text": "hello"}
-    out = loader_module._pin(batch)
+    out = loader_module.pin_batch(batch)
     assert type(out["ordered"]) is OrderedDict and type(out["default"]) is defaultdict
     assert type(out["encoding"]) is _Encoding and out["encoding"].tag == "fast"
     assert type(out["sample"]) is _Sample and out["sample"].name == "s"
@@ -369,7 +369,7 @@ def test_a_batch_pinning_cannot_rebuild_is_left_as_it_is(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self.clone())
     batch = _Odd(torch.ones(2), torch.zeros(2), "x")
-    assert loader_module._pin(batch) is batch
+    assert loader_module.pin_batch(batch) is batch
 
 
 def test_without_loader_processes_the_worker_pins_each_batch_it_reads(monkeypatch):
@@ -399,7 +399,7 @@ def test_without_loader_processes_the_worker_pins_each_batch_it_reads(monkeypatc
         load(host, 0, 1, torch.tensor([3, 1, 4]))
     assert pinned == [(3, 6), (3, 1)]  # the GPU worker's batch only: x and y
     meta = torch.empty(2, device="meta")  # already on a device: not pinned
-    assert loader_module._pin([meta])[0] is meta
+    assert loader_module.pin_batch([meta])[0] is meta
 
 
 def test_a_batch_page_locked_memory_has_no_room_for_is_used_unpinned_and_said_once(monkeypatch,
@@ -415,7 +415,7 @@ def test_a_batch_page_locked_memory_has_no_room_for_is_used_unpinned_and_said_on
     monkeypatch.setattr(loader_module, "_unpinned_said", False)
     batch = [torch.ones(2), torch.zeros(2)]
     with caplog.at_level("WARNING", logger="elastic.trainer.loader"):
-        assert loader_module._pin(batch) is batch
-        assert loader_module._pin(batch) is batch
+        assert loader_module.pin_batch(batch) is batch
+        assert loader_module.pin_batch(batch) is batch
     said = [r for r in caplog.records if "could not be pinned" in r.getMessage()]
     assert len(said) == 1 and "out of memory" in said[0].getMessage()
