@@ -49,7 +49,8 @@ class CudaStreams:
         own from now on: what it queues (sums, copies back, NCCL's wait for its producer)
         waits for the fences it is given, not for everything the backward pass has queued on
         the default stream meanwhile (which would hold each bucket's reduction back until
-        the backward caught up with the host; DDP's reducer has a stream of its own too).
+        the backward caught up with the host; c10d's NCCL process group also runs its
+        collectives on streams of its own).
         Of high priority: torch hands out streams of a priority from a small pool, and a
         user's side streams are of the default one."""
         torch.cuda.set_stream(torch.cuda.Stream(priority=-1))
