@@ -358,6 +358,27 @@ class Communicator:
                 flat.div_(self.world_size)
         return tensor
 
+    def start_allreduce(self, tensor: torch.Tensor) -> list[Pending] | None:
+        """Starts summing a contiguous `tensor` across ranks and returns at once, where the
+        data plane runs its collectives in the order they are issued without the host (NCCL,
+        with `CollectiveConfig.algorithm` 'auto' or 'native'): `wait` on the handles finishes
+        it, and what the caller's stream runs after that sees the sum. So a caller issues the
+        next collective while this one runs, as DDP's buckets do. None where the sum is the
+        host's work: `allreduce` does it then.
+
+        Raises:
+            ValueError: `tensor` is not contiguous.
+        """
+        self._check_usable()
+        if self._transport.name != "nccl" or self.config.algorithm not in ("auto", "native"):
+            return None
+        if not tensor.is_contiguous():
+            raise ValueError("start_allreduce needs a contiguous tensor")
+        if self.world_size == 1 or tensor.numel() == 0:
+            return []
+        flat = tensor.view(-1)
+        return self._post(lambda: self._transport.allreduce(flat, "sum"))
+
     def shared_buffers(self, sizes: dict[torch.dtype, int]) -> dict[torch.dtype, torch.Tensor] | None:
         """Host buffers of `sizes[dtype]` elements each in this rank's shared region, or None
         (no region, or they do not fit). An allreduce of one of them, whole, with the

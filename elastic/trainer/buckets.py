@@ -6,6 +6,10 @@ During the backward pass of a step's last micro-batch, a hook copies each gradie
 bucket as soon as it is accumulated; a bucket whose gradients are all in is reduced at once by
 a communication thread, while backward goes on. Buckets are reduced strictly in index order,
 so every rank issues the same collectives in the same order whatever order its hooks fire in.
+On NCCL the thread only issues a bucket's allreduce and goes on to the next bucket, which NCCL
+runs behind it on its stream with no host round trip between them (the thread finishes them
+in order: each one found done as it goes, the rest once the last is issued); on the host plane
+and the CPU transports the host sums a bucket before the next.
 
 The last bucket also carries the step's metadata (summed loss, one vote per rank, the ledger),
 so it is launched only when the backward pass has finished on this rank; a rank whose user
@@ -50,6 +54,7 @@ parameters with no further collective.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Callable, Collection
@@ -60,6 +65,7 @@ from typing import Any
 import torch
 
 from elastic.collective import Communicator
+from elastic.collective.transport import Pending
 from elastic.trainer.device import bind_thread, finite_sum, shaped_like
 from elastic.trainer.staging import CudaStreams, HostStaging
 
@@ -502,13 +508,19 @@ class GradientBuckets:
 
     def _reduce_all(self, comm: Communicator, state: _StepState) -> object | None:
         """The communication thread's step: every bucket reduced in order, each after its
-        fences; returns a fence on this thread's stream after the last (GPU), else None."""
+        fences; returns a fence on this thread's stream after the last (GPU), else None.
+
+        On NCCL a bucket's allreduce is only issued (`Communicator.start_allreduce`): the
+        next bucket's goes out as soon as it is ready, while the earlier ones run, and the
+        thread waits for them in order (a bucket's sums are read, with sharded gradients,
+        once it is done). Elsewhere the host sums each bucket before the next."""
         sums: list[torch.Tensor] = []
         last = len(self.buckets) - 1
+        running: collections.deque[tuple[int, list[Pending]]] = collections.deque()
         for i, bucket in enumerate(self.buckets):
             state.ready[i].wait()
             if state.abandoned:
-                return None
+                return None  # the communicator is aborted as the generation re-forms
             if state.host is not None:  # the host reads what the device copied
                 for fence in state.fences[i]:
                     self._streams.block(fence)
@@ -523,21 +535,42 @@ class GradientBuckets:
             sums.append(finite_sum(buffer[: bucket.numel]).reshape(1).to(torch.float64))
             if i == last and self._joined:
                 self._vote_nonfinite(buffer[bucket.numel :], state, _finite(sums))
-            comm.allreduce(buffer)
-            if state.host is not None:  # the sums back to the device, on this thread's stream
-                device = state.buffers[i]
-                assert device is not None
-                self._streams.copy(device, buffer[: bucket.numel])
-                # Not reused before the copy is done, whoever frees it (an error ends the
-                # step before the caller's stream waits for this one).
-                self._streams.retire(device)
-            if state.kept is not None:
-                self._keep_share(state, i, buffer, last=i == last)
+            started = None if state.host is not None else comm.start_allreduce(buffer)
+            if started is None:
+                comm.allreduce(buffer)
+                self._summed(state, i, buffer)
+                continue
+            running.append((i, started))
+            while running and all(h.is_done() for h in running[0][1]):
+                self._finished(comm, state, *running.popleft())
+        while running:
+            self._finished(comm, state, *running.popleft())
         if not self._joined:
             assert state.meta_separate is not None
             self._vote_nonfinite(state.meta_separate, state, _finite(sums))
             comm.control.allreduce(state.meta_separate)
         return self._streams.fence(self._streams.current()) if self._streams is not None else None
+
+    def _finished(self, comm: Communicator, state: _StepState, b: int,
+                  started: list[Pending]) -> None:
+        """Waits for bucket `b`'s started allreduce (this thread's stream then follows it)."""
+        comm.wait(started)
+        buffer = state.buffers[b]
+        assert buffer is not None, f"bucket {b} released while it was summed"
+        self._summed(state, b, buffer)
+
+    def _summed(self, state: _StepState, b: int, buffer: torch.Tensor) -> None:
+        """Bucket `b` is summed in `buffer`: on the host plane the sums go back to the device
+        (on this thread's stream), and sharded gradients take their share."""
+        if state.host is not None:
+            device = state.buffers[b]
+            assert device is not None
+            self._streams.copy(device, buffer[: self.buckets[b].numel])
+            # Not reused before the copy is done, whoever frees it (an error ends the
+            # step before the caller's stream waits for this one).
+            self._streams.retire(device)
+        if state.kept is not None:
+            self._keep_share(state, b, buffer, last=b == len(self.buckets) - 1)
 
     def _keep_share(self, state: _StepState, b: int, buffer: torch.Tensor, last: bool) -> None:
         """Sharded gradients, on the communication thread once bucket `b` is summed: the

@@ -15,12 +15,12 @@ import torch
 
 from elastic import BatchConfig, FitConfig, ScalingConfig
 from elastic.adapt.plan import BatchPlan
-from elastic.collective import RendezvousServer
+from elastic.collective import RendezvousServer, nccl_sim
 from elastic.collective import communicator as communicator_module
 from elastic.collective.transport import Transport
 from elastic.config import CollectiveConfig
 from elastic.trainer.replica import Replica, StepRecord
-from tests.jobs import reference_weights, regression_job
+from tests.jobs import reference_run, reference_weights, regression_job, wide_job
 from tests.threads import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -125,3 +125,98 @@ def test_only_gradients_reach_the_nccl_plane(tmp_path, monkeypatch, overlap):
         assert sent == received and sent % steps == 0
         meta_lengths.append(sent // steps)
     assert meta_lengths[0] == meta_lengths[1] and meta_lengths[0] > B  # the ledger rides along
+
+
+class Gated(Recording):
+    """Holds this rank's NCCL stream behind a gate from its first allreduce on, and opens the
+    gate when the step's `buckets`-th allreduce is issued: so every bucket goes out only if
+    none waits for the one before it (no collective can finish while the gate is shut)."""
+
+    def __init__(self, inner: Transport, log: list, buckets: int) -> None:
+        super().__init__(inner, log)
+        self.buckets, self.gate, self.held = buckets, threading.Event(), []
+
+    def allreduce(self, tensor, op):
+        if not self.log:
+            def hold():  # a kernel on the NCCL stream, ahead of the step's first collective
+                self.held.append(self.gate.wait(30))
+            nccl_sim.launch(hold, on=self.inner._stream)
+        pending = super().allreduce(tensor, op)
+        if len(self.log) == self.buckets:
+            self.gate.set()
+        return pending
+
+
+def test_nccl_buckets_go_out_without_waiting_for_the_one_before(tmp_path, monkeypatch):
+    config = FitConfig(
+        scaling=ScalingConfig(num_workers=2, min_workers=1),
+        collective=CollectiveConfig(backend="nccl", nccl_simulator=True, overlap=True,
+                                    bucket_bytes=64 << 10, first_bucket_bytes=16 << 10),
+        batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+        run_dir=str(tmp_path), max_steps=1)
+    job = wide_job()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        replica = Replica(job, config, str(tmp_path))  # how many buckets it sums in
+    buckets = len(replica.reducer.buckets.buckets)
+    assert buckets >= 4
+    gated: list[Gated] = []
+    make = communicator_module._make_transports
+
+    def gating(config, rank, world_size, store, address, *rest):
+        data, control = make(config, rank, world_size, store, address, *rest)
+        if rank == 0:
+            gated.append(Gated(data, [], buckets))
+            return gated[-1], control
+        return data, control
+
+    monkeypatch.setattr(communicator_module, "_make_transports", gating)
+    building = threading.Lock()
+
+    def body(comm):
+        with building:
+            replica = Replica(job, config, str(tmp_path))
+        replica.comm = comm
+        replica.sync_from(0)
+        comm.barrier()
+        return replica.run_step(BatchPlan(B, (9, 7), (4, 3)), []), replica
+
+    server = RendezvousServer()
+    try:
+        results = run_ranks(server, 2, body, CollectiveConfig(backend="nccl", nccl_simulator=True))
+    finally:
+        server.close()
+    (gate,) = gated
+    assert gate.held == [True]  # opened by the last bucket's issue, not by the timeout
+    assert [op for op, _, _ in gate.log] == ["allreduce"] * buckets
+    reference = reference_run(job, 0, [B])
+    for outcome, replica in results:
+        assert isinstance(outcome, StepRecord)
+        torch.testing.assert_close(replica.model.state_dict(), reference, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("config, started", [
+    (CollectiveConfig(), False),
+    (CollectiveConfig(backend="nccl", nccl_simulator=True, algorithm="ring"), False),
+    (CollectiveConfig(backend="nccl", nccl_simulator=True), True),
+], ids=["cpu", "nccl-ring", "nccl"])
+def test_only_nccl_starts_an_allreduce_that_the_host_does_not_run(config, started):
+    def body(comm):
+        t = torch.full((4,), float(comm.rank + 1), dtype=torch.float64)
+        handles = comm.start_allreduce(t)
+        if handles is None:
+            return None
+        with pytest.raises(ValueError, match="contiguous"):
+            comm.start_allreduce(torch.zeros(4, 2, dtype=torch.float64).t())
+        comm.wait(handles)
+        return t
+
+    server = RendezvousServer()
+    try:
+        results = run_ranks(server, 2, body, config)
+    finally:
+        server.close()
+    if started:
+        assert all(torch.equal(t, torch.full((4,), 3.0, dtype=torch.float64)) for t in results)
+    else:
+        assert results == [None, None]

@@ -45,7 +45,7 @@ _building = threading.Lock()  # models are built under the process-wide seed
 
 
 def _run(tmp_path, job: TrainJob, config: FitConfig, schedule, unit: int = 1,
-         chaos=None, make=Replica) -> dict[str, Replica]:
+         chaos=None, make=Replica, comm: CollectiveConfig | None = None) -> dict[str, Replica]:
     """Runs `schedule`, a list of (members, steps): each a new generation of the replicas
     named by `members` (a new name is a fresh replica; a name left out is a lost one), which
     forms as the controller forms one (every rank syncs from the newest step's lowest rank)
@@ -74,7 +74,7 @@ def _run(tmp_path, job: TrainJob, config: FitConfig, schedule, unit: int = 1,
                     params.append([p.detach().clone() for p in replica.model.parameters()])
                 return params
 
-            results = run_ranks(server, world, body)
+            results = run_ranks(server, world, body, comm)
             for per_rank in zip(*results, strict=True):  # every member, every step: same bits
                 for other in per_rank[1:]:
                     assert all(torch.equal(a, b) for a, b in zip(other, per_rank[0], strict=True))
@@ -114,6 +114,20 @@ def test_sharded_stages_end_with_the_weights_of_one_plain_process_through_losses
     assert sum(held) == 2 * whole  # two owners of every part, two ranks: each holds all
     owned = replicas["e"].shards.owned | replicas["d"].shards.owned
     assert owned == set(range(len(list(replicas["e"].model.parameters()))))
+
+
+@pytest.mark.timeout(120)
+def test_stage_2_over_nccl_ends_with_the_weights_of_one_plain_process(tmp_path):
+    """Over NCCL (the simulator) the buckets' allreduces are only started and finished in
+    order: each rank still takes its share of every sum once it is done."""
+    nccl = CollectiveConfig(backend="nccl", nccl_simulator=True, bucket_bytes=1024,
+                            first_bucket_bytes=1024)
+    config = _config(tmp_path, stage=2).model_copy(update={"collective": nccl})
+    replicas = _run(tmp_path, _job(), config, SCHEDULE[:2], comm=nccl)
+    expected = _reference(_adamw, 5)
+    final = replicas["a"].model.state_dict()
+    for key, value in expected.items():
+        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
 
 
 @pytest.mark.timeout(120)
