@@ -6,10 +6,12 @@ During the backward pass of a step's last micro-batch, a hook copies each gradie
 bucket as soon as it is accumulated; a bucket whose gradients are all in is reduced at once by
 a communication thread, while backward goes on. Buckets are reduced strictly in index order,
 so every rank issues the same collectives in the same order whatever order its hooks fire in.
-On NCCL the thread only issues a bucket's allreduce and goes on to the next bucket, which NCCL
-runs behind it on its stream with no host round trip between them (the thread finishes them
-in order: each one found done as it goes, the rest once the last is issued); on the host plane
-and the CPU transports the host sums a bucket before the next.
+On NCCL with its native allreduce (`CollectiveConfig.algorithm` 'auto' or 'native') the thread
+only starts a bucket's allreduce and goes on to the next bucket, which NCCL runs behind it on
+its stream with no host round trip between them; it finishes them in order, each as it is
+found done while the next bucket fills (four at most are started and not finished). Elsewhere
+(the host plane, the CPU transports, the host's algorithms over NCCL) the host sums a bucket
+before the next.
 
 The last bucket also carries the step's metadata (summed loss, one vote per rank, the ledger),
 so it is launched only when the backward pass has finished on this rank; a rank whose user
@@ -68,6 +70,13 @@ from elastic.collective import Communicator
 from elastic.collective.transport import Pending
 from elastic.trainer.device import bind_thread, finite_sum, shaped_like
 from elastic.trainer.staging import CudaStreams, HostStaging
+
+# NCCL: buckets started and not finished at most, so that the host never queues so much that
+# NCCL's enqueue waits in host code (out of reach of the communicator's abort and deadline)
+# behind a collective that a lost peer never lets end; and how often the thread looks for
+# finished ones while it waits for the next bucket to fill.
+_RUNNING = 4
+_POLL_S = 0.0005
 
 
 @dataclass
@@ -510,15 +519,19 @@ class GradientBuckets:
         """The communication thread's step: every bucket reduced in order, each after its
         fences; returns a fence on this thread's stream after the last (GPU), else None.
 
-        On NCCL a bucket's allreduce is only issued (`Communicator.start_allreduce`): the
-        next bucket's goes out as soon as it is ready, while the earlier ones run, and the
-        thread waits for them in order (a bucket's sums are read, with sharded gradients,
-        once it is done). Elsewhere the host sums each bucket before the next."""
+        On NCCL (the native allreduce) a bucket's allreduce is only started
+        (`Communicator.start_allreduce`): the next one goes out as soon as its bucket is
+        ready, while the earlier ones run (`_RUNNING` at most), and the thread finishes them
+        in order (with sharded gradients, a bucket's sums are read then). Elsewhere the host
+        sums each bucket before the next."""
         sums: list[torch.Tensor] = []
         last = len(self.buckets) - 1
         running: collections.deque[tuple[int, list[Pending]]] = collections.deque()
         for i, bucket in enumerate(self.buckets):
-            state.ready[i].wait()
+            # While buckets run, the ones that finish are taken as this one fills (their
+            # sums read, their buffers freed with sharded gradients, an error seen early).
+            while not state.ready[i].wait(_POLL_S if running else None):
+                self._take_finished(comm, state, running)
             if state.abandoned:
                 return None  # the communicator is aborted as the generation re-forms
             if state.host is not None:  # the host reads what the device copied
@@ -541,8 +554,9 @@ class GradientBuckets:
                 self._summed(state, i, buffer)
                 continue
             running.append((i, started))
-            while running and all(h.is_done() for h in running[0][1]):
+            if len(running) > _RUNNING:
                 self._finished(comm, state, *running.popleft())
+            self._take_finished(comm, state, running)
         while running:
             self._finished(comm, state, *running.popleft())
         if not self._joined:
@@ -550,6 +564,12 @@ class GradientBuckets:
             self._vote_nonfinite(state.meta_separate, state, _finite(sums))
             comm.control.allreduce(state.meta_separate)
         return self._streams.fence(self._streams.current()) if self._streams is not None else None
+
+    def _take_finished(self, comm: Communicator, state: _StepState,
+                       running: collections.deque[tuple[int, list[Pending]]]) -> None:
+        """Finishes the started buckets that are done, in order (never blocks)."""
+        while running and all(h.is_done() for h in running[0][1]):
+            self._finished(comm, state, *running.popleft())
 
     def _finished(self, comm: Communicator, state: _StepState, b: int,
                   started: list[Pending]) -> None:

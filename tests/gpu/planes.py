@@ -45,6 +45,14 @@ class PlaneCheck:
         self.calls.append(("allreduce", tensor.dtype, tensor.numel()))
         return tensor
 
+    def start_allreduce(self, tensor: torch.Tensor) -> list:
+        """As NCCL's (`Communicator.start_allreduce`): started, finished by `wait`."""
+        self.allreduce(tensor)
+        return []
+
+    def wait(self, pending: list) -> None:
+        assert pending == []
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         raise AssertionError("nothing is broadcast over the data plane")
 

@@ -19,6 +19,7 @@ from elastic.collective import RendezvousServer, nccl_sim
 from elastic.collective import communicator as communicator_module
 from elastic.collective.transport import Transport
 from elastic.config import CollectiveConfig
+from elastic.trainer import buckets as buckets_module
 from elastic.trainer.replica import Replica, StepRecord
 from tests.jobs import reference_run, reference_weights, regression_job, wide_job
 from tests.threads import run_ranks
@@ -129,20 +130,24 @@ def test_only_gradients_reach_the_nccl_plane(tmp_path, monkeypatch, overlap):
 
 class Gated(Recording):
     """Holds this rank's NCCL stream behind a gate from its first allreduce on, and opens the
-    gate when the step's `buckets`-th allreduce is issued: so every bucket goes out only if
-    none waits for the one before it (no collective can finish while the gate is shut)."""
+    gate when its `opens`-th allreduce is issued; records, at each issue, whether the first
+    one had finished."""
 
-    def __init__(self, inner: Transport, log: list, buckets: int) -> None:
+    def __init__(self, inner: Transport, log: list, opens: int) -> None:
         super().__init__(inner, log)
-        self.buckets, self.gate, self.held = buckets, threading.Event(), []
+        self.opens, self.gate, self.held = opens, threading.Event(), []
+        self.first: list = []
+        self.first_done: list[bool] = []  # at each issue
 
     def allreduce(self, tensor, op):
         if not self.log:
             def hold():  # a kernel on the NCCL stream, ahead of the step's first collective
                 self.held.append(self.gate.wait(30))
             nccl_sim.launch(hold, on=self.inner._stream)
+        self.first_done.append(bool(self.first) and all(h.is_done() for h in self.first))
         pending = super().allreduce(tensor, op)
-        if len(self.log) == self.buckets:
+        self.first = self.first or pending
+        if len(self.log) == self.opens:
             self.gate.set()
         return pending
 
@@ -151,22 +156,24 @@ def test_nccl_buckets_go_out_without_waiting_for_the_one_before(tmp_path, monkey
     config = FitConfig(
         scaling=ScalingConfig(num_workers=2, min_workers=1),
         collective=CollectiveConfig(backend="nccl", nccl_simulator=True, overlap=True,
-                                    bucket_bytes=64 << 10, first_bucket_bytes=16 << 10),
+                                    bucket_bytes=1024, first_bucket_bytes=1024),
         batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
         run_dir=str(tmp_path), max_steps=1)
     job = wide_job()
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        replica = Replica(job, config, str(tmp_path))  # how many buckets it sums in
-    buckets = len(replica.reducer.buckets.buckets)
-    assert buckets >= 4
+        counting = Replica(job, config, str(tmp_path))  # how many buckets it sums in
+        buckets = len(counting.reducer.buckets.buckets)
+        counting.close()
+    running = buckets_module._RUNNING  # started and not finished, at most
+    assert buckets >= running + 2
     gated: list[Gated] = []
     make = communicator_module._make_transports
 
     def gating(config, rank, world_size, store, address, *rest):
         data, control = make(config, rank, world_size, store, address, *rest)
-        if rank == 0:
-            gated.append(Gated(data, [], buckets))
+        if rank == 0:  # the gate opens once every bucket the cap allows has gone out
+            gated.append(Gated(data, [], running + 1))
             return gated[-1], control
         return data, control
 
@@ -187,12 +194,17 @@ def test_nccl_buckets_go_out_without_waiting_for_the_one_before(tmp_path, monkey
     finally:
         server.close()
     (gate,) = gated
-    assert gate.held == [True]  # opened by the last bucket's issue, not by the timeout
+    assert gate.held == [True]  # opened by an issue, not by the timeout
     assert [op for op, _, _ in gate.log] == ["allreduce"] * buckets
+    # Buckets 2 to running + 1 went out while the first could not finish; the next one only
+    # once the first had finished (the cap).
+    assert gate.first_done[: running + 1] == [False] * (running + 1)
+    assert gate.first_done[running + 1] is True
     reference = reference_run(job, 0, [B])
     for outcome, replica in results:
         assert isinstance(outcome, StepRecord)
         torch.testing.assert_close(replica.model.state_dict(), reference, rtol=1e-9, atol=1e-10)
+        replica.close()
 
 
 @pytest.mark.parametrize("config, started", [
