@@ -398,7 +398,7 @@ class FailureConfig(_Frozen):
 
 ChaosAction = Literal["kill", "hang", "raise", "slow", "oom", "preempt"]
 ChaosPhase = Literal["data", "forward", "backward", "allreduce", "optimizer", "gather",
-                     "checkpoint", "evaluate"]
+                     "checkpoint", "evaluate", "restore"]
 
 
 class ChaosEvent(_Frozen):
@@ -420,7 +420,9 @@ class ChaosEvent(_Frozen):
                               "after the optimizer stepped this rank's parts, before the "
                               "parameters are gathered. 'evaluate': in the evaluation at "
                               "committed step `step` (if one runs there), before the rank reads "
-                              "its slice; 'raise' there is an error of eval_step.")
+                              "its slice; 'raise' there is an error of eval_step. 'restore': "
+                              "'oom' only, as the rank takes the newest state in the first "
+                              "generation that forms at committed step `step` or later.")
     factor: float = Field(default=2.0, gt=1, description="Slow-down factor for action 'slow'.")
     steps: int | None = Field(
         default=1, ge=1,
@@ -432,6 +434,10 @@ class ChaosEvent(_Frozen):
         # 'raise' and 'oom' stand for errors in user code; in the allreduce or optimizer phase
         # they would escape the step's error vote and look like a bug of ours.
         user_code = ("data", "forward", "backward") + (("evaluate",) if self.action == "raise" else ())
+        if self.phase == "restore" and self.action != "oom":
+            raise ValueError(f"chaos phase 'restore' takes action 'oom' only, not {self.action!r}")
+        if self.action == "oom":  # also where a generation forms
+            user_code += ("restore",)
         if self.action in ("raise", "oom") and self.phase not in user_code:
             raise ValueError(
                 f"chaos action {self.action!r} fires in user code only; use phase "

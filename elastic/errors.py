@@ -207,6 +207,32 @@ class WorkerOutOfMemoryError(_AtRankAndStep):
     """
 
 
+class GenerationOutOfMemoryError(ElasticError):
+    """A worker ran out of memory while a generation formed, before any step ran in it:
+    while it built its communicator, took the newest state from a peer (its parts of the
+    sharded optimizer state included), or loaded a checkpoint (`doing` says which).
+
+    Recovery: the generation forms once more (the worker has freed its cached memory; what an
+    earlier failure left behind may have been the cause). Out of memory again at the same
+    step: the run fails with the rank, the generation and what it was doing, after a final
+    checkpoint from a member that holds the committed state. A smaller micro-batch changes
+    nothing here: the model, its optimizer state (the worker's parts of it, when sharded) and
+    the communicator's buffers must fit on each worker. Shard the optimizer state
+    (`sharding.stage`, fewer `sharding.replicas`), give each worker more memory, or use a
+    smaller model.
+    """
+
+    def __init__(self, message: str, *, rank: int, generation: int, doing: str):
+        super().__init__(message)
+        self.rank = rank
+        self.generation = generation
+        self.doing = doing
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_kw, (type(self), self.args[0], {
+            "rank": self.rank, "generation": self.generation, "doing": self.doing}))
+
+
 class NonFiniteLossError(_AtRankAndStep):
     """The loss or the gradients of a step were NaN or infinite on some rank, and
     `FailureConfig.nonfinite` is 'stop'.

@@ -37,6 +37,7 @@ def user_modules(roots: Iterable[Any]) -> list[types.ModuleType]:
     """
     found: dict[str, types.ModuleType] = {}
     seen: set[int] = set()
+    users: dict[int, bool] = {}  # id(module) -> is_user_module (it reads the file system)
     stack = list(roots)
     visits = 0
     while stack and visits < _MAX_VISITS:
@@ -46,9 +47,14 @@ def user_modules(roots: Iterable[Any]) -> list[types.ModuleType]:
         seen.add(id(obj))
         visits += 1
         module = _module_of(obj)
-        if module is not None and module.__name__ not in found and is_user_module(module):
-            found[module.__name__] = module
-        stack.extend(_references(obj, module))
+        user = False
+        if module is not None:
+            if id(module) not in users:
+                users[id(module)] = is_user_module(module)
+            user = users[id(module)]
+            if user and module.__name__ not in found:
+                found[module.__name__] = module
+        stack.extend(_references(obj, module, user))
     return list(found.values())
 
 
@@ -67,12 +73,18 @@ def _module_of(obj: Any) -> types.ModuleType | None:
     return sys.modules.get(name) if isinstance(name, str) else None
 
 
-def _references(obj: Any, module: types.ModuleType | None) -> list[Any]:
-    """What `obj` refers to that may come from other modules."""
+def _references(obj: Any, module: types.ModuleType | None, user: bool) -> list[Any]:
+    """What `obj` refers to that may come from other modules (`user`: whether `module`, the
+    one `obj` comes from, is a user module)."""
+    # Library code (not the user's, not `__main__`): what its globals, methods and bases
+    # reference is the library's (a walk through torch's would use up the visits, slowly);
+    # what a library function closes over or defaults to may be the user's (a decorator's
+    # wrapper around a user function).
+    library = module is not None and not user and module.__name__ != "__main__"
     if isinstance(obj, types.ModuleType):
         # A user module travels by value with its functions and classes, which may use
         # further user modules; a library module is imported on the workers as it is.
-        if module is None or not is_user_module(module):
+        if not user:
             return []
         return [v for v in vars(obj).values()
                 if isinstance(v, (types.FunctionType, type, types.ModuleType, functools.partial))]
@@ -87,9 +99,13 @@ def _references(obj: Any, module: types.ModuleType | None) -> list[Any]:
                 refs.append(cell.cell_contents)
             except ValueError:  # an empty cell (a variable not yet assigned)
                 continue
-        refs.extend(obj.__globals__[n] for n in _global_names(obj.__code__) if n in obj.__globals__)
+        if not library:
+            refs.extend(obj.__globals__[n] for n in _global_names(obj.__code__)
+                        if n in obj.__globals__)
         return refs
     if isinstance(obj, type):
+        if library:  # its bases are the library's too
+            return []
         # A class's methods reference the globals of its module; its bases may live elsewhere.
         refs = [b for b in obj.__bases__ if b is not object]
         for value in vars(obj).values():
@@ -106,8 +122,7 @@ def _references(obj: Any, module: types.ModuleType | None) -> list[Any]:
     # that class is the user's (a library object's internals are the library's business) or
     # one of our framework adapters (which hold the user's module classes and functions).
     refs = [type(obj)]
-    if module is not None and (is_user_module(module)
-                               or module.__name__.startswith("elastic.integrations.")):
+    if module is not None and (user or module.__name__.startswith("elastic.integrations.")):
         # Code last, so that it is walked first (the stack pops from the end): a large data
         # set must not use up the visits before the functions and classes are seen.
         values = list(getattr(obj, "__dict__", {}).values())

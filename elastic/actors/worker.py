@@ -24,12 +24,14 @@ answer while a step runs or is stuck).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from queue import SimpleQueue
 from typing import Any
@@ -58,12 +60,18 @@ from elastic.control.port import (
     EvalOutcome,
     EvalVotedDown,
 )
-from elastic.errors import AfterStepError, CheckpointSignatureError, CollectiveError, InjectedFault
+from elastic.errors import (
+    AfterStepError,
+    CheckpointSignatureError,
+    CollectiveError,
+    InjectedFault,
+)
 from elastic.job import TrainJob
 from elastic.shipping import check_origin
 from elastic.trainer.device import (
     bind_thread,
     is_out_of_memory,
+    out_of_memory_forming,
     release_cached_memory,
     resolve_device,
     to_host,
@@ -239,6 +247,7 @@ class WorkerActor:
             ckpt.keep_last, ckpt.keep_best, ckpt.monitor, ckpt.mode)) if ckpt else None)
         self._eval_set = LazyDataset(job.eval_dataset, config.seed) if job.eval_dataset else None
         self._checkpoint_chaos: list[ChaosEvent] = []  # kills to fire during a checkpoint write
+        self._restore_chaos: list[ChaosEvent] = []  # out of memory to fire in a `sync`
         # Chunks run in the order handed out (`ticket`, from 0 in each generation), whatever
         # the order in which this threaded actor's calls arrive; `_completed`: the last one did.
         self._turn = threading.Condition()
@@ -286,10 +295,11 @@ class WorkerActor:
             self._next_ticket, self._completed = 0, True
             self._generation, self._yield_ticket = generation, -1
             self._turn.notify_all()  # a chunk of the old generation still waiting: skipped
-        self.replica.comm = Communicator(rank, world_size, Endpoint.parse(endpoint), generation,
-                                         self.config.collective, abort_signal=signal_,
-                                         secret=secret,
-                                         shared_bytes=self.replica.registered_bytes())
+        with self._forming(rank, generation, "connecting"):
+            self.replica.comm = Communicator(rank, world_size, Endpoint.parse(endpoint),
+                                             generation, self.config.collective,
+                                             abort_signal=signal_, secret=secret,
+                                             shared_bytes=self.replica.registered_bytes())
         shards = self.replica.shards
         holding = ((len(shards.params), sorted(shards.held),
                     shards.pending.step if shards.pending is not None else None)
@@ -301,8 +311,28 @@ class WorkerActor:
         """Takes the state of rank `src` of the current generation; returns the data cursor.
         `leaving`: ranks about to leave, which hand their sharded optimizer state over."""
         bind_thread(self.device)
-        self.replica.sync_from(src, leaving or ())
+        comm = self.replica.comm
+        with self._forming(comm.rank if comm is not None else 0, self._generation, "restoring"):
+            due = [e for e in self._restore_chaos if e.step <= self.replica.global_step]
+            if due:
+                self._restore_chaos.remove(due[0])
+                self.replica.faults.fire(due[:1], "restore")
+            self.replica.sync_from(src, leaving or ())
         return self.replica.cursor.to_dict()
+
+    @contextlib.contextmanager
+    def _forming(self, rank: int, generation: int, doing: str) -> Iterator[None]:
+        """Out of memory while a generation forms becomes `GenerationOutOfMemoryError`
+        (after the allocator's cached blocks are freed), which the controller's policy acts
+        on; a smaller micro-batch would change nothing here."""
+        try:
+            yield
+        except Exception as e:
+            typed = out_of_memory_forming(e, rank=rank, generation=generation, doing=doing,
+                                          device=self.device, worker_id=self.worker_id)
+            if typed is None:
+                raise
+            raise typed from e
 
     def run_chunk(self, plan: BatchPlan, num_steps: int, chaos: list[ChaosEvent],
                   lr_ramp: LrRamp | None = None, ticket: int = 0, start: int | None = None,
@@ -340,6 +370,7 @@ class WorkerActor:
         rank = replica.comm.rank if replica.comm else -1
         broken: ChunkVotedDown | None = None
         self._checkpoint_chaos += [e for e in chaos if e.rank == rank and e.phase == "checkpoint"]
+        self._restore_chaos += [e for e in chaos if e.rank == rank and e.phase == "restore"]
         try:
             for _ in range(num_steps):
                 step = replica.global_step
@@ -535,12 +566,16 @@ class WorkerActor:
         ckpt = self.config.checkpoint
         assert ckpt is not None, "no checkpoint configured"
         bind_thread(self.device)
-        loaded, skipped = newest_checkpoint(ckpt.path, self._key)
-        if loaded is None:
-            return {"step": None, "path": None, "skipped": [(d, str(e)) for d, e in skipped],
-                    "unsigned": [(d, str(e)) for d, e in skipped
-                                 if isinstance(e, CheckpointSignatureError)]}
-        self.replica.load_state(loaded.parts)
+        comm = self.replica.comm
+        with self._forming(comm.rank if comm is not None else 0, self._generation,
+                           "loading a checkpoint"):
+            loaded, skipped = newest_checkpoint(ckpt.path, self._key)
+            if loaded is None:
+                return {"step": None, "path": None,
+                        "skipped": [(d, str(e)) for d, e in skipped],
+                        "unsigned": [(d, str(e)) for d, e in skipped
+                                     if isinstance(e, CheckpointSignatureError)]}
+            self.replica.load_state(loaded.parts)
         change = None
         there = (loaded.parts.get("exact") or {}).get("environment")
         if self.config.batch.exact and there:  # allowed by checkpoint.allow_environment_change

@@ -37,7 +37,13 @@ from elastic.control.port import (
     Member,
     Started,
 )
-from elastic.errors import CollectiveError, ConfigError, ElasticError, WorkerLostError
+from elastic.errors import (
+    CollectiveError,
+    ConfigError,
+    ElasticError,
+    GenerationOutOfMemoryError,
+    WorkerLostError,
+)
 from elastic.job import TrainJob
 
 _NODE_CHECK_S = 0.5  # while waiting on a generation, how often members' nodes are checked
@@ -225,6 +231,7 @@ class RayWorkers:
         values: list[Any] = [None] * len(refs)
         dead: list[int] = []
         broken: list[str] = []
+        out_of_memory: list[GenerationOutOfMemoryError] = []
         index = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
         aborted = False
@@ -249,16 +256,19 @@ class RayWorkers:
                 except RayActorError:
                     dead.append(rank)
                 except RayTaskError as e:
-                    if not isinstance(e.cause, CollectiveError):
+                    if isinstance(e.cause, GenerationOutOfMemoryError):
+                        out_of_memory.append(e.cause)
+                    elif not isinstance(e.cause, CollectiveError):
                         if isinstance(e.cause, ElasticError):  # ours, typed (a ConfigError)
                             self._abort_all_but(ids, rank)
                             raise e.cause from e
                         raise
-                    broken.append(f"rank {rank}: {str(e.cause).splitlines()[0]}")
+                    else:
+                        broken.append(f"rank {rank}: {str(e.cause).splitlines()[0]}")
             if not aborted:
                 aborted = True
                 self._abort_all_but(ids, rank)
-        return Gathered(values, dead, broken)
+        return Gathered(values, dead, broken, out_of_memory)
 
     def _abort_all_but(self, ids: Sequence[int], rank: int) -> None:
         for r, worker_id in enumerate(ids):

@@ -9,15 +9,15 @@ No Ray here.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from elastic.adapt.sharding import describe
 from elastic.control import decisions
 from elastic.control.context import Context
 from elastic.control.cursor import Cursor
 from elastic.control.policy import Fail
-from elastic.control.port import Member
-from elastic.errors import CallbackError, RendezvousError, WorkerLostError
+from elastic.control.port import Gathered, Member
+from elastic.errors import CallbackError, GenerationOutOfMemoryError, RendezvousError, WorkerLostError
 from elastic.events import (
     CheckpointFailed,
     Generation,
@@ -255,18 +255,22 @@ def form(ctx: Context, reason: str, leaving: Sequence[int] = ()) -> tuple[float,
         ctx.generation += 1
         ids = ctx.ids()
         joined = ctx.workers.connect(ids, ctx.generation)
-        if not _formed(ctx, joined.dead, joined.broken, "connecting"):
+        if not _formed(ctx, joined, "connecting"):
             continue
         rebuilt = ctx.workers.now()
         steps = [value[0] for value in joined.values if value is not None]
         holdings = [value[2] if len(value) > 2 else None
                     for value in joined.values if value is not None]
         transport = joined.values[0][1] if joined.values[0] else ""
-        src = _source(ctx, steps, ids, holdings)
+        try:
+            src = _source(ctx, steps, ids, holdings)
+        except GenerationOutOfMemoryError as e:  # loading a checkpoint
+            _formed(ctx, Gathered([], out_of_memory=[e]), "loading a checkpoint")
+            continue
         if src is None:  # half-updated members were replaced: form with the fresh ones
             continue
         synced = ctx.workers.sync(ids, src, [ids.index(w) for w in leaving if w in ids])
-        if not _formed(ctx, synced.dead, synced.broken, "restoring"):
+        if not _formed(ctx, synced, "restoring"):
             continue
         cursor = synced.values[src]
         assert cursor is not None
@@ -303,10 +307,29 @@ def hand_over(ctx: Context, leaving: Sequence[int]) -> None:
     form(ctx, "hand_over", gone)
 
 
-def _formed(ctx: Context, dead: list[int], broken: list[str], doing: str) -> bool:
-    """False (try again) if members died or the generation broke while `doing`."""
+def _formed(ctx: Context, gathered: Gathered[Any], doing: str) -> bool:
+    """False (try again) if members died, ran out of memory, or the generation broke while
+    `doing`.
+
+    Raises:
+        the policy's error when it ends the run; when a member ran out of memory connecting,
+        after a final checkpoint (every member is alive and no state has moved yet: a member
+        that ran out while restoring may hold part of another's).
+    """
+    dead, broken = gathered.dead, gathered.broken
     if dead:
         drop(ctx, dead, f"lost while {doing}")
+        return False
+    if gathered.out_of_memory:
+        error = gathered.out_of_memory[0]
+        action = ctx.policy.decide(error, step=ctx.step)
+        ctx.log.emit(GenerationFailed(generation=ctx.generation,
+                      errors=[first_line(e) for e in gathered.out_of_memory] + broken,
+                      attempt=ctx.policy.forming_oom.get(ctx.step, 0)))
+        if isinstance(action, Fail):
+            if doing == "connecting":
+                save_before_failing(ctx)
+            raise action.error
         return False
     if broken:
         action = ctx.policy.decide(RendezvousError(broken[0], generation=ctx.generation),

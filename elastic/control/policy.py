@@ -10,6 +10,7 @@ recovery each error class documents:
 | `WorkerLostError`, `WorkerHangError`  | `Recover` (drop, re-form, restore); `Fail` past `max_failures` |
 | `CollectiveError` (no loss)           | `Recover`                                         |
 | `RendezvousError` (forming)           | `Recover` (a new generation); `Fail` after 3 retries |
+| `GenerationOutOfMemoryError` (forming) | `Recover` once per step; `Fail` the second time    |
 | `MembershipChanged`                   | `Reconfigure` (re-form, no restore needed)        |
 | `UserCodeError`                       | `Retry` the step; `Fail` past `max_user_retries`  |
 | `AfterStepError` (a `UserCodeError`)  | `Fail`: the step was applied                      |
@@ -35,6 +36,7 @@ from elastic.errors import (
     CollectiveError,
     ElasticError,
     EvaluationError,
+    GenerationOutOfMemoryError,
     InsufficientWorkersError,
     MembershipChanged,
     NonFiniteLossError,
@@ -45,6 +47,9 @@ from elastic.errors import (
 )
 
 GENERATION_RETRIES = 3  # a generation that fails to form with no member dead is retried
+# A generation that runs out of memory as it forms is formed again this often per step (memory
+# an earlier failure left may have been the cause); again out of memory, the run fails.
+FORMING_OOM_RETRIES = 1
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,8 @@ class FailurePolicy:
     user_retries: dict[int, int] = field(default_factory=dict)
     evaluation_retries: dict[int, int] = field(default_factory=dict)
     generation_attempts: int = 0
+    # step -> generations that ran out of memory forming at it (`formed` keeps them).
+    forming_oom: dict[int, int] = field(default_factory=dict)
     unit: int = 1  # the group size with groups on: the smallest micro-batch
 
     def decide(self, error: ElasticError, *, lost: int = 0, preempted: int = 0,
@@ -122,6 +129,8 @@ class FailurePolicy:
                 return self.departed(preempted, error.step) or self._lost(lost, error)
             case RendezvousError():
                 return self._generation_failed(error, step)
+            case GenerationOutOfMemoryError():
+                return self._forming_out_of_memory(error, step)
             case CollectiveError():
                 return Recover()
             case MembershipChanged():
@@ -171,6 +180,16 @@ class FailurePolicy:
             return Fail(WorkerLostError(
                 f"generation {error.generation} could not form after {self.generation_attempts} "
                 f"attempts: {error}", step=step))
+        return Recover()
+
+    def _forming_out_of_memory(self, error: GenerationOutOfMemoryError,
+                               step: int | None) -> Action:
+        key = -1 if step is None else step
+        attempt = self.forming_oom[key] = self.forming_oom.get(key, 0) + 1
+        if attempt > FORMING_OOM_RETRIES:
+            return Fail(GenerationOutOfMemoryError(
+                f"out of memory on {attempt} attempts to form a generation at step {step}: "
+                f"{error}", rank=error.rank, generation=error.generation, doing=error.doing))
         return Recover()
 
     def _user_error(self, error: UserCodeError, retries: dict[int, int], what: str) -> Action:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, Union
 
-from elastic.errors import ElasticError
+from elastic.errors import ElasticError, GenerationOutOfMemoryError
 
 if TYPE_CHECKING:
     from elastic.adapt.lr import LrRamp
@@ -47,15 +47,17 @@ class Gathered(Generic[T]):
         values: each rank's answer (None for ranks in `dead` or `broken`).
         dead: ranks whose process died (or whose node did) before answering.
         broken: one line per live rank whose call raised a `CollectiveError`.
+        out_of_memory: the errors of the live ranks that ran out of memory in the call.
     """
 
     values: list[T | None]
     dead: list[int] = field(default_factory=list)
     broken: list[str] = field(default_factory=list)
+    out_of_memory: list[GenerationOutOfMemoryError] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.dead and not self.broken
+        return not self.dead and not self.broken and not self.out_of_memory
 
 
 NoticeSource = Literal["sigterm", "ray_drain", "drain", "straggler"]

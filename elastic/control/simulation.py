@@ -36,7 +36,7 @@ from elastic.control.port import (
     Member,
     Started,
 )
-from elastic.errors import HalfUpdatedError, WorkerLostError
+from elastic.errors import GenerationOutOfMemoryError, HalfUpdatedError, WorkerLostError
 from elastic.trainer.outcomes import EvalFailure, StepRecord
 
 
@@ -72,6 +72,9 @@ class SimulatedWorkers:
         oom_in_apply: as `oom_in_collective`, in the apply phase: the ranks it names are also
             left half updated and offer no state (`Replica.restorable_step`) until they sync.
         slow: worker id -> factor by which its compute is slower (a straggler).
+        oom_forming: (step, doing, worker id): when a generation forms whose newest member
+            holds `step`, that worker runs out of memory while `doing` ('connecting' or
+            'restoring'; `GenerationOutOfMemoryError`); each entry once, in order.
     """
 
     def __init__(self, dataset_size: int, capacity: int, step_time_s: float = 0.01,
@@ -81,7 +84,10 @@ class SimulatedWorkers:
                  traits: dict[str, int] | None = None,
                  metrics: Callable[[int], dict[str, float]] | None = None,
                  oom_in_collective: bool = False, oom_in_apply: bool = False,
-                 slow: dict[int, float] | None = None) -> None:
+                 slow: dict[int, float] | None = None,
+                 oom_forming: Sequence[tuple[int, str, int]] = ()) -> None:
+        self.oom_forming = list(oom_forming)
+        self._generation = 0  # the one forming, or formed last
         self.dataset_size = dataset_size
         self.oom_in_collective = oom_in_collective or oom_in_apply
         self.oom_in_apply = oom_in_apply
@@ -172,12 +178,15 @@ class SimulatedWorkers:
 
     def connect(self, ids: Sequence[int], generation: int) -> Gathered[tuple[int, str]]:
         self.parked -= set(ids)
+        self._generation = generation
         dead = [r for r, w in enumerate(ids) if not self.workers[w].alive]
         self.clock += 0.05
         values: list[tuple[int, str] | None] = [
             None if r in dead else (-1 if self.workers[w].torn else self.workers[w].step, "sim")
             for r, w in enumerate(ids)]
-        return Gathered(values, dead)
+        failed = self._out_of_memory(ids, "connecting")
+        return Gathered(values if failed is None else [None] * len(ids), dead,
+                        out_of_memory=[failed] if failed is not None else [])
 
     def sync(self, ids: Sequence[int], src: int,
              leaving: Sequence[int] = ()) -> Gathered[dict[str, int]]:
@@ -185,11 +194,28 @@ class SimulatedWorkers:
             self.handed_over.append(tuple(ids[r] for r in leaving))
         source = self.workers[ids[src]]
         assert not source.torn, "a half-updated worker was taken as the source"
+        failed = self._out_of_memory(ids, "restoring")
+        if failed is not None:
+            return Gathered([None] * len(ids), out_of_memory=[failed])
         for w in ids:
             self.workers[w].step, self.workers[w].cursor = source.step, source.cursor
             self.workers[w].torn = False
         self.clock += 0.05
         return Gathered([source.cursor.to_dict() for _ in ids])
+
+    def _out_of_memory(self, ids: Sequence[int], doing: str) -> GenerationOutOfMemoryError | None:
+        """The error of the member that runs out of memory `doing` this time (`oom_forming`)."""
+        step = max(self.workers[w].step for w in ids)
+        if not self.oom_forming or self.oom_forming[0][:2] != (step, doing):
+            return None
+        _, _, worker_id = self.oom_forming.pop(0)
+        if worker_id not in ids:
+            return None
+        rank = list(ids).index(worker_id)
+        return GenerationOutOfMemoryError(
+            f"rank {rank} (worker {worker_id}) ran out of memory while generation "
+            f"{self._generation} formed ({doing})", rank=rank, generation=self._generation,
+            doing=doing)
 
     # --- chunks ------------------------------------------------------------------------------
 

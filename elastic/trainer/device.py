@@ -20,7 +20,12 @@ from typing import Any
 
 import torch
 
-from elastic.errors import CollectiveAbortedError, CollectiveError, ConfigError
+from elastic.errors import (
+    CollectiveAbortedError,
+    CollectiveError,
+    ConfigError,
+    GenerationOutOfMemoryError,
+)
 
 # What a job may give to move a batch itself (`TrainJob.move_batch`).
 MoveBatch = Callable[[Any, torch.device], Any]
@@ -158,6 +163,18 @@ def release_cached_memory(device: torch.device) -> None:
     that what is retried allocates from a clean pool (nothing on the CPU)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def memory_left(device: torch.device) -> str | None:
+    """What is free of a CUDA device, as "312 MiB of 80 GiB free on cuda:0"; None elsewhere or
+    when the device cannot say."""
+    if device.type != "cuda":
+        return None
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+    except Exception:  # a broken context: the error that got here says more
+        return None
+    return f"{free / 2**20:.0f} MiB of {total / 2**30:.1f} GiB free on {device}"
 
 
 def pass_through(batch: Any, device: torch.device) -> Any:
@@ -457,6 +474,46 @@ def is_out_of_memory(error: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+def out_of_memory_line(error: BaseException) -> str:
+    """The first line of the allocation failure behind `error` (its cause chain), else of
+    the first error in the chain whose text names out of memory (NCCL's), else of `error`."""
+    seen: set[int] = set()
+    named: BaseException | None = None
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if is_allocation_failure(current):
+            named = current
+            break
+        if named is None and _OUT_OF_MEMORY_TEXT.search(str(current)):
+            named = current
+        current = current.__cause__ or current.__context__
+    text = str(named if named is not None else error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def out_of_memory_forming(error: BaseException, *, rank: int, generation: int, doing: str,
+                          device: torch.device,
+                          worker_id: int) -> GenerationOutOfMemoryError | None:
+    """`error`, raised while generation `generation` formed (`doing`: 'connecting',
+    'restoring' or 'loading a checkpoint'), as the error the controller's policy acts on when
+    it means that this rank ran out of memory (`is_out_of_memory`); the allocator's cached
+    blocks are freed first. None for any other error."""
+    if not is_out_of_memory(error):
+        return None
+    release_cached_memory(device)
+    left = memory_left(device)
+    return GenerationOutOfMemoryError(
+        f"rank {rank} (worker {worker_id}) ran out of memory while generation {generation} "
+        f"formed ({doing}{'; ' + left if left else ''}): {out_of_memory_line(error)}. The "
+        "model, its optimizer state (the worker's parts of it when sharded) and the "
+        "communicator's buffers must fit on each worker before a step runs, whatever the "
+        "micro-batch: shard the optimizer state (sharding.stage 1 or 2, fewer "
+        "sharding.replicas), give each worker more memory (fewer workers per GPU: "
+        "scaling.gpus_per_worker), or use a smaller model",
+        rank=rank, generation=generation, doing=doing)
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ import itertools
 import json
 import os
 import pathlib
+import re
 import threading
 
 import pytest
@@ -17,6 +18,7 @@ from elastic.events import (
     CheckpointWritten,
     Evaluate,
     Generation,
+    GenerationFailed,
     Recovered,
     Resized,
     RestoredFromCheckpoint,
@@ -74,10 +76,19 @@ def test_uninterrupted_run_matches_plain_pytorch(ray_cluster, tmp_path):
 
 def test_two_kills_in_different_phases_end_with_the_reference_weights(ray_cluster, tmp_path,
                                                                       capfd):
+    # And out of memory in rank 0 as it takes the newest state after the second kill: the
+    # generation forms once more (the error typed across Ray), nobody dropped.
     chaos = (ChaosEvent(step=3, rank=1, action="kill", phase="backward"),
-             ChaosEvent(step=8, rank=2, action="kill", phase="allreduce"))
+             ChaosEvent(step=8, rank=2, action="kill", phase="allreduce"),
+             ChaosEvent(step=8, rank=0, action="oom", phase="restore"))
     result = elastic.fit(regression_job(), _config(tmp_path, max_steps=14, chaos=chaos))
     assert result.steps == 14
+    [forming] = _events(result, GenerationFailed)
+    assert forming.attempt == 1
+    assert all("aborted" in e for e in forming.errors[1:])  # the peers it released
+    assert re.match(r"rank \d+ \(worker \d+\) ran out of memory while generation \d+ formed "
+                    r"\(restoring\): injected out-of-memory error at step 8, rank 0\. ",
+                    forming.errors[0]), forming.errors[0]
     # Intended kills print no paragraph of Ray's from Python either (it goes to ray.log).
     captured = capfd.readouterr()
     assert "A worker died or was killed" not in captured.out + captured.err

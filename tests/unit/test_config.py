@@ -140,6 +140,10 @@ def test_chaos_oom_and_slow():
     with pytest.raises(pydantic.ValidationError, match="factor"):
         ChaosEvent(step=1, rank=0, action="slow", factor=0.5)
     assert ChaosEvent(step=1, rank=0, action="slow", steps=None).steps is None
+    assert ChaosEvent(step=1, rank=0, action="oom", phase="restore").phase == "restore"
+    for action in ("kill", "raise", "hang"):
+        with pytest.raises(pydantic.ValidationError, match="'restore' takes action 'oom' only"):
+            ChaosEvent(step=1, rank=0, action=action, phase="restore")
 
 
 def test_a_chaos_rank_the_run_never_has_is_refused_naming_the_setting():

@@ -22,6 +22,7 @@ from elastic.errors import (
     CollectiveError,
     ConfigError,
     ControllerError,
+    GenerationOutOfMemoryError,
     InsufficientWorkersError,
     MembershipChanged,
     NonFiniteLossError,
@@ -803,3 +804,47 @@ def test_a_replacement_that_cannot_start_does_not_hold_chunks_back(tmp_path):
     assert sim.starting() == 1
     # Ahead: 4-8, 8-12, 12-16 (drained after the kill), then 16-20, ..., 36-40.
     assert sim.ahead == 9
+
+
+# --- out of memory while a generation forms ------------------------------------------------
+
+
+def test_out_of_memory_while_restoring_forms_the_generation_again_and_the_run_goes_on(tmp_path):
+    """After a kill, a survivor runs out of memory taking the newest state: the generation
+    forms once more (nobody dropped, no micro-batch halved) and every step runs once."""
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.02,
+                           oom_forming=[(6, "restoring", 2)])
+    end, ctx, _ = _run(tmp_path, sim=sim, chaos=(ChaosEvent(step=6, rank=1, action="kill"),))
+    assert isinstance(end, Finished), end
+    [failed] = _events(ctx, "generation_failed")
+    assert failed["attempt"] == 1 and "(restoring)" in failed["errors"][0]
+    assert [e["reason"] for e in _events(ctx, "generation")] == ["start", "recovery", "resize"]
+    assert [e["worker_id"] for e in _events(ctx, "worker_lost")] == [1]  # the kill only
+    assert not _events(ctx, "oom_backoff")
+    assert _steps(ctx) == list(range(24))
+
+
+@pytest.mark.parametrize("second, saved", [("connecting", [6]), ("restoring", [])])
+def test_out_of_memory_twice_forming_at_one_step_fails_naming_what_to_change(
+        tmp_path, second, saved):
+    from elastic.config import CheckpointConfig
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.02,
+                           oom_forming=[(6, "restoring", 2), (6, second, 0)])
+    end, ctx, _ = _run(tmp_path, sim=sim, chaos=(ChaosEvent(step=6, rank=1, action="kill"),),
+                       checkpoint=CheckpointConfig(path=str(tmp_path / "c"), every_steps=100))
+    assert isinstance(end, Failed) and isinstance(end.error, GenerationOutOfMemoryError)
+    assert (end.error.rank, end.error.doing) == (0, second)
+    assert "out of memory on 2 attempts to form a generation at step 6" in str(end.error)
+    assert [e["attempt"] for e in _events(ctx, "generation_failed")] == [1, 2]
+    # A final checkpoint only when no state had moved (a member that ran out restoring may
+    # hold part of another's).
+    assert sim.checkpoints == saved
+
+
+def test_out_of_memory_forming_counts_per_step():
+    policy = FailurePolicy(FailureConfig())
+    error = GenerationOutOfMemoryError("no room", rank=1, generation=4, doing="restoring")
+    assert policy.decide(error, step=3) == Recover()
+    policy.formed()  # a generation formed: the count of the step stays
+    assert isinstance(policy.decide(error, step=3), Fail)
+    assert policy.decide(error, step=9) == Recover()  # another step: once more

@@ -26,7 +26,9 @@ from elastic.errors import (
     CollectiveError,
     CollectiveTimeoutError,
     ConfigError,
+    GenerationOutOfMemoryError,
     HalfUpdatedError,
+    RendezvousError,
 )
 from elastic.trainer import compute as compute_module
 from elastic.trainer import reducers as reducers_module
@@ -36,6 +38,7 @@ from elastic.trainer.device import (
     is_out_of_memory,
     local_gpu_index,
     move_batch,
+    out_of_memory_forming,
     resolve_device,
     rng_state,
     set_rng_state,
@@ -204,6 +207,39 @@ def _caused(error: BaseException, cause: BaseException) -> BaseException:
 ])
 def test_out_of_memory_is_told_apart_from_a_lost_peer(error, oom):
     assert is_out_of_memory(error) is oom
+
+
+@pytest.mark.parametrize(("error", "line"), [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nGPU 0 has ..."),
+     "CUDA out of memory. Tried to allocate 2.00 GiB."),
+    # The communicator's builder error, re-wrapped with advice that does not apply: the
+    # allocation failure behind it is what is named.
+    (_caused(RendezvousError("rank 1 could not connect: raise CollectiveConfig."
+                             "rendezvous_timeout if workers start slowly"),
+             _caused(CollectiveError("NCCL could not create the communicator: "
+                                     "ncclUnhandledCudaError (out of memory: 3 MiB free)"),
+                     RuntimeError("NCCL_ERROR_UNHANDLED_CUDA_ERROR: unhandled cuda error"))),
+     "NCCL could not create the communicator: ncclUnhandledCudaError (out of memory: 3 MiB "
+     "free)"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
+                  "memory: you tried to allocate 8589934592 bytes."),
+     "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you "
+     "tried to allocate 8589934592 bytes."),
+    (CollectiveAbortedError("communicator is broken by an earlier failure: out of memory"), None),
+    (CollectiveError("collective failed on rank 1: Connection reset by peer"), None),
+    (ValueError("out of memory"), None),
+])
+def test_out_of_memory_while_a_generation_forms_is_typed_and_says_what_to_change(error, line):
+    typed = out_of_memory_forming(error, rank=2, generation=7, doing="restoring",
+                                  device=torch.device("cpu"), worker_id=11)
+    if line is None:
+        assert typed is None
+        return
+    assert isinstance(typed, GenerationOutOfMemoryError)
+    assert (typed.rank, typed.generation, typed.doing) == (2, 7, "restoring")
+    assert str(typed).startswith(
+        f"rank 2 (worker 11) ran out of memory while generation 7 formed (restoring): {line}. ")
+    assert "sharding.stage" in str(typed) and "scaling.gpus_per_worker" in str(typed)
 
 
 # --- out of memory in the step's allocations: a vote ----------------------------------------

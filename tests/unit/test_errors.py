@@ -18,6 +18,8 @@ def _instance(cls: type[Exception]) -> Exception:
         return cls("boom", rank=1, generation=3)
     if issubclass(cls, (errors.WorkerLostError, errors._AtRankAndStep)):
         return cls("gone", rank=1, step=4)
+    if cls is errors.GenerationOutOfMemoryError:
+        return cls("no room", rank=1, generation=5, doing="restoring")
     return cls("message")
 
 

@@ -37,6 +37,12 @@ def test_a_partial_of_a_library_class_ships_nothing():
     assert _names(functools.partial(torch.optim.SGD, lr=0.1)) == []
 
 
+def test_a_library_wrapper_around_a_user_function_ships_the_functions_module():
+    # torch's decorator closes over the user's function: the walk follows what library code
+    # closes over, though not its globals.
+    assert _names(torch.no_grad()(jobs.make_optimizer)) == ["tests.jobs"]
+
+
 def test_standard_library_installed_and_own_package_modules_are_never_user_modules():
     for module in (functools, json, torch, torch.optim, elastic.demo, pydantic):
         assert not is_user_module(module), module.__name__
