@@ -76,10 +76,10 @@ def _module_of(obj: Any) -> types.ModuleType | None:
 def _references(obj: Any, module: types.ModuleType | None, user: bool) -> list[Any]:
     """What `obj` refers to that may come from other modules (`user`: whether `module`, the
     one `obj` comes from, is a user module)."""
-    # Library code (not the user's, not `__main__`): what its globals, methods and bases
-    # reference is the library's (a walk through torch's would use up the visits, slowly);
-    # what a library function closes over or defaults to may be the user's (a decorator's
-    # wrapper around a user function).
+    # Library code (not the user's, not `__main__`): what its functions' globals reference
+    # is the library's (a walk through torch's would use up the visits, slowly); what a
+    # library function closes over or defaults to may be the user's (a decorator's wrapper
+    # around a user function), as may a library class's bases and methods.
     library = module is not None and not user and module.__name__ != "__main__"
     if isinstance(obj, types.ModuleType):
         # A user module travels by value with its functions and classes, which may use
@@ -104,9 +104,8 @@ def _references(obj: Any, module: types.ModuleType | None, user: bool) -> list[A
                         if n in obj.__globals__)
         return refs
     if isinstance(obj, type):
-        if library:  # its bases are the library's too
-            return []
-        # A class's methods reference the globals of its module; its bases may live elsewhere.
+        # A class's methods reference the globals of its module; its bases may live elsewhere
+        # (a library's class may be built at run time from the user's bases or functions).
         refs = [b for b in obj.__bases__ if b is not object]
         for value in vars(obj).values():
             if isinstance(value, (staticmethod, classmethod)):

@@ -248,6 +248,7 @@ class WorkerActor:
         self._eval_set = LazyDataset(job.eval_dataset, config.seed) if job.eval_dataset else None
         self._checkpoint_chaos: list[ChaosEvent] = []  # kills to fire during a checkpoint write
         self._restore_chaos: list[ChaosEvent] = []  # out of memory to fire in a `sync`
+        self._restore_fired: list[ChaosEvent] = []  # each once, if handed out again
         # Chunks run in the order handed out (`ticket`, from 0 in each generation), whatever
         # the order in which this threaded actor's calls arrive; `_completed`: the last one did.
         self._turn = threading.Condition()
@@ -316,6 +317,7 @@ class WorkerActor:
             due = [e for e in self._restore_chaos if e.step <= self.replica.global_step]
             if due:
                 self._restore_chaos.remove(due[0])
+                self._restore_fired.append(due[0])
                 self.replica.faults.fire(due[:1], "restore")
             self.replica.sync_from(src, leaving or ())
         return self.replica.cursor.to_dict()
@@ -370,7 +372,8 @@ class WorkerActor:
         rank = replica.comm.rank if replica.comm else -1
         broken: ChunkVotedDown | None = None
         self._checkpoint_chaos += [e for e in chaos if e.rank == rank and e.phase == "checkpoint"]
-        self._restore_chaos += [e for e in chaos if e.rank == rank and e.phase == "restore"]
+        self._restore_chaos += [e for e in chaos if e.rank == rank and e.phase == "restore"
+                                and e not in self._restore_chaos and e not in self._restore_fired]
         try:
             for _ in range(num_steps):
                 step = replica.global_step

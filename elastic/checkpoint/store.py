@@ -270,12 +270,22 @@ def verify(root: str, step: int, key: bytes | None = None) -> LoadedCheckpoint:
             parts[filename.removesuffix(".pt")] = torch.load(io.BytesIO(data), weights_only=True,
                                                               map_location="cpu")
         except Exception as e:
+            if _allocation_failed(e):  # the reader's memory, not the checkpoint, is short
+                raise
             raise CheckpointCorruptError(
                 f"{directory}/{filename}: refused, not plain tensor data ({type(e).__name__})"
             ) from e
     if shards:
         _join_shards(directory, shards, parts)
     return LoadedCheckpoint(path=directory, step=step, parts=parts, manifest=manifest)
+
+
+def _allocation_failed(error: BaseException) -> bool:
+    """Whether loading failed for want of memory (torch's CPU allocator raises a plain
+    RuntimeError): the checkpoint is not skipped as corrupt then, which would fall back to an
+    older one, or at a resume with none left start the run over."""
+    return (isinstance(error, (MemoryError, torch.OutOfMemoryError))
+            or "DefaultCPUAllocator: can't allocate memory" in str(error))
 
 
 def _listed_shards(manifest: dict[str, Any]) -> dict[str, list[int]]:

@@ -103,7 +103,8 @@ class FailurePolicy:
     user_retries: dict[int, int] = field(default_factory=dict)
     evaluation_retries: dict[int, int] = field(default_factory=dict)
     generation_attempts: int = 0
-    # step -> generations that ran out of memory forming at it (`formed` keeps them).
+    # step -> generations that ran out of memory forming at it (the last such step only;
+    # `formed` keeps it).
     forming_oom: dict[int, int] = field(default_factory=dict)
     unit: int = 1  # the group size with groups on: the smallest micro-batch
 
@@ -185,7 +186,10 @@ class FailurePolicy:
     def _forming_out_of_memory(self, error: GenerationOutOfMemoryError,
                                step: int | None) -> Action:
         key = -1 if step is None else step
-        attempt = self.forming_oom[key] = self.forming_oom.get(key, 0) + 1
+        # Kept for the step at hand only: a later step, or one replayed from a checkpoint,
+        # starts over.
+        attempt = self.forming_oom.get(key, 0) + 1
+        self.forming_oom = {key: attempt}
         if attempt > FORMING_OOM_RETRIES:
             return Fail(GenerationOutOfMemoryError(
                 f"out of memory on {attempt} attempts to form a generation at step {step}: "

@@ -73,8 +73,9 @@ class SimulatedWorkers:
             left half updated and offer no state (`Replica.restorable_step`) until they sync.
         slow: worker id -> factor by which its compute is slower (a straggler).
         oom_forming: (step, doing, worker id): when a generation forms whose newest member
-            holds `step`, that worker runs out of memory while `doing` ('connecting' or
-            'restoring'; `GenerationOutOfMemoryError`); each entry once, in order.
+            holds `step`, that worker runs out of memory while `doing` ('connecting',
+            'restoring', or 'loading a checkpoint' in `restore_checkpoint`;
+            `GenerationOutOfMemoryError`); each entry once, in order.
     """
 
     def __init__(self, dataset_size: int, capacity: int, step_time_s: float = 0.01,
@@ -350,6 +351,9 @@ class SimulatedWorkers:
         if method == "flush_checkpoints":
             return []
         if method == "restore_checkpoint":
+            failed = self._out_of_memory([worker_id], "loading a checkpoint")
+            if failed is not None:
+                raise failed
             return {"step": None, "path": None, "skipped": [], "unsigned": []}
         raise NotImplementedError(f"the simulation has no {method!r}")
 

@@ -58,6 +58,7 @@ from elastic.errors import (
     ConfigError,
     ControllerError,
     ElasticError,
+    GenerationOutOfMemoryError,
     MembershipChanged,
     NonFiniteLossError,
     StartupTimeoutError,
@@ -150,8 +151,15 @@ class Starting(State):
         ctx.log.emit(Planned(dataset_size=ctx.dataset_size,
                       steps_per_epoch=ctx.dataset_size // b, total_steps=ctx.total_steps))
         if ctx.checkpoints.enabled:
-            ctx.checkpoints.restore(ctx.members[0].worker_id, "resumed", ctx.step,
-                                    world_size=len(ctx.members))
+            while True:
+                try:
+                    ctx.checkpoints.restore(ctx.members[0].worker_id, "resumed", ctx.step,
+                                            world_size=len(ctx.members))
+                    break
+                except GenerationOutOfMemoryError as e:  # once more, as a generation forms
+                    action = ctx.policy.decide(e, step=ctx.step)
+                    if isinstance(action, Fail):
+                        raise action.error from e
         form(ctx, "start")
         return Running()
 

@@ -441,10 +441,10 @@ class _HostCopy:
 
 def is_allocation_failure(error: BaseException) -> bool:
     """Whether `error` is an allocation of this process that failed: a `torch.OutOfMemoryError`
-    (CUDA's caching allocator), or the RuntimeError of torch's CPU allocator
-    ("DefaultCPUAllocator: can't allocate memory"), which torch raises as no subclass of its
-    own."""
-    if isinstance(error, torch.OutOfMemoryError):
+    (CUDA's caching allocator), Python's `MemoryError`, or the RuntimeError of torch's CPU
+    allocator ("DefaultCPUAllocator: can't allocate memory"), which torch raises as no
+    subclass of its own."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return True
     return (isinstance(error, RuntimeError) and not isinstance(error, CollectiveError)
             and _CPU_ALLOCATOR_TEXT.search(str(error)) is not None)
@@ -505,9 +505,11 @@ def out_of_memory_forming(error: BaseException, *, rank: int, generation: int, d
         return None
     release_cached_memory(device)
     left = memory_left(device)
+    when = (f"while generation {generation} formed" if generation >= 0
+            else "before the run's first generation formed")
     return GenerationOutOfMemoryError(
-        f"rank {rank} (worker {worker_id}) ran out of memory while generation {generation} "
-        f"formed ({doing}{'; ' + left if left else ''}): {out_of_memory_line(error)}. The "
+        f"rank {rank} (worker {worker_id}) ran out of memory {when} "
+        f"({doing}{'; ' + left if left else ''}): {out_of_memory_line(error)}. The "
         "model, its optimizer state (the worker's parts of it when sharded) and the "
         "communicator's buffers must fit on each worker before a step runs, whatever the "
         "micro-batch: shard the optimizer state (sharding.stage 1 or 2, fewer "

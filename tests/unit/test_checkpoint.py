@@ -109,6 +109,26 @@ def test_a_pickle_that_would_run_code_is_refused_and_never_runs(tmp_path, monkey
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
+                 "memory: you tried to allocate 8589934592 bytes."),
+    MemoryError(),
+])
+def test_a_reader_out_of_memory_is_not_a_corrupt_checkpoint(tmp_path, monkeypatch, error):
+    """Skipping it as corrupt would fall back to an older checkpoint, or at a resume with none
+    left, start the run over: the allocation failure goes to the caller instead."""
+    root = str(tmp_path / "ckpt")
+    write_checkpoint(root, 4, _parts(4), {})
+    write_checkpoint(root, 5, _parts(5), {})
+
+    def no_room(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(torch, "load", no_room)
+    with pytest.raises(type(error)):
+        load_checkpoint(root)
+
+
 def test_retention_keeps_the_newest_valid_and_never_the_only_valid_one(tmp_path):
     root = str(tmp_path / "ckpt")
     for step in range(1, 6):

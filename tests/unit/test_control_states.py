@@ -848,3 +848,20 @@ def test_out_of_memory_forming_counts_per_step():
     policy.formed()  # a generation formed: the count of the step stays
     assert isinstance(policy.decide(error, step=3), Fail)
     assert policy.decide(error, step=9) == Recover()  # another step: once more
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_out_of_memory_loading_the_checkpoint_to_resume_from_is_tried_once_more(tmp_path,
+                                                                               times):
+    from elastic.config import CheckpointConfig
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.02,
+                           oom_forming=[(0, "loading a checkpoint", 0)] * times)
+    end, ctx, _ = _run(tmp_path, sim=sim, steps=8,
+                       checkpoint=CheckpointConfig(path=str(tmp_path / "c"), every_steps=100))
+    if times == 1:
+        assert isinstance(end, Finished), end
+        assert _steps(ctx) == list(range(8))
+    else:
+        assert isinstance(end, Failed) and isinstance(end.error, GenerationOutOfMemoryError)
+        assert "out of memory on 2 attempts" in str(end.error)
+        assert end.error.doing == "loading a checkpoint" and not _events(ctx, "generation")

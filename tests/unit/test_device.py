@@ -789,7 +789,7 @@ def _actor(replica) -> object:
     actor.config = SimpleNamespace(collective=CollectiveConfig())
     actor._lock, actor._abort, actor._turn = threading.Lock(), threading.Event(), threading.Condition()
     actor._next_ticket, actor._completed, actor._generation, actor._yield_ticket = 0, True, -1, -1
-    actor._checkpoint_chaos = []
+    actor._checkpoint_chaos, actor._restore_chaos, actor._restore_fired = [], [], []
     actor._taken_in = threading.Event()  # set by connect: a spare taken into a generation
     return actor
 
@@ -808,6 +808,39 @@ def test_a_worker_whose_new_communicator_fails_no_longer_points_at_the_closed_on
     with pytest.raises(CollectiveError):
         actor.connect(0, 2, "127.0.0.1:1", 2, b"secret")
     assert old.closes == 1  # not closed again
+
+
+def test_a_worker_out_of_memory_connecting_or_restoring_says_so_typed(monkeypatch):
+    def no_room(*args, **kwargs):  # NCCL's communicator, re-wrapped by the rendezvous
+        raise RendezvousError("rank 1 could not connect") from torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    monkeypatch.setattr(worker_module, "Communicator", no_room)
+    actor = _actor(SimpleNamespace(comm=None, registered_bytes=lambda: 0))
+    with pytest.raises(GenerationOutOfMemoryError) as raised:
+        actor.connect(1, 2, "127.0.0.1:1", 4, b"secret")
+    assert (raised.value.rank, raised.value.generation, raised.value.doing) == (1, 4, "connecting")
+    assert "CUDA out of memory. Tried to allocate 64.00 MiB" in str(raised.value)
+
+    def sync_from(src, leaving):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    lost_peer = CollectiveError("collective failed on rank 0: Connection reset by peer")
+
+    def lost(src, leaving):
+        raise lost_peer
+
+    actor = _actor(SimpleNamespace(comm=SimpleNamespace(rank=1), sync_from=sync_from,
+                                   global_step=3))
+    actor._generation = 5
+    actor._compute = SimpleNamespace(run=lambda call: call())  # the step thread: here
+    with pytest.raises(GenerationOutOfMemoryError) as raised:
+        actor.sync(0)
+    assert (raised.value.rank, raised.value.generation, raised.value.doing) == (1, 5, "restoring")
+    actor.replica.sync_from = lost  # a lost peer stays what it is
+    with pytest.raises(CollectiveError) as raised:
+        actor.sync(0)
+    assert raised.value is lost_peer
 
 
 def test_a_worker_out_of_memory_in_a_step_says_its_communicator_is_broken():

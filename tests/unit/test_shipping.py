@@ -106,3 +106,8 @@ def test_a_module_of_a_namespace_package_in_the_users_folder_ships(tmp_path, mon
 
 def test_module_like_objects_of_installed_packages_are_not_user_modules():
     assert not is_user_module(torch.ops.aten)
+
+
+def test_a_class_a_library_builds_from_a_user_base_ships_the_bases_module():
+    built = type("Built", (Loss,), {"__module__": "collections"})  # as a library factory would
+    assert _names(built) == [__name__]
