@@ -436,12 +436,13 @@ class ChaosEvent(_Frozen):
         user_code = ("data", "forward", "backward") + (("evaluate",) if self.action == "raise" else ())
         if self.phase == "restore" and self.action != "oom":
             raise ValueError(f"chaos phase 'restore' takes action 'oom' only, not {self.action!r}")
-        if self.action == "oom":  # also where a generation forms
-            user_code += ("restore",)
-        if self.action in ("raise", "oom") and self.phase not in user_code:
+        forming = ("restore",) if self.action == "oom" else ()  # also as a generation forms
+        if self.action in ("raise", "oom") and self.phase not in user_code + forming:
             raise ValueError(
                 f"chaos action {self.action!r} fires in user code only; use phase "
-                f"{', '.join(user_code)}, not {self.phase!r}"
+                f"{', '.join(user_code)}"
+                + (" (or 'restore', as a generation forms)" if forming else "")
+                + f", not {self.phase!r}"
             )
         if self.phase == "evaluate" and self.action == "slow":
             raise ValueError("chaos phase 'evaluate' takes action 'kill', 'hang' or 'raise'; "

@@ -105,7 +105,8 @@ def test_the_default_evaluates_after_every_epoch():
 def test_chaos_in_the_evaluation_is_a_kill_a_hang_or_an_error_of_user_code():
     for action in ("kill", "hang", "raise"):
         assert ChaosEvent(step=4, rank=1, action=action, phase="evaluate").phase == "evaluate"
-    with pytest.raises(ValueError, match="data, forward, backward, not 'evaluate'"):
+    with pytest.raises(ValueError, match=r"data, forward, backward \(or 'restore', as a "
+                       r"generation forms\), not 'evaluate'"):
         ChaosEvent(step=4, rank=1, action="oom", phase="evaluate")
     with pytest.raises(ValueError, match="'slow' stretches training steps"):
         ChaosEvent(step=4, rank=1, action="slow", phase="evaluate")
