@@ -186,8 +186,7 @@ class FailurePolicy:
     def _forming_out_of_memory(self, error: GenerationOutOfMemoryError,
                                step: int | None) -> Action:
         key = -1 if step is None else step
-        # Kept for the step at hand only: a later step, or one replayed from a checkpoint,
-        # starts over.
+        # Kept for the step of the last such error only: another step starts over.
         attempt = self.forming_oom.get(key, 0) + 1
         self.forming_oom = {key: attempt}
         if attempt > FORMING_OOM_RETRIES:

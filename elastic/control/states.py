@@ -160,6 +160,8 @@ class Starting(State):
                     action = ctx.policy.decide(e, step=ctx.step)
                     if isinstance(action, Fail):
                         raise action.error from e
+                    if not isinstance(action, Recover):
+                        raise
         form(ctx, "start")
         return Running()
 

@@ -548,14 +548,14 @@ class GradientBuckets:
             sums.append(finite_sum(buffer[: bucket.numel]).reshape(1).to(torch.float64))
             if i == last and self._joined:
                 self._vote_nonfinite(buffer[bucket.numel :], state, _finite(sums))
+            if state.host is None and len(running) >= _RUNNING:  # the cap: the oldest first
+                self._finished(comm, state, *running.popleft())
             started = None if state.host is not None else comm.start_allreduce(buffer)
             if started is None:
                 comm.allreduce(buffer)
                 self._summed(state, i, buffer)
                 continue
             running.append((i, started))
-            if len(running) > _RUNNING:
-                self._finished(comm, state, *running.popleft())
             self._take_finished(comm, state, running)
         while running:
             self._finished(comm, state, *running.popleft())

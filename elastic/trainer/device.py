@@ -441,10 +441,11 @@ class _HostCopy:
 
 def is_allocation_failure(error: BaseException) -> bool:
     """Whether `error` is an allocation of this process that failed: a `torch.OutOfMemoryError`
-    (CUDA's caching allocator), Python's `MemoryError`, or the RuntimeError of torch's CPU
-    allocator ("DefaultCPUAllocator: can't allocate memory"), which torch raises as no
-    subclass of its own."""
-    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+    (CUDA's caching allocator), or the RuntimeError of torch's CPU allocator
+    ("DefaultCPUAllocator: can't allocate memory"), which torch raises as no subclass of its
+    own. Not Python's `MemoryError`: in user code that is mostly a request no memory could
+    hold (a shape gone wrong), better told with its traceback than backed off."""
+    if isinstance(error, torch.OutOfMemoryError):
         return True
     return (isinstance(error, RuntimeError) and not isinstance(error, CollectiveError)
             and _CPU_ALLOCATOR_TEXT.search(str(error)) is not None)
