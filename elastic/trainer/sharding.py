@@ -40,7 +40,8 @@ from elastic.trainer.staging import CudaStreams
 from elastic.trainer.state import tensor_bytes
 
 # Largest buffer of parameter values one gather reduces at a time (elements): the gather
-# allocates no more than this beside the model.
+# allocates no more than this beside the model (on NCCL two buffers of half this size, one
+# summed while the next is filled).
 _GATHER_ELEMENTS = 1 << 24
 
 
@@ -129,7 +130,9 @@ class OptimizerShards:
         these stream operations (`elastic.trainer.staging.CudaStreams`): the copies from the
         GPU are queued, then waited for once per window before the sum reads them (a
         blocking copy would wait for the device once per part); None: the buffer is on the
-        parameters' device.
+        parameters' device. There, on NCCL, each window's sum is only started
+        (`Communicator.start_allreduce`) and the next window is filled while it runs, two
+        windows of half the size at a time, with no host round trip between them.
 
         Raises:
             CollectiveError: the communication failed or was aborted.
@@ -137,11 +140,17 @@ class OptimizerShards:
         rank = comm.rank
         if comm.world_size == 1:
             return
+        # NCCL (device buffers): each window's sum is only started, and the next window is
+        # filled while it runs (two at a time, each half the size: the same memory).
+        start = getattr(comm, "start_allreduce", None) if streams is None else None
+        queued = start is not None and start(torch.empty(0, device=self.params[0].device)) == []
+        limit = _GATHER_ELEMENTS // 2 if queued else _GATHER_ELEMENTS
+        running: list[tuple[list[int], torch.Tensor, list[Any]]] = []
         by_dtype: dict[torch.dtype, list[int]] = {}
         for part, p in enumerate(self.params):
             by_dtype.setdefault(p.dtype, []).append(part)
         for dtype, parts in by_dtype.items():
-            for window in _windows(parts, self.sizes, _GATHER_ELEMENTS):
+            for window in _windows(parts, self.sizes, limit):
                 device = self.params[window[0]].device
                 total = sum(self.sizes[part] for part in window)
                 if streams is not None:
@@ -159,18 +168,34 @@ class OptimizerShards:
                         else:
                             flat[offset : offset + n].copy_(source)
                     offset += n
+                if queued:
+                    assert start is not None
+                    if len(running) == 2:  # the oldest first: two windows at most
+                        self._took(comm, rank, sources, *running.pop(0))
+                    running.append((window, flat, start(flat)))
+                    continue
                 if streams is not None:
                     streams.synchronize()  # the host's sum reads what the device copied
                 comm.allreduce(flat)
                 if streams is not None:
                     flat = streams.to_device(flat, device)
-                offset = 0
-                with torch.no_grad():
-                    for part in window:
-                        n = self.sizes[part]
-                        if sources[part] != rank:
-                            self.params[part].copy_(flat[offset : offset + n].view_as(self.params[part]))
-                        offset += n
+                self._took(comm, rank, sources, window, flat, None)
+        for taken in running:
+            self._took(comm, rank, sources, *taken)
+
+    def _took(self, comm: Any, rank: int, sources: Sequence[int], window: list[int],
+              flat: torch.Tensor, started: list[Any] | None) -> None:
+        """A window's sum, once done (`started`: its handles, to wait for first): the parts
+        of others copied into this rank's parameters."""
+        if started is not None:
+            comm.wait(started)  # what runs next on this stream sees the sum
+        offset = 0
+        with torch.no_grad():
+            for part in window:
+                n = self.sizes[part]
+                if sources[part] != rank:
+                    self.params[part].copy_(flat[offset : offset + n].view_as(self.params[part]))
+                offset += n
 
     # --- forming a generation -------------------------------------------------------------
 

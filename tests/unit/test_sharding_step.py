@@ -14,10 +14,11 @@ import torch
 
 from elastic import BatchConfig, FitConfig, ScalingConfig, ShardingConfig, TrainJob
 from elastic.adapt.plan import plan_batch
-from elastic.collective import RendezvousServer
+from elastic.collective import Communicator, RendezvousServer
 from elastic.config import CollectiveConfig, TrainingConfig
 from elastic.errors import CollectiveError, ConfigError
 from elastic.trainer import apply as apply_module
+from elastic.trainer import sharding as sharding_module
 from elastic.trainer.replica import Replica, StepRecord
 from tests import sharding
 from tests.sharding import adamw as _adamw
@@ -117,17 +118,57 @@ def test_sharded_stages_end_with_the_weights_of_one_plain_process_through_losses
 
 
 @pytest.mark.timeout(120)
-def test_stage_2_over_nccl_ends_with_the_weights_of_one_plain_process(tmp_path):
-    """Over NCCL (the simulator) the buckets' allreduces are only started and finished in
-    order: each rank still takes its share of every sum once it is done."""
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_stages_over_nccl_end_with_the_weights_of_one_plain_process(tmp_path,
+                                                                            monkeypatch, stage):
+    """Over NCCL (the simulator) the buckets' allreduces and the gather's windows are only
+    started and finished in order: each rank still takes its share of every sum, and every
+    part's values, once they are done. The gather's windows: two at a time, the older one
+    finished before a third starts."""
+    monkeypatch.setattr(sharding_module, "_GATHER_ELEMENTS", 64)  # several windows
+    log: list[tuple[str, int]] = []  # (call, elements) of rank 0's gather, in order
+    start, wait = Communicator.start_allreduce, Communicator.wait
+    in_gather = threading.local()
+
+    def recorded_start(self, tensor):
+        handles = start(self, tensor)
+        if self.rank == 0 and getattr(in_gather, "on", False) and tensor.numel():
+            log.append(("start", tensor.numel()))
+            in_gather.handles[id(handles)] = tensor.numel()
+        return handles
+
+    def recorded_wait(self, pending):
+        if self.rank == 0 and getattr(in_gather, "on", False) and id(pending) in in_gather.handles:
+            log.append(("wait", in_gather.handles.pop(id(pending))))
+        return wait(self, pending)
+
+    take = sharding_module.OptimizerShards.gather
+
+    def gather(self, comm, streams):
+        in_gather.on, in_gather.handles = True, {}
+        try:
+            return take(self, comm, streams)
+        finally:
+            in_gather.on = False
+
+    monkeypatch.setattr(Communicator, "start_allreduce", recorded_start)
+    monkeypatch.setattr(Communicator, "wait", recorded_wait)
+    monkeypatch.setattr(sharding_module.OptimizerShards, "gather", gather)
     nccl = CollectiveConfig(backend="nccl", nccl_simulator=True, bucket_bytes=1024,
                             first_bucket_bytes=1024)
-    config = _config(tmp_path, stage=2).model_copy(update={"collective": nccl})
+    config = _config(tmp_path, stage=stage).model_copy(update={"collective": nccl})
     replicas = _run(tmp_path, _job(), config, SCHEDULE[:2], comm=nccl)
     expected = _reference(_adamw, 5)
     final = replicas["a"].model.state_dict()
     for key, value in expected.items():
         torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    # Per gather: start, start, then each later start after the oldest one's wait.
+    calls = [c for c, _ in log]
+    assert calls[:3] == ["start", "start", "wait"] and calls.count("start") > 10
+    running = 0
+    for call in calls:
+        running += 1 if call == "start" else -1
+        assert 0 <= running <= 2
 
 
 @pytest.mark.timeout(120)
