@@ -39,9 +39,9 @@ from elastic.errors import CollectiveError, ConfigError
 from elastic.trainer.staging import CudaStreams
 from elastic.trainer.state import tensor_bytes
 
-# Largest buffer of parameter values one gather reduces at a time (elements): the gather
-# allocates no more than this beside the model (on NCCL two buffers of half this size, one
-# summed while the next is filled).
+# Largest buffer of parameter values one gather reduces at a time (elements), unless one part
+# is larger: the gather allocates one such buffer beside the model (on NCCL two, one summed
+# while the other is filled).
 _GATHER_ELEMENTS = 1 << 24
 
 
@@ -130,9 +130,10 @@ class OptimizerShards:
         these stream operations (`elastic.trainer.staging.CudaStreams`): the copies from the
         GPU are queued, then waited for once per window before the sum reads them (a
         blocking copy would wait for the device once per part); None: the buffer is on the
-        parameters' device. There, on NCCL, each window's sum is only started
-        (`Communicator.start_allreduce`) and the next window is filled while it runs, two
-        windows of half the size at a time, with no host round trip between them.
+        parameters' device. There, on NCCL, a window's sum is only started
+        (`Communicator.start_allreduce`) and the next window is filled while it runs: two
+        windows at a time, in two buffers used in turn (`_Windows`), so NCCL's stream never
+        waits for the host to fill one.
 
         Raises:
             CollectiveError: the communication failed or was aborted.
@@ -140,55 +141,60 @@ class OptimizerShards:
         rank = comm.rank
         if comm.world_size == 1:
             return
-        # NCCL (device buffers): each window's sum is only started, and the next window is
-        # filled while it runs (two at a time, each half the size: the same memory).
         start = getattr(comm, "start_allreduce", None) if streams is None else None
-        queued = start is not None and start(torch.empty(0, device=self.params[0].device)) == []
-        limit = _GATHER_ELEMENTS // 2 if queued else _GATHER_ELEMENTS
-        running: list[tuple[list[int], torch.Tensor, list[Any]]] = []
+        queued = (start is not None and bool(self.params)
+                  and start(torch.empty(0, device=self.params[0].device)) == [])
+        def took(window: list[int], flat: torch.Tensor) -> None:
+            self._took(window, flat, sources, rank)
+
+        windows = _Windows(comm, took) if queued else None
         by_dtype: dict[torch.dtype, list[int]] = {}
         for part, p in enumerate(self.params):
             by_dtype.setdefault(p.dtype, []).append(part)
         for dtype, parts in by_dtype.items():
-            for window in _windows(parts, self.sizes, limit):
+            cut = _windows(parts, self.sizes, _GATHER_ELEMENTS)
+            largest = max(sum(self.sizes[part] for part in window) for window in cut)
+            for window in cut:
                 device = self.params[window[0]].device
                 total = sum(self.sizes[part] for part in window)
-                if streams is not None:
+                if windows is not None:
+                    flat = windows.buffer(total, largest, dtype, device)
+                elif streams is not None:
                     flat = streams.pinned(total, dtype)
-                    flat.zero_()
                 else:
                     flat = torch.zeros(total, dtype=dtype, device=device)
-                offset = 0
-                for part in window:
-                    n = self.sizes[part]
-                    if sources[part] == rank:
-                        source = self.params[part].detach().reshape(-1)
-                        if streams is not None:
-                            streams.copy(flat[offset : offset + n], source)
-                        else:
-                            flat[offset : offset + n].copy_(source)
-                    offset += n
-                if queued:
-                    assert start is not None
-                    if len(running) == 2:  # the oldest first: two windows at most
-                        self._took(comm, rank, sources, *running.pop(0))
-                    running.append((window, flat, start(flat)))
+                self._fill(flat, window, sources, rank, streams)
+                if windows is not None:
+                    windows.start(window, flat)
                     continue
                 if streams is not None:
                     streams.synchronize()  # the host's sum reads what the device copied
                 comm.allreduce(flat)
                 if streams is not None:
                     flat = streams.to_device(flat, device)
-                self._took(comm, rank, sources, window, flat, None)
-        for taken in running:
-            self._took(comm, rank, sources, *taken)
+                self._took(window, flat, sources, rank)
+        if windows is not None:
+            windows.finish()
 
-    def _took(self, comm: Any, rank: int, sources: Sequence[int], window: list[int],
-              flat: torch.Tensor, started: list[Any] | None) -> None:
-        """A window's sum, once done (`started`: its handles, to wait for first): the parts
-        of others copied into this rank's parameters."""
-        if started is not None:
-            comm.wait(started)  # what runs next on this stream sees the sum
+    def _fill(self, flat: torch.Tensor, window: list[int], sources: Sequence[int], rank: int,
+              streams: Any | None) -> None:
+        """A window's buffer: this rank's parts (those it is the source of), zeros elsewhere."""
+        if streams is not None:
+            flat.zero_()
+        offset = 0
+        for part in window:
+            n = self.sizes[part]
+            if sources[part] == rank:
+                source = self.params[part].detach().reshape(-1)
+                if streams is not None:
+                    streams.copy(flat[offset : offset + n], source)
+                else:
+                    flat[offset : offset + n].copy_(source)
+            offset += n
+
+    def _took(self, window: list[int], flat: torch.Tensor, sources: Sequence[int],
+              rank: int) -> None:
+        """A window's sum: the parts of others copied into this rank's parameters."""
         offset = 0
         with torch.no_grad():
             for part in window:
@@ -331,6 +337,57 @@ class OptimizerShards:
                 out[sid] = dict(kept[part])
         return out
 
+
+
+class _Windows:
+    """The gather's windows on NCCL: each window's sum started, at most two at a time, in two
+    buffers used in turn (each as large as the largest window of its dtype: the gather holds
+    two such windows beside the model), each finished in order (`comm.wait`, after which the
+    caller's stream sees the sum) before its buffer is filled again."""
+
+    def __init__(self, comm: Any, took: Callable[[list[int], torch.Tensor], None]) -> None:
+        self.comm, self.took = comm, took
+        # (window, its slice of the buffer, the buffer, the sum's handles), oldest first
+        self.running: list[tuple[list[int], torch.Tensor, torch.Tensor, list[Any]]] = []
+        self.free: list[torch.Tensor] = []  # buffers whose window is finished
+        self._base: torch.Tensor | None = None  # the buffer of the window `buffer` gave
+
+    def buffer(self, total: int, largest: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+        """A zeroed buffer of `total` elements for the next window (the oldest running one
+        finished first when two run); allocated as large as the `largest` window of its
+        dtype, so that the two serve every window of it."""
+        if len(self.running) == 2:
+            self._finish_oldest()
+        fits = [b for b in self.free if b.dtype == dtype and b.device == device
+                and b.numel() >= total]
+        if fits:
+            self.free.remove(fits[0])
+            base = fits[0]
+        else:
+            if len(self.free) + len(self.running) >= 2 and self.free:
+                self.free.pop(0)  # too small or of another dtype: replaced
+            base = torch.empty(max(total, largest), dtype=dtype, device=device)
+        self._base = base
+        flat = base[:total]
+        flat.zero_()
+        return flat
+
+    def start(self, window: list[int], flat: torch.Tensor) -> None:
+        """Starts the sum of the window `buffer` gave, filled."""
+        assert self._base is not None
+        base, self._base = self._base, None
+        self.running.append((window, flat, base, self.comm.start_allreduce(flat)))
+
+    def finish(self) -> None:
+        while self.running:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        window, flat, base, started = self.running.pop(0)
+        self.comm.wait(started)  # the caller's stream then follows the sum
+        self.took(window, flat)
+        self.free.append(base)
 
 
 def _windows(parts: Sequence[int], sizes: Sequence[int], limit: int) -> list[list[int]]:
