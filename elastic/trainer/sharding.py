@@ -132,8 +132,8 @@ class OptimizerShards:
         blocking copy would wait for the device once per part); None: the buffer is on the
         parameters' device. There, on NCCL, a window's sum is only started
         (`Communicator.start_allreduce`) and the next window is filled while it runs: two
-        windows at a time, in two buffers used in turn (`_Windows`), so NCCL's stream never
-        waits for the host to fill one.
+        windows at a time, in two buffers used in turn (`_Windows`), so that NCCL's stream
+        usually has the next sum queued when one ends.
 
         Raises:
             CollectiveError: the communication failed or was aborted.
@@ -153,19 +153,19 @@ class OptimizerShards:
             by_dtype.setdefault(p.dtype, []).append(part)
         for dtype, parts in by_dtype.items():
             cut = _windows(parts, self.sizes, _GATHER_ELEMENTS)
-            largest = max(sum(self.sizes[part] for part in window) for window in cut)
+            cap = min(_GATHER_ELEMENTS, max(sum(self.sizes[p] for p in window) for window in cut))
             for window in cut:
                 device = self.params[window[0]].device
                 total = sum(self.sizes[part] for part in window)
                 if windows is not None:
-                    flat = windows.buffer(total, largest, dtype, device)
+                    flat = windows.buffer(total, cap, dtype, device)
                 elif streams is not None:
                     flat = streams.pinned(total, dtype)
                 else:
                     flat = torch.zeros(total, dtype=dtype, device=device)
                 self._fill(flat, window, sources, rank, streams)
                 if windows is not None:
-                    windows.start(window, flat)
+                    windows.start(window, flat, cap)
                     continue
                 if streams is not None:
                     streams.synchronize()  # the host's sum reads what the device copied
@@ -341,22 +341,27 @@ class OptimizerShards:
 
 class _Windows:
     """The gather's windows on NCCL: each window's sum started, at most two at a time, in two
-    buffers used in turn (each as large as the largest window of its dtype: the gather holds
-    two such windows beside the model), each finished in order (`comm.wait`, after which the
-    caller's stream sees the sum) before its buffer is filled again."""
+    buffers used in turn, each finished in order (`comm.wait`, after which the caller's
+    stream sees the sum) before its buffer is filled again. A buffer holds `cap` elements
+    (the largest window of its dtype, up to `_GATHER_ELEMENTS`): the gather holds two such
+    beside the model. A part larger than that goes alone in a buffer of its own once the
+    windows before it are finished (beside at most one window after it), and is not kept;
+    buffers of another dtype or too small are let go only once every running sum has
+    finished, so that the allocator can reuse their memory at once (memory a running NCCL
+    sum may still read is held back until it ends)."""
 
     def __init__(self, comm: Any, took: Callable[[list[int], torch.Tensor], None]) -> None:
         self.comm, self.took = comm, took
-        # (window, its slice of the buffer, the buffer, the sum's handles), oldest first
-        self.running: list[tuple[list[int], torch.Tensor, torch.Tensor, list[Any]]] = []
+        # (window, its slice of the buffer, the buffer to keep or None, the sum's handles),
+        # oldest first
+        self.running: list[tuple[list[int], torch.Tensor, torch.Tensor | None, list[Any]]] = []
         self.free: list[torch.Tensor] = []  # buffers whose window is finished
         self._base: torch.Tensor | None = None  # the buffer of the window `buffer` gave
 
-    def buffer(self, total: int, largest: int, dtype: torch.dtype,
+    def buffer(self, total: int, cap: int, dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
         """A zeroed buffer of `total` elements for the next window (the oldest running one
-        finished first when two run); allocated as large as the `largest` window of its
-        dtype, so that the two serve every window of it."""
+        finished first when two run)."""
         if len(self.running) == 2:
             self._finish_oldest()
         fits = [b for b in self.free if b.dtype == dtype and b.device == device
@@ -365,19 +370,21 @@ class _Windows:
             self.free.remove(fits[0])
             base = fits[0]
         else:
-            if len(self.free) + len(self.running) >= 2 and self.free:
-                self.free.pop(0)  # too small or of another dtype: replaced
-            base = torch.empty(max(total, largest), dtype=dtype, device=device)
+            if self.free or total > cap:  # let go of them with no sum running behind them
+                self.finish()
+                self.free.clear()
+            base = torch.empty(max(total, cap), dtype=dtype, device=device)
         self._base = base
         flat = base[:total]
         flat.zero_()
         return flat
 
-    def start(self, window: list[int], flat: torch.Tensor) -> None:
-        """Starts the sum of the window `buffer` gave, filled."""
+    def start(self, window: list[int], flat: torch.Tensor, cap: int) -> None:
+        """Starts the sum of the window `buffer` gave, filled (`cap`: as `buffer`'s)."""
         assert self._base is not None
         base, self._base = self._base, None
-        self.running.append((window, flat, base, self.comm.start_allreduce(flat)))
+        self.running.append((window, flat, base if base.numel() <= cap else None,
+                             self.comm.start_allreduce(flat)))
 
     def finish(self) -> None:
         while self.running:
@@ -387,7 +394,8 @@ class _Windows:
         window, flat, base, started = self.running.pop(0)
         self.comm.wait(started)  # the caller's stream then follows the sum
         self.took(window, flat)
-        self.free.append(base)
+        if base is not None:  # a large part's buffer is not kept
+            self.free.append(base)
 
 
 def _windows(parts: Sequence[int], sizes: Sequence[int], limit: int) -> list[list[int]]:
