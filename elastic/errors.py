@@ -214,8 +214,8 @@ class GenerationOutOfMemoryError(ElasticError):
 
     Recovery: the generation forms once more (the worker has freed its cached memory; what an
     earlier failure left behind may have been the cause). Out of memory again at the same
-    step: the run fails with the rank, the generation and what it was doing, after a final
-    checkpoint from a member that holds the committed state. A smaller micro-batch changes
+    step: the run fails with the rank, the generation and what it was doing (after a final
+    checkpoint when it ran out connecting: no state had moved then). A smaller micro-batch changes
     nothing here: the model, its optimizer state (the worker's parts of it, when sharded) and
     the communicator's buffers must fit on each worker. Shard the optimizer state
     (`sharding.stage`, fewer `sharding.replicas`), give each worker more memory, or use a

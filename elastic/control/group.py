@@ -194,16 +194,14 @@ def wait_for_capacity(ctx: Context) -> None:
         admit(ctx, timeout=min(remaining, 1.0))
 
 
-def save_before_failing(ctx: Context, first: Sequence[int] = ()) -> None:
+def save_before_failing(ctx: Context) -> None:
     """A final checkpoint from a surviving worker (its committed state), so that a new run on
-    the same checkpoint path resumes where this one stopped. `first`: worker ids to try
-    before the other members (those that hold the newest step)."""
+    the same checkpoint path resumes where this one stopped."""
     if not ctx.checkpoints.enabled:
         return
-    order = [*first, *(m.worker_id for m in ctx.members if m.worker_id not in first)]
-    for worker_id in order:
+    for member in ctx.members:
         try:
-            _write_final(ctx, worker_id)
+            _write_final(ctx, member.worker_id)
             return
         except Exception as e:  # best effort on the way to failing: try the next member
             ctx.log.emit(CheckpointFailed(step=ctx.step, error=first_line(e)))
@@ -329,10 +327,8 @@ def _formed(ctx: Context, gathered: Gathered[Any], doing: str) -> bool:
                       errors=[first_line(e) for e in gathered.out_of_memory] + broken,
                       attempt=ctx.policy.forming_oom.get(ctx.step, 0)))
         if isinstance(action, Fail):
-            if doing == "connecting":  # from a member that holds the newest step
-                ids, values = ctx.ids(), gathered.values
-                held = {ids[r]: v[0] for r, v in enumerate(values) if v is not None}
-                save_before_failing(ctx, sorted(held, key=lambda w: -held[w]))
+            if doing == "connecting":
+                save_before_failing(ctx)
             raise action.error
         return False
     if broken:
