@@ -358,6 +358,13 @@ class Communicator:
                 flat.div_(self.world_size)
         return tensor
 
+    @property
+    def starts_allreduce(self) -> bool:
+        """Whether `start_allreduce` starts sums (else it returns None): the data plane runs
+        its collectives in issue order without the host (NCCL, `algorithm` 'auto' or
+        'native')."""
+        return self._transport.name == "nccl" and self.config.algorithm in ("auto", "native")
+
     def start_allreduce(self, tensor: torch.Tensor) -> list[Pending] | None:
         """Starts summing a contiguous `tensor` across ranks and returns at once, where the
         data plane runs its collectives in the order they are issued without the host (NCCL,
@@ -370,7 +377,7 @@ class Communicator:
             ValueError: `tensor` is not contiguous.
         """
         self._check_usable()
-        if self._transport.name != "nccl" or self.config.algorithm not in ("auto", "native"):
+        if not self.starts_allreduce:
             return None
         if not tensor.is_contiguous():
             raise ValueError("start_allreduce needs a contiguous tensor")

@@ -27,6 +27,7 @@ peer to peer over the control plane, and each rank drops the state it no longer 
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -141,13 +142,8 @@ class OptimizerShards:
         rank = comm.rank
         if comm.world_size == 1:
             return
-        start = getattr(comm, "start_allreduce", None) if streams is None else None
-        queued = (start is not None and bool(self.params)
-                  and start(torch.empty(0, device=self.params[0].device)) == [])
-        def took(window: list[int], flat: torch.Tensor) -> None:
-            self._took(window, flat, sources, rank)
-
-        windows = _Windows(comm, took) if queued else None
+        windows = (_Windows(comm, functools.partial(self._took, sources=sources, rank=rank))
+                   if streams is None and comm.starts_allreduce else None)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for part, p in enumerate(self.params):
             by_dtype.setdefault(p.dtype, []).append(part)
@@ -165,7 +161,7 @@ class OptimizerShards:
                     flat = torch.zeros(total, dtype=dtype, device=device)
                 self._fill(flat, window, sources, rank, streams)
                 if windows is not None:
-                    windows.start(window, flat, cap)
+                    windows.start(window, flat)
                     continue
                 if streams is not None:
                     streams.synchronize()  # the host's sum reads what the device copied
@@ -356,7 +352,9 @@ class _Windows:
         # oldest first
         self.running: list[tuple[list[int], torch.Tensor, torch.Tensor | None, list[Any]]] = []
         self.free: list[torch.Tensor] = []  # buffers whose window is finished
-        self._base: torch.Tensor | None = None  # the buffer of the window `buffer` gave
+        # The buffer of the window `buffer` gave, to keep once its sum ends (None: a large
+        # part's, let go).
+        self._keep: torch.Tensor | None = None
 
     def buffer(self, total: int, cap: int, dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
@@ -374,17 +372,15 @@ class _Windows:
                 self.finish()
                 self.free.clear()
             base = torch.empty(max(total, cap), dtype=dtype, device=device)
-        self._base = base
+        self._keep = base if base.numel() <= cap else None
         flat = base[:total]
         flat.zero_()
         return flat
 
-    def start(self, window: list[int], flat: torch.Tensor, cap: int) -> None:
-        """Starts the sum of the window `buffer` gave, filled (`cap`: as `buffer`'s)."""
-        assert self._base is not None
-        base, self._base = self._base, None
-        self.running.append((window, flat, base if base.numel() <= cap else None,
-                             self.comm.start_allreduce(flat)))
+    def start(self, window: list[int], flat: torch.Tensor) -> None:
+        """Starts the sum of the window `buffer` gave, filled."""
+        self.running.append((window, flat, self._keep, self.comm.start_allreduce(flat)))
+        self._keep = None
 
     def finish(self) -> None:
         while self.running:
