@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy as copying
 import dataclasses
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -467,31 +467,27 @@ def is_out_of_memory(error: BaseException) -> bool:
         return True
     if not isinstance(error, CollectiveError) or isinstance(error, CollectiveAbortedError):
         return False
+    return any(is_allocation_failure(e) or _OUT_OF_MEMORY_TEXT.search(str(e))
+               for e in _chain(error))
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """`error`, then its cause (else context), and so on, each once."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if is_allocation_failure(current) or _OUT_OF_MEMORY_TEXT.search(str(current)):
-            return True
+        yield current
         current = current.__cause__ or current.__context__
-    return False
 
 
 def out_of_memory_line(error: BaseException) -> str:
     """The first line of the allocation failure behind `error` (its cause chain), else of
     the first error in the chain whose text names out of memory (NCCL's), else of `error`."""
-    seen: set[int] = set()
-    named: BaseException | None = None
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if is_allocation_failure(current):
-            named = current
-            break
-        if named is None and _OUT_OF_MEMORY_TEXT.search(str(current)):
-            named = current
-        current = current.__cause__ or current.__context__
-    text = str(named if named is not None else error).strip()
+    chain = list(_chain(error))
+    named = (next((e for e in chain if is_allocation_failure(e)), None)
+             or next((e for e in chain if _OUT_OF_MEMORY_TEXT.search(str(e))), error))
+    text = str(named).strip()
     return text.splitlines()[0] if text else type(error).__name__
 
 
