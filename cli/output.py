@@ -19,8 +19,10 @@ console = Console()
 
 def fail(message: str) -> typer.Exit:
     """Prints `message` as an error; the caller raises the returned exit (code 2). The message
-    is plain text: square brackets in it (`[1, 4]`, `elastic[loggers]`) are printed as they are."""
-    console.print(f"[red]error:[/red] {escape(message)}")
+    is plain text: square brackets in it (`[1, 4]`, `elastic[loggers]`) are printed as they are,
+    and it is not broken into lines at the console's width (a path or a command in it stays
+    whole to copy; the terminal wraps it)."""
+    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
     return typer.Exit(code=2)
 
 
