@@ -13,6 +13,9 @@ import sys
 
 import pytest
 
+from elastic import control
+from elastic.control.requests import Status
+from elastic.registry import RunRegistry, is_terminal
 from tests.head import own_head, wait_until
 
 pytestmark = pytest.mark.fault
@@ -52,6 +55,7 @@ def test_a_submitted_job_is_scaled_killed_stopped_and_succeeds_and_ray_job_stop_
     job_id = _submit(head, "sj", env)
 
     def status(name: str = "sj") -> dict | None:
+        """`elastic status NAME --json`, as a user types it."""
         try:
             result = _run([str(BIN / "elastic"), "status", name, "--json"], elastic_env,
                           timeout=60)
@@ -59,20 +63,33 @@ def test_a_submitted_job_is_scaled_killed_stopped_and_succeeds_and_ray_job_stop_
             return None                    # its connect timing out): asked again
         return json.loads(result.stdout) if result.returncode == 0 else None
 
-    wait_until(lambda: (s := status()) and s["state"] == "running", limit=180)
+    def polled(name: str = "sj") -> dict | None:
+        """What `status` answers, from the run's control channel in this process: a poll costs
+        milliseconds where a process (Python and its imports) costs a second of the two cores
+        the run trains on. Each wait below ends with one `status` as typed."""
+        record = RunRegistry().read(name)
+        assert record is None or not is_terminal(record), record  # it ended: fail at once
+        if record is None or not record.get("control"):
+            return None  # its controller has not registered yet
+        try:
+            return control.call(record["control"], Status())
+        except control.ControlUnavailable:
+            return None
+
+    def reached(check, name: str = "sj") -> dict:
+        wait_until(lambda: (s := polled(name)) and check(s), limit=180)
+        return wait_until(lambda: (s := status(name)) and check(s) and s, limit=60)
+
     # Not in Ray's temporary copy of the working directory: the record outlives the job.
-    run_dir = pathlib.Path(status()["run_dir"])
+    run_dir = pathlib.Path(reached(lambda s: s["state"] == "running")["run_dir"])
     assert run_dir == pathlib.Path(env["ELASTIC_HOME"]) / "run-dirs" / "sj"
     assert _run([str(BIN / "elastic"), "scale", "sj", "3"], elastic_env).returncode == 0
-    wait_until(lambda: (s := status()) and s["world_size"] == 3 and s["state"] == "running",
-                limit=180)
+    reached(lambda s: s["world_size"] == 3 and s["state"] == "running")
     assert _run([str(BIN / "elastic"), "kill", "sj", "--rank", "0"], elastic_env).returncode == 0
-    wait_until(lambda: (s := status()) and s["failures"] == 1 and s["state"] == "running",
-                limit=180)
+    reached(lambda s: s["failures"] == 1 and s["state"] == "running")
     # A notice reaches a submitted run as any other: the rank leaves at a step boundary.
     assert _run([str(BIN / "elastic"), "drain", "sj", "--rank", "1"], elastic_env).returncode == 0
-    wait_until(lambda: (s := status()) and s["preemptions"] == 1 and s["state"] == "running",
-                limit=180)
+    reached(lambda s: s["preemptions"] == 1 and s["state"] == "running")
     logs = _run([str(BIN / "elastic"), "logs", "sj"], elastic_env)
     assert "on purpose" in logs.stdout and "resized" in logs.stdout
     assert "0 steps redone" in logs.stdout  # the planned departure's line
@@ -92,7 +109,7 @@ def test_a_submitted_job_is_scaled_killed_stopped_and_succeeds_and_ray_job_stop_
     # `ray job stop` (SIGTERM to the driver): the run stops after the step in flight, as
     # `elastic stop` does, and leaves its weights in the run dir.
     stopped_id = _submit(head, "sj-stop", env)
-    wait_until(lambda: (s := status("sj-stop")) and s["state"] == "running" and s["step"] > 0, limit=180)
+    reached(lambda s: s["state"] == "running" and s["step"] > 0, "sj-stop")
     assert _run([ray_cmd, "job", "stop", "--address", head["dashboard"], stopped_id], env,
                 timeout=180).returncode == 0
     assert wait_until(lambda: finished(stopped_id), limit=180) == "stopped"
