@@ -416,9 +416,10 @@ class ChaosEvent(_Frozen):
                               "(ignored by 'slow', which stretches the whole compute part). "
                               "'checkpoint': a 'kill' during the first checkpoint write at or "
                               "after `step`, once a part is on disk and before the manifest "
-                              "(rank 0 writes checkpoints). 'gather': with sharding.stage 1 or 2, "
-                              "after the optimizer stepped this rank's parts, before the "
-                              "parameters are gathered. 'evaluate': in the evaluation at "
+                              "(rank 0 writes checkpoints); a 'hang' there blocks that write "
+                              "for good, as storage that stops answering. 'gather': with "
+                              "sharding.stage 1 or 2, after the optimizer stepped this rank's "
+                              "parts, before the parameters are gathered. 'evaluate': in the evaluation at "
                               "committed step `step` (if one runs there), before the rank reads "
                               "its slice; 'raise' there is an error of eval_step. 'restore': "
                               "'oom' only, as the rank takes the newest state in the first "
@@ -447,10 +448,10 @@ class ChaosEvent(_Frozen):
         if self.phase == "evaluate" and self.action == "slow":
             raise ValueError("chaos phase 'evaluate' takes action 'kill', 'hang' or 'raise'; "
                              "'slow' stretches training steps (leave its phase at the default)")
-        if self.phase == "checkpoint" and (self.action != "kill" or self.rank != 0):
+        if self.phase == "checkpoint" and (self.action not in ("kill", "hang") or self.rank != 0):
             raise ValueError(
-                "chaos phase 'checkpoint' takes action 'kill' on rank 0 (the rank that writes "
-                f"checkpoints), not {self.action!r} on rank {self.rank}"
+                "chaos phase 'checkpoint' takes action 'kill' or 'hang' on rank 0 (the rank that "
+                f"writes checkpoints), not {self.action!r} on rank {self.rank}"
             )
         return self
 
@@ -489,6 +490,14 @@ class CheckpointConfig(_Frozen):
         "later: a boundary whose next chunk was handed out before the time came is passed over)."
     )
     keep_last: int = Field(default=3, ge=1, description="Valid checkpoints retention keeps.")
+    write_timeout: timedelta | None = Field(
+        default=timedelta(minutes=30), gt=timedelta(0),
+        description="Longest the run waits for one checkpoint write (serialising, storing, the "
+        "manifest). A write past it is reported failed (checkpoint_failed) and the run and its "
+        "end go on without it; it cannot be stopped, so no other write starts until it ends "
+        "(those due meanwhile are skipped: checkpoint_busy). None: wait for ever (storage that "
+        "stops answering then stops the run).",
+    )
     async_write: bool = Field(
         default=True, description="Write in the background; the step pays only for a snapshot "
         "(with sharded optimizer state, and for waiting when the previous write is still "

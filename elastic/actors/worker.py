@@ -243,8 +243,11 @@ class WorkerActor:
         self._compute = _StepThread()
         ckpt = config.checkpoint
         self._key = checkpoint_key
-        self._writer = (CheckpointWriter(ckpt.path, ckpt.keep_last, checkpoint_key, Retention(
-            ckpt.keep_last, ckpt.keep_best, ckpt.monitor, ckpt.mode)) if ckpt else None)
+        self._writer = (CheckpointWriter(
+            ckpt.path, ckpt.keep_last, checkpoint_key,
+            Retention(ckpt.keep_last, ckpt.keep_best, ckpt.monitor, ckpt.mode),
+            limit_s=ckpt.write_timeout.total_seconds() if ckpt.write_timeout else None)
+            if ckpt else None)
         self._eval_set = LazyDataset(job.eval_dataset, config.seed) if job.eval_dataset else None
         self._checkpoint_chaos: list[ChaosEvent] = []  # kills to fire during a checkpoint write
         self._restore_chaos: list[ChaosEvent] = []  # out of memory to fire in a `sync`
@@ -460,7 +463,7 @@ class WorkerActor:
         ckpt = self.config.checkpoint
         assert ckpt is not None and self._writer is not None, "no checkpoint configured"
         if shards is None and self._writer.busy():
-            return {"submitted": False, "reports": self._reports()}
+            return {"submitted": False, "reports": self._reports(), "note": self._writer.busy_note()}
         bind_thread(self.device)
         state = self.replica.state()
         step = self.replica.global_step
@@ -498,18 +501,22 @@ class WorkerActor:
         else:  # serialised at once: a GPU's tensors copied out, the others as they are
             parts = {name: serialize(to_host(value)) for name, value in state.items()
                      if value is not None}
-            self._writer.write_now(step, parts, meta, after_part=crash, written=written)
-            submitted = True
-        return {"submitted": submitted, "reports": self._reports()}
+            submitted = self._writer.write_now(step, parts, meta, after_part=crash, written=written)
+        if not submitted:  # the write waited for (sharded, or at once) is past its time limit
+            return {"submitted": False, "reports": self._reports(), "note": self._writer.busy_note()}
+        return {"submitted": True, "reports": self._reports()}
 
     def _crash_mid_write(self, step: int) -> Any:
-        """Chaos phase 'checkpoint': SIGKILL this worker once the first part of this write is
-        on disk, before the manifest commits it."""
+        """Chaos phase 'checkpoint': once the first part of this write is on disk, before the
+        manifest commits it, SIGKILL this worker ('kill') or block the write for good
+        ('hang', storage that stops answering)."""
         due = [e for e in self._checkpoint_chaos if e.step <= step]
         if not due:
             return None
         event = due[0]
         self._checkpoint_chaos.remove(event)
+        if event.action == "hang":
+            return lambda _part: threading.Event().wait()
         run_dir = self.replica.run_dir
         return lambda _part: chaos_kill(run_dir, event)
 

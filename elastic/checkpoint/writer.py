@@ -1,4 +1,11 @@
-"""Background checkpoint writing: the step pays only for a snapshot in host memory."""
+"""Background checkpoint writing: the step pays only for a snapshot in host memory.
+
+Every write runs on the writer's thread, for at most its time limit (`limit_s`,
+`CheckpointConfig.write_timeout`) as far as anyone waiting for it is concerned: storage that
+stops answering (a hung NFS mount, an object store that never replies) cannot stop a run, or
+its end. A write past its limit is reported as failed; a thread cannot be stopped, so it runs
+on, and no other write starts until it ends (those asked for meanwhile are skipped and say why).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +28,19 @@ Written = Callable[[], Mapping[str, dict[str, Any]]]
 _SHARDS_KEPT = 4
 
 
+@dataclass
+class _Write:
+    """The write in flight: its step, thread and deadline (monotonic; None: no limit);
+    `overdue`: its time limit passed and that was reported."""
+
+    step: int
+    thread: threading.Thread
+    started: float
+    deadline: float | None
+    shard: str | None = None  # the write id, for a shard
+    overdue: bool = False
+
+
 @dataclass(frozen=True)
 class WriteReport:
     """One finished background write."""
@@ -41,22 +61,41 @@ class CheckpointWriter:
         key: signs every manifest (see `elastic.checkpoint.signing`); None: unsigned.
         retention: what retention keeps, when it ranks checkpoints by a monitored metric too
             (its `keep_last` then replaces `keep_last`).
+        limit_s: the longest anyone waits for a write (`CheckpointConfig.write_timeout`); None:
+            for ever.
     """
 
     def __init__(self, root: str, keep_last: int, key: bytes | None = None,
-                 retention: Retention | None = None) -> None:
+                 retention: Retention | None = None, limit_s: float | None = None) -> None:
         self.root = root
         self.keep_last = keep_last
         self.key = key
         self.retention = retention or Retention(keep_last=keep_last)
+        self.limit_s = limit_s
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._running: _Write | None = None
         self._reports: list[WriteReport] = []
         self._shards: dict[str, dict[str, Any]] = {}  # write id -> `shard_entry`
 
     def busy(self) -> bool:
         with self._lock:
-            return self._thread is not None and self._thread.is_alive()
+            self._check_overdue()
+            return self._running is not None and self._running.thread.is_alive()
+
+    def busy_note(self) -> str:
+        """Why a write asked for now is skipped (the one in flight, and how long it has run)."""
+        with self._lock:
+            self._check_overdue()
+            running = self._running
+            if running is None or not running.thread.is_alive():
+                return "no write in flight"
+            ran = time.monotonic() - running.started
+            if running.overdue:
+                return (f"the write of step {running.step} has run {ran:.0f} s, past "
+                        f"checkpoint.write_timeout ({self.limit_s:g} s): the storage may not "
+                        "answer; nothing more is written until it ends, and this one was skipped")
+            return (f"the write of step {running.step} is still in flight ({ran:.1f} s); this one "
+                    "was skipped")
 
     def submit(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any],
                after_part: Callable[[str], None] | None = None,
@@ -66,43 +105,63 @@ class CheckpointWriter:
         thread never touches a GPU, and the files load where none is visible; `written`: the
         other owners' shards, waited for before the manifest); returns False (and writes
         nothing) if the previous write is still in flight, so snapshots never pile up."""
-        return self._start(f"elastic-ckpt-{step}", self._write,
-                           (step, dict(parts), dict(meta), after_part, written))
+        return self._start(step, self._write, (step, dict(parts), dict(meta), after_part, written))
 
     def submit_shard(self, step: int, write: str, shard: Shard) -> bool:
         """Starts writing this member's shard of write `write` (of the checkpoint of `step`)
         alone; another member lists it in the manifest once `shard_entry` gives it. False if
-        the previous write is still in flight."""
-        return self._start(f"elastic-ckpt-shard-{step}", self._write_shard, (step, write, shard))
-
-    def _start(self, name: str, target: Callable[..., None], args: tuple) -> bool:
+        the previous write is still in flight (`shard_entry` then says so)."""
+        if self._start(step, self._write_shard, (step, write, shard), shard=write):
+            return True
+        note = self.busy_note()
         with self._lock:
-            if self._thread is not None and self._thread.is_alive():
+            self._keep_shard(write, {"error": f"shard of step {step} not written: {note}"})
+        return False
+
+    def _start(self, step: int, target: Callable[..., None], args: tuple,
+               shard: str | None = None) -> bool:
+        with self._lock:
+            if self._running is not None and self._running.thread.is_alive():
                 return False
-            self._thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-            self._thread.start()
+            name = f"elastic-ckpt-{'shard-' if shard else ''}{step}"
+            thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+            now = time.monotonic()
+            self._running = _Write(step, thread, now,
+                                   None if self.limit_s is None else now + self.limit_s, shard)
+            thread.start()
             return True
 
     def write_now(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any],
                   after_part: Callable[[str], None] | None = None,
-                  written: Written | None = None) -> None:
-        """Writes on the calling thread (after the write in flight, if any), then applies
-        retention; its report is taken with the background writes'."""
+                  written: Written | None = None) -> bool:
+        """Writes (after the write in flight, if any) and applies retention, waiting for it up
+        to the time limit; its report is taken with the background writes'. False (nothing
+        written) if the write in flight is past its limit and still running (`busy_note`)."""
         self.flush()
-        self._write(step, dict(parts), dict(meta), after_part, written)
+        if not self.submit(step, parts, meta, after_part, written):
+            return False
+        self.flush()
+        return True
 
     def write_shard_now(self, step: int, write: str, shard: Shard) -> None:
-        """`submit_shard` on the calling thread (after the write in flight, if any)."""
+        """`submit_shard`, waited for up to the time limit (after the write in flight, if any)."""
         self.flush()
-        self._write_shard(step, write, shard)
+        if self.submit_shard(step, write, shard):
+            self.flush()
 
     def shard_entry(self, write: str) -> dict[str, Any]:
-        """Once this member's shard of write `write` is on disk (waiting for it): its name and
-        manifest entry (`elastic.checkpoint.store.write_shard`), or the error that ended it.
-        Any thread."""
+        """Once this member's shard of write `write` is on disk (waiting for it up to the time
+        limit): its name and manifest entry (`elastic.checkpoint.store.write_shard`), or the
+        error that ended it. Any thread."""
         self.flush()
         with self._lock:
             return self._shards.get(write, {"error": f"this member wrote no shard of write {write}"})
+
+    def _keep_shard(self, write: str, outcome: dict[str, Any]) -> None:
+        """Under the lock."""
+        self._shards[write] = outcome
+        while len(self._shards) > _SHARDS_KEPT:
+            self._shards.pop(next(iter(self._shards)))
 
     def _write_shard(self, step: int, write: str, shard: Shard) -> None:
         name, value = shard
@@ -111,9 +170,7 @@ class CheckpointWriter:
         except Exception as e:
             outcome = {"error": f"shard {name}: {type(e).__name__}: {e}"}
         with self._lock:
-            self._shards[write] = outcome
-            while len(self._shards) > _SHARDS_KEPT:
-                self._shards.pop(next(iter(self._shards)))
+            self._keep_shard(write, outcome)
 
     def _write(self, step: int, parts: dict[str, Any], meta: dict[str, Any],
                after_part: Callable[[str], None] | None, written: Written | None = None) -> None:
@@ -129,16 +186,42 @@ class CheckpointWriter:
         with self._lock:
             self._reports.append(report)
 
+
     def flush(self) -> None:
-        """Waits for the write in flight, if any."""
+        """Waits for the write in flight, if any, up to its deadline (then reports it as
+        failed; it runs on, and `busy` stays true until it ends)."""
         with self._lock:
-            thread = self._thread
-        if thread is not None:
-            thread.join()
+            running = self._running
+        if running is None:
+            return
+        if running.deadline is None:
+            running.thread.join()
+        else:
+            running.thread.join(max(0.0, running.deadline - time.monotonic()))
+        with self._lock:
+            self._check_overdue()
+
+    def _check_overdue(self) -> None:
+        """Under the lock: reports the write in flight as failed once its deadline passed."""
+        running = self._running
+        if running is None or running.overdue or running.deadline is None \
+                or time.monotonic() < running.deadline or not running.thread.is_alive():
+            return
+        running.overdue = True
+        error = (f"TimeoutError: the write did not finish within checkpoint.write_timeout "
+                 f"({self.limit_s:g} s); the storage at {self.root} may not answer. Nothing more "
+                 "is written until it ends (it may still finish and be reported then); raise "
+                 "checkpoint.write_timeout if writes there are this slow")
+        if running.shard is not None:
+            self._keep_shard(running.shard, {"error": error})
+        else:
+            self._reports.append(WriteReport(running.step, None, time.monotonic() - running.started,
+                                             error=error))
 
     def take_reports(self) -> list[WriteReport]:
-        """Reports of writes finished since the last call."""
+        """Reports of writes finished (or past their time limit) since the last call."""
         with self._lock:
+            self._check_overdue()
             reports, self._reports = self._reports, []
         return reports
 

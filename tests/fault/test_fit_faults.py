@@ -11,6 +11,8 @@ import torch
 import elastic
 from elastic import BatchConfig, ChaosEvent, CheckpointConfig, FailureConfig, FitConfig, ScalingConfig
 from elastic.events import (
+    CheckpointBusy,
+    CheckpointFailed,
     CheckpointWritten,
     Failed,
     Nonfinite,
@@ -204,6 +206,29 @@ def test_sigkill_during_a_checkpoint_write_recovers_and_leaves_only_good_checkpo
         torch.testing.assert_close(saved.parts["model"], reference_weights(0, B, step),
                                    rtol=1e-9, atol=1e-10)
     assert loaded >= 3
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_a_checkpoint_write_that_hangs_fails_by_its_time_limit_and_the_run_goes_on(
+        ray_cluster, tmp_path, async_write):
+    # Storage that stops answering in the middle of the write due at step 4 (after step 3):
+    # the run waits for it write_timeout at most, goes on, and ends on the reference weights;
+    # the checkpoints due while it hangs (the final one too) are skipped and say why.
+    ckpt = CheckpointConfig(path=str(tmp_path / "ckpt"), every_steps=2, keep_last=10,
+                            async_write=async_write, write_timeout=timedelta(seconds=1))
+    chaos = (ChaosEvent(step=3, rank=0, action="hang", phase="checkpoint"),)
+    result = elastic.fit(regression_job(), _config(tmp_path, chaos, checkpoint=ckpt))
+    assert result.steps == 9
+    torch.testing.assert_close(result.model_state, reference_weights(0, B, 9), rtol=1e-9, atol=1e-10)
+    assert not _kinds(result, WorkerFailure)
+    [hung] = _kinds(result, CheckpointFailed)
+    written = [e.step for e in _kinds(result, CheckpointWritten)]
+    assert written and max(written) < hung.step and hung.step >= 3
+    assert "checkpoint.write_timeout (1 s)" in hung.error and ckpt.path in hung.error
+    busy = _kinds(result, CheckpointBusy)
+    assert busy and busy[-1].step == 9 and all(b.step > hung.step for b in busy)
+    assert f"the write of step {hung.step} has run" in busy[-1].note
+    assert elastic.load_checkpoint(ckpt.path).step == max(written)
 
 
 def test_below_min_workers_the_run_waits_for_capacity_and_continues(ray_cluster, tmp_path):

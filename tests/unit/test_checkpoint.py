@@ -156,3 +156,102 @@ def test_the_writer_never_has_two_writes_in_flight(tmp_path):
         assert written == [1]
     assert all(r.error is None for r in reports)
     assert load_checkpoint(root).step == written[-1]
+
+
+class _HungStorage:
+    """`after_part` that blocks a write once its first part is on disk, as storage that stops
+    answering, until `release`."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.hung = threading.Event()
+        self._released = threading.Event()
+
+    def __call__(self, _part: str) -> None:
+        self.hung.set()
+        self._released.wait()
+
+    def release(self) -> None:
+        """Lets the blocked write go on, and waits for its thread to end (a flush no longer
+        waits for a write past its limit)."""
+        import threading
+
+        self._released.set()
+        for thread in threading.enumerate():
+            if thread.name.startswith("elastic-ckpt-"):
+                thread.join()
+
+
+def test_a_write_past_its_time_limit_is_reported_failed_and_nothing_waits_longer(tmp_path):
+    root = str(tmp_path / "ckpt")
+    writer = CheckpointWriter(root, keep_last=5, limit_s=0.05)
+    assert writer.submit(1, _parts(1), {})
+    writer.flush()
+    assert [r.step for r in writer.take_reports()] == [1] and load_checkpoint(root).step == 1
+    storage = _HungStorage()
+    assert writer.submit(2, _parts(2), {}, after_part=storage)
+    storage.hung.wait()
+    writer.flush()  # returns at the deadline, the write still blocked
+    [late] = writer.take_reports()
+    assert late.step == 2 and late.path is None and "checkpoint.write_timeout (0.05 s)" in late.error
+    assert root in late.error and writer.busy()
+    # While it runs on, nothing else is written, asked in the background or at once, and the
+    # reason says so; a flush does not wait again and reports nothing twice.
+    assert not writer.submit(3, _parts(3), {})
+    assert "the write of step 2 has run" in writer.busy_note() and "skipped" in writer.busy_note()
+    assert not writer.write_now(4, _parts(4), {})
+    writer.flush()
+    assert writer.take_reports() == []
+    assert load_checkpoint(root).step == 1
+    # The storage answers again: the write ends and says so; writing goes on.
+    storage.release()
+    [ended] = writer.take_reports()
+    assert (ended.step, ended.error) == (2, None) and load_checkpoint(root).step == 2
+    assert not writer.busy()
+    assert writer.write_now(5, _parts(5), {})
+    assert [(r.step, r.error) for r in writer.take_reports()] == [(5, None)]
+    assert load_checkpoint(root).step == 5
+
+
+def test_a_shard_write_past_its_time_limit_gives_its_entry_as_an_error(tmp_path):
+    from elastic.checkpoint import writer as writer_module
+
+    root = str(tmp_path / "ckpt")
+    writer = CheckpointWriter(root, keep_last=5, limit_s=0.05)
+    storage = _HungStorage()
+    real = writer_module.write_shard
+
+    def hung_shard(*args):
+        storage("shard")
+        return real(*args)
+
+    writer_module.write_shard, restore = hung_shard, real
+    try:
+        assert writer.submit_shard(3, "w1", ("shard-0-w1", {"x": torch.ones(2)}))
+        assert "checkpoint.write_timeout" in writer.shard_entry("w1")["error"]
+        # The next write's shard cannot start: its entry says why, at once.
+        writer.write_shard_now(4, "w2", ("shard-0-w2", {"x": torch.ones(2)}))
+        assert "shard of step 4 not written: the write of step 3 has run" \
+            in writer.shard_entry("w2")["error"]
+    finally:
+        writer_module.write_shard = restore
+        storage.release()
+    assert "sha256" in writer.shard_entry("w1")  # it ended once the storage answered
+
+
+def test_without_a_time_limit_a_flush_waits_for_the_write(tmp_path):
+    import threading
+
+    writer = CheckpointWriter(str(tmp_path / "ckpt"), keep_last=5, limit_s=None)
+    storage = _HungStorage()
+    assert writer.submit(1, _parts(1), {}, after_part=storage)
+    storage.hung.wait()
+    flushed = threading.Event()
+    waiter = threading.Thread(target=lambda: (writer.flush(), flushed.set()), daemon=True)
+    waiter.start()
+    assert not flushed.wait(0.2)  # still waiting for the blocked write
+    storage.release()
+    waiter.join()
+    assert flushed.is_set()
+    assert [(r.step, r.error) for r in writer.take_reports()] == [(1, None)]
