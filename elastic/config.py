@@ -490,13 +490,14 @@ class CheckpointConfig(_Frozen):
         "later: a boundary whose next chunk was handed out before the time came is passed over)."
     )
     keep_last: int = Field(default=3, ge=1, description="Valid checkpoints retention keeps.")
-    write_timeout: timedelta | None = Field(
+    timeout: timedelta | None = Field(
         default=timedelta(minutes=30), gt=timedelta(0),
         description="Longest the run waits for one checkpoint write (serialising, storing, the "
-        "manifest). A write past it is reported failed (checkpoint_failed) and the run and its "
-        "end go on without it; it cannot be stopped, so no other write starts until it ends "
-        "(those due meanwhile are skipped: checkpoint_busy). None: wait for ever (storage that "
-        "stops answering then stops the run).",
+        "manifest) or load. A write past it is reported failed (checkpoint_failed) and the run "
+        "and its end go on without it; it cannot be stopped, so no other write starts until it "
+        "ends (those due meanwhile are skipped: checkpoint_busy). A load past it fails the run "
+        "(CheckpointTimeoutError: the state it needed is in no member). None: wait for ever "
+        "(storage that stops answering then stops the run).",
     )
     async_write: bool = Field(
         default=True, description="Write in the background; the step pays only for a snapshot "

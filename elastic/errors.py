@@ -258,6 +258,16 @@ class CheckpointSignatureError(CheckpointCorruptError):
     """
 
 
+class CheckpointTimeoutError(ElasticError):
+    """Loading a checkpoint did not finish within `CheckpointConfig.timeout`: the storage
+    stopped answering (a hung NFS mount, an object store that never replies).
+
+    Recovery: none; the run fails, since the state it needed is in no member. Once the storage
+    answers again, `elastic resume` the run (or raise `checkpoint.timeout` if loads there are
+    this slow).
+    """
+
+
 class RunNotFoundError(ElasticError):
     """No run with the given name exists on the connected cluster.
 

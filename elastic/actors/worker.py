@@ -44,7 +44,7 @@ from elastic.adapt.lr import LrRamp
 from elastic.adapt.plan import BatchPlan
 from elastic.checkpoint import CheckpointWriter
 from elastic.checkpoint.retention import Retention
-from elastic.checkpoint.store import newest_checkpoint, serialize, shard_name
+from elastic.checkpoint.store import newest_checkpoint_within, serialize, shard_name
 from elastic.collective import Communicator, Endpoint
 from elastic.config import ChaosEvent, FitConfig
 from elastic.control.port import (
@@ -246,7 +246,7 @@ class WorkerActor:
         self._writer = (CheckpointWriter(
             ckpt.path, ckpt.keep_last, checkpoint_key,
             Retention(ckpt.keep_last, ckpt.keep_best, ckpt.monitor, ckpt.mode),
-            limit_s=ckpt.write_timeout.total_seconds() if ckpt.write_timeout else None)
+            limit_s=ckpt.timeout.total_seconds() if ckpt.timeout else None)
             if ckpt else None)
         self._eval_set = LazyDataset(job.eval_dataset, config.seed) if job.eval_dataset else None
         self._checkpoint_chaos: list[ChaosEvent] = []  # kills to fire during a checkpoint write
@@ -579,7 +579,8 @@ class WorkerActor:
         comm = self.replica.comm
         with self._forming(comm.rank if comm is not None else 0, self._generation,
                            "loading a checkpoint"):
-            loaded, skipped = newest_checkpoint(ckpt.path, self._key)
+            loaded, skipped = newest_checkpoint_within(
+                ckpt.path, self._key, ckpt.timeout.total_seconds() if ckpt.timeout else None)
             if loaded is None:
                 return {"step": None, "path": None,
                         "skipped": [(d, str(e)) for d, e in skipped],

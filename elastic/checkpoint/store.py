@@ -29,6 +29,7 @@ import io
 import json
 import os
 import platform
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,7 +40,12 @@ import torch
 
 from elastic.checkpoint.retention import MONITOR, Candidate, Retention, best, kept, monitored_value
 from elastic.checkpoint.signing import sign, signature_problem
-from elastic.errors import CheckpointCorruptError, CheckpointSignatureError, ConfigError
+from elastic.errors import (
+    CheckpointCorruptError,
+    CheckpointSignatureError,
+    CheckpointTimeoutError,
+    ConfigError,
+)
 from elastic.private import ensure_private_dir, write_private
 
 MANIFEST = "MANIFEST.json"
@@ -360,6 +366,37 @@ def newest_checkpoint(root: str, key: bytes | None = None
         loaded.skipped = [(d, str(e)) for d, e in skipped]
         return loaded, skipped
     return None, skipped
+
+
+def newest_checkpoint_within(root: str, key: bytes | None, limit_s: float | None
+                             ) -> tuple[LoadedCheckpoint | None, list[tuple[str, CheckpointCorruptError]]]:
+    """`newest_checkpoint`, waited for `limit_s` seconds at most (None: for ever). It reads on a
+    thread of its own, which storage that stops answering cannot release: that thread is left
+    behind, holding nothing of the caller's.
+
+    Raises:
+        CheckpointTimeoutError: it did not finish in time.
+        what `newest_checkpoint` raises.
+    """
+    outcome: dict[str, Any] = {}
+
+    def read() -> None:
+        try:
+            outcome["loaded"] = newest_checkpoint(root, key)
+        except BaseException as e:  # handed to the caller
+            outcome["error"] = e
+
+    reader = threading.Thread(target=read, name="elastic-ckpt-load", daemon=True)
+    reader.start()
+    reader.join(limit_s)
+    if reader.is_alive():
+        raise CheckpointTimeoutError(
+            f"loading the newest checkpoint under {root} did not finish within "
+            f"checkpoint.timeout ({limit_s:g} s): the storage may not answer. Once it does, "
+            "resume the run (elastic resume); raise checkpoint.timeout if loads there are this slow")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["loaded"]
 
 
 def has_complete_checkpoint(root: str, key: bytes | None = None) -> bool:

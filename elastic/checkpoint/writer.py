@@ -1,7 +1,7 @@
 """Background checkpoint writing: the step pays only for a snapshot in host memory.
 
 Every write runs on the writer's thread, for at most its time limit (`limit_s`,
-`CheckpointConfig.write_timeout`) as far as anyone waiting for it is concerned: storage that
+`CheckpointConfig.timeout`) as far as anyone waiting for it is concerned: storage that
 stops answering (a hung NFS mount, an object store that never replies) cannot stop a run, or
 its end. A write past its limit is reported as failed; a thread cannot be stopped, so it runs
 on, and no other write starts until it ends (those asked for meanwhile are skipped and say why).
@@ -61,7 +61,7 @@ class CheckpointWriter:
         key: signs every manifest (see `elastic.checkpoint.signing`); None: unsigned.
         retention: what retention keeps, when it ranks checkpoints by a monitored metric too
             (its `keep_last` then replaces `keep_last`).
-        limit_s: the longest anyone waits for a write (`CheckpointConfig.write_timeout`); None:
+        limit_s: the longest anyone waits for a write (`CheckpointConfig.timeout`); None:
             for ever.
     """
 
@@ -92,7 +92,7 @@ class CheckpointWriter:
             ran = time.monotonic() - running.started
             if running.overdue:
                 return (f"the write of step {running.step} has run {ran:.0f} s, past "
-                        f"checkpoint.write_timeout ({self.limit_s:g} s): the storage may not "
+                        f"checkpoint.timeout ({self.limit_s:g} s): the storage may not "
                         "answer; nothing more is written until it ends, and this one was skipped")
             return (f"the write of step {running.step} is still in flight ({ran:.1f} s); this one "
                     "was skipped")
@@ -208,10 +208,10 @@ class CheckpointWriter:
                 or time.monotonic() < running.deadline or not running.thread.is_alive():
             return
         running.overdue = True
-        error = (f"TimeoutError: the write did not finish within checkpoint.write_timeout "
+        error = (f"TimeoutError: the write did not finish within checkpoint.timeout "
                  f"({self.limit_s:g} s); the storage at {self.root} may not answer. Nothing more "
                  "is written until it ends (it may still finish and be reported then); raise "
-                 "checkpoint.write_timeout if writes there are this slow")
+                 "checkpoint.timeout if writes there are this slow")
         if running.shard is not None:
             self._keep_shard(running.shard, {"error": error})
         else:

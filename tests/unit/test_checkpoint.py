@@ -2,6 +2,7 @@ import hashlib
 import json
 import os
 import pickle
+from datetime import timedelta
 
 import pytest
 import torch
@@ -194,7 +195,7 @@ def test_a_write_past_its_time_limit_is_reported_failed_and_nothing_waits_longer
     storage.hung.wait()
     writer.flush()  # returns at the deadline, the write still blocked
     [late] = writer.take_reports()
-    assert late.step == 2 and late.path is None and "checkpoint.write_timeout (0.05 s)" in late.error
+    assert late.step == 2 and late.path is None and "checkpoint.timeout (0.05 s)" in late.error
     assert root in late.error and writer.busy()
     # While it runs on, nothing else is written, asked in the background or at once, and the
     # reason says so; a flush does not wait again and reports nothing twice.
@@ -229,7 +230,7 @@ def test_a_shard_write_past_its_time_limit_gives_its_entry_as_an_error(tmp_path)
     writer_module.write_shard, restore = hung_shard, real
     try:
         assert writer.submit_shard(3, "w1", ("shard-0-w1", {"x": torch.ones(2)}))
-        assert "checkpoint.write_timeout" in writer.shard_entry("w1")["error"]
+        assert "checkpoint.timeout" in writer.shard_entry("w1")["error"]
         # The next write's shard cannot start: its entry says why, at once.
         writer.write_shard_now(4, "w2", ("shard-0-w2", {"x": torch.ones(2)}))
         assert "shard of step 4 not written: the write of step 3 has run" \
@@ -255,3 +256,49 @@ def test_without_a_time_limit_a_flush_waits_for_the_write(tmp_path):
     waiter.join()
     assert flushed.is_set()
     assert [(r.step, r.error) for r in writer.take_reports()] == [(1, None)]
+
+
+def test_a_load_past_its_time_limit_fails_naming_the_storage_and_the_setting(tmp_path, monkeypatch):
+    import threading
+    from types import SimpleNamespace
+
+    from elastic.actors import worker as worker_module
+    from elastic.checkpoint import store
+    from elastic.config import CheckpointConfig
+    from elastic.errors import CheckpointTimeoutError
+
+    root = str(tmp_path / "ckpt")
+    write_checkpoint(root, 3, _parts(3), {})
+    loaded, skipped = store.newest_checkpoint_within(root, None, 5.0)
+    assert loaded.step == 3 and skipped == []
+    # An error of the read is the caller's, as without a limit.
+    def refused(_root):
+        raise PermissionError(f"[Errno 13] Permission denied: {_root!r}")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(store, "list_steps", refused)
+        with pytest.raises(PermissionError, match="Permission denied"):
+            store.newest_checkpoint_within(root, None, None)
+    released = threading.Event()
+    real = store.verify
+
+    def hung(*args):  # storage that stops answering
+        released.wait()
+        return real(*args)
+
+    monkeypatch.setattr(store, "verify", hung)
+    try:
+        with pytest.raises(CheckpointTimeoutError) as raised:
+            store.newest_checkpoint_within(root, None, 0.05)
+        assert root in str(raised.value) and "checkpoint.timeout (0.05 s)" in str(raised.value)
+        # The worker's restore asks with the run's setting.
+        actor = object.__new__(worker_module.WorkerActor.__ray_metadata__.modified_class)
+        actor.config = SimpleNamespace(checkpoint=CheckpointConfig(
+            path=root, timeout=timedelta(milliseconds=50)))
+        actor.worker_id, actor.device, actor._key, actor._generation = 0, torch.device("cpu"), None, 2
+        actor.replica = SimpleNamespace(comm=SimpleNamespace(rank=1))
+        actor._compute = SimpleNamespace(run=lambda call: call())  # the step thread: here
+        with pytest.raises(CheckpointTimeoutError):
+            actor.restore_checkpoint()
+    finally:
+        released.set()
