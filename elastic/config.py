@@ -492,17 +492,18 @@ class CheckpointConfig(_Frozen):
     keep_last: int = Field(default=3, ge=1, description="Valid checkpoints retention keeps.")
     timeout: timedelta | None = Field(
         default=timedelta(minutes=30), gt=timedelta(0),
-        description="Longest the run waits for one checkpoint write (serialising, storing, the "
-        "manifest) or load. A write past it is reported failed (checkpoint_failed) and the run "
-        "and its end go on without it; it cannot be stopped, so no other write starts until it "
-        "ends (those due meanwhile are skipped: checkpoint_busy). A load past it fails the run "
-        "(CheckpointTimeoutError: the state it needed is in no member). None: wait for ever "
-        "(storage that stops answering then stops the run).",
+        description="Longest the run waits for one checkpoint write (storing its files and the "
+        "manifest; with async_write, serialising too) or load. A write past it is reported "
+        "failed (checkpoint_failed) and the run and its end go on without it; it cannot be "
+        "stopped, so no other write starts until it ends (those due meanwhile are skipped: "
+        "checkpoint_busy). A load past it fails the run (CheckpointTimeoutError: the state it "
+        "needed is in no member). None: wait for ever (storage that stops answering then "
+        "stops the run).",
     )
     async_write: bool = Field(
         default=True, description="Write in the background; the step pays only for a snapshot "
         "(with sharded optimizer state, and for waiting when the previous write is still "
-        "going: such a checkpoint is not skipped)."
+        "going: such a checkpoint is not skipped unless that write is past checkpoint.timeout)."
     )
     sign: bool = Field(
         default=True,

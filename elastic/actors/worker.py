@@ -100,6 +100,9 @@ def _shard_problem(answers: list[dict[str, Any] | None], step: int,
     (`own`: name -> state ids) cannot make a checkpoint of `step`, or None."""
     if any(a is None for a in answers):
         return "a member did not write its shard of the optimizer state (it died or failed)"
+    busy = [a["busy"] for a in answers if a is not None and "busy" in a]
+    if busy:
+        return f"a member did not write its shard of the optimizer state: {busy[0]}"
     steps = sorted({a["step"] for a in answers if a is not None} - {step})
     if steps:
         return (f"members hold step(s) {steps}, not the writer's {step}, so their shards of "
@@ -425,9 +428,10 @@ class WorkerActor:
         """Sharded optimizer state, as another member takes a checkpoint (write `write`):
         writes the state of the parts this rank is the first owner of as its shard of the
         checkpoint of its committed step (`elastic.checkpoint.store.write_shard`; in the
-        background if configured, after its previous write: a shard is never skipped).
-        Returns the step, the shard's name and the state ids it holds; the member that writes
-        the manifest asks for the file's entry once it is on disk (`shard_entry`)."""
+        background if configured, after its previous write: a shard is skipped only when that
+        write is past `checkpoint.timeout` and still running). Returns the step, the shard's
+        name and the state ids it holds, or the step and why it was skipped (`busy`); the member
+        that writes the manifest asks for the file's entry once it is on disk (`shard_entry`)."""
         ckpt = self.config.checkpoint
         replica = self.replica
         assert ckpt is not None and self._writer is not None, "no checkpoint configured"
@@ -437,6 +441,8 @@ class WorkerActor:
         replica.check_committed()
         step = replica.global_step
         self._writer.flush()
+        if self._writer.busy():  # its previous write is past the time limit and still runs
+            return {"step": step, "busy": self._writer.busy_note()}
         name, state = shard_name(shards.rank, write), shards.primary_states()
         if ckpt.async_write:  # the step pays for a copy in host memory only
             self._writer.submit_shard(step, write, (name, to_host(state, copy=True, pin=True)))
@@ -445,8 +451,8 @@ class WorkerActor:
         return {"step": step, "name": name, "ids": sorted(state)}
 
     def shard_entry(self, write: str) -> dict[str, Any]:
-        """Any thread: once this member's shard of write `write` is on disk (waiting for it),
-        its name and manifest entry, or the error that ended it."""
+        """Any thread: once this member's shard of write `write` is on disk (waiting for it up
+        to `checkpoint.timeout`), its name and manifest entry, or the error that ended it."""
         assert self._writer is not None, "no checkpoint configured"
         return self._writer.shard_entry(write)
 
@@ -471,6 +477,9 @@ class WorkerActor:
         if shards is not None:
             answers = [_answer(ref) for ref in shards]
             self._writer.flush()
+            if self._writer.busy():  # its previous write is past the time limit and still runs
+                return {"submitted": False, "reports": self._reports(),
+                        "note": self._writer.busy_note()}
             assert self.replica.shards is not None, "optimizer state is not sharded"
             own = self.replica.shards.primary_states()
             own_name = shard_name(self.replica.shards.rank, meta["write"])
@@ -502,7 +511,7 @@ class WorkerActor:
             parts = {name: serialize(to_host(value)) for name, value in state.items()
                      if value is not None}
             submitted = self._writer.write_now(step, parts, meta, after_part=crash, written=written)
-        if not submitted:  # the write waited for (sharded, or at once) is past its time limit
+        if not submitted:  # not started: the write before is past its time limit and still runs
             return {"submitted": False, "reports": self._reports(), "note": self._writer.busy_note()}
         return {"submitted": True, "reports": self._reports()}
 

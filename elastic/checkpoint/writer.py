@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.checkpoint.retention import Retention
@@ -30,15 +30,25 @@ _SHARDS_KEPT = 4
 
 @dataclass
 class _Write:
-    """The write in flight: its step, thread and deadline (monotonic; None: no limit);
-    `overdue`: its time limit passed and that was reported."""
+    """The write in flight: its step, thread, time limit and deadline (monotonic; None: no
+    limit); `done`: its outcome is recorded (set with it, under the writer's lock: the thread
+    may still be ending); `overdue`: its time limit passed first and that was reported."""
 
     step: int
-    thread: threading.Thread
     started: float
-    deadline: float | None
+    limit_s: float | None
     shard: str | None = None  # the write id, for a shard
+    done: bool = False
     overdue: bool = False
+    thread: threading.Thread = field(init=False)
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.limit_s is None else self.started + self.limit_s
+
+    @property
+    def running(self) -> bool:
+        return not self.done
 
 
 @dataclass(frozen=True)
@@ -80,19 +90,19 @@ class CheckpointWriter:
     def busy(self) -> bool:
         with self._lock:
             self._check_overdue()
-            return self._running is not None and self._running.thread.is_alive()
+            return self._running is not None and self._running.running
 
     def busy_note(self) -> str:
         """Why a write asked for now is skipped (the one in flight, and how long it has run)."""
         with self._lock:
             self._check_overdue()
             running = self._running
-            if running is None or not running.thread.is_alive():
+            if running is None or not running.running:
                 return "no write in flight"
             ran = time.monotonic() - running.started
             if running.overdue:
                 return (f"the write of step {running.step} has run {ran:.0f} s, past "
-                        f"checkpoint.timeout ({self.limit_s:g} s): the storage may not "
+                        f"checkpoint.timeout ({running.limit_s:g} s): the storage may not "
                         "answer; nothing more is written until it ends, and this one was skipped")
             return (f"the write of step {running.step} is still in flight ({ran:.1f} s); this one "
                     "was skipped")
@@ -118,18 +128,29 @@ class CheckpointWriter:
             self._keep_shard(write, {"error": f"shard of step {step} not written: {note}"})
         return False
 
-    def _start(self, step: int, target: Callable[..., None], args: tuple,
+    def _start(self, step: int, target: Callable[..., Any], args: tuple,
                shard: str | None = None) -> bool:
         with self._lock:
-            if self._running is not None and self._running.thread.is_alive():
+            if self._running is not None and self._running.running:
                 return False
-            name = f"elastic-ckpt-{'shard-' if shard else ''}{step}"
-            thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-            now = time.monotonic()
-            self._running = _Write(step, thread, now,
-                                   None if self.limit_s is None else now + self.limit_s, shard)
-            thread.start()
+            record = _Write(step, time.monotonic(), self.limit_s, shard)
+            record.thread = threading.Thread(target=self._run, args=(record, target, args),
+                                             name=f"elastic-ckpt-{'shard-' if shard else ''}{step}",
+                                             daemon=True)
+            self._running = record
+            record.thread.start()
             return True
+
+    def _run(self, record: _Write, target: Callable[..., Any], args: tuple) -> None:
+        """The writer's thread: the write, then its outcome recorded, and the write marked
+        done, in one step under the lock (a flush at its deadline sees one or the other)."""
+        outcome = target(*args)
+        with self._lock:
+            if record.shard is None:
+                self._reports.append(outcome)
+            else:
+                self._keep_shard(record.shard, outcome)
+            record.done = True
 
     def write_now(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any],
                   after_part: Callable[[str], None] | None = None,
@@ -163,17 +184,18 @@ class CheckpointWriter:
         while len(self._shards) > _SHARDS_KEPT:
             self._shards.pop(next(iter(self._shards)))
 
-    def _write_shard(self, step: int, write: str, shard: Shard) -> None:
+    def _write_shard(self, step: int, write: str, shard: Shard) -> dict[str, Any]:
+        """This member's shard, written: its entry (see `shard_entry`)."""
         name, value = shard
         try:
-            outcome = {"name": name, **write_shard(self.root, step, name, _bytes(value))}
+            return {"name": name, **write_shard(self.root, step, name, _bytes(value))}
         except Exception as e:
-            outcome = {"error": f"shard {name}: {type(e).__name__}: {e}"}
-        with self._lock:
-            self._keep_shard(write, outcome)
+            return {"error": f"shard {name}: {type(e).__name__}: {e}"}
 
     def _write(self, step: int, parts: dict[str, Any], meta: dict[str, Any],
-               after_part: Callable[[str], None] | None, written: Written | None = None) -> None:
+               after_part: Callable[[str], None] | None, written: Written | None = None
+               ) -> WriteReport:
+        """A checkpoint written, pruned after: its report."""
         started = time.perf_counter()
         try:
             blobs = {name: _bytes(value) for name, value in parts.items()}
@@ -183,8 +205,7 @@ class CheckpointWriter:
         except Exception as e:
             report = WriteReport(step, None, time.perf_counter() - started,
                                  error=f"{type(e).__name__}: {e}")
-        with self._lock:
-            self._reports.append(report)
+        return report
 
 
     def flush(self) -> None:
@@ -205,11 +226,11 @@ class CheckpointWriter:
         """Under the lock: reports the write in flight as failed once its deadline passed."""
         running = self._running
         if running is None or running.overdue or running.deadline is None \
-                or time.monotonic() < running.deadline or not running.thread.is_alive():
+                or time.monotonic() < running.deadline or running.done:
             return
         running.overdue = True
         error = (f"TimeoutError: the write did not finish within checkpoint.timeout "
-                 f"({self.limit_s:g} s); the storage at {self.root} may not answer. Nothing more "
+                 f"({running.limit_s:g} s); the storage at {self.root} may not answer. Nothing more "
                  "is written until it ends (it may still finish and be reported then); raise "
                  "checkpoint.timeout if writes there are this slow")
         if running.shard is not None:

@@ -186,12 +186,14 @@ class _HungStorage:
 
 def test_a_write_past_its_time_limit_is_reported_failed_and_nothing_waits_longer(tmp_path):
     root = str(tmp_path / "ckpt")
-    writer = CheckpointWriter(root, keep_last=5, limit_s=0.05)
+    writer = CheckpointWriter(root, keep_last=5, limit_s=60.0)  # writes that must end in time
     assert writer.submit(1, _parts(1), {})
     writer.flush()
     assert [r.step for r in writer.take_reports()] == [1] and load_checkpoint(root).step == 1
     storage = _HungStorage()
+    writer.limit_s = 0.05  # the next write's limit
     assert writer.submit(2, _parts(2), {}, after_part=storage)
+    writer.limit_s = 60.0
     storage.hung.wait()
     writer.flush()  # returns at the deadline, the write still blocked
     [late] = writer.take_reports()
@@ -302,3 +304,42 @@ def test_a_load_past_its_time_limit_fails_naming_the_storage_and_the_setting(tmp
             actor.restore_checkpoint()
     finally:
         released.set()
+
+
+def test_a_member_whose_shard_write_hangs_has_the_next_checkpoint_skipped_saying_why(
+        tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from elastic.actors import worker as worker_module
+    from elastic.checkpoint import writer as writer_module
+    from elastic.config import CheckpointConfig
+
+    root = str(tmp_path / "ckpt")
+    storage = _HungStorage()
+    real = writer_module.write_shard
+
+    def hung_shard(*args):
+        storage("shard")
+        return real(*args)
+
+    monkeypatch.setattr(writer_module, "write_shard", hung_shard)
+    writer = CheckpointWriter(root, keep_last=5, limit_s=0.05)
+    actor = object.__new__(worker_module.WorkerActor.__ray_metadata__.modified_class)
+    actor.config = SimpleNamespace(checkpoint=CheckpointConfig(path=root))
+    actor.device, actor._writer = torch.device("cpu"), writer
+    copies = []
+    actor.replica = SimpleNamespace(
+        global_step=7, check_committed=lambda: None,
+        shards=SimpleNamespace(rank=1, primary_states=lambda: copies.append(1) or {3: {}}))
+    actor._compute = SimpleNamespace(run=lambda call: call())  # the step thread: here
+    try:
+        assert actor.checkpoint_shard("w1")["name"] == "optimizer-shard-00001-w1"
+        storage.hung.wait()
+        answer = actor.checkpoint_shard("w2")  # the write of w1 is past its limit, still running
+        assert answer["step"] == 7 and "name" not in answer and len(copies) == 1  # nothing copied
+        assert "the write of step 7 has run" in answer["busy"]
+        problem = worker_module._shard_problem([answer], 7, {"optimizer-shard-00000-w2": [0]})
+        assert problem.startswith("a member did not write its shard of the optimizer state: "
+                                  "the write of step 7 has run")
+    finally:
+        storage.release()
