@@ -190,9 +190,10 @@ class FailurePolicy:
         attempt = self.forming_oom.get(key, 0) + 1
         self.forming_oom = {key: attempt}
         if attempt > FORMING_OOM_RETRIES:
+            what = "the run's first generation" if step is None else f"a generation at step {step}"
             return Fail(GenerationOutOfMemoryError(
-                f"out of memory on {attempt} attempts to form a generation at step {step}: "
-                f"{error}", rank=error.rank, generation=error.generation, doing=error.doing))
+                f"out of memory on {attempt} attempts to form {what}: {error}",
+                rank=error.rank, generation=error.generation, doing=error.doing))
         return Recover()
 
     def _user_error(self, error: UserCodeError, retries: dict[int, int], what: str) -> Action:

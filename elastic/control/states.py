@@ -157,7 +157,7 @@ class Starting(State):
                                             world_size=len(ctx.members))
                     break
                 except GenerationOutOfMemoryError as e:  # once more, as a generation forms
-                    action = ctx.policy.decide(e, step=ctx.step)
+                    action = ctx.policy.decide(e, step=None)  # the step resumed is not known yet
                     if isinstance(action, Fail):
                         raise action.error from e
                     if not isinstance(action, Recover):

@@ -863,5 +863,6 @@ def test_out_of_memory_loading_the_checkpoint_to_resume_from_is_tried_once_more(
         assert _steps(ctx) == list(range(8))
     else:
         assert isinstance(end, Failed) and isinstance(end.error, GenerationOutOfMemoryError)
-        assert "out of memory on 2 attempts" in str(end.error)
+        assert "out of memory on 2 attempts to form the run's first generation: " in str(end.error)
+        assert "step 0" not in str(end.error)  # the step it resumes is not known yet
         assert end.error.doing == "loading a checkpoint" and not _events(ctx, "generation")
