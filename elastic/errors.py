@@ -259,12 +259,13 @@ class CheckpointSignatureError(CheckpointCorruptError):
 
 
 class CheckpointTimeoutError(ElasticError):
-    """Loading a checkpoint did not finish within `CheckpointConfig.timeout`: the storage
-    stopped answering (a hung NFS mount, an object store that never replies).
+    """Loading a checkpoint, or checking as a run starts that `checkpoint.path` can be written,
+    did not finish within `CheckpointConfig.timeout`: the storage stopped answering (a hung
+    NFS mount, an object store that never replies).
 
-    Recovery: none; the run fails, since the state it needed is in no member. Once the storage
-    answers again, `elastic resume` the run (or raise `checkpoint.timeout` if loads there are
-    this slow).
+    Recovery: none; the run fails (a load: the state it needed is in no member). Once the
+    storage answers again, `elastic resume` the run (or raise `checkpoint.timeout` if the
+    storage is this slow).
     """
 
 

@@ -62,14 +62,21 @@ def _fs(root: str) -> tuple[fsspec.AbstractFileSystem, str]:
     return fs, path.rstrip("/")
 
 
-def check_root(root: str) -> None:
+def check_root(root: str, limit_s: float | None = None) -> None:
     """Makes sure checkpoints can be written under `root` (creating it), before any worker
-    starts.
+    starts, waiting for the storage `limit_s` seconds at most (None: for ever).
 
     Raises:
         ConfigError: the URL's protocol is unknown, `root` is a file, it cannot be created,
             or (on a local disk) it is another user's or writable by group or others.
+        CheckpointTimeoutError: the storage did not answer in time.
     """
+    _within(limit_s, lambda: _check_root(root),
+            f"checking that checkpoint.path {root!r} can be written",
+            "fix the storage or point checkpoint.path elsewhere")
+
+
+def _check_root(root: str) -> None:
     try:
         fs, path = _fs(root)
     except (ValueError, ImportError) as e:
@@ -370,33 +377,44 @@ def newest_checkpoint(root: str, key: bytes | None = None
 
 def newest_checkpoint_within(root: str, key: bytes | None, limit_s: float | None
                              ) -> tuple[LoadedCheckpoint | None, list[tuple[str, CheckpointCorruptError]]]:
-    """`newest_checkpoint`, waited for `limit_s` seconds at most (None: for ever). It reads on a
-    thread of its own, which storage that stops answering cannot release: that thread is left
-    behind, holding nothing of the caller's.
+    """`newest_checkpoint`, waited for `limit_s` seconds at most (None: for ever).
 
     Raises:
         CheckpointTimeoutError: it did not finish in time.
         what `newest_checkpoint` raises.
     """
+    return _within(limit_s, lambda: newest_checkpoint(root, key),
+                   f"loading the newest checkpoint under {root}",
+                   "once it does, resume the run (elastic resume)")
+
+
+def _within(limit_s: float | None, call: Callable[[], Any], what: str, then: str) -> Any:
+    """`call()`, on a thread of its own, waited for `limit_s` seconds at most (None: for ever):
+    storage that stops answering cannot release that thread, which is left behind, holding
+    nothing of the caller's. `what` it does and what to do `then` make the error's message.
+
+    Raises:
+        CheckpointTimeoutError: it did not finish in time.
+        what `call` raises.
+    """
     outcome: dict[str, Any] = {}
 
-    def read() -> None:
+    def run() -> None:
         try:
-            outcome["loaded"] = newest_checkpoint(root, key)
+            outcome["value"] = call()
         except BaseException as e:  # handed to the caller
             outcome["error"] = e
 
-    reader = threading.Thread(target=read, name="elastic-ckpt-load", daemon=True)
-    reader.start()
-    reader.join(limit_s)
-    if reader.is_alive():
+    worker = threading.Thread(target=run, name="elastic-ckpt-storage", daemon=True)
+    worker.start()
+    worker.join(limit_s)
+    if worker.is_alive():
         raise CheckpointTimeoutError(
-            f"loading the newest checkpoint under {root} did not finish within "
-            f"checkpoint.timeout ({limit_s:g} s): the storage may not answer. Once it does, "
-            "resume the run (elastic resume); raise checkpoint.timeout if loads there are this slow")
+            f"{what} did not finish within checkpoint.timeout ({limit_s:g} s): the storage may "
+            f"not answer; {then}, or raise checkpoint.timeout if the storage is this slow")
     if "error" in outcome:
         raise outcome["error"]
-    return outcome["loaded"]
+    return outcome["value"]
 
 
 def has_complete_checkpoint(root: str, key: bytes | None = None) -> bool:

@@ -866,3 +866,25 @@ def test_out_of_memory_loading_the_checkpoint_to_resume_from_is_tried_once_more(
         assert "out of memory on 2 attempts to form the run's first generation: " in str(end.error)
         assert "step 0" not in str(end.error)  # the step it resumes is not known yet
         assert end.error.doing == "loading a checkpoint" and not _events(ctx, "generation")
+
+
+def test_checkpoint_storage_that_does_not_answer_as_the_run_starts_fails_it_by_the_limit(
+        tmp_path, monkeypatch):
+    import threading
+    from datetime import timedelta
+
+    from elastic.checkpoint import store
+    from elastic.config import CheckpointConfig
+    from elastic.errors import CheckpointTimeoutError
+
+    released = threading.Event()
+    monkeypatch.setattr(store, "ensure_private_dir", lambda *args: released.wait())  # hung mount
+    try:
+        end, _, sim = _run(tmp_path, checkpoint=CheckpointConfig(
+            path=str(tmp_path / "c"), every_steps=4, timeout=timedelta(milliseconds=50)))
+    finally:
+        released.set()
+    assert isinstance(end, Failed) and isinstance(end.error, CheckpointTimeoutError)
+    assert str(end.error).startswith(f"checking that checkpoint.path {str(tmp_path / 'c')!r} can be "
+                                     "written did not finish within checkpoint.timeout (0.05 s)")
+    assert not sim.workers  # nothing started
