@@ -493,12 +493,12 @@ class CheckpointConfig(_Frozen):
     timeout: timedelta | None = Field(
         default=timedelta(minutes=30), gt=timedelta(0),
         description="Longest the run waits for one checkpoint write (storing its files and the "
-        "manifest; with async_write, serialising too) or load. A write past it is reported "
-        "failed (checkpoint_failed) and the run and its end go on without it; it cannot be "
-        "stopped, so no other write starts until it ends (those due meanwhile are skipped: "
-        "checkpoint_busy). A load past it, or the check as the run starts that path can be "
-        "written, fails the run (CheckpointTimeoutError). None: wait for ever (storage that "
-        "stops answering then stops the run).",
+        "manifest, then pruning old ones; with async_write, serialising too) or load. A write "
+        "past it is reported failed (checkpoint_failed) and the run and its end go on without "
+        "it; it cannot be stopped, so no other write starts until it ends (those due meanwhile "
+        "are skipped: checkpoint_busy). A load past it, or the check as the run starts that "
+        "path can be written, fails the run (CheckpointTimeoutError). None: wait for ever "
+        "(storage that stops answering then stops the run).",
     )
     async_write: bool = Field(
         default=True, description="Write in the background; the step pays only for a snapshot "

@@ -441,8 +441,9 @@ class WorkerActor:
         replica.check_committed()
         step = replica.global_step
         self._writer.flush()
-        if self._writer.busy():  # its previous write is past the time limit and still runs
-            return {"step": step, "busy": self._writer.busy_note()}
+        busy = self._writer.busy_note()  # its previous write is past the limit, still running
+        if busy is not None:
+            return {"step": step, "busy": busy}
         name, state = shard_name(shards.rank, write), shards.primary_states()
         if ckpt.async_write:  # the step pays for a copy in host memory only
             self._writer.submit_shard(step, write, (name, to_host(state, copy=True, pin=True)))
@@ -468,8 +469,9 @@ class WorkerActor:
         in flight is then waited for, not skipped (the others' shards are on their way)."""
         ckpt = self.config.checkpoint
         assert ckpt is not None and self._writer is not None, "no checkpoint configured"
-        if shards is None and self._writer.busy():
-            return {"submitted": False, "reports": self._reports(), "note": self._writer.busy_note()}
+        busy = self._writer.busy_note() if shards is None else None
+        if busy is not None:
+            return {"submitted": False, "reports": self._reports(), "note": busy}
         bind_thread(self.device)
         state = self.replica.state()
         step = self.replica.global_step
@@ -477,9 +479,9 @@ class WorkerActor:
         if shards is not None:
             answers = [_answer(ref) for ref in shards]
             self._writer.flush()
-            if self._writer.busy():  # its previous write is past the time limit and still runs
-                return {"submitted": False, "reports": self._reports(),
-                        "note": self._writer.busy_note()}
+            busy = self._writer.busy_note()  # its previous write is past the limit, still running
+            if busy is not None:
+                return {"submitted": False, "reports": self._reports(), "note": busy}
             assert self.replica.shards is not None, "optimizer state is not sharded"
             own = self.replica.shards.primary_states()
             own_name = shard_name(self.replica.shards.rank, meta["write"])
@@ -512,7 +514,8 @@ class WorkerActor:
                      if value is not None}
             submitted = self._writer.write_now(step, parts, meta, after_part=crash, written=written)
         if not submitted:  # not started: the write before is past its time limit and still runs
-            return {"submitted": False, "reports": self._reports(), "note": self._writer.busy_note()}
+            return {"submitted": False, "reports": self._reports(),
+                    "note": self._writer.busy_note() or "the write before was still in flight"}
         return {"submitted": True, "reports": self._reports()}
 
     def _crash_mid_write(self, step: int) -> Any:

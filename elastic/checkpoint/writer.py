@@ -9,6 +9,7 @@ on, and no other write starts until it ends (those asked for meanwhile are skipp
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -53,7 +54,8 @@ class _Write:
 
 @dataclass(frozen=True)
 class WriteReport:
-    """One finished background write."""
+    """One write: finished, or past its time limit (`error` says so; one that ends later is
+    reported again then)."""
 
     step: int
     path: str | None
@@ -92,13 +94,14 @@ class CheckpointWriter:
             self._check_overdue()
             return self._running is not None and self._running.running
 
-    def busy_note(self) -> str:
-        """Why a write asked for now is skipped (the one in flight, and how long it has run)."""
+    def busy_note(self) -> str | None:
+        """Why a write asked for now would be skipped (the one in flight, and how long it has
+        run), or None when none is in flight: `busy` and its reason in one look."""
         with self._lock:
             self._check_overdue()
             running = self._running
             if running is None or not running.running:
-                return "no write in flight"
+                return None
             ran = time.monotonic() - running.started
             if running.overdue:
                 return (f"the write of step {running.step} has run {ran:.0f} s, past "
@@ -123,7 +126,7 @@ class CheckpointWriter:
         the previous write is still in flight (`shard_entry` then says so)."""
         if self._start(step, self._write_shard, (step, write, shard), shard=write):
             return True
-        note = self.busy_note()
+        note = self.busy_note() or "the write before was still in flight"
         with self._lock:
             self._keep_shard(write, {"error": f"shard of step {step} not written: {note}"})
         return False
@@ -144,13 +147,20 @@ class CheckpointWriter:
     def _run(self, record: _Write, target: Callable[..., Any], args: tuple) -> None:
         """The writer's thread: the write, then its outcome recorded, and the write marked
         done, in one step under the lock (a flush at its deadline sees one or the other)."""
-        outcome = target(*args)
-        with self._lock:
-            if record.shard is None:
-                self._reports.append(outcome)
-            else:
-                self._keep_shard(record.shard, outcome)
-            record.done = True
+        outcome: Any = None
+        try:
+            outcome = target(*args)
+        finally:  # a write that raised past its own handling still ends, and says so
+            if outcome is None:
+                error = f"the writer's thread ended without an outcome: {sys.exc_info()[1]!r}"
+                outcome = ({"error": error} if record.shard is not None
+                           else WriteReport(record.step, None, 0.0, error=error))
+            with self._lock:
+                if record.shard is None:
+                    self._reports.append(outcome)
+                else:
+                    self._keep_shard(record.shard, outcome)
+                record.done = True
 
     def write_now(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any],
                   after_part: Callable[[str], None] | None = None,
@@ -217,8 +227,9 @@ class CheckpointWriter:
             return
         if running.deadline is None:
             running.thread.join()
-        else:
-            running.thread.join(max(0.0, running.deadline - time.monotonic()))
+        else:  # a join can return a hair before its timeout
+            while running.thread.is_alive() and time.monotonic() < running.deadline:
+                running.thread.join(running.deadline - time.monotonic())
         with self._lock:
             self._check_overdue()
 

@@ -226,8 +226,13 @@ def test_a_checkpoint_write_that_hangs_fails_by_its_time_limit_and_the_run_goes_
     assert written and max(written) < hung.step and hung.step >= 3
     assert "checkpoint.timeout (3 s)" in hung.error and ckpt.path in hung.error
     busy = _kinds(result, CheckpointBusy)
-    assert busy and busy[-1].step == 9 and all(b.step > hung.step for b in busy)
-    assert f"the write of step {hung.step} has run" in busy[-1].note
+    # Before the hang, a write still in flight on a slow machine can put one off (the hang
+    # then fires at the next); after it, each due checkpoint is skipped, the final one too.
+    before = [b for b in busy if b.step < hung.step]
+    after = [b for b in busy if b.step > hung.step]
+    assert all("still in flight" in b.note for b in before)
+    assert after and after[-1].step == 9 and len(before) + len(after) == len(busy)
+    assert f"the write of step {hung.step} has run" in after[-1].note
     assert elastic.load_checkpoint(ckpt.path).step == max(written)
 
 
