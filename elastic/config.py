@@ -536,6 +536,11 @@ class CheckpointConfig(_Frozen):
         "but no longer reproduces the run that wrote it). Off: such a resume is refused.",
     )
 
+    @property
+    def timeout_s(self) -> float | None:
+        """`timeout` in seconds (None: no limit)."""
+        return None if self.timeout is None else self.timeout.total_seconds()
+
     @model_validator(mode="after")
     def _check_monitor(self) -> CheckpointConfig:
         if self.monitor is not None and not self.monitor.strip():

@@ -249,7 +249,7 @@ class WorkerActor:
         self._writer = (CheckpointWriter(
             ckpt.path, ckpt.keep_last, checkpoint_key,
             Retention(ckpt.keep_last, ckpt.keep_best, ckpt.monitor, ckpt.mode),
-            limit_s=ckpt.timeout.total_seconds() if ckpt.timeout else None)
+            limit_s=ckpt.timeout_s)
             if ckpt else None)
         self._eval_set = LazyDataset(job.eval_dataset, config.seed) if job.eval_dataset else None
         self._checkpoint_chaos: list[ChaosEvent] = []  # kills to fire during a checkpoint write
@@ -592,7 +592,7 @@ class WorkerActor:
         with self._forming(comm.rank if comm is not None else 0, self._generation,
                            "loading a checkpoint"):
             loaded, skipped = newest_checkpoint_within(
-                ckpt.path, self._key, ckpt.timeout.total_seconds() if ckpt.timeout else None)
+                ckpt.path, self._key, ckpt.timeout_s)
             if loaded is None:
                 return {"step": None, "path": None,
                         "skipped": [(d, str(e)) for d, e in skipped],

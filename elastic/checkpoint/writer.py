@@ -47,10 +47,6 @@ class _Write:
     def deadline(self) -> float | None:
         return None if self.limit_s is None else self.started + self.limit_s
 
-    @property
-    def running(self) -> bool:
-        return not self.done
-
 
 @dataclass(frozen=True)
 class WriteReport:
@@ -92,7 +88,7 @@ class CheckpointWriter:
     def busy(self) -> bool:
         with self._lock:
             self._check_overdue()
-            return self._running is not None and self._running.running
+            return self._running is not None and not self._running.done
 
     def busy_note(self) -> str | None:
         """Why a write asked for now would be skipped (the one in flight, and how long it has
@@ -100,7 +96,7 @@ class CheckpointWriter:
         with self._lock:
             self._check_overdue()
             running = self._running
-            if running is None or not running.running:
+            if running is None or running.done:
                 return None
             ran = time.monotonic() - running.started
             if running.overdue:
@@ -134,7 +130,7 @@ class CheckpointWriter:
     def _start(self, step: int, target: Callable[..., Any], args: tuple,
                shard: str | None = None) -> bool:
         with self._lock:
-            if self._running is not None and self._running.running:
+            if self._running is not None and not self._running.done:
                 return False
             record = _Write(step, time.monotonic(), self.limit_s, shard)
             record.thread = threading.Thread(target=self._run, args=(record, target, args),
@@ -216,7 +212,6 @@ class CheckpointWriter:
             report = WriteReport(step, None, time.perf_counter() - started,
                                  error=f"{type(e).__name__}: {e}")
         return report
-
 
     def flush(self) -> None:
         """Waits for the write in flight, if any, up to its deadline (then reports it as

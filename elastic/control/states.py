@@ -127,8 +127,7 @@ class Starting(State):
         ctx.log.emit(Start(name=ctx.name, config=config.model_dump(mode="json")))
         if config.checkpoint is not None:
             from elastic.checkpoint.store import check_root
-            timeout = config.checkpoint.timeout
-            check_root(config.checkpoint.path, timeout.total_seconds() if timeout else None)
+            check_root(config.checkpoint.path, config.checkpoint.timeout_s)
             if config.checkpoint.monitor is not None and not ctx.evaluates:
                 raise ConfigError(
                     f"checkpoint.monitor is {config.checkpoint.monitor!r}, but the job evaluates "
