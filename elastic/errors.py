@@ -105,6 +105,15 @@ class WorkerHangError(WorkerLostError):
     """
 
 
+class MembersLostError(WorkerLostError):
+    """Every member died while the controller asked them something between chunks (a
+    checkpoint, an evaluation, the final weights): nobody answered a chunk with the failure.
+
+    Recovery: as for `WorkerLostError`, from the newest checkpoint (no member is left to hold
+    the state); replacements start as usual.
+    """
+
+
 class HalfUpdatedError(ElasticError):
     """A worker was asked for its committed state (to checkpoint it, hand it to a peer or
     return the weights) while its model and optimizer are half updated: it ran out of memory

@@ -42,6 +42,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from elastic.adapt.lr import LrRamp
 from elastic.adapt.plan import BatchPlan
+from elastic.adapt.sharding import describe
 from elastic.checkpoint import CheckpointWriter
 from elastic.checkpoint.retention import Retention
 from elastic.checkpoint.store import newest_checkpoint_within, serialize, shard_name
@@ -424,10 +425,11 @@ class WorkerActor:
                 self._yield_ticket = max(self._yield_ticket, ticket)
 
     @_on_step_thread
-    def checkpoint_shard(self, write: str) -> dict[str, Any]:
+    def checkpoint_shard(self, write: str, absent: list[int] | None = None) -> dict[str, Any]:
         """Sharded optimizer state, as another member takes a checkpoint (write `write`):
         writes the state of the parts this rank is the first owner of as its shard of the
-        checkpoint of its committed step (`elastic.checkpoint.store.write_shard`; in the
+        checkpoint of its committed step, and of the parts whose earlier owners are among the
+        ranks `absent` (dead since the generation formed; `elastic.checkpoint.store.write_shard`; in the
         background if configured, after its previous write: a shard is skipped only when that
         write is past `checkpoint.timeout` and still running). Returns the step, the shard's
         name and the state ids it holds, or the step and why it was skipped (`busy`); the member
@@ -444,7 +446,7 @@ class WorkerActor:
         busy = self._writer.busy_note()  # its previous write is past the limit, still running
         if busy is not None:
             return {"step": step, "busy": busy}
-        name, state = shard_name(shards.rank, write), shards.primary_states()
+        name, state = shard_name(shards.rank, write), shards.primary_states(absent or ())
         if ckpt.async_write:  # the step pays for a copy in host memory only
             self._writer.submit_shard(step, write, (name, to_host(state, copy=True, pin=True)))
         else:
@@ -469,6 +471,8 @@ class WorkerActor:
         in flight is then waited for, not skipped (the others' shards are on their way)."""
         ckpt = self.config.checkpoint
         assert ckpt is not None and self._writer is not None, "no checkpoint configured"
+        meta = dict(meta)
+        absent = meta.pop("absent", [])  # ranks dead since the generation formed (sharded)
         busy = self._writer.busy_note() if shards is None else None
         if busy is not None:
             return {"submitted": False, "reports": self._reports(), "note": busy}
@@ -483,9 +487,12 @@ class WorkerActor:
             if busy is not None:
                 return {"submitted": False, "reports": self._reports(), "note": busy}
             assert self.replica.shards is not None, "optimizer state is not sharded"
-            own = self.replica.shards.primary_states()
+            own = self.replica.shards.primary_states(absent)
             own_name = shard_name(self.replica.shards.rank, meta["write"])
-            problem = _shard_problem(answers, step, {own_name: sorted(own)})
+            orphaned = self.replica.shards.orphaned(absent)
+            problem = (f"every owner of parameter(s) {describe(orphaned)} died, so their "
+                       "optimizer state is in no shard" if orphaned
+                       else _shard_problem(answers, step, {own_name: sorted(own)}))
             if problem is not None:
                 return {"submitted": False, "reports": self._reports(),
                         "note": f"{problem}; this checkpoint was skipped"}

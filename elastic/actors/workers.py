@@ -80,7 +80,7 @@ class RayWorkers:
         self._chunks: deque[tuple[list[int], dict[Any, int]]] = deque()
         self._ticket = 0
         self._generation = -1
-        self._members: list[int] = []  # the current generation's worker ids, by rank
+        self._members: list[int] = []  # the last formed generation's worker ids, by rank
         self._chunk_lock = threading.Lock()  # `yield_chunks` comes from request threads
 
     # --- processes -----------------------------------------------------------------------------
@@ -207,7 +207,6 @@ class RayWorkers:
 
     def connect(self, ids: Sequence[int], generation: int) -> Gathered[tuple[int, str]]:
         endpoint = str(self.server.endpoint)
-        self._members = list(ids)
         taken = set(ids)  # spares promoted into this generation: no longer watched
         self._parked = {ref: w for ref, w in self._parked.items() if w not in taken}
         with self._chunk_lock:
@@ -222,7 +221,10 @@ class RayWorkers:
 
     def sync(self, ids: Sequence[int], src: int,
              leaving: Sequence[int] = ()) -> Gathered[dict[str, int]]:
-        return self._gather(ids, [self.actors[w].sync.remote(src, list(leaving)) for w in ids])
+        synced = self._gather(ids, [self.actors[w].sync.remote(src, list(leaving)) for w in ids])
+        if all(value is not None for value in synced.values):
+            self._members = list(ids)  # formed: the ranks of every member's ownership map
+        return synced
 
     def _gather(self, ids: Sequence[int], refs: list[Any]) -> Gathered[Any]:
         """Waits for one ref per member, in completion order. At the first death or error
@@ -385,11 +387,15 @@ class RayWorkers:
             # Sharded optimizer state: each other member writes its own shard of this write;
             # the writer takes their answers (passed as references: nothing goes through
             # here) and their actors, to list each shard in its manifest once it is on disk.
+            # Members of the last generation killed since (a loss before a final checkpoint):
+            # their parts are written by their next owner, if one lives.
+            absent = [rank for rank, w in enumerate(self._members)
+                      if w in self._killed or w not in self.actors]
             others = [self.actors[w] for w in self._members
-                      if w != worker_id and w in self.actors]
+                      if w != worker_id and w in self.actors and w not in self._killed]
             write = uuid.uuid4().hex
-            args = ({**args[0], "write": write},
-                    [actor.checkpoint_shard.remote(write) for actor in others], others)
+            args = ({**args[0], "write": write, "absent": absent},
+                    [actor.checkpoint_shard.remote(write, absent) for actor in others], others)
         try:
             answer = ray.get(getattr(self.actors[worker_id], method).remote(*args))
         except RayActorError as e:

@@ -79,6 +79,12 @@ class Requests:
         with self.lock:
             return [w for w in ids if w in self.departures and w not in self.overdue]
 
+    def told(self, ids: list[int]) -> list[int]:
+        """The worker ids among `ids` that have a notice, overdue or not: spares and workers
+        starting, which have no rank and leave whenever they are looked at."""
+        with self.lock:
+            return [w for w in ids if w in self.departures]
+
     def gone(self, ids: list[int]) -> list[Notice]:
         """Forgets the notices of the workers `ids` (they left or died); returns those there
         were."""

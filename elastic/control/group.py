@@ -17,7 +17,13 @@ from elastic.control.context import Context
 from elastic.control.cursor import Cursor
 from elastic.control.policy import Fail
 from elastic.control.port import Gathered, Member
-from elastic.errors import CallbackError, GenerationOutOfMemoryError, RendezvousError, WorkerLostError
+from elastic.errors import (
+    CallbackError,
+    GenerationOutOfMemoryError,
+    MembersLostError,
+    RendezvousError,
+    WorkerLostError,
+)
 from elastic.events import (
     CheckpointFailed,
     Generation,
@@ -135,7 +141,9 @@ def check_spares(ctx: Context) -> None:
         ctx.requests.gone([worker_id])
         ctx.workers.kill(worker_id)
         ctx.log.emit(SpareLost(worker_id=worker_id))
-    for notice in ctx.requests.gone(ctx.requests.leaving([m.worker_id for m in ctx.spares])):
+    # Overdue ones too: a spare is in no generation, so no step boundary lets it go and its
+    # deadline's kill passes it by (it is no member).
+    for notice in ctx.requests.gone(ctx.requests.told([m.worker_id for m in ctx.spares])):
         ctx.spares = [m for m in ctx.spares if m.worker_id != notice.worker_id]
         ctx.workers.release(notice.worker_id)
         ctx.log.emit(WorkerRetired(worker_id=notice.worker_id, source=notice.source,
@@ -158,8 +166,9 @@ def drop(ctx: Context, ranks: list[int], why: str, *, replace: bool = True) -> N
         dropped.append(member.worker_id)
         ctx.log.emit(WorkerLost(rank=rank, worker_id=member.worker_id, why=why))
         ctx.workers.kill(member.worker_id)
-    # Workers told to leave that died before a step boundary count as preemptions.
-    preempted = len(ctx.requests.gone(dropped))
+    # Workers told to leave that died before a step boundary count as preemptions; a
+    # straggler's swap is the run's own choice, so its death is a failure.
+    preempted = sum(n.source != "straggler" for n in ctx.requests.gone(dropped))
     promote(ctx)  # hot spares take the places at once
     if not ctx.config.failure.replace_lost_workers:
         with ctx.requests.lock:
@@ -230,14 +239,14 @@ def on_any_member(ctx: Context, call: Callable[[int], T]) -> T:
     here and found by the next chunk, which recovers as usual.
 
     Raises:
-        WorkerLostError: every member is dead.
+        MembersLostError: every member is dead (the machine recovers from a checkpoint).
     """
     for member in list(ctx.members):
         try:
             return call(member.worker_id)
         except WorkerLostError:
             ctx.log.emit(MemberUnreachable(worker_id=member.worker_id))
-    raise WorkerLostError("every worker was lost", step=ctx.step)
+    raise MembersLostError("every worker was lost", step=ctx.step)
 
 
 def form(ctx: Context, reason: str, leaving: Sequence[int] = ()) -> tuple[float, float]:
@@ -292,8 +301,9 @@ def hand_over(ctx: Context, leaving: Sequence[int]) -> None:
     they could hold every copy of some part (they are at least `sharding.replicas`, or every
     owner in a smaller world), a generation of every member forms first in which they own
     nothing, so that their parts move to the others, peer to peer, and the departure needs no
-    checkpoint and redoes no step. Nothing when nobody would stay (the committed state goes
-    to a checkpoint then).
+    checkpoint and redoes no step. When every member leaves, ready hot spares join them in
+    that generation first and take the whole state, sharded or not (`_take_over`); with no
+    spare, nothing (the committed state goes to a checkpoint then).
 
     Raises:
         WorkerLostError, InsufficientWorkersError: as `form`.
@@ -301,10 +311,30 @@ def hand_over(ctx: Context, leaving: Sequence[int]) -> None:
     sharding = ctx.config.sharding
     ids = ctx.ids()
     gone = [w for w in leaving if w in ids]
-    if not sharding.stage or not gone or len(gone) == len(ids) \
-            or len(gone) < min(sharding.replicas, len(ids)):
+    if not gone:
+        return
+    if len(gone) == len(ids):
+        if not _take_over(ctx):
+            return
+    elif not sharding.stage or len(gone) < min(sharding.replicas, len(ids)):
         return
     form(ctx, "hand_over", gone)
+
+
+def _take_over(ctx: Context) -> bool:
+    """Every member is leaving: ready hot spares (up to the target) join them first, so that
+    the generation `hand_over` forms gives the spares the committed state from the leavers,
+    peer to peer (no checkpoint written or read, no step redone). False without a spare."""
+    check_spares(ctx)
+    if not ctx.spares:
+        return False
+    with ctx.requests.lock:
+        target = ctx.requests.target
+    promoted, ctx.spares = ctx.spares[:max(1, target)], ctx.spares[max(1, target):]
+    ctx.members.extend(promoted)
+    ctx.log.emit(SparePromoted(worker_ids=[m.worker_id for m in promoted],
+                               world_size=len(promoted)))
+    return True
 
 
 def _formed(ctx: Context, gathered: Gathered[Any], doing: str) -> bool:

@@ -8,6 +8,7 @@ transition and returns the next state.
                     |
                  Running --> Finishing --> Finished
     (any) --(an ElasticError)--> Failed
+    (any but Starting) --(every member lost between chunks)--> Recovering
 
 `run` loops until a terminal state, writes a `state` event at every change of label and
 turns any error into `Failed` (a bug of ours becomes a `ControllerError` with its cause).
@@ -39,6 +40,7 @@ from elastic.control.group import (
     hand_over,
     on_any_member,
     promote,
+    save_before_failing,
     top_up,
     wait_for_capacity,
 )
@@ -60,6 +62,7 @@ from elastic.errors import (
     ElasticError,
     GenerationOutOfMemoryError,
     MembershipChanged,
+    MembersLostError,
     NonFiniteLossError,
     StartupTimeoutError,
     UserCodeError,
@@ -633,8 +636,8 @@ class Recovering(State):
 @dataclass
 class Resizing(State):
     """Lets the members on notice go (`leaving`: a planned departure), removes members above
-    the target, promotes hot spares to places below it, admits started ones, and forms a new
-    generation.
+    the target (handing their sharded optimizer state over first, as leavers do), promotes
+    hot spares to places below it, admits started ones, and forms a new generation.
 
     A planned departure happens at a step boundary: every member holds the committed state,
     so the others go on with it (no collective aborted, no restore, no step redone) and the
@@ -657,7 +660,9 @@ class Resizing(State):
         with ctx.requests.lock:  # free capacity may have raised it since the boundary
             target = ctx.requests.target
         if len(ctx.members) > target:
-            _settle_checkpoints(ctx, [m.worker_id for m in ctx.members[target:]])
+            surplus = [m.worker_id for m in ctx.members[target:]]
+            hand_over(ctx, surplus)  # a scale down: alive at a boundary, as leavers are
+            _settle_checkpoints(ctx, surplus)
         while len(ctx.members) > target:
             member = ctx.members.pop()
             ctx.log.emit(WorkerRemoved(worker_id=member.worker_id))
@@ -722,6 +727,7 @@ def _depart(ctx: Context, leaving: tuple[int, ...]) -> PlannedDeparture | None:
     action = ctx.policy.departed(sum(n.source != "straggler" for n in notices), ctx.step)
     if action is not None:
         ctx.log.emit(departed)
+        save_before_failing(ctx)  # those who stay hold the committed state
         raise action.error
     return departed
 
@@ -788,6 +794,8 @@ class Machine:
         while self.state.label not in (RunState.FINISHED, RunState.FAILED):
             try:
                 following = self.state.step(self.ctx)
+            except MembersLostError as e:
+                following = self._recover(e)
             except ElasticError as e:
                 following = Failed(e)
             except Exception as e:  # a bug of ours: keep the cause
@@ -798,6 +806,22 @@ class Machine:
                 previous, self.state = self.state.label, Failed(_bug(e))
                 self.on_change(previous, self.state)
         return self.state
+
+    def _recover(self, error: MembersLostError) -> State:
+        """Every member died between chunks (their whole node, at a checkpoint write): the
+        run recovers from its newest checkpoint as from a chunk that lost them all; while
+        starting, and past `failure.max_failures`, it fails."""
+        ctx = self.ctx
+        if isinstance(self.state, Starting) or not ctx.members:
+            return Failed(error)
+        try:
+            action = ctx.policy.decide(error)  # the losses are counted as they are dropped
+        except ElasticError as e:
+            return Failed(e)
+        if isinstance(action, Fail):
+            return Failed(action.error)
+        return Recovering(lost=list(range(len(ctx.members))), report=ChunkReport(outcomes={}),
+                          chaos=[], detected=ctx.workers.now())
 
     def enter(self, state: State) -> None:
         """Makes `state` current; writes the `failed` and `state` events on a change of label."""

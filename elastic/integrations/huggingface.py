@@ -12,11 +12,17 @@ What is taken from where:
 - The global batch is `per_device_train_batch_size * gradient_accumulation_steps` (the
   batch one `Trainer` process takes per optimizer step); `per_device_train_batch_size` is the
   largest micro-batch (`batch.max_micro_batch`). The world size then changes nothing.
-- The loss: a model whose loss takes `num_items_in_batch` (causal and masked language models,
-  token classification) is trained on `LossSum(total, count)`: the summed token loss and the
-  number of tokens that count (labels that are not -100, shifted for a causal LM), which is
-  what `Trainer` divides by across its accumulated batches; the result does not depend on how
-  the batch is split. Other models' losses are per-sample means.
+- The loss: a model whose loss takes `num_items_in_batch` (its forward hands it to
+  `self.loss_function`: causal and masked language models) is trained on
+  `LossSum(total, count)`: the summed token loss and the number of tokens that count (labels
+  that are not -100, shifted for a causal LM), which is what `Trainer` divides by across its
+  accumulated batches; the result does not depend on how the batch is split. A model that
+  computes its own mean: with gradient accumulation, each accumulated batch of
+  `per_device_train_batch_size` samples is one group (`batch.groups`), run in one forward
+  and weighted alike, as `Trainer` averages them; without, a mean over tokens (labels with
+  one class per token: BERT's masked LM, T5, token classification) is trained as the
+  cross-entropy summed over the tokens that count (checked against the model's own loss),
+  and any other loss as a per-sample mean.
 - `max_grad_norm` (clipping), `bf16`/`fp16`, `seed`, `num_train_epochs`/`max_steps`,
   `eval_strategy`/`eval_steps`, `per_device_eval_batch_size` become the job's `settings`.
 - Evaluation (with `eval_dataset` and an `eval_strategy` other than "no"): the model's loss
@@ -31,13 +37,16 @@ What is taken from where:
   public one.
 
 Refused, each with what to do instead: DeepSpeed, FSDP, `torch_compile`, label smoothing,
-`group_by_length`, optimizers outside torch's, `batch_eval_metrics`, fractional epochs, and
-gradient accumulation with a loss that `Trainer` would scale by the accumulation steps.
+`group_by_length`, optimizers outside torch's, `batch_eval_metrics`, fractional epochs,
+schedulers stepped on a metric, `load_best_model_at_end`, NEFTune, and gradient
+accumulation with a loss that `Trainer` would scale by the accumulation steps.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -111,9 +120,16 @@ def _refuse(args: Any) -> None:
          "called per batch and weighted by the batch's samples"),
         (_strategy(arg("optim")) not in SUPPORTED_OPTIMIZERS, "optim", "use one of "
          + ", ".join(SUPPORTED_OPTIMIZERS)),
-        (_strategy(arg("lr_scheduler_type")) == "reduce_lr_on_plateau", "lr_scheduler_type",
-         "Trainer steps it on metric_for_best_model after each evaluation; give elastic a "
-         "TrainJob with a ReduceLROnPlateau and training.scheduler_interval='evaluation'"),
+        (_strategy(arg("lr_scheduler_type")) in ("reduce_lr_on_plateau", "greedy"),
+         "lr_scheduler_type", "Trainer steps it on metric_for_best_model after each "
+         "evaluation; give elastic a TrainJob with a ReduceLROnPlateau and "
+         "training.scheduler_interval='evaluation'"),
+        (bool(arg("load_best_model_at_end")), "load_best_model_at_end", "elastic returns the "
+         "last step's weights; keep the best with FitConfig(checkpoint=CheckpointConfig("
+         "monitor='eval/<metric>', mode=...)) and load it with "
+         "elastic.load_checkpoint(path, best=True)"),
+        (bool(arg("neftune_noise_alpha")), "neftune_noise_alpha", "add the noise to the "
+         "embeddings in the model's forward (elastic trains the model as it is)"),
         (args.max_steps <= 0 and float(args.num_train_epochs) != int(args.num_train_epochs),
          "num_train_epochs", "use a whole number of epochs, or max_steps"),
         (_strategy(arg("eval_strategy")) == "steps" and arg("eval_steps") is not None
@@ -169,6 +185,13 @@ class _HuggingFace:
         settings: dict[str, Any] = {"batch.global_batch_size": global_batch, "seed": int(args.seed)}
         if accumulate > 1:
             settings["batch.max_micro_batch"] = per_device
+            if not self.token_loss:
+                # Trainer averages the losses of its accumulated batches of per_device samples
+                # (a model that takes no loss keyword arguments): one group each, every
+                # forward exactly one of them, weighted alike, gives that average whatever
+                # the loss is a mean over (samples or tokens) and whoever runs it.
+                settings["batch.groups"] = "on"
+                settings["batch.group_size"] = per_device
         if args.max_steps > 0:
             self.steps = int(args.max_steps)
             settings["max_steps"] = self.steps
@@ -226,22 +249,27 @@ class _HuggingFace:
             counted = labels[..., 1:] if self.shifts else labels
             out = model(**batch, num_items_in_batch=1)  # the model's loss summed over tokens
             return LossSum(_loss_of(out), counted.ne(-100).sum())
-        return _loss_of(model(**batch))
+        out = model(**batch)
+        if self.args.gradient_accumulation_steps == 1 and _per_token(out, labels):
+            # The model's own mean over its tokens (BERT's masked LM, T5): Trainer's update is
+            # that mean over the whole batch, which a split into micro-batches would weigh
+            # by samples; the same cross-entropy summed, over the tokens that count, is not.
+            return _token_sum(_loss_of(out), out["logits"], labels)
+        return _loss_of(out)
 
     def eval_step(self, model: Any, batch: Any) -> dict[str, tuple[Any, float]]:
         out = model(**batch)
         size = float(_batch_size(batch))
         terms: dict[str, tuple[Any, float]] = {}
-        loss = out.get("loss") if isinstance(out, Mapping) else None
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        loss, logits = _eval_outputs(out, labels is not None)
         if loss is not None:
             terms["loss"] = (loss.detach().double() * size, size)
         if self.compute_metrics is not None:
             from transformers import EvalPrediction
 
-            logits = out["logits"] if isinstance(out, Mapping) else out[0]
-            labels = batch.get("labels")
             values = self.compute_metrics(EvalPrediction(
-                predictions=logits.detach().float().cpu().numpy(),
+                predictions=_numpy(logits),
                 label_ids=None if labels is None else labels.cpu().numpy()))
             for name, value in values.items():
                 terms[name] = (float(value) * size, size)
@@ -263,6 +291,59 @@ class _HuggingFace:
         return default_data_collator(samples)
 
 
+def _eval_outputs(out: Any, has_labels: bool) -> tuple[Any, Any]:
+    """The loss (None without one) and the predictions of a model's output, as `Trainer`'s
+    `prediction_step` takes them: from a mapping, "loss" and "logits"; from a tuple, the
+    loss first when the batch has labels, the rest the predictions (one element: itself)."""
+    if isinstance(out, Mapping):
+        return out.get("loss"), out.get("logits")
+    items = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    loss, rest = (items[0], items[1:]) if has_labels and len(items) > 1 else (None, items)
+    return loss, rest[0] if len(rest) == 1 else rest
+
+
+def _numpy(value: Any) -> Any:
+    """Predictions for `EvalPrediction`: tensors as float numpy arrays, tuples kept."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_numpy(v) for v in value)
+    return value.detach().float().cpu().numpy()
+
+
+def _per_token(out: Any, labels: Any) -> bool:
+    """Whether `labels` are one class per token of `out`'s logits (a masked or
+    sequence-to-sequence LM, token classification): labels of two or more dimensions whose
+    shape is the logits' without their last."""
+    logits = out.get("logits") if isinstance(out, Mapping) else None
+    return (isinstance(labels, torch.Tensor) and isinstance(logits, torch.Tensor)
+            and labels.dim() >= 2 and not labels.is_floating_point()
+            and tuple(logits.shape[:-1]) == tuple(labels.shape))
+
+
+def _token_sum(loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> LossSum:
+    """The cross-entropy of `logits` against `labels` summed over the tokens whose label is
+    not -100, and their count; checked against the model's own mean `loss`.
+
+    Raises:
+        ValueError: the model's loss is not that mean (a loss of its own making: weights,
+            smoothing, an extra term), which elastic cannot sum over tokens.
+    """
+    labels = labels.to(logits.device)
+    total = torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+        reduction="sum")
+    count = labels.ne(-100).sum()
+    if int(count) and not torch.allclose(total.detach() / count, loss.detach().float(),
+                                         rtol=1e-3, atol=1e-5):
+        raise ValueError(
+            f"hf_job: the model's loss ({float(loss.detach()):.6g}) is not the mean cross-entropy "
+            f"of its logits over the labels that are not -100 ({float(total.detach() / count):.6g}), "
+            "so elastic "
+            "cannot sum it over tokens to weigh each micro-batch as Trainer weighs the whole "
+            "batch; set gradient_accumulation_steps above 1 (each accumulated batch is then one "
+            "group, as Trainer averages them), or return a LossSum from a TrainJob of your own")
+    return LossSum(total, count)
+
+
 def _accepts_loss_kwargs(model: Any) -> bool:
     """Whether `Trainer` passes `num_items_in_batch` to `model` (its rule)."""
     accepts = getattr(model, "accepts_loss_kwargs", None)
@@ -281,16 +362,26 @@ def _loss_form(model: Any) -> tuple[bool, bool]:
     the model is not an encoder-decoder)."""
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
-    try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        source = ""
     function = getattr(model, "loss_function", None)
-    token = (_accepts_loss_kwargs(model) and "self.loss_function(" in source
+    token = (_accepts_loss_kwargs(model) and _passes_item_count(type(model).forward)
              and getattr(function, "__name__", "") in _TOKEN_LOSSES)
     encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
     shifts = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
     return token, token and shifts and not encoder_decoder
+
+
+def _passes_item_count(forward: Any) -> bool:
+    """Whether `forward` calls `self.loss_function` with `num_items_in_batch`, by name or in
+    `**kwargs` (the generic token classification head calls it with neither, so its loss is
+    a mean whatever `Trainer` passes)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    return any(isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+               and node.func.attr == "loss_function"
+               and any(k.arg in (None, "num_items_in_batch") for k in node.keywords)
+               for node in ast.walk(tree))
 
 
 def _loss_of(out: Any) -> torch.Tensor:

@@ -308,15 +308,26 @@ class OptimizerShards:
         self._kept = {part_of[sid]: dict(state) for sid, state in states.items()
                       if sid in part_of}
 
-    def primary_states(self) -> dict[int, dict[str, Any]]:
+    def primary_states(self, absent: Collection[int] = ()) -> dict[int, dict[str, Any]]:
         """The optimizer state of the parts this rank is the first owner of (all it holds
         before a generation has formed), by state id: what it writes as its shard of a
-        checkpoint, so that each part is written once."""
+        checkpoint, so that each part is written once. `absent`: ranks of this generation
+        that died since it formed; a part whose first owner is one of them is written by its
+        first owner that is not."""
         if self.ownership is None:
             return self.part_states(self.held)
-        ownership = self.ownership
-        return self.part_states([part for part in range(len(self.params))
-                                 if ownership.primary(part) == self.rank])
+        ownership, absent = self.ownership, set(absent)
+        return self.part_states([
+            part for part in range(len(self.params))
+            if next((r for r in ownership.owners[part] if r not in absent), None) == self.rank])
+
+    def orphaned(self, absent: Collection[int]) -> list[int]:
+        """The parts every owner of which is among the ranks `absent` (none before a
+        generation has formed: then every rank holds every part)."""
+        if self.ownership is None:
+            return []
+        return [part for part, ranks in enumerate(self.ownership.owners)
+                if set(ranks) <= set(absent)]
 
     def part_states(self, parts: Collection[int]) -> dict[int, dict[str, Any]]:
         """The optimizer state of `parts` (which this rank holds) by state-dict id, as

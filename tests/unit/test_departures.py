@@ -351,3 +351,188 @@ def test_a_notice_past_its_deadline_is_not_let_go_at_a_boundary_but_killed():
     assert requests.leaving([2]) == [2]
     requests.overdue_now(2)
     assert requests.leaving([2]) == []
+
+
+# --- when every member leaves, and other edges (found by a review) -----------------------
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_every_member_leaving_hands_the_state_to_ready_spares_without_a_checkpoint(
+        tmp_path, stage):
+    # Their node drains and holds every member; the spares are elsewhere. Without
+    # checkpoints the state lived only in the leavers: before, they were let go first and
+    # the run failed ("no checkpoint is available").
+    from elastic.config import ShardingConfig
+
+    config = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
+                       scaling=ScalingConfig(num_workers=2, min_workers=1, max_workers=2,
+                                             spares=2),
+                       batch=BatchConfig(global_batch_size=16, autotune=False),
+                       sharding=ShardingConfig(stage=stage))
+    told = []
+
+    def before(step, ctx, sim):
+        if step >= 8 and len(ctx.spares) == 2 and not told:
+            told.extend(ctx.ids())
+            for worker_id in told:
+                _tell(ctx, sim, worker_id, source="ray_drain")
+
+    end, ctx, sim = _spare_run(tmp_path, config, capacity=6, before=before)
+    assert isinstance(end, Finished), end
+    [departure] = _of(ctx, "planned_departure")
+    assert departure["worker_ids"] == told and departure["steps_redone"] == 0
+    # The spares joined the leavers in one generation (taking the state from them), then
+    # formed on their own.
+    generations = _of(ctx, "generation")
+    i = [g["reason"] for g in generations].index("hand_over")
+    assert set(generations[i]["workers"]) > set(told) and len(generations[i]["workers"]) == 4
+    assert generations[i + 1]["reason"] == "departure"
+    assert not set(told) & set(generations[i + 1]["workers"])
+    assert _of(ctx, "spare_promoted")[0]["world_size"] == 2
+    for kind in ("worker_failure", "restored_from_checkpoint"):
+        assert kind not in _kinds(ctx)
+    assert [m["step"] for m in ctx.log.metrics] == list(range(24))
+    assert {m["world_size"] for m in ctx.log.metrics} == {2}
+    assert not any(sim.workers[w].alive for w in told)
+
+
+def test_the_only_member_leaving_without_spares_or_checkpoints_fails_saying_why(tmp_path):
+    def notices(step, ctx, sim):
+        if step >= 8 and not ctx.requests.departures and ctx.policy.preemptions == 0:
+            _tell(ctx, sim, worker_id=ctx.ids()[0])
+
+    end, _, _ = _machine(tmp_path, _config(tmp_path, world=1), notices)
+    assert isinstance(end, Failed) and isinstance(end.error, WorkerLostError)
+    assert "no checkpoint is available" in str(end.error)
+
+
+class _DieAtFinalWrite(SimulatedWorkers):
+    """Kills `doomed` workers as the controller asks for a final checkpoint (their whole node
+    gone mid-write); keeps the cursor of each checkpoint so that a restore finds it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.doomed: list[int] = []
+        self.saved = {}
+
+    def call(self, worker_id, method, *args):
+        if method == "flush_checkpoints" and self.doomed:
+            for w in self.doomed:
+                self.kill(w)
+            self.doomed = []
+        result = super().call(worker_id, method, *args)
+        worker = self.workers[worker_id]
+        if method == "checkpoint":
+            self.saved[worker.step] = worker.cursor
+        if method == "restore_checkpoint" and self.saved:
+            worker.step = max(self.saved)
+            worker.cursor = self.saved[worker.step]
+            return {"step": worker.step, "path": "sim", "skipped": [], "unsigned": []}
+        return result
+
+
+def test_every_leaver_dying_in_the_final_checkpoint_write_recovers_from_a_checkpoint(tmp_path):
+    # Before, the loss of every member during a call between chunks failed the run
+    # ("every worker was lost") where the same loss during a chunk recovers.
+    from elastic.config import CheckpointConfig
+
+    config = _config(tmp_path, world=2, steps=24,
+                     checkpoint=CheckpointConfig(path=str(tmp_path / "ck"), every_steps=4,
+                                                 sign=False))
+    holder = {}
+
+    def before(step, ctx, sim):
+        if step >= 10 and not sim.doomed and ctx.policy.preemptions == 0 \
+                and "worker_failure" not in _kinds(ctx):
+            sim.doomed = list(ctx.ids())
+            for worker_id in sim.doomed:
+                _tell(ctx, sim, worker_id)
+
+    sim = _DieAtFinalWrite(dataset_size=16000, capacity=4, start_delay_s=0.02,
+                           before_chunk=lambda step: before(step, holder["ctx"], sim))
+    ctx = holder["ctx"] = Context(config, "sim", RunLog(str(tmp_path)), sim)
+    end = Machine(ctx).run()
+    assert isinstance(end, Finished), end
+    [failure] = _of(ctx, "worker_failure")
+    assert sorted(failure["lost_workers"]) == [0, 1]
+    assert _of(ctx, "restored_from_checkpoint")
+    assert "planned_departure" not in _kinds(ctx)
+    assert ctx.policy.preemptions == 2 and ctx.policy.workers_lost == 0
+    steps = [m["step"] for m in ctx.log.metrics]
+    assert sorted(set(steps)) == list(range(24))  # the steps since the checkpoint, redone
+
+
+def test_a_spare_drained_past_its_deadline_is_retired_not_promoted(tmp_path):
+    told = []
+
+    def before(step, ctx, sim):
+        if ctx.spares and not told:
+            told.append(ctx.spares[0].worker_id)
+            ctx.requests.notice(Notice(told[0], "drain", sim.now(), sim.now()), overdue=True)
+
+    config = _spare_config(tmp_path, chaos=(ChaosEvent(step=16, rank=1, action="kill"),))
+    end, ctx, sim = _spare_run(tmp_path, config, before=before)
+    assert isinstance(end, Finished)
+    assert [e["worker_id"] for e in _of(ctx, "worker_retired")] == told
+    assert all(told[0] not in g["workers"] for g in _of(ctx, "generation"))
+    assert not sim.workers[told[0]].alive and not ctx.requests.departures
+
+
+def test_a_straggler_that_dies_after_its_swap_notice_is_a_failure_not_a_preemption(tmp_path):
+    from elastic.control.group import drop
+    from elastic.control.port import Member
+
+    config = _config(tmp_path, world=2, failure=FailureConfig(max_preemptions=0,
+                                                              max_failures=1))
+    sim = SimulatedWorkers(dataset_size=16000, capacity=2)
+    ctx = Context(config, "t", RunLog(str(tmp_path)), sim)
+    for worker_id in (sim.spawn(), sim.spawn()):
+        ctx.members.append(Member(worker_id, worker_id + 100, "n"))
+    ctx.requests.notice(Notice(1, "straggler", None, 0.0))
+    drop(ctx, [1], "actor died", replace=False)
+    assert ctx.policy.preemptions == 0 and ctx.policy.workers_lost == 1
+
+
+def test_preemptions_past_the_limit_checkpoint_the_state_of_those_who_stay_first(tmp_path):
+    from elastic.config import CheckpointConfig
+
+    def notices(step, ctx, sim):
+        if step >= 8 and not ctx.requests.departures:
+            _tell(ctx, sim, worker_id=ctx.ids()[-1])
+
+    config = _config(tmp_path, failure=FailureConfig(max_preemptions=0),
+                     checkpoint=CheckpointConfig(path=str(tmp_path / "ck"), every_steps=100,
+                                                 sign=False))
+    end, ctx, sim = _machine(tmp_path, config, notices)
+    assert isinstance(end, Failed) and "failure.max_preemptions = 0" in str(end.error)
+    [departure] = _of(ctx, "planned_departure")
+    assert sim.checkpoints[-1] == departure["step"]
+
+
+@pytest.mark.parametrize(("replicas", "hands_over"), [(1, True), (2, True), (4, False)])
+def test_a_scale_down_with_sharded_state_hands_the_removed_members_parts_over_first(
+        tmp_path, replicas, hands_over):
+    # Before, `elastic scale` down killed the members above the target at once: parts only
+    # they owned were lost and the run went back to a checkpoint (or failed without one).
+    from elastic.config import ShardingConfig
+
+    def notices(step, ctx, sim):
+        if step >= 8 and not ctx.requests.scaled_by_user:
+            with ctx.requests.lock:
+                ctx.requests.target, ctx.requests.scaled_by_user = 2, True
+            sim.yield_chunks()
+
+    config = _config(tmp_path, sharding=ShardingConfig(stage=1, replicas=replicas))
+    end, ctx, sim = _machine(tmp_path, config, notices)
+    assert isinstance(end, Finished)
+    reasons = [g["reason"] for g in _of(ctx, "generation")]
+    if hands_over:
+        assert sim.handed_over == [(2, 3)]
+        i = reasons.index("hand_over")
+        assert reasons[i + 1] == "resize"
+        assert _of(ctx, "generation")[i + 1]["workers"] == [0, 1]
+    else:  # 4 copies of every part: the two who stay hold them all
+        assert sim.handed_over == [] and "hand_over" not in reasons
+    for kind in ("worker_failure", "restored_from_checkpoint", "shards_lost"):
+        assert kind not in _kinds(ctx)
+    assert [m["step"] for m in ctx.log.metrics] == list(range(24))

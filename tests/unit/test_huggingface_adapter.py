@@ -75,23 +75,150 @@ def test_a_token_loss_is_a_sum_and_count_and_unused_columns_are_dropped(tmp_path
     assert len(set(per_sequence.tolist())) > 1  # a mean per sequence would weigh them alike
 
 
-def test_a_model_that_computes_its_own_mean_loss_is_trained_on_that_mean(tmp_path):
-    from transformers import BertConfig, BertForMaskedLM
+def _bert(kind):
+    from transformers import BertConfig, BertForMaskedLM, BertForTokenClassification
 
-    def masked_lm():  # its forward uses its own CrossEntropyLoss, not self.loss_function
-        return BertForMaskedLM(BertConfig(num_hidden_layers=1, hidden_size=16,
-                                          num_attention_heads=2, intermediate_size=16,
-                                          vocab_size=hf_setup.VOCAB, max_position_embeddings=16,
-                                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    config = BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                        intermediate_size=16, vocab_size=hf_setup.VOCAB,
+                        max_position_embeddings=16, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, num_labels=hf_setup.VOCAB)
+    return (BertForMaskedLM if kind == "masked_lm" else BertForTokenClassification)(config)
 
-    job = hf_job(masked_lm, hf_setup.arguments(str(tmp_path), gradient_accumulation_steps=1),
+
+def _split_gradient(job, model, batch, pieces):
+    """The gradient elastic sums from micro-batches `pieces` (index lists) of `batch`: each
+    piece's `LossSum` total over the global count, or its mean times its share."""
+    model.zero_grad()
+    outs = [job.loss(model, {k: v[p] for k, v in batch.items()}) for p in pieces]
+    count = sum(o.count for o in outs if isinstance(o, LossSum))
+    for p, o in zip(pieces, outs, strict=True):
+        (o.total / count if isinstance(o, LossSum) else o * len(p) / len(batch["labels"])).backward()
+    return [q.grad.clone() for q in model.parameters() if q.grad is not None]
+
+
+@pytest.mark.parametrize("kind", ["masked_lm", "token_classification"])
+def test_a_models_own_token_mean_is_summed_over_tokens_so_any_split_gives_trainers_update(
+        tmp_path, kind):
+    # BERT's heads compute their own CrossEntropyLoss mean over the tokens that count:
+    # Trainer's update (no accumulation) is that mean over the whole batch. Before, each
+    # micro-batch's token mean was weighted by its samples: the update followed the split.
+    job = hf_job(lambda: _bert(kind), hf_setup.arguments(str(tmp_path),
+                                                        gradient_accumulation_steps=1),
                  hf_setup.Tokens(8, 1))
+    torch.manual_seed(0)
     model = job.model()
-    data = hf_setup.Tokens(8, 1)
+    data = hf_setup.Tokens(8, 1, varied=True)
     batch = job.collate_fn([data[i] for i in range(4)])
     out = job.loss(model, batch)
-    assert isinstance(out, torch.Tensor)
-    torch.testing.assert_close(out, model(**batch).loss)
+    assert isinstance(out, LossSum) and int(out.count) == int(batch["labels"].ne(-100).sum())
+    torch.testing.assert_close(out.total / out.count, model(**batch).loss)
+    model.zero_grad()
+    model(**batch).loss.backward()
+    whole = [q.grad.clone() for q in model.parameters() if q.grad is not None]
+    for pieces in ([[0, 1, 2, 3]], [[0], [1, 2, 3]], [[0, 1], [2, 3]]):
+        for a, b in zip(_split_gradient(job, model, batch, pieces), whole, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_loss_that_is_not_the_token_cross_entropy_is_refused_at_the_first_step(tmp_path):
+    class Weighted(torch.nn.Module):  # a token loss of its own making (class weights)
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(hf_setup.VOCAB, hf_setup.VOCAB)
+
+        def forward(self, input_ids, labels=None):
+            logits = self.embed(input_ids)
+            weight = torch.linspace(0.5, 2.0, hf_setup.VOCAB)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, hf_setup.VOCAB),
+                                                     labels.reshape(-1), weight=weight)
+            return {"loss": loss, "logits": logits}
+
+    job = hf_job(Weighted, hf_setup.arguments(str(tmp_path), gradient_accumulation_steps=1),
+                 hf_setup.Tokens(8, 1))
+    data = hf_setup.Tokens(8, 1)
+    batch = job.collate_fn([data[i] for i in range(4)])
+    with pytest.raises(ValueError, match="is not the mean cross-entropy of its logits"):
+        job.loss(job.model(), batch)
+
+
+def test_a_generic_token_classifier_is_trained_on_its_mean_which_ignores_the_item_count(
+        tmp_path):
+    # Llama's (and 70 other models') token classification head calls its loss function
+    # without num_items_in_batch: its loss is a mean whatever Trainer passes. Before, it was
+    # taken for a token sum (its name is ForTokenClassification) and divided again by the
+    # count: gradients hundreds of times too small.
+    from transformers import LlamaConfig, LlamaForTokenClassification
+
+    def classifier():
+        return LlamaForTokenClassification(LlamaConfig(
+            num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=2,
+            intermediate_size=16, vocab_size=hf_setup.VOCAB, num_labels=hf_setup.VOCAB,
+            max_position_embeddings=16, pad_token_id=0, classifier_dropout=0.0))
+
+    job = hf_job(classifier, hf_setup.arguments(str(tmp_path), gradient_accumulation_steps=1),
+                 hf_setup.Tokens(8, 1))
+    torch.manual_seed(0)
+    model = job.model()
+    assert model.loss_function.__name__ == "ForTokenClassification"  # the name that misled
+    data = hf_setup.Tokens(8, 1, varied=True)
+    batch = job.collate_fn([data[i] for i in range(4)])
+    out = job.loss(model, batch)
+    torch.testing.assert_close(out.total / out.count, model(**batch).loss)
+
+
+def test_accumulated_batches_of_a_model_that_takes_no_loss_kwargs_are_groups(tmp_path):
+    # Trainer divides each accumulated batch's own mean by the accumulation steps: the
+    # average of per-device means, which groups of per_device_train_batch_size reproduce.
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(hf_setup.VOCAB, hf_setup.VOCAB)
+
+        def forward(self, input_ids, labels=None):  # no **kwargs: Trainer passes no count
+            logits = self.embed(input_ids)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, hf_setup.VOCAB),
+                                                     labels.reshape(-1))
+            return {"loss": loss, "logits": logits}
+
+    job = hf_job(Plain, hf_setup.arguments(str(tmp_path)), hf_setup.Tokens(8, 1))
+    assert job.settings["batch.groups"] == "on"
+    assert job.settings["batch.group_size"] == hf_setup.PER_DEVICE
+    data = hf_setup.Tokens(8, 1)
+    batch = job.collate_fn([data[i] for i in range(4)])
+    out = job.loss(job.model(), batch)  # a group's own mean, as Trainer takes it
+    assert isinstance(out, torch.Tensor) and out.dim() == 0
+    assert "batch.groups" not in _job(tmp_path).settings  # GPT-2: a token sum, any split
+
+
+def test_evaluation_takes_a_tuple_output_as_trainer_does(tmp_path):
+    class Tupled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(hf_setup.VOCAB, hf_setup.VOCAB)
+
+        def forward(self, input_ids, labels=None):
+            logits = self.embed(input_ids)
+            if labels is None:
+                return (logits,)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, hf_setup.VOCAB),
+                                                     labels.reshape(-1))
+            return loss, logits
+
+    seen = []
+
+    def metrics(prediction):
+        seen.append(prediction.predictions.shape)
+        return {"one": 1.0}
+
+    job = hf_job(Tupled, hf_setup.arguments(str(tmp_path), gradient_accumulation_steps=1),
+                 hf_setup.Tokens(8, 1), eval_dataset=hf_setup.Tokens(8, 2),
+                 compute_metrics=metrics)
+    data = hf_setup.Tokens(8, 2)
+    batch = job.collate_fn([data[i] for i in range(4)])
+    model = job.model()
+    terms = job.eval_step(model, batch)
+    torch.testing.assert_close(terms["loss"][0] / 4, model(**batch)[0].double())
+    assert seen == [(4, hf_setup.SEQ, hf_setup.VOCAB)]
 
 
 def test_a_per_sample_loss_with_accumulation_is_refused_as_trainer_would_scale_it(tmp_path):
@@ -131,6 +258,10 @@ def test_a_distributed_or_sampling_argument_is_refused_by_name(tmp_path, field, 
     ({"num_train_epochs": 1.5}, "num_train_epochs=1.5 .* whole number of epochs, or max_steps"),
     ({"torch_compile": True}, "torch_compile=True"),
     ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "lr_scheduler_type=.* metric_for_best_model"),
+    ({"lr_scheduler_type": "greedy"}, "lr_scheduler_type=.* metric_for_best_model"),
+    ({"load_best_model_at_end": True, "save_strategy": "epoch",
+      "metric_for_best_model": "accuracy"}, r"load_best_model_at_end=True .* best=True"),
+    ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha=5.0 .* in the model's forward"),
 ])
 def test_what_elastic_cannot_do_alike_is_refused_by_name(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):

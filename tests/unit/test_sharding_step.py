@@ -419,6 +419,25 @@ def test_each_part_is_written_once_by_its_first_owner(tmp_path):
             assert torch.equal(value["exp_avg"], state[i]["exp_avg"])
 
 
+def test_a_dead_owners_parts_are_written_by_their_next_owner_and_a_lost_part_is_named(tmp_path):
+    # A final checkpoint after a loss (before the next generation forms): the survivors'
+    # shards still cover every part (before, parts whose first owner died were in none, so
+    # the checkpoint was skipped; with the dead left out of the peers, it would have
+    # committed without them).
+    replicas = _run(tmp_path, _job(), _config(tmp_path, stage=1, replicas=2),
+                    [(["a", "b", "c"], 2)])
+    owners = replicas["a"].shards.ownership.owners
+    for dead in range(3):
+        alive = [n for r, n in enumerate("abc") if r != dead]
+        shards = [replicas[n].shards.primary_states([dead]) for n in alive]
+        ids = sorted(i for shard in shards for i in shard)
+        assert ids == list(range(len(owners)))  # every part once, none twice
+        assert replicas[alive[0]].shards.orphaned([dead]) == []
+        assert any(owners[p][0] == dead for p in range(len(owners)))  # not a vacuous case
+    lost = replicas["a"].shards.orphaned([0, 1])
+    assert lost == [p for p, ranks in enumerate(owners) if set(ranks) <= {0, 1}] and lost
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("stage", "precision"), [(1, "bf16-mixed"), (2, "bf16-mixed"),
                                                   (2, "fp16-mixed")])
