@@ -31,13 +31,17 @@ What is taken from the module and how:
   `settings` (FitConfig fields that `fit` and `elastic run` apply).
 
 Refused at the start, each with what to do instead: manual optimization, more than one
-optimizer or scheduler, `accumulate_grad_batches` (the global batch covers it), and hooks
-whose side effects elastic cannot replay on every rank through failures
-(`on_train_batch_end`, `optimizer_step`, `on_validation_epoch_end` and the like).
+optimizer or scheduler, `accumulate_grad_batches` (the global batch covers it), Trainer
+arguments it does not take, clipping with an optimizer over some of the trainable
+parameters, `configure_callbacks`, and hooks whose side effects elastic cannot replay on
+every rank through failures (`on_train_batch_end`, `optimizer_step`,
+`on_validation_epoch_end` and the like).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -81,6 +85,9 @@ REFUSED_HOOKS: dict[str, str] = {
     "on_train_start": "do the work in __init__, setup or configure_model",
     "on_train_end": "use an elastic.Callback (on_finish)",
     "on_fit_end": "use an elastic.Callback (on_finish)",
+    "configure_callbacks": "elastic runs no Lightning callbacks: stop early with "
+                           "elastic.Callback (on_evaluation can stop the run), and keep the "
+                           "best weights with checkpoint.monitor",
 }
 _DATA_HOOKS_REFUSED: dict[str, str] = {
     "on_before_batch_transfer": "do it in the dataset or the loader's collate_fn",
@@ -116,6 +123,7 @@ def lightning_job(module: Any, datamodule: Any = None, *, precision: str | int =
         ConfigError: the module or an argument asks for what elastic cannot do with the same
             meaning (the message says what to do instead).
     """
+    _refuse_trainer_arguments(module, module_kwargs)
     spec = _Lightning(module, dict(module_kwargs), datamodule, dict(datamodule_kwargs or {}))
     plan = spec.inspect()
     settings = _settings(precision, gradient_clip_val, gradient_clip_algorithm,
@@ -130,13 +138,36 @@ def lightning_job(module: Any, datamodule: Any = None, *, precision: str | int =
     )
 
 
+def _refuse_trainer_arguments(module: Any, module_kwargs: Mapping[str, Any]) -> None:
+    """A `lightning.Trainer` argument that `lightning_job` does not take would go to the
+    module (swallowed by a `**kwargs`, or a confusing TypeError on a worker): refused, unless
+    the module's constructor names it."""
+    import lightning
+
+    trainer = set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"}
+    try:
+        named = set(inspect.signature(module).parameters)
+    except (TypeError, ValueError):
+        named = set()
+    stray = sorted(name for name in module_kwargs if name in trainer and name not in named)
+    if stray:
+        raise ConfigError(
+            f"lightning_job: {', '.join(stray)}: lightning.Trainer argument(s) elastic does not "
+            "take (they would go to the module). lightning_job takes precision, "
+            "gradient_clip_val, gradient_clip_algorithm, accumulate_grad_batches, max_epochs, "
+            "max_steps and check_val_every_n_epoch; devices and nodes are the run's workers "
+            "(scaling.num_workers); callbacks and loggers are elastic.Callback")
+
+
 class _Plan:
-    """What `configure_optimizers` and the module's hooks say, read once on the driver."""
+    """What `configure_optimizers` and the module's hooks say, read once on the driver.
+    `partial`: the optimizer takes only some of the module's trainable parameters."""
 
     def __init__(self, scheduler: bool, interval: str, frequency: int, monitor: str | None,
-                 plateau: bool, validates: bool) -> None:
+                 plateau: bool, validates: bool, partial: bool = False) -> None:
         self.scheduler, self.interval, self.frequency = scheduler, interval, frequency
         self.monitor, self.plateau, self.validates = monitor, plateau, validates
+        self.partial = partial
 
 
 def _settings(precision: str | int, clip: float | None, algorithm: str, accumulate: int,
@@ -158,6 +189,12 @@ def _settings(precision: str | int, clip: float | None, algorithm: str, accumula
     if clip is not None and clip > 0:
         if algorithm not in ("norm", "value"):
             raise ConfigError(f"gradient_clip_algorithm={algorithm!r}: use 'norm' or 'value'")
+        if plan.partial:
+            raise ConfigError(
+                "gradient_clip_val: configure_optimizers trains only some of the module's "
+                "parameters that require gradients; Lightning clips the optimizer's "
+                "parameters, elastic clips every trainable one: freeze the others "
+                "(requires_grad=False), which Lightning then leaves alone too")
         settings[f"training.clip_grad_{algorithm}"] = float(clip)
     if max_epochs is not None:
         settings["epochs"] = max_epochs
@@ -220,9 +257,11 @@ class _Lightning:
                                   "(the number of steps, say) as an argument of the module") from e
             raise
         optimizer, scheduler = _parse_optimizers(conf)
+        trained = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        partial = any(id(p) not in trained for p in module.parameters() if p.requires_grad)
         del optimizer
         if scheduler is None:
-            return _Plan(False, "step", 1, None, False, self._validates(module))
+            return _Plan(False, "step", 1, None, False, self._validates(module), partial)
         self.frequency = int(scheduler.get("frequency", 1))
         if self.frequency < 1:
             raise ConfigError(f"configure_optimizers: scheduler frequency {self.frequency} "
@@ -237,7 +276,8 @@ class _Lightning:
         if plateau and not monitor:
             raise ConfigError("configure_optimizers: a ReduceLROnPlateau needs a monitor: "
                               "return {'optimizer': ..., 'lr_scheduler': ..., 'monitor': name}")
-        return _Plan(True, interval, self.frequency, monitor, plateau, self._validates(module))
+        return _Plan(True, interval, self.frequency, monitor, plateau, self._validates(module),
+                     partial)
 
     def _build_light(self, configure: bool = False) -> Any:
         """The module on the meta device, or on the CPU if its constructor (or
@@ -364,7 +404,7 @@ class _Lightning:
                     raise ConfigError("val_dataloader returned several loaders: elastic "
                                       "evaluates one validation set")
                 val = val[0]
-            if val is not None and _collate_of(val) is not _collate_of(train):
+            if val is not None and not _same_collate(_collate_of(val), _collate_of(train)):
                 raise ConfigError("val_dataloader's collate_fn differs from train_dataloader's: "
                                   "elastic evaluates with the training collate_fn; give both "
                                   "loaders the same one")
@@ -455,6 +495,25 @@ def _parse_optimizers(conf: Any) -> tuple[torch.optim.Optimizer, dict[str, Any] 
 
 def _collate_of(loader: Any) -> Any:
     return loader.collate_fn or torch.utils.data.default_collate
+
+
+def _same_collate(a: Any, b: Any) -> bool:
+    """Whether two loaders' collate functions do the same: the same object, equal ones (a
+    bound method of one data module, read twice; a collator dataclass of the same fields), or
+    partials of one function with equal arguments."""
+    if a is b:
+        return True
+    if isinstance(a, functools.partial) and isinstance(b, functools.partial):
+        return (_same_collate(a.func, b.func) and _equal(a.args, b.args)
+                and _equal(a.keywords, b.keywords))
+    return _equal(a, b)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an __eq__ that cannot answer (arrays, say): not the same
+        return False
 
 
 def _device_of(module: Any) -> str:

@@ -247,3 +247,61 @@ def test_an_iterable_training_set_is_refused_when_the_data_is_built():
     job = lightning_job(Regressor, _StreamData)
     with pytest.raises(ConfigError, match="IterableDataset"):
         job.dataset()
+
+
+# --- found by a review: differences from lightning.Trainer that went unsaid ---------------
+
+
+class _HeadOnly(Regressor):
+    """Trains its last layer only, the rest still requiring gradients."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net[2].parameters(), lr=self.lr)
+
+
+def test_clipping_with_an_optimizer_over_some_trainable_parameters_is_refused():
+    # Lightning clips the optimizer's parameters; elastic clips every trainable one: the
+    # norms (and the weights) would differ with no error.
+    with pytest.raises(ConfigError, match="freeze the others"):
+        lightning_job(_HeadOnly, Data, gradient_clip_val=0.5)
+    lightning_job(_HeadOnly, Data)  # without clipping it trains the same
+
+    class _Frozen(_HeadOnly):
+        def __init__(self):
+            super().__init__()
+            for p in self.net[0].parameters():
+                p.requires_grad_(False)
+
+    assert lightning_job(_Frozen, Data, gradient_clip_val=0.5).settings[
+        "training.clip_grad_norm"] == 0.5
+
+
+def test_a_trainer_argument_elastic_does_not_take_is_refused_not_passed_to_the_module():
+    with pytest.raises(ConfigError, match=r"val_check_interval: lightning.Trainer argument"):
+        lightning_job(Regressor, Data, val_check_interval=0.5)
+    assert lightning_job(Regressor, Data, hidden=4).settings == {}  # the module's own
+
+
+class _BoundCollate(Data):
+    def collate(self, samples):
+        return torch.utils.data.default_collate(samples)
+
+    def train_dataloader(self):
+        return DataLoader(self.train, batch_size=4, collate_fn=self.collate)
+
+    def val_dataloader(self):
+        return DataLoader(self.val, batch_size=4, collate_fn=self.collate)
+
+
+class _OtherCollate(_BoundCollate):
+    def val_dataloader(self):
+        return DataLoader(self.val, batch_size=4, collate_fn=lambda s: self.collate(s))
+
+
+def test_one_bound_collate_method_read_by_both_loaders_is_the_same_collate_fn():
+    # Each read of `self.collate` is a new bound-method object: before, compared by identity,
+    # the two loaders were refused as having different collate functions.
+    job = lightning_job(Regressor, _BoundCollate)
+    assert len(job.dataset()) > 0 and len(job.eval_dataset()) > 0
+    with pytest.raises(ConfigError, match="collate_fn differs"):
+        lightning_job(Regressor, _OtherCollate).dataset()
