@@ -230,9 +230,11 @@ def _control(name: str, request: Request) -> Any:
     except RunNotFoundError:
         # Ray does not know it either: a local record was left by a controller that died
         # before recording an end; otherwise the cluster may still hold an ended run's record.
-        ended = mark_lost(record) if record is not None else client.cached_record(name)
+        ended = record if record is not None else client.cached_record(name)
         if ended is None:
             raise
+        if not is_terminal(ended):  # its controller is gone without recording an end
+            ended = mark_lost(ended)
         return _from_record(ended, request)
 
 
@@ -247,6 +249,23 @@ def _refresh(record: dict[str, Any]) -> dict[str, Any]:
     try:
         return control.call(record["control"], Status())
     except control.ControlUnavailable:
+        again = RunRegistry().read(record["name"]) or record
+        return again if is_terminal(again) else mark_lost(again)
+
+
+def _refresh_anywhere(record: dict[str, Any]) -> dict[str, Any]:
+    """As `_refresh`, and a live record of another host (a run index on shared storage) is
+    asked of the connected Ray cluster: lost when the cluster does not know the run. With no
+    cluster to ask, the record as it is (the run may be live where this host cannot see)."""
+    if is_terminal(record) or _local(record) or record.get("state") == LOST:
+        return _refresh(record)
+    from elastic.actors import client
+
+    try:
+        return client.call(record["name"], Status())
+    except RunNotFoundError:
+        if not client.connected():
+            return record
         again = RunRegistry().read(record["name"]) or record
         return again if is_terminal(again) else mark_lost(again)
 
@@ -279,7 +298,7 @@ def record_launch(name: str, run_dir: str, target: str) -> None:
 
     record = RunRegistry().read(name)
     if record is not None and not is_terminal(record) and record.get("state") != LOST:
-        record = _refresh(record)
+        record = _refresh_anywhere(record)
         if not is_terminal(record) and record.get("state") != LOST:
             raise ConfigError(f"a run named {name!r} is already {record['state']}; choose "
                               "another --name")
@@ -314,7 +333,7 @@ def resume(name: str, job: TrainJob | None = None, *, num_workers: int | None = 
     if record is None:
         raise RunNotFoundError(f"no run named {name!r} in the run index "
                                f"({RunRegistry().directory})")
-    record = _refresh(record)
+    record = _refresh_anywhere(record)
     launch = read_launch(record["run_dir"])
     config = resume_config(name, record, launch, num_workers, overrides)
     if job is None:

@@ -403,6 +403,16 @@ def call(name: str, request: Request) -> Any:
         raise
 
 
+def connected() -> bool:
+    """Whether this process is connected to a Ray cluster, or can connect to a running one
+    (never starts one)."""
+    try:
+        ensure_ray(start=False)
+    except ConnectionError:
+        return False
+    return True
+
+
 def cached_record(name: str) -> dict[str, Any] | None:
     """The record an ended run left in the connected cluster's key-value store, if any."""
     try:

@@ -114,6 +114,7 @@ class Controller:
         self._model_decided = False  # run() has decided whether to write final_model.pt
         self._abandoned = False  # a second Ctrl-C: the record says failed (`abandon`)
         self._publish_lock = threading.Lock()  # one record write at a time, the newest last
+        self._cached = False  # this run's first record replaced an earlier run's in Ray's cache
         self.error: BaseException | None = None
         self.registry = RunRegistry(home)
         self.control = ControlServer(self.answer)
@@ -233,8 +234,11 @@ class Controller:
             except OSError as e:
                 logger.warning("cannot write the record of run %s to %s: %s", self.name,
                                self.registry.directory, e)
-            if is_terminal(record):
+            if is_terminal(record) or not self._cached:
+                # The first record too: it replaces the end an earlier run of this name
+                # left there (a resumed run that is then lost must not read as that end).
                 _cache_record(record)
+                self._cached = True
 
     def scale(self, num_workers: int) -> None:
         """Sets the target world size: a shrink applies after the step in flight, growth at
@@ -493,8 +497,9 @@ RECORD_KEY_PREFIX = "run-record:"
 
 
 def _cache_record(record: dict[str, Any]) -> None:
-    """Keeps an ended run's record in the cluster's key-value store too, for callers on other
-    hosts than the controller's (the index is a file on the controller's host)."""
+    """Keeps a run's first record and its end in the cluster's key-value store too, for
+    callers on other hosts than the controller's (the index is a file on the controller's
+    host); a live one found there without its controller is a lost run."""
     try:
         internal_kv._internal_kv_put(
             RECORD_KEY_PREFIX + record["name"], json.dumps(record), overwrite=True, namespace=NAMESPACE)

@@ -251,3 +251,59 @@ def test_a_launch_record_another_could_have_written_is_refused(tmp_path):
     os.chmod(run_dir, 0o777)
     with pytest.raises(ConfigError, match="writable by group or others"):
         read_launch(str(run_dir))
+
+
+def test_a_live_record_of_another_host_is_asked_of_the_cluster_and_lost_if_unknown(
+        tmp_path, monkeypatch):
+    # A run index on shared storage (NFS home, a head pod recreated under a new name): the
+    # record says running on node-a, whose cluster is gone. Before, `resume` refused it as
+    # "still running" and `stop` answered "not running": no way out but deleting the file.
+    import elastic.api as api
+    from elastic.actors import client
+    from elastic.errors import RunNotFoundError
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("ELASTIC_HOME", str(home))
+    _ended_run(home, tmp_path, "elsewhere", state="running")
+    registry = RunRegistry(str(home))
+    record = registry.read("elsewhere")
+    record.update(host="node-a", control="@elastic-gone")
+    registry.write(record)
+
+    def unknown(name, request):
+        raise RunNotFoundError(f"no run named {name!r} on this Ray cluster")
+
+    monkeypatch.setattr(client, "call", unknown)
+    monkeypatch.setattr(client, "connected", lambda: True)
+    assert api._refresh_anywhere(registry.read("elsewhere"))["state"] == "lost"
+    config = resume_config("elsewhere", api._refresh_anywhere(registry.read("elsewhere")), None)
+    assert config.name == "elsewhere"
+    # No cluster to ask: the run may be live where this host cannot see; nothing changes.
+    monkeypatch.setattr(client, "connected", lambda: False)
+    assert api._refresh_anywhere(registry.read("elsewhere"))["state"] == "running"
+    # The cluster knows it: its answer.
+    monkeypatch.setattr(client, "call", lambda name, request: {**record, "step": 30})
+    assert api._refresh_anywhere(registry.read("elsewhere"))["step"] == 30
+
+
+def test_a_run_cached_live_in_the_cluster_without_its_controller_reads_lost(tmp_path,
+                                                                            monkeypatch):
+    # Another host (no local record): a controller caches its first record, so that a
+    # resumed run that is then lost no longer reads as the end an earlier run left there.
+    import elastic
+    from elastic.actors import client
+    from elastic.errors import RunNotFoundError
+
+    monkeypatch.setenv("ELASTIC_HOME", str(tmp_path / "home"))
+
+    def unknown(name, request):
+        raise RunNotFoundError(f"no run named {name!r} on this Ray cluster")
+
+    cached = {"name": "r9", "state": "running", "step": 7, "run_dir": str(tmp_path / "gone"),
+              "workers": [{"rank": 0}], "started_at": 1.0}
+    monkeypatch.setattr(client, "call", unknown)
+    monkeypatch.setattr(client, "cached_record", lambda name: cached)
+    seen = elastic.status("r9")
+    assert seen["state"] == "lost" and seen["workers"] == [] and seen["step"] == 7
+    monkeypatch.setattr(client, "cached_record", lambda name: {**cached, "state": "stopped"})
+    assert elastic.status("r9")["state"] == "stopped"
