@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import platform
 import threading
@@ -47,6 +48,8 @@ from elastic.errors import (
     ConfigError,
 )
 from elastic.private import ensure_private_dir, write_private
+
+logger = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
 FORMAT_VERSION = 1
@@ -203,7 +206,23 @@ def write_checkpoint(root: str, step: int, parts: Mapping[str, bytes], meta: Map
         manifest = sign(manifest, key)
     _write_atomically(fs, f"{directory}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
     _fsync_dir(fs, directory)
+    _drop_stray_shards(fs, directory, files)
     return directory
+
+
+def _drop_stray_shards(fs: fsspec.AbstractFileSystem, directory: str,
+                       listed: Mapping[str, Any]) -> None:
+    """Once a checkpoint of a step is committed, the optimizer-state shards its manifest does
+    not list (left by an earlier write of that step that failed or was skipped after some
+    members wrote theirs): retention deletes whole step folders only, so they would stay as
+    long as the checkpoint. Best effort: a file that cannot be removed stays."""
+    try:
+        names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(directory, detail=False)]
+        for name in names:
+            if name.startswith("optimizer-shard-") and name not in listed:
+                fs.rm(f"{directory}/{name}")
+    except OSError as e:
+        logger.warning("cannot remove stray optimizer shards from %s: %s", directory, e)
 
 
 @dataclass

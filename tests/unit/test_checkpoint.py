@@ -331,7 +331,7 @@ def test_a_member_whose_shard_write_hangs_has_the_next_checkpoint_skipped_saying
     copies = []
     actor.replica = SimpleNamespace(
         global_step=7, check_committed=lambda: None,
-        shards=SimpleNamespace(rank=1, primary_states=lambda: copies.append(1) or {3: {}}))
+        shards=SimpleNamespace(rank=1, primary_states=lambda absent: copies.append(1) or {3: {}}))
     actor._compute = SimpleNamespace(run=lambda call: call())  # the step thread: here
     try:
         assert actor.checkpoint_shard("w1")["name"] == "optimizer-shard-00001-w1"

@@ -160,3 +160,22 @@ def test_the_step_folder_holds_the_owners_files(tmp_path):
     assert directory.endswith(step_dir_name(4))
     names = sorted(os.listdir(directory))
     assert names == sorted(["MANIFEST.json", "optimizer.pt", *(f"{n}.pt" for n in LAYOUT)])
+
+
+def test_shards_of_an_earlier_failed_write_of_the_step_go_once_it_commits(tmp_path):
+    # A first write of step 4 failed after two members wrote their shards (write id w1);
+    # a second (w2) commits the step: retention deletes whole step folders only, so w1's
+    # shards would stay as long as the checkpoint.
+    root = str(tmp_path / "ckpt")
+    for name in (shard_name(1, "w1"), shard_name(2, "w1")):
+        write_shard(root, 4, name, serialize(_state([1], 4)))
+    layout = {shard_name(0, "w2"): [0, 3], shard_name(1, "w2"): [1], shard_name(2, "w2"): [2, 4]}
+    entries = {f"{name}.pt": write_shard(root, 4, name, serialize(_state(ids, 4)))
+               for name, ids in layout.items() if name != shard_name(0, "w2")}
+    parts = {"optimizer": serialize(_optimizer()),
+             shard_name(0, "w2"): serialize(_state(layout[shard_name(0, "w2")], 4))}
+    directory = write_checkpoint(root, 4, parts, {"shards": layout}, key=KEY,
+                                 written=lambda: entries)
+    loaded = load_checkpoint(root, key=KEY)
+    assert loaded.step == 4 and sorted(loaded.parts["optimizer"]["state"]) == [0, 1, 2, 3, 4]
+    assert sorted(os.listdir(directory)) == sorted(["MANIFEST.json", *loaded.manifest["files"]])
