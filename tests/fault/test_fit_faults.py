@@ -128,7 +128,12 @@ def test_below_min_workers_without_capacity_in_time_fails_with_a_clear_error(ray
         elastic.fit(regression_job(), config)
 
 
-def test_below_min_workers_writes_a_final_checkpoint_that_a_new_run_resumes(ray_cluster, tmp_path):
+@pytest.mark.parametrize("stage", [0, 1])
+def test_below_min_workers_writes_a_final_checkpoint_that_a_new_run_resumes(ray_cluster, tmp_path,
+                                                                           stage):
+    # Stage 1: the survivor writes the dead owner's parts too (before, the dead member was
+    # asked for its shard and the final checkpoint was skipped).
+    from elastic.config import ShardingConfig
     from elastic.errors import InsufficientWorkersError
 
     ckpt = CheckpointConfig(path=str(tmp_path / "ckpt"))
@@ -137,6 +142,7 @@ def test_below_min_workers_writes_a_final_checkpoint_that_a_new_run_resumes(ray_
         scaling=ScalingConfig(num_workers=2, min_workers=2), max_steps=9, checkpoint=ckpt,
         batch=BatchConfig(global_batch_size=B), run_dir=str(tmp_path / "run"), chaos=chaos,
         failure=FailureConfig(capacity_timeout=timedelta(seconds=0.2)),
+        sharding=ShardingConfig(stage=stage),
     )
     with pytest.raises(InsufficientWorkersError):
         elastic.fit(regression_job(), config)
