@@ -73,11 +73,11 @@ class PublicOrder(torch.utils.data.Sampler):
     """elastic's public order, sample by sample: epoch e visits `randperm(N, seed + e)`, the
     last partial global batch dropped. Trainer iterates it once per epoch."""
 
-    def __init__(self, n: int, seed: int = 0) -> None:
-        self.n, self.seed, self.epoch = n, seed, 0
+    def __init__(self, n: int, seed: int = 0, batch: int = GLOBAL) -> None:
+        self.n, self.seed, self.epoch, self.batch = n, seed, 0, batch
 
     def __len__(self) -> int:
-        return self.n // GLOBAL * GLOBAL
+        return self.n // self.batch * self.batch
 
     def __iter__(self):
         epoch, self.epoch = self.epoch, self.epoch + 1
@@ -85,12 +85,14 @@ class PublicOrder(torch.utils.data.Sampler):
         return iter(perm[: len(self)].tolist())
 
 
-def public_order_trainer(args, train, evaluation):
+def public_order_trainer(args, train, evaluation, model_init=gpt2, compute_metrics=accuracy):
     from transformers import Trainer
+
+    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
 
     class _Trainer(Trainer):
         def _get_train_sampler(self, *_, **__):
-            return PublicOrder(len(train), args.seed)
+            return PublicOrder(len(train), args.seed, batch)
 
-    return _Trainer(model_init=gpt2, args=args, train_dataset=train, eval_dataset=evaluation,
-                    compute_metrics=accuracy)
+    return _Trainer(model_init=model_init, args=args, train_dataset=train,
+                    eval_dataset=evaluation, compute_metrics=compute_metrics)
