@@ -198,3 +198,20 @@ class CorruptSample(torch.utils.data.Dataset):
 
 def corrupt_job() -> TrainJob:
     return TrainJob(model=make_model, optimizer=make_optimizer, loss=mse, dataset=CorruptSample)
+
+
+def make_shuffled_dataset() -> TensorDataset:
+    """A data set whose factory draws from Python's and NumPy's generators (a shuffle of its
+    files, a split without a fixed seed), as user code often does."""
+    import random
+
+    import numpy as np
+
+    order = torch.from_numpy(np.random.permutation(64))
+    offset = random.random()
+    return TensorDataset(order.double().unsqueeze(1) + offset, order.double().unsqueeze(1))
+
+
+def shuffled_job() -> TrainJob:
+    return TrainJob(model=make_model, dataset=make_shuffled_dataset, loss=mse,
+                    optimizer=make_optimizer)

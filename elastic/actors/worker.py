@@ -117,6 +117,26 @@ def _shard_problem(answers: list[dict[str, Any] | None], step: int,
     return None
 
 
+_UNFINISHED = ("a member died while the parameters of a step were gathered: the parts a "
+               "rank does not own are not yet updated until the next generation forms")
+
+
+def _ranks_problem(answers: list[dict[str, Any] | None], shards: Any,
+                   absent: list[int]) -> str | None:
+    """Why the members that wrote shards, with the ranks `absent`, are not every rank of the
+    writer's generation (each part written by its first live owner needs them all), or
+    None. Before any generation formed every rank holds every part: nothing to check."""
+    world = shards.ownership.world_size if shards.ownership is not None else None
+    if world is None:
+        return None
+    ranks = [a.get("rank") for a in answers if a is not None] + [shards.rank, *absent]
+    if sorted(ranks) != list(range(world)) or any(
+            a.get("world") != world for a in answers if a is not None):
+        return ("the members that wrote shards are not the ranks of one generation (a "
+                "generation formed on some of them only): some parts would be in no shard")
+    return None
+
+
 def _shard_entries(peers: list[Any], names: list[str], write: str) -> dict[str, dict[str, Any]]:
     """On the writer's thread, before the manifest: each other member's shard of write
     `write` once it is on disk (file name -> manifest entry); `names`: the shard each of
@@ -444,6 +464,8 @@ class WorkerActor:
         step = replica.global_step
         self._writer.flush()
         busy = self._writer.busy_note()  # its previous write is past the limit, still running
+        if busy is None and replica.unfinished is not None:
+            busy = _UNFINISHED
         if busy is not None:
             return {"step": step, "busy": busy}
         name, state = shard_name(shards.rank, write), shards.primary_states(absent or ())
@@ -451,7 +473,9 @@ class WorkerActor:
             self._writer.submit_shard(step, write, (name, to_host(state, copy=True, pin=True)))
         else:
             self._writer.write_shard_now(step, write, (name, to_host(state)))
-        return {"step": step, "name": name, "ids": sorted(state)}
+        world = shards.ownership.world_size if shards.ownership is not None else None
+        return {"step": step, "name": name, "ids": sorted(state), "rank": shards.rank,
+                "world": world}
 
     def shard_entry(self, write: str) -> dict[str, Any]:
         """Any thread: once this member's shard of write `write` is on disk (waiting for it up
@@ -492,7 +516,9 @@ class WorkerActor:
             orphaned = self.replica.shards.orphaned(absent)
             problem = (f"every owner of parameter(s) {describe(orphaned)} died, so their "
                        "optimizer state is in no shard" if orphaned
-                       else _shard_problem(answers, step, {own_name: sorted(own)}))
+                       else _UNFINISHED if self.replica.unfinished is not None
+                       else _shard_problem(answers, step, {own_name: sorted(own)})
+                       or _ranks_problem(answers, self.replica.shards, absent))
             if problem is not None:
                 return {"submitted": False, "reports": self._reports(),
                         "note": f"{problem}; this checkpoint was skipped"}

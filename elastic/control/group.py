@@ -278,7 +278,10 @@ def form(ctx: Context, reason: str, leaving: Sequence[int] = ()) -> tuple[float,
             continue
         if src is None:  # half-updated members were replaced: form with the fresh ones
             continue
-        synced = ctx.workers.sync(ids, src, [ids.index(w) for w in leaving if w in ids])
+        handing = [ids.index(w) for w in leaving if w in ids]
+        if len(handing) == len(ids):  # those who were to take their parts died meanwhile
+            handing = []
+        synced = ctx.workers.sync(ids, src, handing)
         if not _formed(ctx, synced, "restoring"):
             continue
         cursor = synced.values[src]
@@ -292,7 +295,8 @@ def form(ctx: Context, reason: str, leaving: Sequence[int] = ()) -> tuple[float,
                       source_rank=src, step=ctx.step, transport=transport, workers=ids,
                       shard_copies=(min(sharding.replicas, len(ids)) if sharding.stage
                                     else None)))
-        replan(ctx, reason)
+        if reason != "hand_over":  # no step runs in that one: the departure's plans next
+            replan(ctx, reason)
         return rebuilt, restored
 
 
@@ -333,7 +337,7 @@ def _take_over(ctx: Context) -> bool:
     promoted, ctx.spares = ctx.spares[:max(1, target)], ctx.spares[max(1, target):]
     ctx.members.extend(promoted)
     ctx.log.emit(SparePromoted(worker_ids=[m.worker_id for m in promoted],
-                               world_size=len(promoted)))
+                               world_size=len(ctx.members)))
     return True
 
 

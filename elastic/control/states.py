@@ -788,6 +788,7 @@ class Machine:
     ctx: Context
     on_change: Callable[[RunState, State], None] = lambda previous, state: None
     state: State = field(default_factory=Starting)
+    _lost_between: dict[int, int] = field(default_factory=dict)  # step -> every member lost
 
     def run(self) -> State:
         """Steps until a terminal state; returns it."""
@@ -814,6 +815,15 @@ class Machine:
         ctx = self.ctx
         if isinstance(self.state, Starting) or not ctx.members:
             return Failed(error)
+        if not ctx.checkpoints.enabled and ctx.step > 0:
+            return Failed(WorkerLostError(
+                f"every worker was lost at step {ctx.step} and no checkpoint is available to "
+                "restore from; the run cannot continue", step=ctx.step))
+        self._lost_between[ctx.step] = self._lost_between.get(ctx.step, 0) + 1
+        if self._lost_between[ctx.step] > 1:  # the call itself kills them: no more tries
+            return Failed(WorkerLostError(
+                f"every worker died twice at step {ctx.step} while the controller asked them "
+                f"something between chunks ({error}); their logs say why", step=ctx.step))
         try:
             action = ctx.policy.decide(error)  # the losses are counted as they are dropped
         except ElasticError as e:

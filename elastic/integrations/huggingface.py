@@ -47,6 +47,7 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -64,6 +65,9 @@ SOURCE = "the Hugging Face TrainingArguments"
 SUPPORTED_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad",
                         "rmsprop")
 _TOKEN_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss", "ForTokenClassification")
+# transformers heads whose loss is a mean over samples (one label, or one span, per sample).
+_PER_SAMPLE_HEADS = ("ForSequenceClassification", "ForImageClassification",
+                     "ForAudioClassification", "ForMultipleChoice", "ForQuestionAnswering")
 
 
 def hf_job(model_init: Callable[[], Any], args: Any, train_dataset: Any, eval_dataset: Any = None,
@@ -185,11 +189,13 @@ class _HuggingFace:
         settings: dict[str, Any] = {"batch.global_batch_size": global_batch, "seed": int(args.seed)}
         if accumulate > 1:
             settings["batch.max_micro_batch"] = per_device
-            if not self.token_loss:
+            if not self.token_loss and not type(model).__name__.endswith(_PER_SAMPLE_HEADS):
                 # Trainer averages the losses of its accumulated batches of per_device samples
                 # (a model that takes no loss keyword arguments): one group each, every
                 # forward exactly one of them, weighted alike, gives that average whatever
-                # the loss is a mean over (samples or tokens) and whoever runs it.
+                # the loss is a mean over (samples or tokens) and whoever runs it. (A head
+                # whose loss is a mean over samples needs none: any split gives the average;
+                # groups would leave workers beyond the accumulation steps without a share.)
                 settings["batch.groups"] = "on"
                 settings["batch.group_size"] = per_device
         if args.max_steps > 0:
@@ -254,7 +260,9 @@ class _HuggingFace:
             # The model's own mean over its tokens (BERT's masked LM, T5): Trainer's update is
             # that mean over the whole batch, which a split into micro-batches would weigh
             # by samples; the same cross-entropy summed, over the tokens that count, is not.
-            return _token_sum(_loss_of(out), out["logits"], labels)
+            summed = _token_sum(_loss_of(out), out["logits"], labels)
+            if summed is not None:
+                return summed
         return _loss_of(out)
 
     def eval_step(self, model: Any, batch: Any) -> dict[str, tuple[Any, float]]:
@@ -296,7 +304,10 @@ def _eval_outputs(out: Any, has_labels: bool) -> tuple[Any, Any]:
     `prediction_step` takes them: from a mapping, "loss" and "logits"; from a tuple, the
     loss first when the batch has labels, the rest the predictions (one element: itself)."""
     if isinstance(out, Mapping):
-        return out.get("loss"), out.get("logits")
+        if "logits" in out:
+            return out.get("loss"), out["logits"]
+        rest = tuple(v for k, v in out.items() if k != "loss" and v is not None)
+        return out.get("loss"), rest[0] if len(rest) == 1 else rest
     items = tuple(out) if isinstance(out, (tuple, list)) else (out,)
     loss, rest = (items[0], items[1:]) if has_labels and len(items) > 1 else (None, items)
     return loss, rest[0] if len(rest) == 1 else rest
@@ -319,29 +330,45 @@ def _per_token(out: Any, labels: Any) -> bool:
             and tuple(logits.shape[:-1]) == tuple(labels.shape))
 
 
-def _token_sum(loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> LossSum:
+def _token_sum(loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> LossSum | None:
     """The cross-entropy of `logits` against `labels` summed over the tokens whose label is
-    not -100, and their count; checked against the model's own mean `loss`.
-
-    Raises:
-        ValueError: the model's loss is not that mean (a loss of its own making: weights,
-            smoothing, an extra term), which elastic cannot sum over tokens.
-    """
+    not -100, and their count, if the model's own mean `loss` is that mean (labels as they
+    are, or shifted by one as a causal LM takes them; with no token that counts, or a loss that
+    is not finite, the sum as it is); None otherwise (a loss of the model's own making:
+    weights, an extra term; or one not in float32), and the model's mean is trained as it is,
+    weighed by samples as before (a warning says so once)."""
+    if loss.dtype != torch.float32:
+        return None
     labels = labels.to(logits.device)
-    total = torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
-        reduction="sum")
-    count = labels.ne(-100).sum()
-    if int(count) and not torch.allclose(total.detach() / count, loss.detach().float(),
-                                         rtol=1e-3, atol=1e-5):
-        raise ValueError(
-            f"hf_job: the model's loss ({float(loss.detach()):.6g}) is not the mean cross-entropy "
-            f"of its logits over the labels that are not -100 ({float(total.detach() / count):.6g}), "
-            "so elastic "
-            "cannot sum it over tokens to weigh each micro-batch as Trainer weighs the whole "
-            "batch; set gradient_accumulation_steps above 1 (each accumulated batch is then one "
-            "group, as Trainer averages them), or return a LossSum from a TrainJob of your own")
-    return LossSum(total, count)
+    for shift in (0, 1):
+        here = logits[..., :-1, :] if shift else logits
+        target = labels[..., 1:] if shift else labels
+        count = target.ne(-100).sum()
+        total = torch.nn.functional.cross_entropy(
+            here.float().reshape(-1, here.shape[-1]), target.reshape(-1), ignore_index=-100,
+            reduction="sum")
+        if not int(count) or not bool(torch.isfinite(loss.detach())):
+            # Nothing to compare (no token counts: the model's mean is NaN; or the forward
+            # overflowed): the sum as it is, which the step's vote judges.
+            return LossSum(total, count)
+        if torch.allclose(total.detach() / count, loss.detach(), rtol=1e-4, atol=1e-6):
+            return LossSum(total, count)
+    _warn_once("hf_job: the model's loss is not the mean "
+               "cross-entropy of its logits over the labels that are not -100, as they are or "
+               "shifted; it is trained as a mean per sample, so a batch split across workers "
+               "weighs its tokens by how few share their micro-batch (Trainer: one mean over "
+               "the batch). Return an elastic.LossSum from a TrainJob of your own for the same "
+               "update at any split")
+    return None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def _accepts_loss_kwargs(model: Any) -> bool:

@@ -18,7 +18,7 @@ from elastic.config import DataConfig, FitConfig, TrainingConfig
 from elastic.errors import ConfigError
 from elastic.job import TrainJob
 from elastic.trainer.data import SampleOrder, steps_per_epoch
-from elastic.trainer.loader import Prefetcher
+from elastic.trainer.loader import Prefetcher, seed_others_from_torch
 from elastic.trainer.training import Training, build_extra_state, wants_model
 
 logger = logging.getLogger(__name__)
@@ -84,14 +84,15 @@ class BuiltData:
 
 
 def built_data(job: TrainJob, config: FitConfig) -> BuiltData:
-    """The job's data set, built under torch's current generator state (the loader processes
-    build it from that state too), checked.
+    """The job's data set, built under torch's current generator state and Python's and
+    NumPy's seeded from it (the loader processes build it from that state too), checked.
 
     Raises:
         ConfigError: not a map-style data set, loader processes for a Ray data set, fewer
             samples than one global batch, or a ledger over more than 2**24 samples.
     """
     rng_state = torch.get_rng_state()
+    seed_others_from_torch()  # Python's and NumPy's too: the same data set on every rank
     building = time.monotonic()
     dataset = job.dataset()
     built_in = time.monotonic() - building

@@ -37,6 +37,7 @@ blocks for the next ones).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import multiprocessing
 import os
@@ -105,6 +106,17 @@ def seed_generators(seed: int) -> None:
     np.random.seed(seed % (1 << 32))
 
 
+def seed_others_from_torch() -> None:
+    """Seeds Python's and NumPy's global generators from torch's current state (which is
+    left as it is), so that a data set factory that draws from them (a `random.shuffle` of
+    its files, a NumPy permutation, a split without a fixed seed) builds the same data set
+    on every rank and in every loader process, as one built under the same torch state does."""
+    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).digest()
+    seed = int.from_bytes(digest[:8], "little")
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+
+
 def generator_state() -> tuple[torch.Tensor, Any, Any]:
     """The CPU generators' state: torch's, Python's and NumPy's."""
     return torch.get_rng_state(), random.getstate(), np.random.get_state()
@@ -159,6 +171,7 @@ def _serve(conn: Connection, alive: Connection, job_bytes: bytes, rng_state: byt
     try:
         job = cloudpickle.loads(job_bytes)
         torch.set_rng_state(torch.frombuffer(bytearray(rng_state), dtype=torch.uint8))
+        seed_others_from_torch()
         dataset = job.dataset()
         collate = job.collate_fn or default_collate
     except Exception:

@@ -330,8 +330,9 @@ def test_a_member_whose_shard_write_hangs_has_the_next_checkpoint_skipped_saying
     actor.device, actor._writer = torch.device("cpu"), writer
     copies = []
     actor.replica = SimpleNamespace(
-        global_step=7, check_committed=lambda: None,
-        shards=SimpleNamespace(rank=1, primary_states=lambda absent: copies.append(1) or {3: {}}))
+        global_step=7, check_committed=lambda: None, unfinished=None,
+        shards=SimpleNamespace(rank=1, ownership=None,
+                               primary_states=lambda absent: copies.append(1) or {3: {}}))
     actor._compute = SimpleNamespace(run=lambda call: call())  # the step thread: here
     try:
         assert actor.checkpoint_shard("w1")["name"] == "optimizer-shard-00001-w1"
@@ -344,3 +345,35 @@ def test_a_member_whose_shard_write_hangs_has_the_next_checkpoint_skipped_saying
                                   "the write of step 7 has run")
     finally:
         storage.release()
+
+
+def test_a_sharded_checkpoint_is_skipped_mid_gather_and_when_ranks_are_missing(tmp_path):
+    # A member died while a step's parameters were gathered: the parts a rank does not own
+    # are a step behind until the next generation forms, so no shard and no manifest is
+    # written then (before the dead were left out, it was skipped only because they never
+    # answered). And the writers must be every rank of one generation.
+    from types import SimpleNamespace
+
+    from elastic.actors import worker as worker_module
+    from elastic.adapt.sharding import Ownership
+    from elastic.config import CheckpointConfig
+
+    actor = object.__new__(worker_module.WorkerActor.__ray_metadata__.modified_class)
+    actor.config = SimpleNamespace(checkpoint=CheckpointConfig(path=str(tmp_path)))
+    actor.device = torch.device("cpu")
+    actor._writer = CheckpointWriter(str(tmp_path), keep_last=5)
+    ownership = Ownership(owners=((0, 1), (1, 2), (2, 0)), world_size=3)
+    shards = SimpleNamespace(rank=1, ownership=ownership,
+                             primary_states=lambda absent: pytest.fail("copied"))
+    actor.replica = SimpleNamespace(global_step=7, check_committed=lambda: None,
+                                    unfinished=lambda: None, shards=shards)
+    actor._compute = SimpleNamespace(run=lambda call: call())
+    answer = actor.checkpoint_shard("w1", [0])
+    assert answer["step"] == 7 and "name" not in answer
+    assert "while the parameters of a step were gathered" in answer["busy"]
+    problem = worker_module._ranks_problem
+    two = [{"rank": 2, "world": 3}]
+    assert problem(two, shards, [0]) is None  # ranks 1 and 2 wrote, 0 is dead
+    assert "not the ranks of one generation" in problem(two, shards, [])  # 0 forgotten
+    assert "not the ranks of one generation" in problem([{"rank": 2, "world": 4}], shards, [0])
+    assert problem([], SimpleNamespace(rank=0, ownership=None), []) is None

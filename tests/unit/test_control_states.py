@@ -638,9 +638,9 @@ def test_a_loss_while_resizing_fails_the_run_past_max_failures(tmp_path):
     assert [e["why"] for e in _events(ctx, "worker_lost")] == ["lost while connecting"]
 
 
-def test_losing_every_member_while_finishing_recovers_and_without_a_checkpoint_fails(tmp_path):
-    # Every member lost between chunks is a failure like one in a chunk (Recovering): with
-    # no checkpoint and no member left to hold the state, the run cannot go on.
+def test_losing_every_member_while_finishing_without_a_checkpoint_fails_at_once(tmp_path):
+    # Every member lost between chunks is a failure like one in a chunk (Recovering, from a
+    # checkpoint): with none, nothing can hold the state and no replacement is started.
     sim = SimulatedWorkers(dataset_size=16000, capacity=4)
     real_call = sim.call
 
@@ -652,10 +652,11 @@ def test_losing_every_member_while_finishing_recovers_and_without_a_checkpoint_f
     sim.call = call
     end, ctx, _ = _run(tmp_path, sim=sim, steps=8)
     assert isinstance(end, Failed) and "no checkpoint is available" in str(end.error)
-    assert _states(ctx)[-3:] == [("running", "finishing"), ("finishing", "recovering"),
-                                 ("recovering", "failed")]
+    assert "every worker was lost at step 8" in str(end.error)
+    assert _states(ctx)[-2:] == [("running", "finishing"), ("finishing", "failed")]
     assert len(_events(ctx, "member_unreachable")) == 4
-    assert sorted(_events(ctx, "worker_failure")[0]["lost_workers"]) == [0, 1, 2, 3]
+    assert not _events(ctx, "worker_starting") or all(
+        e["reason"] != "replacement" for e in _events(ctx, "worker_starting"))
 
 
 def test_a_checkpoint_fingerprint_holds_the_group_size_once_groups_are_on(tmp_path):

@@ -388,7 +388,7 @@ def test_every_member_leaving_hands_the_state_to_ready_spares_without_a_checkpoi
     assert set(generations[i]["workers"]) > set(told) and len(generations[i]["workers"]) == 4
     assert generations[i + 1]["reason"] == "departure"
     assert not set(told) & set(generations[i + 1]["workers"])
-    assert _of(ctx, "spare_promoted")[0]["world_size"] == 2
+    assert _of(ctx, "spare_promoted")[0]["world_size"] == 4  # the hand-over's generation
     for kind in ("worker_failure", "restored_from_checkpoint"):
         assert kind not in _kinds(ctx)
     assert [m["step"] for m in ctx.log.metrics] == list(range(24))
@@ -536,3 +536,72 @@ def test_a_scale_down_with_sharded_state_hands_the_removed_members_parts_over_fi
     for kind in ("worker_failure", "restored_from_checkpoint", "shards_lost"):
         assert kind not in _kinds(ctx)
     assert [m["step"] for m in ctx.log.metrics] == list(range(24))
+
+
+def test_every_member_killed_twice_by_one_call_between_chunks_fails_instead_of_looping(
+        tmp_path):
+    # A call that kills whoever runs it (the final weights' copy out of host memory, say):
+    # recovering and asking again would loop for ever with max_failures None.
+    from elastic.config import CheckpointConfig
+
+    config = _config(tmp_path, world=2, steps=8,
+                     checkpoint=CheckpointConfig(path=str(tmp_path / "ck"), every_steps=4,
+                                                 sign=False))
+    holder = {}
+    sim = _DieAtFinalWrite(dataset_size=16000, capacity=4, start_delay_s=0.02)
+    real = sim.call
+
+    def call(worker_id, method, *args):
+        if method == "model_state":
+            sim.kill(worker_id)
+        return real(worker_id, method, *args)
+
+    sim.call = call
+    ctx = holder["ctx"] = Context(config, "sim", RunLog(str(tmp_path)), sim)
+    end = Machine(ctx).run()
+    assert isinstance(end, Failed) and "every worker died twice at step 8" in str(end.error)
+    assert len(_of(ctx, "worker_failure")) == 1  # one recovery, then the end
+
+
+def test_a_hand_over_whose_takers_died_forms_without_leavers_and_the_state_goes_on(tmp_path):
+    # The spares promoted to take the state died as the hand-over formed: the generation
+    # forms again of the leavers alone, who then hand nothing over (all of them leaving
+    # would leave no owner), and the departure goes on as with no spare.
+    from elastic.config import CheckpointConfig, ShardingConfig
+
+    config = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
+                       scaling=ScalingConfig(num_workers=2, min_workers=1, max_workers=2,
+                                             spares=1),
+                       batch=BatchConfig(global_batch_size=16, autotune=False),
+                       sharding=ShardingConfig(stage=1),
+                       checkpoint=CheckpointConfig(path=str(tmp_path / "ck"), every_steps=100,
+                                                   sign=False))
+    holder, told = {}, []
+
+    def before(step, ctx, sim):
+        if step >= 8 and ctx.spares and not told:
+            told.extend(ctx.ids())
+            for worker_id in told:
+                _tell(ctx, sim, worker_id, source="ray_drain")
+            sim.doomed_spare = ctx.spares[0].worker_id
+
+    sim = _DieAtFinalWrite(dataset_size=16000, capacity=6, start_delay_s=0.02,
+                           before_chunk=lambda step: before(step, holder["ctx"], sim))
+    connect = sim.connect
+
+    def dying_connect(ids, generation):
+        doomed = getattr(sim, "doomed_spare", None)
+        if doomed in ids:
+            sim.workers[doomed].alive = False
+            sim.doomed_spare = None
+        return connect(ids, generation)
+
+    sim.connect = dying_connect
+    ctx = holder["ctx"] = Context(config, "sim", RunLog(str(tmp_path)), sim)
+    end = Machine(ctx).run()
+    assert isinstance(end, Finished), end
+    # The spare was lost connecting; the leavers formed alone and handed nothing over
+    # (before, every rank was told to hand its parts over: the workers' map raised).
+    assert [e["why"] for e in _of(ctx, "worker_lost")] == ["lost while connecting"]
+    assert sim.handed_over == []
+    assert _of(ctx, "planned_departure")

@@ -120,7 +120,7 @@ def test_a_models_own_token_mean_is_summed_over_tokens_so_any_split_gives_traine
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_a_loss_that_is_not_the_token_cross_entropy_is_refused_at_the_first_step(tmp_path):
+def test_a_loss_that_is_not_the_token_cross_entropy_is_trained_as_before_with_a_warning(tmp_path):
     class Weighted(torch.nn.Module):  # a token loss of its own making (class weights)
         def __init__(self):
             super().__init__()
@@ -137,8 +137,41 @@ def test_a_loss_that_is_not_the_token_cross_entropy_is_refused_at_the_first_step
                  hf_setup.Tokens(8, 1))
     data = hf_setup.Tokens(8, 1)
     batch = job.collate_fn([data[i] for i in range(4)])
-    with pytest.raises(ValueError, match="is not the mean cross-entropy of its logits"):
-        job.loss(job.model(), batch)
+    model = job.model()
+    with pytest.warns(UserWarning, match="is not the mean cross-entropy of its logits"):
+        out = job.loss(model, batch)  # trained as before, as a mean per sample
+    torch.testing.assert_close(out, model(**batch)["loss"])
+
+
+def test_a_shifted_causal_lm_that_takes_no_loss_kwargs_is_summed_over_its_shifted_tokens(
+        tmp_path):
+    # Vision-language LMs (Qwen2.5-VL, Gemma 4) set accepts_loss_kwargs = False: their own
+    # loss is a causal LM's token mean, over the labels shifted by one.
+    class Causal(torch.nn.Module):
+        accepts_loss_kwargs = False
+
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(hf_setup.VOCAB, hf_setup.VOCAB)
+
+        def forward(self, input_ids, labels=None):
+            logits = self.embed(input_ids)
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, hf_setup.VOCAB), labels[:, 1:].reshape(-1))
+            return {"loss": loss, "logits": logits}
+
+    job = hf_job(Causal, hf_setup.arguments(str(tmp_path), gradient_accumulation_steps=1),
+                 hf_setup.Tokens(8, 1))
+    data = hf_setup.Tokens(8, 1, varied=True)
+    batch = job.collate_fn([data[i] for i in range(4)])
+    model = job.model()
+    out = job.loss(model, batch)
+    assert int(out.count) == int(batch["labels"][:, 1:].ne(-100).sum())
+    torch.testing.assert_close(out.total / out.count, model(**batch)["loss"])
+    # A micro-batch without a token that counts: nothing to compare, nothing to add.
+    masked = {**batch, "labels": torch.full_like(batch["labels"], -100)}
+    empty = job.loss(model, masked)
+    assert int(empty.count) == 0 and float(empty.total.detach()) == 0.0
 
 
 def test_a_generic_token_classifier_is_trained_on_its_mean_which_ignores_the_item_count(

@@ -419,3 +419,38 @@ def test_a_batch_page_locked_memory_has_no_room_for_is_used_unpinned_and_said_on
         assert loader_module.pin_batch(batch) is batch
     said = [r for r in caplog.records if "could not be pinned" in r.getMessage()]
     assert len(said) == 1 and "out of memory" in said[0].getMessage()
+
+
+def test_a_data_set_drawn_from_python_and_numpy_is_the_same_on_every_rank_and_loader(
+        prefetcher):
+    # Python's and NumPy's generators differ from process to process: a factory that draws
+    # from them built another data set on each rank (index i, another sample on each: some
+    # samples twice, some never) and in each loader process. Now they are seeded from torch's
+    # state, which every rank builds the data set under.
+    import random
+
+    import numpy as np
+
+    from elastic import BatchConfig, FitConfig, ScalingConfig
+    from elastic.trainer.build import built_data
+
+    job = jobs.shuffled_job()
+    config = FitConfig(scaling=ScalingConfig(num_workers=2), max_steps=4,
+                       batch=BatchConfig(global_batch_size=16))
+    built = []
+    for other in (1, 2):
+        torch.manual_seed(SEED)
+        random.seed(other)
+        np.random.seed(other)
+        built.append(built_data(job, config).dataset.tensors)
+    assert all(torch.equal(a, b) for a, b in zip(*built, strict=True))
+    torch.manual_seed(SEED)
+    random.seed(3)
+    np.random.seed(3)
+    loader = prefetcher(job, workers=1)  # built under the worker's torch state
+    here = built_data(job, config).dataset
+    piece = Piece(0, 5, (3, 40, 7))
+    loader.want([piece])
+    batch, _ = loader.take(piece)
+    expected = load_piece(here, default_collate, piece.indices, piece.seed)
+    assert all(torch.equal(a, b) for a, b in zip(batch, expected, strict=True))
