@@ -390,7 +390,8 @@ def resume(
     max_steps: Annotated[int | None, typer.Option(
         min=1, help="Train to this step instead (max_steps; to train longer).")] = None,
     force: Annotated[bool, typer.Option(
-        help="Resume although the target's file changed since the run started.")] = False,
+        help="Resume although the target's file changed since the run started, or its "
+             "record says it runs on a Ray cluster this process cannot reach (gone).")] = False,
     debug: Annotated[bool, typer.Option(help="Show tracebacks.")] = False,
 ) -> None:
     """Start a lost, failed or stopped run again from its newest checkpoint, with the target

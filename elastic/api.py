@@ -253,10 +253,11 @@ def _refresh(record: dict[str, Any]) -> dict[str, Any]:
         return again if is_terminal(again) else mark_lost(again)
 
 
-def _refresh_anywhere(record: dict[str, Any]) -> dict[str, Any]:
+def _refresh_anywhere(record: dict[str, Any], force: bool = False) -> dict[str, Any]:
     """As `_refresh`, and a live record of another host (a run index on shared storage) is
-    asked of the connected Ray cluster: lost when the cluster does not know the run. With no
-    cluster to ask, the record as it is (the run may be live where this host cannot see)."""
+    asked of the connected Ray cluster: lost when it is the run's cluster and does not know
+    the run. A run of another cluster, or with no cluster to ask, stays as it is (it may be
+    live where this host cannot see), unless `force` (its cluster is known to be gone)."""
     if is_terminal(record) or _local(record) or record.get("state") == LOST:
         return _refresh(record)
     from elastic.actors import client
@@ -264,7 +265,8 @@ def _refresh_anywhere(record: dict[str, Any]) -> dict[str, Any]:
     try:
         return client.call(record["name"], Status())
     except RunNotFoundError:
-        if not client.connected():
+        here = client.cluster_address()
+        if not force and (here is None or record.get("cluster") != here):
             return record
         again = RunRegistry().read(record["name"]) or record
         return again if is_terminal(again) else mark_lost(again)
@@ -318,7 +320,8 @@ def resume(name: str, job: TrainJob | None = None, *, num_workers: int | None = 
         num_workers: another world size (the run's bounds widen to take it).
         detach: start it detached (as `start`) and return its name; else run it attached (as
             `fit`) and return its `FitResult`.
-        force: resume although the target's file changed since the run started.
+        force: resume although the target's file changed since the run started, or its
+            record says it runs on a Ray cluster this process cannot reach (gone).
         overrides: dotted FitConfig fields to change (`{"logging.progress": "lines"}`).
 
     Raises:
@@ -333,7 +336,12 @@ def resume(name: str, job: TrainJob | None = None, *, num_workers: int | None = 
     if record is None:
         raise RunNotFoundError(f"no run named {name!r} in the run index "
                                f"({RunRegistry().directory})")
-    record = _refresh_anywhere(record)
+    record = _refresh_anywhere(record, force)
+    if not is_terminal(record) and record.get("state") != LOST and not _local(record):
+        raise ConfigError(
+            f"run {name!r} is recorded {record['state']} on host {record.get('host')} (Ray "
+            f"cluster {record.get('cluster')}), which this process cannot reach: stop it there, "
+            "or, if that cluster is gone, resume with --force (force=True)")
     launch = read_launch(record["run_dir"])
     config = resume_config(name, record, launch, num_workers, overrides)
     if job is None:

@@ -403,14 +403,14 @@ def call(name: str, request: Request) -> Any:
         raise
 
 
-def connected() -> bool:
-    """Whether this process is connected to a Ray cluster, or can connect to a running one
-    (never starts one)."""
+def cluster_address() -> str | None:
+    """The GCS address of the Ray cluster this process is connected to, or can connect to
+    (never starts one); None without one."""
     try:
         ensure_ray(start=False)
+        return ray.get_runtime_context().gcs_address
     except ConnectionError:
-        return False
-    return True
+        return None
 
 
 def cached_record(name: str) -> dict[str, Any] | None:

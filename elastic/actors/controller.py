@@ -108,6 +108,7 @@ class Controller:
         # channel; `home` is the starting process's ELASTIC_HOME, if it set one.
         self.detached = detached
         self.started_at = time.time()
+        self.cluster = _cluster_address()
         self.ended_at: float | None = None
         self._ended = False  # run() has written everything the run leaves behind
         self._interrupted = False  # stopped by a Ctrl-C of an attached run's caller (`interrupt`)
@@ -197,7 +198,7 @@ class Controller:
                 spare_workers=len(spares), spares=() if abandoned else tuple(
                     SpareWorker(worker_id=m.worker_id, pid=m.pid, node_id=m.node_id)
                     for m in spares),
-                resumed_from=ctx.checkpoints.resumed,
+                resumed_from=ctx.checkpoints.resumed, cluster=self.cluster,
             )
 
     def answer(self, request: Request) -> Any:
@@ -494,6 +495,14 @@ def draining_nodes() -> dict[str, float | None]:
 
 
 RECORD_KEY_PREFIX = "run-record:"
+
+
+def _cluster_address() -> str | None:
+    """The connected Ray cluster's GCS address (None if Ray cannot say)."""
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # an identity for records only: never fail a run over it
+        return None
 
 
 def _cache_record(record: dict[str, Any]) -> None:

@@ -75,6 +75,8 @@ class RunStatus:
         spares: those spares.
         resumed_from: the checkpoint the run resumed from at its start ({"step", "run",
             "path"}; None: it started fresh).
+        cluster: the address of the Ray cluster the controller runs on (its GCS), by which
+            another host tells a run that is lost from one live on a cluster it cannot see.
     """
 
     name: str
@@ -106,6 +108,7 @@ class RunStatus:
     spare_workers: int = 0
     spares: tuple[SpareWorker, ...] = ()
     resumed_from: dict[str, Any] | None = None
+    cluster: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The record: a plain dict whose sequences are lists, as `elastic.status` returns it

@@ -28,7 +28,7 @@ RECORD_KEYS = (
     "global_batch_size", "shares", "micro_batches", "starting_workers", "joining_workers",
     "failures", "workers", "run_dir", "started_at", "ended_at", "last_loss", "detached",
     "error_type", "error_message", "host", "pid", "control", "updated_at", "preemptions",
-    "spare_workers", "spares", "resumed_from",
+    "spare_workers", "spares", "resumed_from", "cluster",
 )
 
 

@@ -256,8 +256,8 @@ def test_a_launch_record_another_could_have_written_is_refused(tmp_path):
 def test_a_live_record_of_another_host_is_asked_of_the_cluster_and_lost_if_unknown(
         tmp_path, monkeypatch):
     # A run index on shared storage (NFS home, a head pod recreated under a new name): the
-    # record says running on node-a, whose cluster is gone. Before, `resume` refused it as
-    # "still running" and `stop` answered "not running": no way out but deleting the file.
+    # record says running on node-a. Before, `resume` refused it as "still running" while
+    # `stop` answered "not running": no way out but deleting the file.
     import elastic.api as api
     from elastic.actors import client
     from elastic.errors import RunNotFoundError
@@ -267,20 +267,26 @@ def test_a_live_record_of_another_host_is_asked_of_the_cluster_and_lost_if_unkno
     _ended_run(home, tmp_path, "elsewhere", state="running")
     registry = RunRegistry(str(home))
     record = registry.read("elsewhere")
-    record.update(host="node-a", control="@elastic-gone")
+    record.update(host="node-a", control="@elastic-gone", cluster="10.0.0.1:6379")
     registry.write(record)
 
     def unknown(name, request):
         raise RunNotFoundError(f"no run named {name!r} on this Ray cluster")
 
     monkeypatch.setattr(client, "call", unknown)
-    monkeypatch.setattr(client, "connected", lambda: True)
-    assert api._refresh_anywhere(registry.read("elsewhere"))["state"] == "lost"
-    config = resume_config("elsewhere", api._refresh_anywhere(registry.read("elsewhere")), None)
-    assert config.name == "elsewhere"
-    # No cluster to ask: the run may be live where this host cannot see; nothing changes.
-    monkeypatch.setattr(client, "connected", lambda: False)
-    assert api._refresh_anywhere(registry.read("elsewhere"))["state"] == "running"
+    # Its own cluster does not know it: lost, and resumed.
+    monkeypatch.setattr(client, "cluster_address", lambda: "10.0.0.1:6379")
+    refreshed = api._refresh_anywhere(registry.read("elsewhere"))
+    assert refreshed["state"] == "lost"
+    assert resume_config("elsewhere", refreshed, None).name == "elsewhere"
+    # Another cluster, or none to ask: it may be live where this host cannot see. Nothing
+    # changes, and resume says what to do; --force takes its cluster for gone.
+    for here in ("10.9.9.9:6379", None):
+        monkeypatch.setattr(client, "cluster_address", lambda here=here: here)
+        assert api._refresh_anywhere(registry.read("elsewhere"))["state"] == "running"
+        with pytest.raises(ConfigError, match=r"recorded running on host node-a .*--force"):
+            elastic.resume("elsewhere")
+        assert api._refresh_anywhere(registry.read("elsewhere"), force=True)["state"] == "lost"
     # The cluster knows it: its answer.
     monkeypatch.setattr(client, "call", lambda name, request: {**record, "step": 30})
     assert api._refresh_anywhere(registry.read("elsewhere"))["step"] == 30
