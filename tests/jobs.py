@@ -215,3 +215,31 @@ def make_shuffled_dataset() -> TensorDataset:
 def shuffled_job() -> TrainJob:
     return TrainJob(model=make_model, dataset=make_shuffled_dataset, loss=mse,
                     optimizer=make_optimizer)
+
+
+def _unreadable():
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None:  # the worker (here: the test's process)
+        raise OSError("no file descriptors left")
+    return Unreadable()
+
+
+class Unreadable:
+    """Pickles in a loader process; cannot be unpickled in the worker that reads the reply."""
+
+    def __reduce__(self):
+        return (_unreadable, ())
+
+
+class UnreadableSamples(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i):
+        return Unreadable()
+
+
+def unreadable_job() -> TrainJob:
+    return TrainJob(model=make_model, dataset=UnreadableSamples, loss=mse,
+                    optimizer=make_optimizer, collate_fn=list)

@@ -339,7 +339,9 @@ class Prefetcher:
                 if piece in self._bury(loader):
                     raise LoadError(
                         f"a loader process of this worker died (killed, or crashed in native "
-                        f"code) while reading step {piece.step}'s samples; it was restarted")
+                        f"code) while reading step {piece.step}'s samples, or sent them in a "
+                        f"form this process could not read back; it was restarted and this "
+                        f"worker reads them itself")
         del self._wanted[piece]
         ok, value, state = self._ready.pop(piece)
         if self._pinner is not None:
@@ -396,7 +398,13 @@ class Prefetcher:
                 # left), the loader is replaced and the piece asked again, never shifted onto
                 # the next reply.
                 piece = loader.asked.popleft()
-                reply = ForkingPickler.loads(message)
+                try:
+                    reply = ForkingPickler.loads(message)
+                except Exception:
+                    # Lost with the loader (`_bury`): the worker reads it itself, so that a
+                    # reply that can never be read does not respawn loaders for ever.
+                    loader.asked.appendleft(piece)
+                    raise
                 if piece in self._wanted:
                     ok, value, state = reply
                     if ok and self._pinner is not None:
