@@ -253,23 +253,26 @@ def _refresh(record: dict[str, Any]) -> dict[str, Any]:
         return again if is_terminal(again) else mark_lost(again)
 
 
-def _refresh_anywhere(record: dict[str, Any], force: bool = False) -> dict[str, Any]:
+def _refresh_anywhere(record: dict[str, Any],
+                      force: bool = False) -> tuple[dict[str, Any], bool]:
     """As `_refresh`, and a live record of another host (a run index on shared storage) is
-    asked of the connected Ray cluster: lost when it is the run's cluster and does not know
-    the run. A run of another cluster, or with no cluster to ask, stays as it is (it may be
-    live where this host cannot see), unless `force` (its cluster is known to be gone)."""
+    asked of the connected Ray cluster: lost when the cluster does not know the run and is
+    its own (the one its record names; a record of an older version names none). Returns
+    the record and whether it could not be verified: a run of another cluster, or with no
+    cluster to ask, may be live where this host cannot see, and stays as it is, unless
+    `force` (its cluster is known to be gone)."""
     if is_terminal(record) or _local(record) or record.get("state") == LOST:
-        return _refresh(record)
+        return _refresh(record), False
     from elastic.actors import client
 
     try:
-        return client.call(record["name"], Status())
+        return client.call(record["name"], Status()), False
     except RunNotFoundError:
-        here = client.cluster_address()
-        if not force and (here is None or record.get("cluster") != here):
-            return record
+        here, theirs = client.cluster_address(), record.get("cluster")
+        if not force and (here is None or (theirs is not None and theirs != here)):
+            return record, True
         again = RunRegistry().read(record["name"]) or record
-        return again if is_terminal(again) else mark_lost(again)
+        return (again if is_terminal(again) else mark_lost(again)), False
 
 
 def _from_record(record: dict[str, Any], request: Request) -> Any:
@@ -300,7 +303,7 @@ def record_launch(name: str, run_dir: str, target: str) -> None:
 
     record = RunRegistry().read(name)
     if record is not None and not is_terminal(record) and record.get("state") != LOST:
-        record = _refresh_anywhere(record)
+        record, _ = _refresh_anywhere(record)
         if not is_terminal(record) and record.get("state") != LOST:
             raise ConfigError(f"a run named {name!r} is already {record['state']}; choose "
                               "another --name")
@@ -336,8 +339,8 @@ def resume(name: str, job: TrainJob | None = None, *, num_workers: int | None = 
     if record is None:
         raise RunNotFoundError(f"no run named {name!r} in the run index "
                                f"({RunRegistry().directory})")
-    record = _refresh_anywhere(record, force)
-    if not is_terminal(record) and record.get("state") != LOST and not _local(record):
+    record, unverified = _refresh_anywhere(record, force)
+    if unverified:
         raise ConfigError(
             f"run {name!r} is recorded {record['state']} on host {record.get('host')} (Ray "
             f"cluster {record.get('cluster')}), which this process cannot reach: stop it there, "

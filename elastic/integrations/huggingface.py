@@ -19,10 +19,11 @@ What is taken from where:
   accumulated batches; the result does not depend on how the batch is split. A model that
   computes its own mean: with gradient accumulation, each accumulated batch of
   `per_device_train_batch_size` samples is one group (`batch.groups`), run in one forward
-  and weighted alike, as `Trainer` averages them; without, a mean over tokens (labels with
-  one class per token: BERT's masked LM, T5, token classification) is trained as the
-  cross-entropy summed over the tokens that count (checked against the model's own loss),
-  and any other loss as a per-sample mean.
+  and weighted alike, as `Trainer` averages them (per-sample heads need no groups); without,
+  a mean over tokens (labels with one class per token: BERT's masked LM, T5, token
+  classification, causal LMs that take no loss keyword arguments) is trained as the
+  cross-entropy summed over the tokens that count, shifted or not as the model's own loss
+  says (read once), and any other loss as a per-sample mean, with a warning.
 - `max_grad_norm` (clipping), `bf16`/`fp16`, `seed`, `num_train_epochs`/`max_steps`,
   `eval_strategy`/`eval_steps`, `per_device_eval_batch_size` become the job's `settings`.
 - Evaluation (with `eval_dataset` and an `eval_strategy` other than "no"): the model's loss
@@ -159,6 +160,10 @@ class _HuggingFace:
         self.columns: tuple[str, ...] | None = None
         self.token_loss, self.shifts = False, False
         self.steps = 0
+        # How this process trains a model's own mean over tokens (`_token_form`): decided on
+        # the first micro-batch that can tell, then kept, so that every micro-batch of a
+        # step (and every rank: one model) returns the same form.
+        self.form: str | None = None
 
     def inspect(self) -> dict[str, Any]:
         """Reads the model (built on the meta device where it can be) and the arguments:
@@ -260,9 +265,12 @@ class _HuggingFace:
             # The model's own mean over its tokens (BERT's masked LM, T5): Trainer's update is
             # that mean over the whole batch, which a split into micro-batches would weigh
             # by samples; the same cross-entropy summed, over the tokens that count, is not.
-            summed = _token_sum(_loss_of(out), out["logits"], labels)
-            if summed is not None:
-                return summed
+            loss, logits = _loss_of(out), out["logits"]
+            if self.form is None:
+                self.form = _token_form(loss, logits, labels)
+            if self.form == "mean":
+                return loss if bool(labels.ne(-100).any()) else logits.sum() * 0.0
+            return _token_sum(logits, labels, 1 if self.form == "shifted" else 0)
         return _loss_of(out)
 
     def eval_step(self, model: Any, batch: Any) -> dict[str, tuple[Any, float]]:
@@ -330,36 +338,45 @@ def _per_token(out: Any, labels: Any) -> bool:
             and tuple(logits.shape[:-1]) == tuple(labels.shape))
 
 
-def _token_sum(loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> LossSum | None:
-    """The cross-entropy of `logits` against `labels` summed over the tokens whose label is
-    not -100, and their count, if the model's own mean `loss` is that mean (labels as they
-    are, or shifted by one as a causal LM takes them; with no token that counts, or a loss that
-    is not finite, the sum as it is); None otherwise (a loss of the model's own making:
-    weights, an extra term; or one not in float32), and the model's mean is trained as it is,
-    weighed by samples as before (a warning says so once)."""
-    if loss.dtype != torch.float32:
-        return None
+def _token_sum(logits: torch.Tensor, labels: torch.Tensor, shift: int) -> LossSum:
+    """The cross-entropy of `logits` against `labels` (shifted by `shift`, as a causal LM
+    takes them) summed over the tokens whose label is not -100, and their count."""
     labels = labels.to(logits.device)
-    for shift in (0, 1):
-        here = logits[..., :-1, :] if shift else logits
-        target = labels[..., 1:] if shift else labels
-        count = target.ne(-100).sum()
-        total = torch.nn.functional.cross_entropy(
-            here.float().reshape(-1, here.shape[-1]), target.reshape(-1), ignore_index=-100,
-            reduction="sum")
-        if not int(count) or not bool(torch.isfinite(loss.detach())):
-            # Nothing to compare (no token counts: the model's mean is NaN; or the forward
-            # overflowed): the sum as it is, which the step's vote judges.
-            return LossSum(total, count)
-        if torch.allclose(total.detach() / count, loss.detach(), rtol=1e-4, atol=1e-6):
-            return LossSum(total, count)
-    _warn_once("hf_job: the model's loss is not the mean "
-               "cross-entropy of its logits over the labels that are not -100, as they are or "
-               "shifted; it is trained as a mean per sample, so a batch split across workers "
-               "weighs its tokens by how few share their micro-batch (Trainer: one mean over "
-               "the batch). Return an elastic.LossSum from a TrainJob of your own for the same "
-               "update at any split")
-    return None
+    here = logits[..., :-1, :] if shift else logits
+    target = labels[..., 1:] if shift else labels
+    total = torch.nn.functional.cross_entropy(
+        here.float().reshape(-1, here.shape[-1]), target.reshape(-1), ignore_index=-100,
+        reduction="sum")
+    return LossSum(total, target.ne(-100).sum())
+
+
+def _token_form(loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> str | None:
+    """Which token cross-entropy the model's own mean `loss` is: "plain" (labels as they are),
+    "shifted" (by one, as a causal LM takes them), the closer of the two within 1e-4; "mean"
+    when neither (a loss of the model's own making: weights, an extra term; or not in float32
+    or float64), trained as it is, weighed by samples (a warning says so once); None when
+    this micro-batch cannot tell (no token counts, or the loss is not finite)."""
+    if loss.dtype not in (torch.float32, torch.float64):
+        return "mean"
+    if not bool(torch.isfinite(loss.detach())):
+        return None
+    gaps = {}
+    for form, shift in (("plain", 0), ("shifted", 1)):
+        summed = _token_sum(logits.detach(), labels, shift)
+        if int(summed.count):
+            mean = summed.total / summed.count
+            if torch.allclose(mean, loss.detach().to(mean.dtype), rtol=1e-4, atol=1e-6):
+                gaps[form] = float((mean - loss.detach()).abs())
+    if gaps:
+        return min(gaps, key=gaps.get)
+    if not bool(labels.ne(-100).any()):
+        return None
+    _warn_once("hf_job: the model's loss is not the mean cross-entropy of its logits over the "
+               "labels that are not -100, as they are or shifted; it is trained as a mean per "
+               "sample, so a batch split across workers weighs its tokens by how few share "
+               "their micro-batch (Trainer: one mean over the batch). Return an "
+               "elastic.LossSum from a TrainJob of your own for the same update at any split")
+    return "mean"
 
 
 _WARNED: set[str] = set()

@@ -339,9 +339,7 @@ class Prefetcher:
                 if piece in self._bury(loader):
                     raise LoadError(
                         f"a loader process of this worker died (killed, or crashed in native "
-                        f"code) while reading step {piece.step}'s samples, or sent them in a "
-                        f"form this process could not read back; it was restarted and this "
-                        f"worker reads them itself")
+                        f"code) while reading step {piece.step}'s samples; it was restarted")
         del self._wanted[piece]
         ok, value, state = self._ready.pop(piece)
         if self._pinner is not None:
@@ -394,17 +392,18 @@ class Prefetcher:
                         return False  # not a loader of this protocol: treated as dead
                     loader.started = True
                     continue
-                # Popped before unpickling: if that fails (no file descriptors or /dev/shm
-                # left), the loader is replaced and the piece asked again, never shifted onto
-                # the next reply.
+                # Popped before unpickling: a reply is never shifted onto the next piece.
                 piece = loader.asked.popleft()
                 try:
                     reply = ForkingPickler.loads(message)
                 except Exception:
-                    # Lost with the loader (`_bury`): the worker reads it itself, so that a
-                    # reply that can never be read does not respawn loaders for ever.
-                    loader.asked.appendleft(piece)
-                    raise
+                    # A whole message that cannot be read back here (no file descriptors or
+                    # /dev/shm left, a __reduce__ that fails in this process): that piece is
+                    # lost for good and the worker reads it itself (asked again, it could fail
+                    # again and again); the loader and its next replies are fine.
+                    if self._wanted.pop(piece, None) is not None:
+                        self._lost.add(piece)
+                    continue
                 if piece in self._wanted:
                     ok, value, state = reply
                     if ok and self._pinner is not None:

@@ -138,9 +138,16 @@ def test_a_loss_that_is_not_the_token_cross_entropy_is_trained_as_before_with_a_
     data = hf_setup.Tokens(8, 1)
     batch = job.collate_fn([data[i] for i in range(4)])
     model = job.model()
+    from elastic.integrations import huggingface
+
+    huggingface._WARNED.clear()  # once per process: whichever test warned first
     with pytest.warns(UserWarning, match="is not the mean cross-entropy of its logits"):
         out = job.loss(model, batch)  # trained as before, as a mean per sample
     torch.testing.assert_close(out, model(**batch)["loss"])
+    # Decided once: a micro-batch without a token that counts is a zero of the same form.
+    masked = {**batch, "labels": torch.full_like(batch["labels"], -100)}
+    empty = job.loss(model, masked)
+    assert not isinstance(empty, LossSum) and float(empty.detach()) == 0.0
 
 
 def test_a_shifted_causal_lm_that_takes_no_loss_kwargs_is_summed_over_its_shifted_tokens(

@@ -276,20 +276,28 @@ def test_a_live_record_of_another_host_is_asked_of_the_cluster_and_lost_if_unkno
     monkeypatch.setattr(client, "call", unknown)
     # Its own cluster does not know it: lost, and resumed.
     monkeypatch.setattr(client, "cluster_address", lambda: "10.0.0.1:6379")
-    refreshed = api._refresh_anywhere(registry.read("elsewhere"))
-    assert refreshed["state"] == "lost"
+    refreshed, unverified = api._refresh_anywhere(registry.read("elsewhere"))
+    assert refreshed["state"] == "lost" and not unverified
     assert resume_config("elsewhere", refreshed, None).name == "elsewhere"
     # Another cluster, or none to ask: it may be live where this host cannot see. Nothing
     # changes, and resume says what to do; --force takes its cluster for gone.
     for here in ("10.9.9.9:6379", None):
         monkeypatch.setattr(client, "cluster_address", lambda here=here: here)
-        assert api._refresh_anywhere(registry.read("elsewhere"))["state"] == "running"
+        assert api._refresh_anywhere(registry.read("elsewhere")) == (
+            registry.read("elsewhere"), True)
         with pytest.raises(ConfigError, match=r"recorded running on host node-a .*--force"):
             elastic.resume("elsewhere")
-        assert api._refresh_anywhere(registry.read("elsewhere"), force=True)["state"] == "lost"
-    # The cluster knows it: its answer.
+        forced, _ = api._refresh_anywhere(registry.read("elsewhere"), force=True)
+        assert forced["state"] == "lost"
+    # A record of an older version names no cluster: lost when a cluster does not know it.
+    monkeypatch.setattr(client, "cluster_address", lambda: "10.9.9.9:6379")
+    older = {k: v for k, v in registry.read("elsewhere").items() if k != "cluster"}
+    assert api._refresh_anywhere(older)[0]["state"] == "lost"
+    # The cluster knows it: its answer, and resume refuses it as live, as before.
     monkeypatch.setattr(client, "call", lambda name, request: {**record, "step": 30})
-    assert api._refresh_anywhere(registry.read("elsewhere"))["step"] == 30
+    assert api._refresh_anywhere(registry.read("elsewhere")) == ({**record, "step": 30}, False)
+    with pytest.raises(ConfigError, match=r"is still running; only a lost"):
+        elastic.resume("elsewhere")
 
 
 def test_a_run_cached_live_in_the_cluster_without_its_controller_reads_lost(tmp_path,
