@@ -89,6 +89,10 @@ def hf_job(model_init: Callable[[], Any], args: Any, train_dataset: Any, eval_da
         ConfigError: an argument asks for what elastic cannot do with the same meaning.
     """
     _refuse(args)
+    if eval_dataset is None and _strategy(args.eval_strategy) != "no":
+        raise ConfigError(f"TrainingArguments.eval_strategy={_strategy(args.eval_strategy)!r} "
+                          "but no eval_dataset: pass one, or set eval_strategy='no' (Trainer "
+                          "refuses this too)")
     spec = _HuggingFace(model_init, args, train_dataset, eval_dataset, data_collator,
                         compute_metrics)
     settings = spec.inspect()

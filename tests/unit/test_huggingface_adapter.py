@@ -34,6 +34,9 @@ def test_training_arguments_become_the_jobs_settings(tmp_path):
                      "training.precision": "bf16-mixed", "evaluation.batch_size": 4,
                      "evaluation.every_steps": 3}
     assert _job(tmp_path, eval_strategy="no").eval_step is None
+    # Trainer refuses an evaluation strategy without an eval_dataset (nothing would run).
+    with pytest.raises(ConfigError, match=r"eval_strategy='epoch' but no eval_dataset"):
+        hf_job(hf_setup.gpt2, hf_setup.arguments(str(tmp_path)), hf_setup.Tokens(hf_setup.N, 1))
 
 
 def test_the_optimizer_and_scheduler_are_trainers(tmp_path):
@@ -102,7 +105,7 @@ def test_a_models_own_token_mean_is_summed_over_tokens_so_any_split_gives_traine
     # BERT's heads compute their own CrossEntropyLoss mean over the tokens that count:
     # Trainer's update (no accumulation) is that mean over the whole batch. Before, each
     # micro-batch's token mean was weighted by its samples: the update followed the split.
-    job = hf_job(lambda: _bert(kind), hf_setup.arguments(str(tmp_path),
+    job = hf_job(lambda: _bert(kind), hf_setup.arguments(str(tmp_path), eval_strategy="no",
                                                         gradient_accumulation_steps=1),
                  hf_setup.Tokens(8, 1))
     torch.manual_seed(0)
@@ -133,7 +136,8 @@ def test_a_loss_that_is_not_the_token_cross_entropy_is_trained_as_before_with_a_
                                                      labels.reshape(-1), weight=weight)
             return {"loss": loss, "logits": logits}
 
-    job = hf_job(Weighted, hf_setup.arguments(str(tmp_path), gradient_accumulation_steps=1),
+    job = hf_job(Weighted, hf_setup.arguments(str(tmp_path), gradient_accumulation_steps=1,
+                                          eval_strategy="no"),
                  hf_setup.Tokens(8, 1))
     data = hf_setup.Tokens(8, 1)
     batch = job.collate_fn([data[i] for i in range(4)])
@@ -167,7 +171,8 @@ def test_a_shifted_causal_lm_that_takes_no_loss_kwargs_is_summed_over_its_shifte
                 logits[:, :-1].reshape(-1, hf_setup.VOCAB), labels[:, 1:].reshape(-1))
             return {"loss": loss, "logits": logits}
 
-    job = hf_job(Causal, hf_setup.arguments(str(tmp_path), gradient_accumulation_steps=1),
+    job = hf_job(Causal, hf_setup.arguments(str(tmp_path), gradient_accumulation_steps=1,
+                                          eval_strategy="no"),
                  hf_setup.Tokens(8, 1))
     data = hf_setup.Tokens(8, 1, varied=True)
     batch = job.collate_fn([data[i] for i in range(4)])
@@ -195,7 +200,8 @@ def test_a_generic_token_classifier_is_trained_on_its_mean_which_ignores_the_ite
             intermediate_size=16, vocab_size=hf_setup.VOCAB, num_labels=hf_setup.VOCAB,
             max_position_embeddings=16, pad_token_id=0, classifier_dropout=0.0))
 
-    job = hf_job(classifier, hf_setup.arguments(str(tmp_path), gradient_accumulation_steps=1),
+    job = hf_job(classifier, hf_setup.arguments(str(tmp_path), gradient_accumulation_steps=1,
+                                          eval_strategy="no"),
                  hf_setup.Tokens(8, 1))
     torch.manual_seed(0)
     model = job.model()
@@ -220,7 +226,8 @@ def test_accumulated_batches_of_a_model_that_takes_no_loss_kwargs_are_groups(tmp
                                                      labels.reshape(-1))
             return {"loss": loss, "logits": logits}
 
-    job = hf_job(Plain, hf_setup.arguments(str(tmp_path)), hf_setup.Tokens(8, 1))
+    job = hf_job(Plain, hf_setup.arguments(str(tmp_path), eval_strategy="no"),
+                 hf_setup.Tokens(8, 1))
     assert job.settings["batch.groups"] == "on"
     assert job.settings["batch.group_size"] == hf_setup.PER_DEVICE
     data = hf_setup.Tokens(8, 1)
@@ -271,8 +278,10 @@ def test_a_per_sample_loss_with_accumulation_is_refused_as_trainer_would_scale_i
 
     with pytest.raises(ConfigError, match="gradient_accumulation_steps=2: this model takes "
                                           "num_items_in_batch but its loss is a per-batch mean"):
-        hf_job(classifier, hf_setup.arguments(str(tmp_path)), hf_setup.Tokens(8, 1))
-    job = hf_job(classifier, hf_setup.arguments(str(tmp_path), gradient_accumulation_steps=1),
+        hf_job(classifier, hf_setup.arguments(str(tmp_path), eval_strategy="no"),
+               hf_setup.Tokens(8, 1))
+    job = hf_job(classifier, hf_setup.arguments(str(tmp_path), gradient_accumulation_steps=1,
+                                          eval_strategy="no"),
                  hf_setup.Tokens(8, 1))
     assert "batch.max_micro_batch" not in job.settings
 
