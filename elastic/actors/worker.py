@@ -137,6 +137,19 @@ def _ranks_problem(answers: list[dict[str, Any] | None], shards: Any,
     return None
 
 
+def _writers_problem(replica: Any, answers: list[dict[str, Any] | None], step: int,
+                     own: dict[str, list[int]], absent: list[int]) -> str | None:
+    """Why this member (the manifest's writer) cannot make a sharded checkpoint of `step`
+    from its own shard and the others' `answers`, with the ranks `absent` dead, or None."""
+    orphaned = replica.shards.orphaned(absent)
+    if orphaned:
+        return (f"every owner of parameter(s) {describe(orphaned)} died, so their optimizer "
+                "state is in no shard")
+    if replica.unfinished is not None:
+        return _UNFINISHED
+    return _shard_problem(answers, step, own) or _ranks_problem(answers, replica.shards, absent)
+
+
 def _shard_entries(peers: list[Any], names: list[str], write: str) -> dict[str, dict[str, Any]]:
     """On the writer's thread, before the manifest: each other member's shard of write
     `write` once it is on disk (file name -> manifest entry); `names`: the shard each of
@@ -513,12 +526,8 @@ class WorkerActor:
             assert self.replica.shards is not None, "optimizer state is not sharded"
             own = self.replica.shards.primary_states(absent)
             own_name = shard_name(self.replica.shards.rank, meta["write"])
-            orphaned = self.replica.shards.orphaned(absent)
-            problem = (f"every owner of parameter(s) {describe(orphaned)} died, so their "
-                       "optimizer state is in no shard" if orphaned
-                       else _UNFINISHED if self.replica.unfinished is not None
-                       else _shard_problem(answers, step, {own_name: sorted(own)})
-                       or _ranks_problem(answers, self.replica.shards, absent))
+            problem = _writers_problem(self.replica, answers, step, {own_name: sorted(own)},
+                                       absent)
             if problem is not None:
                 return {"submitted": False, "reports": self._reports(),
                         "note": f"{problem}; this checkpoint was skipped"}

@@ -85,14 +85,9 @@ class CheckpointWriter:
         self._reports: list[WriteReport] = []
         self._shards: dict[str, dict[str, Any]] = {}  # write id -> `shard_entry`
 
-    def busy(self) -> bool:
-        with self._lock:
-            self._check_overdue()
-            return self._running is not None and not self._running.done
-
     def busy_note(self) -> str | None:
         """Why a write asked for now would be skipped (the one in flight, and how long it has
-        run), or None when none is in flight: `busy` and its reason in one look."""
+        run), or None when none is in flight."""
         with self._lock:
             self._check_overdue()
             running = self._running
@@ -215,7 +210,7 @@ class CheckpointWriter:
 
     def flush(self) -> None:
         """Waits for the write in flight, if any, up to its deadline (then reports it as
-        failed; it runs on, and `busy` stays true until it ends)."""
+        failed; it runs on, and `busy_note` says so until it ends)."""
         with self._lock:
             running = self._running
         if running is None:

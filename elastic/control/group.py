@@ -334,7 +334,7 @@ def _take_over(ctx: Context) -> bool:
         return False
     with ctx.requests.lock:
         target = ctx.requests.target
-    promoted, ctx.spares = ctx.spares[:max(1, target)], ctx.spares[max(1, target):]
+    promoted, ctx.spares = ctx.spares[:target], ctx.spares[target:]
     ctx.members.extend(promoted)
     ctx.log.emit(SparePromoted(worker_ids=[m.worker_id for m in promoted],
                                world_size=len(ctx.members)))

@@ -788,7 +788,7 @@ class Machine:
     ctx: Context
     on_change: Callable[[RunState, State], None] = lambda previous, state: None
     state: State = field(default_factory=Starting)
-    _lost_between: dict[int, int] = field(default_factory=dict)  # step -> every member lost
+    _lost_between: dict[int, int] = field(default_factory=dict, init=False)  # step -> losses
 
     def run(self) -> State:
         """Steps until a terminal state; returns it."""

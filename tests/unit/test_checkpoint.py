@@ -199,7 +199,7 @@ def test_a_write_past_its_time_limit_is_reported_failed_and_nothing_waits_longer
     writer.flush()  # returns at the deadline, the write still blocked
     [late] = writer.take_reports()
     assert late.step == 2 and late.path is None and "checkpoint.timeout (0.05 s)" in late.error
-    assert root in late.error and writer.busy()
+    assert root in late.error and writer.busy_note() is not None
     # While it runs on, nothing else is written, asked in the background or at once, and the
     # reason says so; a flush does not wait again and reports nothing twice.
     assert not writer.submit(3, _parts(3), {})
@@ -212,7 +212,7 @@ def test_a_write_past_its_time_limit_is_reported_failed_and_nothing_waits_longer
     storage.release()
     [ended] = writer.take_reports()
     assert (ended.step, ended.error) == (2, None) and load_checkpoint(root).step == 2
-    assert not writer.busy() and writer.busy_note() is None
+    assert writer.busy_note() is None
     assert writer.write_now(5, _parts(5), {})
     assert [(r.step, r.error) for r in writer.take_reports()] == [(5, None)]
     assert load_checkpoint(root).step == 5
