@@ -44,6 +44,11 @@ class Ownership:
         """The owner that sends `part`'s updated values to the ranks without it."""
         return self.owners[part][0]
 
+    def first_alive(self, part: int, absent: Collection[int]) -> int | None:
+        """`part`'s first owner that is not among the ranks `absent` (dead since the
+        generation formed), None when every owner is."""
+        return next((rank for rank in self.owners[part] if rank not in absent), None)
+
     def loads(self, sizes: Sequence[int]) -> list[int]:
         """Each rank's summed part sizes."""
         loads = [0] * self.world_size

@@ -317,17 +317,17 @@ class OptimizerShards:
         if self.ownership is None:
             return self.part_states(self.held)
         ownership, absent = self.ownership, set(absent)
-        return self.part_states([
-            part for part in range(len(self.params))
-            if next((r for r in ownership.owners[part] if r not in absent), None) == self.rank])
+        return self.part_states([part for part in range(len(self.params))
+                                 if ownership.first_alive(part, absent) == self.rank])
 
     def orphaned(self, absent: Collection[int]) -> list[int]:
         """The parts every owner of which is among the ranks `absent` (none before a
         generation has formed: then every rank holds every part)."""
         if self.ownership is None:
             return []
-        return [part for part, ranks in enumerate(self.ownership.owners)
-                if set(ranks) <= set(absent)]
+        ownership, absent = self.ownership, set(absent)
+        return [part for part in range(len(self.params))
+                if ownership.first_alive(part, absent) is None]
 
     def part_states(self, parts: Collection[int]) -> dict[int, dict[str, Any]]:
         """The optimizer state of `parts` (which this rank holds) by state-dict id, as
