@@ -377,3 +377,14 @@ def test_a_sharded_checkpoint_is_skipped_mid_gather_and_when_ranks_are_missing(t
     assert "not the ranks of one generation" in problem(two, shards, [])  # 0 forgotten
     assert "not the ranks of one generation" in problem([{"rank": 2, "world": 4}], shards, [0])
     assert problem([], SimpleNamespace(rank=0, ownership=None), []) is None
+    # The manifest's writer: a part every owner of which died is named; mid-gather, skipped.
+    shards.orphaned = lambda absent: [p for p in range(3)
+                                      if ownership.first_alive(p, absent) is None]
+    writer_problem = worker_module._writers_problem
+    own = {"optimizer-shard-00001-w1": [1]}
+    assert "parameter(s) #0 died" in writer_problem(actor.replica, two, 7, own, [0, 1])
+    assert "were gathered" in writer_problem(actor.replica, two, 7, own, [0])
+    done = SimpleNamespace(shards=shards, unfinished=None)
+    answers = [{"step": 7, "name": "optimizer-shard-00002-w1", "ids": [2], "rank": 2,
+                "world": 3}]
+    assert writer_problem(done, answers, 7, own, [0]) is None
