@@ -676,7 +676,8 @@ class CheckpointSkipped(Event, kind="checkpoint_skipped"):
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfigChanged(Event, kind="checkpoint_config_changed"):
-    """The restored checkpoint was written with another global batch or seed."""
+    """The restored checkpoint was written with another global batch, seed or group size, or
+    over a data set of another length (`note` says which)."""
 
     path: str
     note: str

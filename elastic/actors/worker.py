@@ -307,9 +307,11 @@ class WorkerActor:
         self._taken_in.wait()
 
     def info(self) -> dict[str, Any]:
-        """Identity of this worker's process (tests check that survivors keep their pid)."""
+        """Identity of this worker's process (tests check that survivors keep their pid) and
+        the length of the data set it built (`decisions.data_set_mismatch`)."""
         return {"worker_id": self.worker_id, "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id()}
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "dataset_size": self.replica.order.dataset_size}
 
     def connect(self, rank: int, world_size: int, endpoint: str, generation: int,
                 secret: bytes) -> tuple[int, str]:
@@ -652,6 +654,7 @@ class WorkerActor:
                 "environment_change": change,
                 "fingerprint": loaded.manifest.get("fingerprint"),
                 "world_size": loaded.manifest.get("world_size"),
+                "dataset_size": loaded.manifest.get("dataset_size"),
                 "run": loaded.manifest.get("run")}
 
     def abort(self) -> None:
@@ -667,10 +670,6 @@ class WorkerActor:
         p = self.replica.progress
         return {"step": p.step, "phase": p.phase, "since": p.since,
                 "age": time.monotonic() - p.since}
-
-    def dataset_size(self) -> int:
-        """Samples in the data set."""
-        return self.replica.order.dataset_size
 
     def traits(self) -> dict[str, int]:
         """The model's BatchNorm and dropout layers (`Replica.traits`)."""

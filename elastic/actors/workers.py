@@ -131,7 +131,8 @@ class RayWorkers:
                 self.kill(worker_id)
                 continue
             self._node_of[worker_id] = info["node_id"]
-            members.append(Member(info["worker_id"], info["pid"], info["node_id"]))
+            members.append(Member(info["worker_id"], info["pid"], info["node_id"],
+                                  info["dataset_size"]))
         return Started(members, failed)
 
     def placeable(self) -> int:

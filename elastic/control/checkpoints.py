@@ -41,6 +41,7 @@ class CheckpointCoordinator:
         self._last_step = 0
         self._last_time = time.monotonic()
         self.group_size = 1  # G with groups on (set once the grouping is decided)
+        self.dataset_size: int | None = None  # the data set's length (set once it is known)
         self._monitored: tuple[int, float] | None = None  # (step, value) of the last evaluation
         self._written: tuple[int, bool] | None = None  # (step, with a monitored value) submitted
         self.run_name = ""  # recorded in each checkpoint's manifest (who wrote it)
@@ -81,6 +82,9 @@ class CheckpointCoordinator:
                            note=f"global batch, seed or group size differ from the run that "
                                 f"wrote it ({info['fingerprint']}; this run: "
                                 f"{self.fingerprint()})"))
+        data_change = self._data_set_change(info.get("dataset_size"))
+        if data_change is not None:
+            self.log.emit(CheckpointConfigChanged(path=info["path"], note=data_change))
         if event == "resumed":
             then, changes = info.get("world_size"), []
             if then is not None and world_size is not None and then != world_size:
@@ -88,6 +92,8 @@ class CheckpointCoordinator:
             if info.get("fingerprint") not in (None, self.fingerprint()):
                 changes.append(f"{info['fingerprint']} -> {self.fingerprint()} (the math of "
                                "a step: global batch, seed or group size)")
+            if data_change is not None:
+                changes.append(data_change)
             if info.get("environment_change"):
                 changes.append(f"{info['environment_change']} (exact mode: the bits from here "
                                "on are this environment's; checkpoint.allow_environment_change)")
@@ -101,6 +107,16 @@ class CheckpointCoordinator:
                            work_lost_steps=max(0, current_step - info["step"]))
         self._last_step = int(info["step"])
         return self._last_step
+
+    def _data_set_change(self, then: int | None) -> str | None:
+        """What a checkpoint written over a data set of `then` samples (None: by an older
+        version, which did not record it) means for this run's, if they differ: its cursor
+        points into the public order of the old length."""
+        if then is None or self.dataset_size is None or then == self.dataset_size:
+            return None
+        return (f"data set {then} -> {self.dataset_size} samples (the checkpoint's place in "
+                "its epoch is read in the new length's order: until that epoch ends, samples "
+                "may be seen twice or skipped)")
 
     def due(self, step: int) -> bool:
         """Whether a periodic checkpoint is due at `step` (by `every_steps` since the last one
@@ -156,7 +172,7 @@ class CheckpointCoordinator:
 
     def _write(self, worker_id: int, step: int, world_size: int) -> None:
         meta = {"world_size": world_size, "fingerprint": self.fingerprint(), "run": self.run_name,
-                **self._monitor_meta(step)}
+                "dataset_size": self.dataset_size, **self._monitor_meta(step)}
         answer = self.workers.call(worker_id, "checkpoint", meta)
         if answer["submitted"]:
             self._last_step, self._last_time = step, time.monotonic()

@@ -8,6 +8,7 @@ No Ray here.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from elastic.control.port import (
     EvalInterrupted,
     EvalOutcome,
     EvalVotedDown,
+    Member,
 )
 from elastic.errors import (
     CollectiveError,
@@ -157,6 +159,31 @@ class RestoreSource:
 # committed step, and the step it holds the sums of unapplied, if any (it applies that step
 # if the generation takes it); None: the whole state, unsharded.
 Holding = tuple[int, Sequence[int], int | None] | None
+
+
+def data_set_mismatch(members: Sequence[Member], expected: int | None = None) -> str | None:
+    """Why `members` cannot train one run together (None: they can): every worker builds the
+    data set itself (`TrainJob.dataset` runs on each), and the public sample order is a
+    permutation of its length, so workers that disagree on the length would read other
+    samples than the global batch holds (some twice, some never), silently. `expected`: the
+    run's size, which joiners must match; None: the members must agree among themselves (the
+    size most of them built is taken for the run's)."""
+    if expected is None:
+        counts = Counter(m.dataset_size for m in members)
+        if len(counts) <= 1:
+            return None
+        expected, whose = counts.most_common(1)[0][0], "most workers'"
+    else:
+        whose = "the run's"
+    odd = [m for m in members if m.dataset_size != expected]
+    if not odd:
+        return None
+    shown = ", ".join(f"worker {m.worker_id} on node {m.node_id[:12]}: {m.dataset_size}"
+                      for m in odd[:4]) + (f" and {len(odd) - 4} more" if len(odd) > 4 else "")
+    return (f"workers built data sets of different sizes ({whose}: {expected} samples; {shown}); "
+            "every worker must build the same data set in the same order (TrainJob.dataset "
+            "runs on each worker: read it from storage that every node sees alike, not from a "
+            "copy that differs between nodes)")
 
 
 def restore_source(steps: Sequence[int], global_step: int,

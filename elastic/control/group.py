@@ -92,6 +92,11 @@ def admit(ctx: Context, timeout: float) -> bool:
         target = ctx.requests.target
     joined = False
     for member in started.members:
+        problem = decisions.data_set_mismatch([member], ctx.dataset_size)
+        if problem is not None:  # not one of this run: as a worker whose factory raised
+            ctx.workers.release(member.worker_id)
+            ctx.log.emit(WorkerStartFailed(error=problem))
+            continue
         for notice in ctx.requests.gone([member.worker_id]):  # told to leave while starting
             ctx.workers.release(member.worker_id)
             ctx.log.emit(WorkerRetired(worker_id=member.worker_id, source=notice.source,

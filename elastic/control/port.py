@@ -32,11 +32,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Member:
-    """A started worker: its id (never reused in a run), process id and Ray node."""
+    """A started worker: its id (never reused in a run), process id, Ray node, and the
+    length of the data set it built."""
 
     worker_id: int
     pid: int
     node_id: str
+    dataset_size: int
 
 
 @dataclass(frozen=True)

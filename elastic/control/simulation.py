@@ -11,7 +11,7 @@ No Ray, no torch workers: the whole control loop runs at hundreds of members in 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +76,8 @@ class SimulatedWorkers:
             holds `step`, that worker runs out of memory while `doing` ('connecting',
             'restoring', or 'loading a checkpoint' in `restore_checkpoint`;
             `GenerationOutOfMemoryError`); each entry once, in order.
+        dataset_sizes: worker id -> the length of the data set that worker builds (default:
+            `dataset_size`; another builds a different data set, as a node with other files).
     """
 
     def __init__(self, dataset_size: int, capacity: int, step_time_s: float = 0.01,
@@ -86,8 +88,10 @@ class SimulatedWorkers:
                  metrics: Callable[[int], dict[str, float]] | None = None,
                  oom_in_collective: bool = False, oom_in_apply: bool = False,
                  slow: dict[int, float] | None = None,
-                 oom_forming: Sequence[tuple[int, str, int]] = ()) -> None:
+                 oom_forming: Sequence[tuple[int, str, int]] = (),
+                 dataset_sizes: Mapping[int, int] | None = None) -> None:
         self.oom_forming = list(oom_forming)
+        self.dataset_sizes = dict(dataset_sizes or {})
         self._generation = 0  # the one forming, or formed last
         self.dataset_size = dataset_size
         self.oom_in_collective = oom_in_collective or oom_in_apply
@@ -144,7 +148,9 @@ class SimulatedWorkers:
             self.clock += timeout
         for w in ready:
             self._starting.remove(w)
-        return Started([Member(w, pid=10_000 + w, node_id="sim") for w in ready])
+        return Started([Member(w, pid=10_000 + w, node_id="sim",
+                               dataset_size=self.dataset_sizes.get(w, self.dataset_size))
+                        for w in ready])
 
     def placeable(self) -> int:
         return self.capacity
@@ -334,8 +340,6 @@ class SimulatedWorkers:
         worker = self.workers[worker_id]
         if not worker.alive:
             raise WorkerLostError(f"worker {worker_id} is dead")
-        if method == "dataset_size":
-            return self.dataset_size
         if method == "traits":
             return dict(self.traits)
         if method in ("model_state", "checkpoint") and worker.torn:

@@ -137,7 +137,10 @@ class Starting(State):
                     "nothing; give TrainJob eval_dataset and eval_step (or evaluate), or unset "
                     "checkpoint.monitor")
         self._start_workers(ctx)
-        ctx.dataset_size = on_any_member(ctx, lambda w: ctx.workers.call(w, "dataset_size"))
+        problem = decisions.data_set_mismatch(ctx.members)
+        if problem is not None:
+            raise ConfigError(problem)
+        ctx.dataset_size = ctx.checkpoints.dataset_size = ctx.members[0].dataset_size
         traits = on_any_member(ctx, lambda w: ctx.workers.call(w, "traits"))
         ctx.batching = Batching(config, ctx.log, len(ctx.members), traits)
         ctx.policy.unit = ctx.checkpoints.group_size = ctx.batching.grouping.size

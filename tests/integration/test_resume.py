@@ -20,7 +20,7 @@ import elastic
 from elastic.events import Resumed, read_events
 from tests.events import of_kind
 from tests.head import wait_until
-from tests.jobs import reference_weights
+from tests.jobs import N_SAMPLES, reference_weights
 
 pytestmark = pytest.mark.integration
 
@@ -82,6 +82,7 @@ def test_a_driver_killed_with_sigkill_is_resumed_by_name_and_ends_on_the_referen
     # The final checkpoint holds the weights of an uninterrupted run of the same configuration.
     final = elastic.load_checkpoint(str(checkpoints))
     assert final is not None and final.step == end
+    assert final.manifest["dataset_size"] == N_SAMPLES  # a resume over other data says so
     torch.testing.assert_close(final.parts["model"], reference_weights(0, 16, end),
                                rtol=1e-9, atol=1e-10)
 

@@ -372,6 +372,33 @@ def test_a_batch_larger_than_the_data_set_is_a_config_error(tmp_path):
     assert "batch.global_batch_size" in str(end.error)
 
 
+def test_workers_that_built_data_sets_of_different_sizes_do_not_start_a_run(tmp_path):
+    # One node reads another copy of the files: its order would be another permutation.
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, dataset_sizes={2: 15999})
+    end, ctx, _ = _run(tmp_path, sim=sim)
+    assert isinstance(end, Failed) and isinstance(end.error, ConfigError)
+    assert str(end.error).startswith(
+        "workers built data sets of different sizes (most workers': 16000 samples; "
+        "worker 2 on node sim: 15999)")
+    assert "TrainJob.dataset" in str(end.error)
+    assert _states(ctx) == [("starting", "failed")] and not _steps(ctx)
+
+
+def test_a_replacement_that_built_another_data_set_is_refused_and_the_next_one_joins(tmp_path):
+    # Worker 4 (the first replacement) lands where the data differ; worker 5 does not.
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.02,
+                           dataset_sizes={4: 12000})
+    end, ctx, _ = _run(tmp_path, sim=sim, chaos=(ChaosEvent(step=6, rank=1, action="kill"),))
+    assert isinstance(end, Finished)
+    [refused] = _events(ctx, "worker_start_failed")
+    assert refused["error"].startswith("workers built data sets of different sizes (the "
+                                       "run's: 16000 samples; worker 4 on node sim: 12000)")
+    assert [e["worker_id"] for e in _events(ctx, "worker_joined")] == [5]
+    assert sorted(m.worker_id for m in ctx.members) == [0, 2, 3, 5]
+    assert not sim.workers[4].alive
+    assert _steps(ctx) == list(range(24))
+
+
 # --- scale of the control plane ------------------------------------------------------------
 
 
@@ -504,6 +531,26 @@ def test_chunk_length_stops_at_every_boundary():
     assert decisions.chunk_length(**{**base, "trial_steps_left": 5}) == 5
     assert decisions.chunk_length(**{**base, "checkpoint_every": 4}) == 2
     assert decisions.chunk_length(**{**base, "chaos_steps": [10, 13, 11]}) == 1
+
+
+def test_a_data_set_mismatch_names_the_workers_that_differ_from_the_run_or_the_most():
+    from elastic.control.port import Member
+
+    def members(*sizes):
+        return [Member(w, 100 + w, f"node{w % 2}", n) for w, n in enumerate(sizes)]
+
+    assert decisions.data_set_mismatch(members(10, 10, 10)) is None
+    assert decisions.data_set_mismatch(members(10, 10), expected=10) is None
+    assert decisions.data_set_mismatch([]) is None
+    # Among themselves, the size most built is the run's; a joiner must match the run's.
+    assert decisions.data_set_mismatch(members(10, 9, 10)).startswith(
+        "workers built data sets of different sizes (most workers': 10 samples; "
+        "worker 1 on node node1: 9)")
+    assert decisions.data_set_mismatch(members(9), expected=10).startswith(
+        "workers built data sets of different sizes (the run's: 10 samples; "
+        "worker 0 on node node0: 9)")
+    many = decisions.data_set_mismatch(members(*[10] * 7 + [8] * 6))
+    assert "worker 10 on node node0: 8 and 2 more)" in many
 
 
 def test_restore_source_is_the_newest_lowest_rank_else_a_checkpoint():

@@ -487,7 +487,7 @@ def test_a_straggler_that_dies_after_its_swap_notice_is_a_failure_not_a_preempti
     sim = SimulatedWorkers(dataset_size=16000, capacity=2)
     ctx = Context(config, "t", RunLog(str(tmp_path)), sim)
     for worker_id in (sim.spawn(), sim.spawn()):
-        ctx.members.append(Member(worker_id, worker_id + 100, "n"))
+        ctx.members.append(Member(worker_id, worker_id + 100, "n", 16000))
     ctx.requests.notice(Notice(1, "straggler", None, 0.0))
     drop(ctx, [1], "actor died", replace=False)
     assert ctx.policy.preemptions == 0 and ctx.policy.workers_lost == 1

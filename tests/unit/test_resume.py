@@ -222,6 +222,7 @@ def test_the_resumed_event_says_which_run_wrote_the_checkpoint_and_what_changed(
             assert method == "restore_checkpoint"
             return {"step": 200, "path": "/ckpt/step-200", "skipped": [],
                     "fingerprint": "B=16;seed=0", "world_size": 2, "run": "resume3",
+                    "dataset_size": 1000,
                     "environment_change": "environment torch '2.12.0' -> '2.13.0'"}
 
     config = FitConfig(max_steps=300, scaling=ScalingConfig(num_workers=3),
@@ -229,14 +230,20 @@ def test_the_resumed_event_says_which_run_wrote_the_checkpoint_and_what_changed(
                        checkpoint=CheckpointConfig(path=str(tmp_path / "ckpt")))
     log = RunLog(str(tmp_path))
     coordinator = CheckpointCoordinator(config, log, Worker())
-    coordinator.group_size = 4
+    coordinator.group_size, coordinator.dataset_size = 4, 1200
     assert coordinator.restore(0, "resumed", 0, world_size=3) == 200
     [event] = [e for e in log.events if e["event"] == "resumed"]
     assert event["from_run"] == "resume3" and event["world_size_then"] == 2
     assert event["world_size_now"] == 3
     assert event["changes"][0] == "world size 2 -> 3"
     assert event["changes"][1].startswith("B=16;seed=0 -> B=16;seed=0;G=4 (the math of a step")
-    assert event["changes"][2].startswith("environment torch '2.12.0' -> '2.13.0' (exact mode")
+    data = ("data set 1000 -> 1200 samples (the checkpoint's place in its epoch is read in "
+            "the new length's order: until that epoch ends, samples may be seen twice or "
+            "skipped)")
+    assert event["changes"][2] == data
+    assert event["changes"][3].startswith("environment torch '2.12.0' -> '2.13.0' (exact mode")
+    assert [e["note"] for e in log.events if e["event"] == "checkpoint_config_changed"][1:] == [
+        data]
     assert coordinator.resumed == {"step": 200, "run": "resume3", "path": "/ckpt/step-200"}
 
 
