@@ -618,8 +618,11 @@ class _CheckpointLoaded(Event):
 class Resumed(_CheckpointLoaded, kind="resumed"):
     """The run resumed from the newest checkpoint at its start: written by run `from_run` at
     world size `world_size_then` (None: a checkpoint of an older version), resumed at
-    `world_size_now`; `changes` says what differs (the world size, the math of a step)."""
+    `world_size_now`; `changes` says what differs (the world size, the math of a step).
+    `reached`: the steps that run had committed, where its metrics in this run dir say (a
+    resume by name; None: not known, and `work_lost_steps` is 0)."""
 
+    reached: int | None = None
     from_run: str | None = None
     world_size_then: int | None = None
     world_size_now: int | None = None

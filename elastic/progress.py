@@ -132,8 +132,9 @@ def _resumed(e: Resumed) -> str:
     by = f" of run {e.from_run}" if e.from_run else ""
     at = f" at world size {e.world_size_then}" if e.world_size_then is not None else ""
     changed = "; changed: " + "; ".join(e.changes) if e.changes else ""
-    return (f"resumed from step {e.step}{by}, written{at} ({e.path}); {e.work_lost_steps} steps "
-            f"redone{changed}")
+    redone = (f"; {e.work_lost_steps} steps redone (it had reached step {e.reached})"
+              if e.reached is not None else "")
+    return f"resumed from step {e.step}{by}, written{at} ({e.path}){redone}{changed}"
 
 
 _RENDERERS: dict[type[Event], Callable[[Any], str | None]] = {

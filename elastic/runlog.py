@@ -175,6 +175,17 @@ class RunLog:
             self._supersede("ledger.jsonl", step)
             self._append("ledger.jsonl", {"step": step, "epoch": epoch, "indices": indices})
 
+    def newest_step(self, name: str = "metrics.jsonl") -> int | None:
+        """The newest step recorded in `name` of this run dir (by this run, or by an earlier
+        run in the same dir: a run resumed by name), or None if none is."""
+        with self._lock:
+            last = self._last_step.get(name)
+            if last is None:
+                last = self._last_step[name] = max(
+                    (r.get("step", -1) for r in read_jsonl(os.path.join(self.run_dir, name))),
+                    default=-1)
+        return last if last >= 0 else None
+
     def _supersede(self, name: str, step: int) -> None:
         """Before step `step`'s record goes into `name` (metrics.jsonl, ledger.jsonl): if the
         file holds records of that step or later (a run resumed from the checkpoint of an

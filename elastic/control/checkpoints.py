@@ -98,15 +98,23 @@ class CheckpointCoordinator:
                 changes.append(f"{info['environment_change']} (exact mode: the bits from here "
                                "on are this environment's; checkpoint.allow_environment_change)")
             self.resumed = {"step": info["step"], "run": info.get("run"), "path": info["path"]}
+            reached = self._reached(info.get("run"))
             self.log.emit(Resumed(step=info["step"], path=info["path"],
-                                  work_lost_steps=max(0, current_step - info["step"]),
-                                  from_run=info.get("run"), world_size_then=then,
-                                  world_size_now=world_size, changes=changes))
+                                  work_lost_steps=max(0, (reached or 0) - info["step"]),
+                                  reached=reached, from_run=info.get("run"),
+                                  world_size_then=then, world_size_now=world_size,
+                                  changes=changes))
         else:
             self.log.event(event, step=info["step"], path=info["path"],
                            work_lost_steps=max(0, current_step - info["step"]))
         self._last_step = int(info["step"])
         return self._last_step
+
+    def _reached(self, writer: str | None) -> int | None:
+        """The steps the run that wrote the checkpoint committed, where this run dir's metrics
+        say (it is this run, resumed by name: an earlier run of this name wrote them here)."""
+        newest = self.log.newest_step() if writer and writer == self.run_name else None
+        return None if newest is None else newest + 1
 
     def _data_set_change(self, then: int | None) -> str | None:
         """What a checkpoint written over a data set of `then` samples (None: by an older

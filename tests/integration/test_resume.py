@@ -75,6 +75,12 @@ def test_a_driver_killed_with_sigkill_is_resumed_by_name_and_ends_on_the_referen
     assert resumed.from_run == name and resumed.world_size_then == 2
     assert resumed.world_size_now == 2 and resumed.changes == []
     assert f"resumed from step {resumed.step} of run {name}" in output
+    # The lost run's metrics in its run dir say how far it got: the steps past the checkpoint
+    # are redone, and the line says how many.
+    assert resumed.reached is not None and resumed.reached >= resumed.step
+    assert resumed.work_lost_steps == resumed.reached - resumed.step
+    assert (f"{resumed.work_lost_steps} steps redone (it had reached step {resumed.reached})"
+            in output)
     assert resumed.step <= lost["step"]
     status = elastic.status(name)
     assert status["state"] == "finished" and status["step"] == end

@@ -245,6 +245,37 @@ def test_the_resumed_event_says_which_run_wrote_the_checkpoint_and_what_changed(
     assert [e["note"] for e in log.events if e["event"] == "checkpoint_config_changed"][1:] == [
         data]
     assert coordinator.resumed == {"step": 200, "run": "resume3", "path": "/ckpt/step-200"}
+    [event] = [e for e in log.events if e["event"] == "resumed"]
+    assert (event.get("reached"), event["work_lost_steps"]) == (None, 0)  # another run wrote it
+
+
+def test_a_run_resumed_by_name_says_how_many_steps_it_redoes(tmp_path):
+    from elastic.control.checkpoints import CheckpointCoordinator
+    from elastic.events import parse
+    from elastic.progress import describe
+    from elastic.runlog import RunLog
+
+    class Worker:
+        def call(self, worker_id, method):
+            return {"step": 200, "path": "/ckpt/step-200", "skipped": [], "run": "resume3",
+                    "fingerprint": "B=16;seed=0", "world_size": 3}
+
+    config = FitConfig(max_steps=300, scaling=ScalingConfig(num_workers=3),
+                       batch=BatchConfig(global_batch_size=16),
+                       checkpoint=CheckpointConfig(path=str(tmp_path / "ckpt")))
+    earlier = RunLog(str(tmp_path))  # the lost run, in the same run dir, committed 205 steps
+    for step in range(205):
+        earlier.metric(step=step, loss=1.0)
+    earlier.close()
+    log = RunLog(str(tmp_path))
+    coordinator = CheckpointCoordinator(config, log, Worker())
+    coordinator.run_name = "resume3"
+    assert coordinator.restore(0, "resumed", 0, world_size=3) == 200
+    [event] = [e for e in log.events if e["event"] == "resumed"]
+    assert (event["reached"], event["work_lost_steps"]) == (205, 5)
+    assert describe(parse(event)) == ("resumed from step 200 of run resume3, written at world "
+                                      "size 3 (/ckpt/step-200); 5 steps redone (it had reached "
+                                      "step 205)")
 
 
 def test_a_launch_record_another_could_have_written_is_refused(tmp_path):
