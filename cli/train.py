@@ -300,12 +300,18 @@ def _set(tree: dict, dotted: str, value: object) -> None:
     tree[leaf] = value
 
 
+def _name(config: elastic.FitConfig) -> str:
+    """The run's name: `name`, else a new one (never one an earlier run may have had: a
+    container's entrypoint has the same process id at every start)."""
+    return config.name or f"run-{uuid.uuid4().hex[:8]}"
+
+
 @_training_command
 def run(options: dict[str, Any]) -> None:
     """Train TARGET in the foreground, showing its progress and its events as they happen (a
     progress bar on a terminal, plain lines otherwise)."""
     fit_config, job = _prepare(options)
-    run_name = fit_config.name or f"run-{os.getpid()}"
+    run_name = _name(fit_config)
     # `fit` shows the progress; 'auto' means lines here where `fit` alone would print nothing.
     progress = resolve(fit_config.logging.progress, console.is_terminal, otherwise="lines")
     shown = fit_config.logging.model_copy(update={"progress": progress or "off"})
@@ -366,7 +372,7 @@ def _recoveries(records: list[dict[str, Any]]) -> int:
 def start(options: dict[str, Any]) -> None:
     """Start TARGET as a detached run on a running Ray cluster and return at once."""
     fit_config, job = _prepare(options)
-    name = fit_config.name or f"run-{uuid.uuid4().hex[:8]}"
+    name = _name(fit_config)
     fit_config = fit_config.model_copy(update={"name": name})
     try:
         record_launch(name, run_dir_of(fit_config.run_dir, name), options["target"])

@@ -1,6 +1,7 @@
 """CLI wiring only; the behaviour behind each command is tested through the Python API."""
 
 import dataclasses
+import os
 import inspect
 
 import pytest
@@ -392,3 +393,21 @@ def test_a_jobs_settings_fill_the_command_line_and_a_contradiction_exits_2_namin
     assert result.exit_code == 2, result.output
     assert ("the framework adapter implies epochs=2, but the configuration sets epochs=5"
             in _text(result.output))
+
+
+def test_run_without_a_name_never_reuses_an_earlier_runs_name(monkeypatch, tmp_path):
+    # A container's entrypoint has the same process id at every start: a name made of it
+    # would be taken by the next run, whose first metric supersedes the earlier run's file.
+    import elastic
+    from cli import train
+
+    names = []
+    monkeypatch.setattr(train, "record_launch", lambda name, *a: names.append(name))
+    monkeypatch.setattr(elastic, "fit", lambda job, config: (_ for _ in ()).throw(
+        elastic.errors.ConfigError("stopped here")))
+    for _ in range(2):
+        result = runner.invoke(app, ["run", "examples/spirals.py:job", "--workers", "2",
+                                     "--global-batch", "8", "--max-steps", "1",
+                                     "--run-dir", str(tmp_path)])
+        assert result.exit_code == 2 and "stopped here" in result.output
+    assert len(set(names)) == 2 and all(str(os.getpid()) not in n for n in names)
