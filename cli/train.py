@@ -387,14 +387,16 @@ def start(options: dict[str, Any]) -> None:
 def resume(
     name: Annotated[str, typer.Argument(help="Run name.")],
     workers: Annotated[int | None, typer.Option(
-        min=1, help="Another world size (the run's bounds widen to take it).")] = None,
+        min=1, help="Another world size (the run's bounds widen to take it; the math of a "
+        "step stays).")] = None,
     address: Annotated[str | None, typer.Option(
         help="Ray cluster address (default: RAY_ADDRESS; attached, a local cluster is started "
         "if there is none).")] = None,
     detach: Annotated[bool, typer.Option(
         help="Start it detached on a running cluster and return at once.")] = False,
     max_steps: Annotated[int | None, typer.Option(
-        min=1, help="Train to this step instead (max_steps; to train longer).")] = None,
+        min=1, help="Train to this step instead (max_steps, over the run's epochs; to train "
+        "longer).")] = None,
     force: Annotated[bool, typer.Option(
         help="Resume although the target's file changed since the run started, or its "
              "record says it runs on a Ray cluster this process cannot reach (gone).")] = False,

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from elastic.adapt.groups import default_group_size
 from elastic.config import HOME_ENV, FitConfig, storage_root
 from elastic.errors import ConfigError
 from elastic.private import ensure_private_dir, write_private
@@ -166,11 +167,13 @@ def resume_config(name: str, record: dict[str, Any], launch: Launch | None,
         elif checkpoint.sign and launch.elastic_home != storage_root():
             tree["checkpoint"]["key_file"] = os.path.join(launch.elastic_home, "keys",
                                                           "checkpoint.key")
-    if num_workers is not None:
-        scaling = tree["scaling"]
-        scaling.update(num_workers=num_workers,
-                       max_workers=max(config.scaling.upper, num_workers),
-                       min_workers=min(config.scaling.lower, num_workers))
+    if num_workers is not None and num_workers != config.scaling.num_workers:
+        tree["scaling"].update(num_workers=num_workers,
+                               max_workers=max(config.scaling.upper, num_workers),
+                               min_workers=min(config.scaling.lower, num_workers))
+        tree["batch"]["group_size"] = _same_math(name, config, num_workers)
+    if overrides and "max_steps" in overrides and "epochs" not in overrides:
+        tree["epochs"] = None  # to train longer: the run's epochs would end it first
     for dotted, value in (overrides or {}).items():
         *parents, leaf = dotted.split(".")
         node = tree
@@ -186,6 +189,29 @@ def resume_config(name: str, record: dict[str, Any], launch: Launch | None,
         raise ConfigError(f"run {name!r} cannot be resumed so: "
                           f"{where + ': ' if where else ''}"
                           f"{first['msg'].removeprefix('Value error, ')}") from None
+
+
+def _same_math(name: str, config: FitConfig, num_workers: int) -> int | None:
+    """`batch.group_size` for run `name` resumed at `num_workers`, so that its steps compute
+    what they did: the G it ran with (by default G follows `scaling.num_workers`, and with
+    BatchNorm or dropout G is part of the math).
+
+    Raises:
+        ConfigError: batch.policy 'scale_with_workers', whose global batch and learning rate
+            are set relative to `scaling.num_workers`.
+    """
+    batch = config.batch
+    if batch.policy == "scale_with_workers":
+        raise ConfigError(
+            f"run {name!r} uses batch.policy 'scale_with_workers', whose global batch and "
+            f"learning rate are set relative to scaling.num_workers ({config.scaling.num_workers}):"
+            f" resuming it at {num_workers} would change both. Resume it without a new number "
+            "of workers (it starts with those the cluster can place, at least "
+            "scaling.min_workers) and scale it once it runs")
+    if batch.group_size is not None:
+        return batch.group_size
+    return default_group_size(batch.global_batch_size, config.scaling.num_workers, batch.policy,
+                              batch.max_micro_batch)
 
 
 def _from(cwd: str, path: str) -> str:

@@ -1,8 +1,8 @@
 """CLI wiring only; the behaviour behind each command is tested through the Python API."""
 
 import dataclasses
-import os
 import inspect
+import os
 
 import pytest
 import typer

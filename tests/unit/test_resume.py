@@ -51,13 +51,14 @@ def test_a_bad_checkpoint_interval_or_one_without_a_folder_exits_2_naming_the_op
     assert result.exit_code == 2 and "--checkpoint is required" in result.output
 
 
-def _ended_run(home, tmp_path, name="r1", *, state="lost", checkpoint=True, target=None):
+def _ended_run(home, tmp_path, name="r1", *, state="lost", checkpoint=True, target=None,
+               batch=None, epochs=None):
     """A run's record, run dir (its start event) and launch record, as a run leaves them."""
     run_dir = tmp_path / "runs" / name
     config = FitConfig(
-        name=name, run_dir=str(run_dir), max_steps=40,
+        name=name, run_dir=str(run_dir), max_steps=40, epochs=epochs,
         scaling=ScalingConfig(num_workers=2, max_workers=2),
-        batch=BatchConfig(global_batch_size=16),
+        batch=batch or BatchConfig(global_batch_size=16),
         checkpoint=CheckpointConfig(path=str(tmp_path / "ckpt"), every_steps=5) if checkpoint else None,
         chaos=(ChaosEvent(step=3, rank=1, action="kill"),))
     os.makedirs(run_dir, mode=0o700)
@@ -81,6 +82,31 @@ def test_resume_config_is_the_started_one_without_its_chaos_and_takes_a_new_size
                           overrides={"logging.progress": "lines"})
     assert (wider.scaling.num_workers, wider.scaling.upper) == (3, 3)
     assert wider.logging.progress == "lines"
+    # G followed the 2 workers it started with (16 / 2): at 3 it stays, and with it the
+    # math of a model with BatchNorm or dropout; a G the run set stays as it is.
+    assert config.batch.group_size is None and wider.batch.group_size == 8
+    assert resume_config("r1", record, None, num_workers=2).batch.group_size is None
+
+
+def test_resume_at_another_size_keeps_the_math_or_refuses_a_batch_that_follows_the_size(
+        tmp_path):
+    home = tmp_path / "home"
+    _ended_run(home, tmp_path, "set", batch=BatchConfig(global_batch_size=16, group_size=4))
+    _ended_run(home, tmp_path, "scaled", batch=BatchConfig(global_batch_size=16,
+                                                           policy="scale_with_workers"))
+    _ended_run(home, tmp_path, "epochs", epochs=3)
+    registry = RunRegistry(str(home))
+    assert resume_config("set", registry.read("set"), None, num_workers=4).batch.group_size == 4
+    with pytest.raises(ConfigError, match=r"'scale_with_workers'.*resuming it at 3 would change"):
+        resume_config("scaled", registry.read("scaled"), None, num_workers=3)
+    assert resume_config("scaled", registry.read("scaled"), None).scaling.num_workers == 2
+    # --max-steps trains longer: the run's epochs would end it first.
+    record = registry.read("epochs")
+    assert resume_config("epochs", record, None).epochs == 3
+    longer = resume_config("epochs", record, None, overrides={"max_steps": 500})
+    assert (longer.epochs, longer.max_steps) == (None, 500)
+    both = resume_config("epochs", record, None, overrides={"max_steps": 500, "epochs": 9})
+    assert (both.epochs, both.max_steps) == (9, 500)
 
 
 def test_resume_refuses_a_live_or_finished_run_one_without_checkpoints_and_a_bad_size(tmp_path):
