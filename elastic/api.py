@@ -227,13 +227,18 @@ def _control(name: str, request: Request) -> Any:
 
     try:
         return client.call(name, request)
-    except RunNotFoundError:
+    except RunNotFoundError as e:
         # Ray does not know it either: a local record was left by a controller that died
         # before recording an end; otherwise the cluster may still hold an ended run's record.
         ended = record if record is not None else client.cached_record(name)
         if ended is None:
-            raise
-        if not is_terminal(ended):  # its controller is gone without recording an end
+            raise RunNotFoundError(f"{e} (nor is it in the run index, "
+                                   f"{RunRegistry().directory})") from None
+        if not is_terminal(ended):  # its controller is gone without recording an end ...
+            if record is not None and not _local(record) and _unverifiable(record):
+                # ... or runs where this process cannot ask (a run index on shared storage)
+                raise RunNotFoundError(_unreachable(record, "set RAY_ADDRESS to that cluster "
+                                                            "(or ask on its host)")) from None
             ended = mark_lost(ended)
         return _from_record(ended, request)
 
@@ -268,11 +273,24 @@ def _refresh_anywhere(record: dict[str, Any],
     try:
         return client.call(record["name"], Status()), False
     except RunNotFoundError:
-        here, theirs = client.cluster_address(), record.get("cluster")
-        if not force and (here is None or (theirs is not None and theirs != here)):
+        if not force and _unverifiable(record):
             return record, True
         again = RunRegistry().read(record["name"]) or record
         return (again if is_terminal(again) else mark_lost(again)), False
+
+
+def _unverifiable(record: dict[str, Any]) -> bool:
+    """Whether a live record of another host that the connected Ray cluster does not know
+    may still be live: the record names another cluster, or there is none to ask."""
+    from elastic.actors import client
+
+    here, theirs = client.cluster_address(), record.get("cluster")
+    return here is None or (theirs is not None and theirs != here)
+
+
+def _unreachable(record: dict[str, Any], then: str) -> str:
+    return (f"run {record['name']!r} is recorded {record['state']} on host {record.get('host')} "
+            f"(Ray cluster {record.get('cluster')}), which this process cannot reach: {then}")
 
 
 def _from_record(record: dict[str, Any], request: Request) -> Any:
@@ -341,10 +359,8 @@ def resume(name: str, job: TrainJob | None = None, *, num_workers: int | None = 
                                f"({RunRegistry().directory})")
     record, unverified = _refresh_anywhere(record, force)
     if unverified:
-        raise ConfigError(
-            f"run {name!r} is recorded {record['state']} on host {record.get('host')} (Ray "
-            f"cluster {record.get('cluster')}), which this process cannot reach: stop it there, "
-            "or, if that cluster is gone, resume with --force (force=True)")
+        raise ConfigError(_unreachable(record, "stop it there, or, if that cluster is gone, "
+                                               "resume with --force (force=True)"))
     launch = read_launch(record["run_dir"])
     config = resume_config(name, record, launch, num_workers, overrides)
     if job is None:

@@ -377,8 +377,8 @@ def find(name: str) -> Any:
         ensure_ray(start=False)
     except ConnectionError as e:
         raise RunNotFoundError(
-            f"no run named {name!r}: cannot connect to a Ray cluster (set RAY_ADDRESS or "
-            f"--address; with token authentication also RAY_AUTH_MODE=token): {e}"
+            f"no run named {name!r}: cannot connect to a Ray cluster to ask (set RAY_ADDRESS; "
+            f"with token authentication also RAY_AUTH_MODE=token): {e}"
         ) from e
     try:
         return ray.get_actor(controller_name(name), namespace=NAMESPACE)
@@ -401,6 +401,9 @@ def call(name: str, request: Request) -> Any:
         if isinstance(cause, Exception):
             raise cause from None
         raise
+    except ray.exceptions.RayActorError as e:  # the run ended (or its node died) as it was asked
+        raise RunNotFoundError(f"run {name!r} ended as it was asked (its controller is gone: "
+                               f"{type(e).__name__})") from None
 
 
 def cluster_address() -> str | None:

@@ -28,7 +28,7 @@ from elastic.actors.workers import RayWorkers
 from elastic.checkpoint.store import serialize
 from elastic.collective import RendezvousServer
 from elastic.config import FitConfig
-from elastic.control import ControlServer
+from elastic.control import ControlServer, decisions
 from elastic.control.context import Context
 from elastic.control.port import Notice, NoticeSource
 from elastic.control.requests import Drain, Events, Kill, Request, Scale, Status, Stop
@@ -303,9 +303,11 @@ class Controller:
             ids = [world[rank].worker_id]
         else:
             assert node_id is not None
-            ids = [m.worker_id for m in list(self.ctx.members) + list(self.ctx.spares)
-                   if m.node_id.startswith(node_id)]
-            if not node_id or not ids:
+            try:
+                ids = decisions.on_node(list(self.ctx.members) + list(self.ctx.spares), node_id)
+            except ValueError as e:
+                raise ConfigError(f"run {self.name!r}: {e}") from None
+            if not ids:
                 raise ConfigError(f"run {self.name!r} has no worker on a node {node_id!r}; "
                                   "`elastic status NAME` lists each worker's node")
         deadline = time.time() + deadline_s if deadline_s is not None else None

@@ -186,6 +186,21 @@ def data_set_mismatch(members: Sequence[Member], expected: int | None = None) ->
             "copy that differs between nodes)")
 
 
+def on_node(members: Sequence[Member], node_id: str) -> list[int]:
+    """The worker ids of `members` on the one Ray node whose id is or starts with `node_id`
+    (as `elastic drain --node` takes it); [] if none is.
+
+    Raises:
+        ValueError: `node_id` is empty, or the start of several nodes' ids (naming them).
+    """
+    nodes = sorted({m.node_id for m in members if node_id and m.node_id.startswith(node_id)})
+    if not node_id or len(nodes) > 1:
+        raise ValueError(f"{node_id!r} is the start of {len(nodes)} nodes' ids ("
+                         f"{', '.join(n[:16] for n in nodes)}): give more of the one to drain"
+                         if node_id else "the node to drain is empty")
+    return [m.worker_id for m in members if nodes and m.node_id == nodes[0]]
+
+
 def restore_source(steps: Sequence[int], global_step: int,
                    holdings: Sequence[Holding] | None = None) -> RestoreSource:
     """The newest committed step wins (ranks may differ by one step after a failure), the

@@ -553,6 +553,20 @@ def test_a_data_set_mismatch_names_the_workers_that_differ_from_the_run_or_the_m
     assert "worker 10 on node node0: 8 and 2 more)" in many
 
 
+def test_a_drained_node_is_the_one_its_id_starts_and_an_ambiguous_start_is_refused():
+    from elastic.control.port import Member
+
+    members = [Member(0, 1, "3fa0", 8), Member(1, 2, "3fb1", 8), Member(2, 3, "3fa0", 8),
+               Member(3, 4, "77c2", 8)]
+    assert decisions.on_node(members, "3fa") == [0, 2]
+    assert decisions.on_node(members, "77c2") == [3]
+    assert decisions.on_node(members, "99") == []
+    with pytest.raises(ValueError, match=r"'3f' is the start of 2 nodes' ids \(3fa0, 3fb1\)"):
+        decisions.on_node(members, "3f")  # before: drained both nodes
+    with pytest.raises(ValueError, match="empty"):
+        decisions.on_node(members, "")
+
+
 def test_restore_source_is_the_newest_lowest_rank_else_a_checkpoint():
     assert decisions.restore_source([5, 6, 6, 4], 5) == decisions.RestoreSource(1, False)
     assert decisions.restore_source([0, 0], 7) == decisions.RestoreSource(0, True)

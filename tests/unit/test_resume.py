@@ -353,6 +353,13 @@ def test_a_live_record_of_another_host_is_asked_of_the_cluster_and_lost_if_unkno
             elastic.resume("elsewhere")
         forced, _ = api._refresh_anywhere(registry.read("elsewhere"), force=True)
         assert forced["state"] == "lost"
+        # status, stop, ... say the same (before: "lost", and stop "nothing to stop").
+        for ask in (lambda: elastic.status("elsewhere"), lambda: elastic.stop("elsewhere")):
+            with pytest.raises(RunNotFoundError, match=r"recorded running on host node-a "
+                               r"\(Ray cluster 10.0.0.1:6379\), which this process cannot "
+                               r"reach: set RAY_ADDRESS to that cluster"):
+                ask()
+        assert registry.read("elsewhere")["state"] == "running"
     # A record of an older version names no cluster: lost when a cluster does not know it.
     monkeypatch.setattr(client, "cluster_address", lambda: "10.9.9.9:6379")
     older = {k: v for k, v in registry.read("elsewhere").items() if k != "cluster"}
@@ -385,3 +392,35 @@ def test_a_run_cached_live_in_the_cluster_without_its_controller_reads_lost(tmp_
     assert seen["state"] == "lost" and seen["workers"] == [] and seen["step"] == 7
     monkeypatch.setattr(client, "cached_record", lambda name: {**cached, "state": "stopped"})
     assert elastic.status("r9")["state"] == "stopped"
+
+
+def test_a_run_that_ends_as_it_is_asked_is_not_found_and_an_unknown_name_says_where_it_looked(
+        tmp_path, monkeypatch):
+    # `elastic list` or `status` while a run ends (its controller kills itself): Ray's actor
+    # error was a traceback with exit code 1.
+    import ray
+
+    import elastic
+    from elastic.actors import client
+    from elastic.errors import RunNotFoundError
+
+    class Controller:
+        class answer:  # as Ray's actor method
+            @staticmethod
+            def remote(request):
+                return "ref"
+
+    def died(ref):
+        raise ray.exceptions.ActorDiedError()
+
+    monkeypatch.setattr(client, "find", lambda name: Controller)
+    monkeypatch.setattr(client.ray, "get", died)
+    with pytest.raises(RunNotFoundError, match=r"run 'r1' ended as it was asked \(its "
+                                               r"controller is gone: ActorDiedError\)"):
+        client.call("r1", None)
+    # A name in neither the index nor the cluster: the error says both.
+    monkeypatch.setenv("ELASTIC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(client, "cached_record", lambda name: None)
+    with pytest.raises(RunNotFoundError, match=r"ended as it was asked.*\(nor is it in the run "
+                                               r"index, .*home"):
+        elastic.status("typo")
