@@ -36,7 +36,7 @@ def run_dir_of(run_dir: str | None, name: str, environ: Mapping[str, str] = os.e
     used): there `$ELASTIC_HOME/run-dirs/NAME` (default `~/.elastic/run-dirs/NAME`), so that
     the events, metrics and final model outlive the job, as its record in the run index does."""
     if run_dir:
-        return os.path.abspath(run_dir)
+        return os.path.abspath(os.path.expanduser(run_dir))
     try:
         runtime_env = json.loads(environ.get(_RAY_JOB_CONFIG_ENV) or "{}").get("runtime_env") or {}
     except (ValueError, AttributeError):

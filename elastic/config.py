@@ -478,9 +478,9 @@ class ShardingConfig(_Frozen):
 class CheckpointConfig(_Frozen):
     """Where and how often checkpoints are written; a run with the same path resumes."""
 
-    path: str = Field(description="Checkpoint root: a local directory or an fsspec URL "
-                      "(s3://..., memory://...). A run pointed at a path with checkpoints resumes "
-                      "from the newest valid one.")
+    path: str = Field(description="Checkpoint root: a local directory (a relative one is made "
+                      "absolute here) or an fsspec URL (s3://..., memory://...). A run pointed at "
+                      "a path with checkpoints resumes from the newest valid one.")
     every_steps: int | None = Field(
         default=None, ge=1, description="Write a checkpoint every this many steps."
     )
@@ -513,7 +513,8 @@ class CheckpointConfig(_Frozen):
     )
     key_file: str | None = Field(
         default=None,
-        description="The signing key's file (64 hex digits; created 0600 if missing). Default: "
+        description="The signing key's file (64 hex digits; created 0600 if missing; a relative "
+        "path is made absolute here). Default: "
         "$ELASTIC_HOME/keys/checkpoint.key on the machine that starts the run; copy it "
         "privately to resume from these checkpoints elsewhere.",
     )
@@ -535,6 +536,13 @@ class CheckpointConfig(_Frozen):
         "thread count or hardware type, or without exact mode (the run is exact from there on "
         "but no longer reproduces the run that wrote it). Off: such a resume is refused.",
     )
+
+    @field_validator("path", "key_file")
+    @classmethod
+    def _absolute_local(cls, path: str | None) -> str | None:
+        # A folder made absolute where the run starts (the controller and the workers run in
+        # other processes, on a cluster in `ray start`'s directory); a URL as it is.
+        return path if path is None or "://" in path else _absolute(path)
 
     @property
     def timeout_s(self) -> float | None:

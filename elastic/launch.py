@@ -117,8 +117,10 @@ def read_launch(run_dir: str) -> Launch | None:
         raise ConfigError(f"{os.path.join(run_dir, LAUNCH_FILE)} is not a launch record: {e}") from None
 
 
-def started_config(run_dir: str, name: str) -> FitConfig:
-    """The configuration of run `name`'s newest start in `run_dir`, from its `start` event.
+def started_config(run_dir: str, name: str, cwd: str | None = None) -> FitConfig:
+    """The configuration of run `name`'s newest start in `run_dir`, from its `start` event;
+    a relative checkpoint folder or key file (recorded by an older version, which kept them
+    so) as seen from `cwd`, where the run started (else from here).
 
     Raises:
         ConfigError: the run dir has no `start` event of it (or none this version reads).
@@ -129,8 +131,14 @@ def started_config(run_dir: str, name: str) -> FitConfig:
     if not starts:
         raise ConfigError(f"{path} has no start event of run {name!r}: its configuration is "
                           "unknown")
+    recorded = starts[-1]["config"]
+    checkpoint = recorded.get("checkpoint") if isinstance(recorded, dict) else None
+    if cwd is not None and isinstance(checkpoint, dict):
+        recorded = {**recorded, "checkpoint": {
+            **checkpoint, **{k: _from(cwd, checkpoint[k]) for k in ("path", "key_file")
+                             if isinstance(checkpoint.get(k), str)}}}
     try:
-        return FitConfig.model_validate(starts[-1]["config"])
+        return FitConfig.model_validate(recorded)
     except Exception as e:
         raise ConfigError(f"the configuration recorded in {path} does not load in this version "
                           f"of elastic: {str(e).splitlines()[0]}") from None
@@ -153,20 +161,17 @@ def resume_config(name: str, record: dict[str, Any], launch: Launch | None,
     if state not in ("lost", "failed", "stopped"):
         raise ConfigError(f"run {name!r} is still {state}; only a lost, failed or stopped run "
                           f"is resumed (`elastic stop {name}` first)")
-    config = started_config(record["run_dir"], name)
+    config = started_config(record["run_dir"], name, launch.cwd if launch is not None else None)
     checkpoint = config.checkpoint
     if checkpoint is None:
         raise ConfigError(f"run {name!r} wrote no checkpoints (checkpoint.path was not set), so "
                           "there is nothing to resume from; start it again with --checkpoint DIR")
     tree = config.model_dump()
     tree.update(name=name, run_dir=record["run_dir"], chaos=())
-    if launch is not None:  # paths as the run that wrote them meant them
-        tree["checkpoint"]["path"] = _from(launch.cwd, checkpoint.path)
-        if checkpoint.key_file is not None:
-            tree["checkpoint"]["key_file"] = _from(launch.cwd, checkpoint.key_file)
-        elif checkpoint.sign and launch.elastic_home != storage_root():
-            tree["checkpoint"]["key_file"] = os.path.join(launch.elastic_home, "keys",
-                                                          "checkpoint.key")
+    if launch is not None and checkpoint.key_file is None and checkpoint.sign \
+            and launch.elastic_home != storage_root():  # the key of the home that signed
+        tree["checkpoint"]["key_file"] = os.path.join(launch.elastic_home, "keys",
+                                                      "checkpoint.key")
     if num_workers is not None and num_workers != config.scaling.num_workers:
         tree["scaling"].update(num_workers=num_workers,
                                max_workers=max(config.scaling.upper, num_workers),

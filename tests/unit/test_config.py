@@ -3,7 +3,14 @@ from datetime import timedelta
 import pydantic
 import pytest
 
-from elastic.config import BatchConfig, CollectiveConfig, FitConfig, ScalingConfig, choose_backend
+from elastic.config import (
+    BatchConfig,
+    CheckpointConfig,
+    CollectiveConfig,
+    FitConfig,
+    ScalingConfig,
+    choose_backend,
+)
 from elastic.errors import ConfigError
 
 
@@ -219,3 +226,20 @@ def test_pinning_batches_that_no_gpu_takes_is_refused():
         FitConfig(scaling=ScalingConfig(num_workers=1), max_steps=1,
                   batch=BatchConfig(global_batch_size=8),
                   data=DataConfig(pin_memory=True, loader_workers=2))
+
+
+def test_a_relative_checkpoint_folder_or_key_is_made_absolute_where_the_config_is_built(
+        tmp_path, monkeypatch):
+    # The controller and the workers open it in other processes (on a cluster, in the
+    # directory `ray start` ran in): "ckpt" was another folder there, and `resume` looked
+    # under the run's starting directory.
+    from elastic.api import run_dir_of
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "me"))
+    config = CheckpointConfig(path="ckpt", key_file="keys/k.key")
+    assert (config.path, config.key_file) == (str(tmp_path / "ckpt"), str(tmp_path / "keys/k.key"))
+    assert CheckpointConfig(path="~/ckpt").path == str(tmp_path / "me" / "ckpt")
+    for url in ("s3://bucket/ckpt", "memory://ckpt", "file:///abs/ckpt"):
+        assert CheckpointConfig(path=url).path == url
+    assert run_dir_of("~/runs/r1", "r1") == str(tmp_path / "me" / "runs" / "r1")
