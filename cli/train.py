@@ -229,7 +229,7 @@ def _training_options(
         "checkpoint there, and `elastic resume NAME` restarts it (checkpoint.path).")] = None,
     checkpoint_every: Annotated[str | None, typer.Option(
         help="Write a checkpoint every N steps, or every 30s, 10m or 2h "
-        "(checkpoint.every_steps or every_seconds).")] = None,
+        "(checkpoint.every_steps or every_seconds; default 30m).")] = None,
     keep_last: Annotated[int | None, typer.Option(
         help="Checkpoints kept (checkpoint.keep_last, default 3).")] = None,
     kill_at: Annotated[list[str] | None, typer.Option(help="Chaos: kill RANK at STEP (STEP:RANK).")] = None,

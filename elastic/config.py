@@ -475,6 +475,9 @@ class ShardingConfig(_Frozen):
     )
 
 
+DEFAULT_CHECKPOINT_EVERY_S = 1800.0  # checkpoint.every_seconds when no interval is set
+
+
 class CheckpointConfig(_Frozen):
     """Where and how often checkpoints are written; a run with the same path resumes."""
 
@@ -487,7 +490,9 @@ class CheckpointConfig(_Frozen):
     every_seconds: float | None = Field(
         default=None, gt=0, description="Write a checkpoint at the first chunk boundary after "
         "this many seconds have passed since the last one (with chunks_ahead, up to one chunk "
-        "later: a boundary whose next chunk was handed out before the time came is passed over)."
+        "later: a boundary whose next chunk was handed out before the time came is passed over). "
+        f"With neither interval set: {DEFAULT_CHECKPOINT_EVERY_S:.0f} (a run that loses every "
+        "worker, or its driver, has a checkpoint to go back to, not only the final one)."
     )
     keep_last: int = Field(default=3, ge=1, description="Valid checkpoints retention keeps.")
     timeout: timedelta | None = Field(
@@ -536,6 +541,14 @@ class CheckpointConfig(_Frozen):
         "thread count or hardware type, or without exact mode (the run is exact from there on "
         "but no longer reproduces the run that wrote it). Off: such a resume is refused.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _some_interval(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("every_steps") is None \
+                and data.get("every_seconds") is None:
+            return {**data, "every_seconds": DEFAULT_CHECKPOINT_EVERY_S}
+        return data
 
     @field_validator("path", "key_file")
     @classmethod

@@ -243,3 +243,14 @@ def test_a_relative_checkpoint_folder_or_key_is_made_absolute_where_the_config_i
     for url in ("s3://bucket/ckpt", "memory://ckpt", "file:///abs/ckpt"):
         assert CheckpointConfig(path=url).path == url
     assert run_dir_of("~/runs/r1", "r1") == str(tmp_path / "me" / "runs" / "r1")
+
+
+def test_a_checkpoint_folder_without_an_interval_is_written_every_30_minutes():
+    # Before: only the final checkpoint, so a run that lost every worker or its driver had
+    # nothing to go back to, whatever --checkpoint's help promised.
+    from elastic.config import DEFAULT_CHECKPOINT_EVERY_S
+
+    assert DEFAULT_CHECKPOINT_EVERY_S == 1800
+    assert CheckpointConfig(path="/ckpt").every_seconds == 1800
+    assert CheckpointConfig(path="/ckpt", every_steps=5).every_seconds is None
+    assert CheckpointConfig(path="/ckpt", every_seconds=60).every_seconds == 60
