@@ -12,7 +12,7 @@ import re
 import signal
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, get_type_hints
 
 import pydantic
@@ -71,7 +71,7 @@ def _prepare(options: dict[str, Any]) -> tuple[elastic.FitConfig, elastic.TrainJ
         if (tree is None or not isinstance(e, pydantic.ValidationError)
                 or e.title != elastic.FitConfig.__name__):
             raise fail(one_line(e)) from None
-        problems = _config_problems(e, tree)
+        problems = _config_problems(e, tree, job.settings)
         if len(problems) == 1:
             raise fail(f"invalid configuration: {problems[0]}") from None
         raise fail(f"invalid configuration ({len(problems)} problems):\n"
@@ -108,11 +108,14 @@ def _config_tree(options: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def _config_problems(error: pydantic.ValidationError, tree: dict[str, Any]) -> list[str]:
+def _config_problems(error: pydantic.ValidationError, tree: dict[str, Any],
+                     implied: Mapping[str, Any]) -> list[str]:
     """Every problem of `error`, one line each, naming the command-line option that fixes it
-    (a required setting left out: the option, or the field of a config file)."""
+    (a required setting left out: the option, or the field of a config file); `implied`: the
+    job's settings (`TrainJob.settings`: a Lightning module's epochs, say)."""
     # FitConfig says that the run has no end only once the rest is valid: say it with the rest.
-    no_end = tree.get("epochs") is None and tree.get("max_steps") is None
+    no_end = all(tree.get(end) is None and implied.get(end) is None
+                 for end in ("epochs", "max_steps"))
     problems: list[str] = []
     for item in error.errors():
         loc = tuple(str(part) for part in item["loc"])

@@ -147,6 +147,17 @@ def test_run_without_the_required_options_lists_every_problem_naming_its_option(
     assert "--epochs or --max-steps is required" in text
 
 
+def test_an_end_the_job_implies_is_not_asked_for_again():
+    # A Lightning module's max_epochs is the run's end: before, a bad --workers also printed
+    # "--epochs or --max-steps is required", and following it failed as a conflict.
+    pytest.importorskip("lightning")
+    result = runner.invoke(app, ["run", "examples/lightning_mnist_like.py:job", "--workers",
+                                 "0", "--global-batch", "64"])
+    text = _text(result.output)
+    assert result.exit_code == 2 and "invalid configuration: --workers" in text
+    assert "--epochs or --max-steps" not in text
+
+
 def test_a_configuration_error_with_square_brackets_is_printed_whole():
     result = runner.invoke(app, ["run", "examples/spirals.py:job", "--workers", "5", "--max-workers",
                                  "4", "--global-batch", "8", "--max-steps", "1"])
