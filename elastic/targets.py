@@ -36,11 +36,18 @@ def load_target(spec: str) -> TrainJob:
             os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (directory, existing) if p)
         module_name = os.path.splitext(os.path.basename(path))[0]
     else:
-        module_name = module_part
+        path, module_name = None, module_part
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(f"cannot import target module {module_name!r}: {e}") from e
+    found = getattr(module, "__file__", None)
+    if path is not None and (found is None or not os.path.samefile(found, path)):
+        # A module of that name was imported already (the standard library's `statistics`,
+        # a package's `cli`): the workers would import that one too.
+        raise ConfigError(f"target file {module_part!r} is named like the module "
+                          f"{module_name!r}, which is imported from {found or 'a built-in'}: "
+                          "rename the file")
     try:
         obj = getattr(module, attr)
     except AttributeError as e:

@@ -147,6 +147,28 @@ def test_run_without_the_required_options_lists_every_problem_naming_its_option(
     assert "--epochs or --max-steps is required" in text
 
 
+def test_a_target_file_named_like_a_module_imported_already_is_refused(tmp_path):
+    # Before: the module already imported was taken for the file ("has no attribute 'job'"
+    # for json.py; another folder's job file of the same name: that file's job, silently).
+    import elastic
+
+    code = "from tests.jobs import regression_job as job\n"
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        for name in ("json.py", "same_named_job.py"):
+            (tmp_path / folder / name).write_text(code)
+    with pytest.raises(elastic.errors.ConfigError,
+                       match=r"json.py' is named like the module 'json', which is imported from "
+                             r".*json.*: rename the file"):
+        elastic.load_target(f"{tmp_path / 'a' / 'json.py'}:job")
+    assert isinstance(elastic.load_target(f"{tmp_path / 'a' / 'same_named_job.py'}:job"),
+                      elastic.TrainJob)
+    assert isinstance(elastic.load_target(f"{tmp_path / 'a' / 'same_named_job.py'}:job"),
+                      elastic.TrainJob)  # the same file again
+    with pytest.raises(elastic.errors.ConfigError, match="named like the module 'same_named_job'"):
+        elastic.load_target(f"{tmp_path / 'b' / 'same_named_job.py'}:job")
+
+
 def test_an_end_the_job_implies_is_not_asked_for_again():
     # A Lightning module's max_epochs is the run's end: before, a bad --workers also printed
     # "--epochs or --max-steps is required", and following it failed as a conflict.
