@@ -337,6 +337,13 @@ class FailureConfig(_Frozen):
         description="How many times a step is retried after user code (model, loss, dataset) "
         "raised, before the run fails with UserCodeError.",
     )
+    max_collective_retries: int = Field(
+        default=3, ge=0,
+        description="Recoveries in a row from a collective error at one step with no worker "
+        "lost (a connection reset, an abort) before the run fails with CollectiveError: an "
+        "error that recurs each time the step is redone (malformed data a rank sends) would "
+        "otherwise recover for ever. A committed step starts the count over.",
+    )
     max_failures: int | None = Field(
         default=None, ge=0,
         description="Worker losses the run tolerates in total; None means unlimited. "

@@ -183,13 +183,16 @@ class GlooTransport(Transport):
             handle.wake()
         self._senders.stop()
         self._receivers.stop()
+        if self._pg is not None:
+            _ABANDONED.append(self._pg)  # see _ABANDONED
         self._pg = None
 
     def close(self) -> None:
+        # After an abort the group is kept already; after a clean run nothing is blocked in
+        # it, and it is released now (before: kept until the process ended, a group of W - 1
+        # connections and its threads leaked at every resize).
         self._senders.stop()
         self._receivers.stop()
-        if self._pg is not None:
-            _ABANDONED.append(self._pg)
         self._pg = None
 
 

@@ -103,6 +103,8 @@ class FailurePolicy:
     user_retries: dict[int, int] = field(default_factory=dict)
     evaluation_retries: dict[int, int] = field(default_factory=dict)
     generation_attempts: int = 0
+    # step -> recoveries in a row from a collective error there (the last such step only)
+    collective_recoveries: dict[int, int] = field(default_factory=dict)
     # step -> generations that ran out of memory forming at it (the last such step only;
     # `formed` keeps it).
     forming_oom: dict[int, int] = field(default_factory=dict)
@@ -119,7 +121,8 @@ class FailurePolicy:
             preempted: workers told to leave that died with it before a step boundary
                 (counted against `max_preemptions` instead).
             micro_batches: for out-of-memory errors, rank -> (worker id, micro-batch it ran).
-            step: the run's step, for errors that do not carry one (a generation that fails).
+            step: the run's committed step, for errors that do not carry one (a generation
+                that fails, a collective error).
 
         Returns:
             The action; `Fail` carries the error the run ends with, with a message that says
@@ -133,7 +136,7 @@ class FailurePolicy:
             case GenerationOutOfMemoryError():
                 return self._forming_out_of_memory(error, step)
             case CollectiveError():
-                return Recover()
+                return self._collective(error, step)
             case MembershipChanged():
                 return Reconfigure()
             case AfterStepError():  # the step is applied: a retry would apply it again
@@ -161,6 +164,21 @@ class FailurePolicy:
                 f"{self.preemptions} workers preempted, more than failure.max_preemptions = "
                 f"{limit}; raise it (None: unlimited)", step=step))
         return None
+
+    def _collective(self, error: CollectiveError, step: int | None) -> Action:
+        """A recovery, unless collective errors at committed step `step` (None: not known)
+        have recurred past `max_collective_retries`: redoing the step does not help then."""
+        if step is None:
+            return Recover()
+        count = self.collective_recoveries.get(step, 0) + 1
+        self.collective_recoveries = {step: count}
+        limit = self.config.max_collective_retries
+        if count > limit:
+            return Fail(CollectiveError(
+                f"a collective failed {count} times in a row after step {step} with no worker "
+                f"lost, more than failure.max_collective_retries = {limit}: an error that "
+                f"recurs as the step is redone ({error})", rank=error.rank))
+        return Recover()
 
     def formed(self) -> None:
         """A generation formed: its retries start over."""

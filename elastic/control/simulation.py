@@ -62,7 +62,8 @@ class SimulatedWorkers:
         before_chunk: called with the committed step before each chunk (to make requests).
         votes: step -> failures: the first time each step runs, every rank votes it down
             with the first failure of its list (`UserFailure`, `OutOfMemory` or `NonFinite`
-            of `elastic.trainer.replica`), the next time with the next one, and so on.
+            of `elastic.trainer.replica`), the next time with the next one, and so on; the
+            failure "collective": every rank's collective fails in the step, nobody died.
         traits: what the workers report of the model (`Replica.traits`; default: no
             BatchNorm or dropout layers).
         metrics: what an evaluation of the committed step returns (default: {"score": step}).
@@ -267,7 +268,13 @@ class SimulatedWorkers:
             if i == 0 and kills:
                 return self._killed(ids, kills, cursor, step)
             if self.votes.get(step):
-                return self._voted(ids, self.votes[step].pop(0), records, cursor, step)
+                failure = self.votes[step].pop(0)
+                if failure == "collective":  # every rank's collective fails; nobody died
+                    self._commit(ids, cursor)
+                    return ChunkReport({r: ChunkInterrupted(records[r], step, cursor.to_dict(),
+                                                            "simulated connection reset")
+                                        for r in range(world)})
+                return self._voted(ids, failure, records, cursor, step)
             self.clock += self.step_time_s
             epoch = cursor.start(self.dataset_size, batch)[0]
             for rank in range(world):

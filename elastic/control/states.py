@@ -408,7 +408,9 @@ class Running(State):
                 chaos: list[ChaosEvent], micro_batches: tuple[int, ...], ids: list[int]) -> State:
         """Acts on the failure policy's decision about a chunk that did not complete."""
         if isinstance(error, (WorkerLostError, CollectiveError)):
-            action = ctx.policy.decide(error)  # losses are counted when the ranks are dropped
+            # losses are counted when the ranks are dropped; the step is where it broke
+            action = ctx.policy.decide(
+                error, step=decisions.newest_committed(report.outcomes, ctx.step))
             if isinstance(action, Fail):
                 raise action.error
             assert isinstance(action, Recover)
@@ -557,7 +559,7 @@ class Evaluating(State):
                 chaos: list[ChaosEvent]) -> State:
         """Recovers (the evaluation stays pending and runs again at the same step), retries
         after an error of user code, or fails, as the failure policy decides."""
-        action = ctx.policy.decide(error)
+        action = ctx.policy.decide(error, step=ctx.step)
         if isinstance(action, Fail):
             raise action.error
         if isinstance(error, UserCodeError):

@@ -10,6 +10,7 @@ uses, declared below, so that this module does not import the replica.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -289,7 +290,11 @@ def _after(host: ApplyHost, context: StepContext, loss: float, metrics: dict[str
         after_step(host.extra, host.model, context.step, context.rank)
     epoch_over = (host.cursor.start(host.order.dataset_size, context.global_batch_size)[0]
                   > host.cursor.epoch)
-    host.training.after_step(context.step, context.rank, applied, loss, metrics, epoch_over)
+    # A metric the run has that no sample of this step weighed (returned only for some
+    # batches, a count of 0) has no value here, as a skipped step's: NaN, which the scheduler
+    # passes over; a name the run never had is the user's mistake.
+    values = {name: metrics.get(name, math.nan) for name in host.metric_names}
+    host.training.after_step(context.step, context.rank, applied, loss, values, epoch_over)
 
 
 def _optimizer_step(host: ApplyHost, lr_factor: float) -> float:

@@ -47,6 +47,11 @@ def split_output(out: Any) -> tuple[Any, Mapping[str, Any] | None]:
     bad = [k for k in metrics if not isinstance(k, str) or not k]
     if bad:
         raise ValueError(f"TrainJob.loss returned metric names {bad!r}; names must be non-empty str")
+    size = len(encode_names(list(metrics)))
+    if size > MAX_NAMES_BYTES:  # the ranks could not exchange them (`exchange_names`)
+        raise ValueError(f"TrainJob.loss returned {len(metrics)} metric names, {size} bytes as "
+                         f"JSON, more than the {MAX_NAMES_BYTES} allowed; return fewer (sum "
+                         "per-class or per-layer values into a few)")
     return out[0], metrics
 
 

@@ -147,10 +147,17 @@ def test_run_without_the_required_options_lists_every_problem_naming_its_option(
     assert "--epochs or --max-steps is required" in text
 
 
-def test_a_target_file_named_like_a_module_imported_already_is_refused(tmp_path):
+def test_a_target_file_named_like_a_module_imported_already_is_refused(tmp_path, monkeypatch):
     # Before: the module already imported was taken for the file ("has no attribute 'job'"
     # for json.py; another folder's job file of the same name: that file's job, silently).
+    import sys
+
     import elastic
+
+    # load_target puts a file target's folder on the paths: not for the next tests' processes.
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    monkeypatch.delitem(sys.modules, "same_named_job", raising=False)
 
     code = "from tests.jobs import regression_job as job\n"
     for folder in ("a", "b"):

@@ -268,3 +268,24 @@ def test_bad_input_refused_by_a_transport_is_raised_as_is_and_leaves_the_communi
         comm.barrier()  # still usable
     finally:
         comm.close()
+
+
+def test_a_gloo_group_closed_cleanly_is_released_and_an_aborted_one_is_kept(server):
+    # Before, inverted: every cleanly closed group was kept until the process ended (a group
+    # of W - 1 connections and its threads leaked at each resize), and an aborted one was
+    # dropped while its helpers might still be blocked in it.
+    from elastic.collective import gloo
+
+    config = CollectiveConfig(simulated_hosts=2)  # two hosts of one rank: gloo between them
+    before = len(gloo._ABANDONED)
+    ones = run_ranks(server, 2, lambda c: (c.transport, c.allreduce(torch.ones(3), "sum")),
+                     config)
+    assert [t for t, _ in ones] == ["gloo", "gloo"] and torch.equal(ones[0][1], torch.full((3,), 2.0))
+    assert len(gloo._ABANDONED) == before
+
+    def aborted(comm):
+        comm.allreduce(torch.ones(3), "sum")
+        comm.abort()
+
+    run_ranks(server, 2, aborted, config)
+    assert len(gloo._ABANDONED) == before + 2

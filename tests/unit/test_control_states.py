@@ -489,6 +489,25 @@ def test_the_policy_maps_each_error_class_to_its_action():
     assert isinstance(lost, Fail) and "3 workers lost" in str(lost.error)
 
 
+def test_a_collective_error_that_recurs_at_one_step_fails_the_run_instead_of_looping(tmp_path):
+    # Malformed data a rank sends in every redo of the step: each time a recovery with nobody
+    # lost. Before, the generation's retry count started over at each formed generation, and
+    # the run recovered for ever.
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, votes={5: ["collective"] * 9})
+    end, ctx, _ = _run(tmp_path, sim=sim, failure=FailureConfig(max_collective_retries=2))
+    assert isinstance(end, Failed) and isinstance(end.error, CollectiveError)
+    assert str(end.error).startswith(
+        "a collective failed 3 times in a row after step 5 with no worker lost, more than "
+        "failure.max_collective_retries = 2")
+    assert [e["reason"] for e in _events(ctx, "generation")] == ["start", "recovery", "recovery"]
+    assert _steps(ctx) == list(range(5))
+    # Fewer in a row than the limit: recovered, and the count starts over past the step.
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4,
+                           votes={5: ["collective"] * 2, 9: ["collective"] * 2})
+    end, ctx, _ = _run(tmp_path / "again", sim=sim, failure=FailureConfig(max_collective_retries=2))
+    assert isinstance(end, Finished) and _steps(ctx) == list(range(24))
+
+
 def test_the_policy_retries_a_generation_three_times_then_fails():
     policy = FailurePolicy(FailureConfig())
     for _ in range(3):

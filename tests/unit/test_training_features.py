@@ -125,7 +125,7 @@ def _reference(job: TrainJob, steps: int, *, precision: str = "32", scaler=None,
         if ema is not None and not skipped:
             ema.after_step(model)
         if scheduler_step is not None:
-            scheduler_step(sched, step, loss_sum, {k: s / w for k, (s, w) in sums.items()})
+            scheduler_step(sched, step, loss_sum, {k: s / w for k, (s, w) in sums.items() if w > 0})
         log.append({"loss": loss_sum, "lr": lr, "norm": norm, "skipped": skipped, "scale": scale,
                     "metrics": {k: s / w for k, (s, w) in sums.items() if w > 0}})
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, log, ema
@@ -274,6 +274,30 @@ def test_a_plateau_scheduler_steps_on_the_global_loss_of_each_step(tmp_path):
     expected, log, _ = _reference(job, 8, scheduler_step=lambda s, step, loss, m: s.step(loss))
     assert [r.lr for r in records] == pytest.approx([e["lr"] for e in log], rel=1e-12)
     assert len({e["lr"] for e in log}) > 1  # it reduced
+    _close(final, expected)
+
+
+def sometimes_loss(model: nn.Module, batch):
+    """The mse, with a metric over the samples whose target is above 2: none in some global
+    batches (steps 0, 2 and 4 here), where its count sums to 0."""
+    x, y = batch
+    err = model(x) - y
+    big = y > 2.0
+    return F.mse_loss(model(x), y), {"big": LossSum(err[big].abs().sum(), int(big.sum()))}
+
+
+@pytest.mark.timeout(120)
+def test_a_plateau_scheduler_on_a_metric_some_steps_lack_skips_those_steps(tmp_path):
+    # Before: the first step without a value failed the run ("is neither 'loss' nor a metric
+    # TrainJob.loss returns"), after it was applied.
+    job = _job(loss=sometimes_loss, lr_scheduler=plateau)
+    final, records, replica = _run(tmp_path, job, TrainingConfig(scheduler_monitor="big"))
+    expected, log, _ = _reference(
+        job, 8, scheduler_step=lambda s, step, loss, m: s.step(m["big"]) if "big" in m else None)
+    assert ["big" in e["metrics"] for e in log] == [False, True, False, True, False, True,
+                                                   True, True]
+    assert [r.lr for r in records] == pytest.approx([e["lr"] for e in log], rel=1e-12)
+    assert replica.metric_names == ("big",)
     _close(final, expected)
 
 
