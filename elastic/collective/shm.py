@@ -368,10 +368,7 @@ class SharedMemoryTransport(Transport):
     def local_failure(self) -> BaseException | None:
         """Why this host's group is broken (a local peer gave up or exited), if it is.
         Checks the peers' processes at most every `_LIVENESS_S`."""
-        if self._broken is None:
-            failed = next((q for q, s in self._peers if s.failed.value), None)
-            if failed is not None:
-                self._broken = RuntimeError(f"rank {failed} of this host gave up on the generation")
+        self._peer_gave_up()
         now = time.monotonic()
         if self._broken is None and now - self._checked >= _LIVENESS_S:
             self._checked = now
@@ -391,7 +388,16 @@ class SharedMemoryTransport(Transport):
         if sleeping.value:
             self._futex.wake(bell)
 
+    def _peer_gave_up(self) -> None:
+        if self._broken is None:
+            failed = next((q for q, s in self._peers if s.failed.value), None)
+            if failed is not None:
+                self._broken = RuntimeError(f"rank {failed} of this host gave up on the generation")
+
     def _check_peers(self) -> None:
+        # A peer that gave up alive (its abort, timeout or error) fails point-to-point waits
+        # too, not only the stages' (before: they waited out their own timeout).
+        self._peer_gave_up()
         if self._broken is None:
             rank = self._processes.exited()
             if rank is not None:

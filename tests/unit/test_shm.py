@@ -352,3 +352,19 @@ def test_abort_during_a_reducing_receive_stops_writing_into_the_tensor(server):
     assert torch.equal(at_abort[1020:], torch.ones(4096 - 1020))
     assert unread == 4096
     assert torch.equal(tensor, at_abort)
+
+
+def test_a_receive_fails_at_once_when_its_host_peer_gives_up_alive(server):
+    # Rank 0 gives up on the generation (its abort, a timeout or an error on it alone) and
+    # stays alive. Rank 1's receive from it must fail within the liveness check, not wait
+    # out the 5-minute collective timeout (pytest-timeout would fail the test first): before,
+    # a point-to-point wait looked only at whether peer processes had exited.
+    def body(comm):
+        if comm.rank == 0:
+            comm.abort()
+            return None
+        with pytest.raises(CollectiveError, match="rank 0 of this host gave up"):
+            comm.recv(torch.zeros(4), src=0)
+        return "failed"
+
+    assert run_ranks(server, 2, body)[1] == "failed"
