@@ -290,7 +290,11 @@ def _load_config_file(path: pathlib.Path) -> dict:
     if path.suffix in (".yaml", ".yml"):
         import yaml
 
-        return yaml.safe_load(text) or {}
+        tree = yaml.safe_load(text) or {}
+        if not isinstance(tree, dict):
+            raise ValueError(f"--config {path}: its top level must be settings (name: value), "
+                             f"not a {type(tree).__name__}")
+        return tree
     raise ValueError(f"--config {path}: use a .toml or .yaml file")
 
 
@@ -298,8 +302,13 @@ def _set(tree: dict, dotted: str, value: object) -> None:
     if value is None:
         return
     *parents, leaf = dotted.split(".")
-    for key in parents:
-        tree = tree.setdefault(key, {})
+    for i, key in enumerate(parents):
+        if tree.get(key) is None:  # absent, or a section a YAML file left empty (`scaling:`)
+            tree[key] = {}
+        elif not isinstance(tree[key], dict):
+            raise ValueError(f"{'.'.join(parents[:i + 1])} in --config FILE must be a section "
+                             f"of settings, not {tree[key]!r}")
+        tree = tree[key]
     tree[leaf] = value
 
 

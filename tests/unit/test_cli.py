@@ -451,3 +451,22 @@ def test_run_without_a_name_never_reuses_an_earlier_runs_name(monkeypatch, tmp_p
                                      "--run-dir", str(tmp_path)])
         assert result.exit_code == 2 and "stopped here" in result.output
     assert len(set(names)) == 2 and all(str(os.getpid()) not in n for n in names)
+
+
+def test_a_yaml_config_with_an_empty_section_takes_the_options_into_it(tmp_path):
+    # `scaling:` with nothing under it is None in YAML: before, --workers failed with
+    # "'NoneType' object does not support item assignment".
+    from cli.train import _prepare
+
+    config_file = tmp_path / "fit.yaml"
+    config_file.write_text("max_steps: 3\nscaling:\nbatch:\n  global_batch_size: 8\n")
+    options = _options(target="examples/spirals.py:job", config=config_file, workers=2)
+    assert _prepare(options)[0].scaling.num_workers == 2
+    config_file.write_text("max_steps: 3\nscaling: 4\nbatch:\n  global_batch_size: 8\n")
+    result = runner.invoke(app, ["run", "examples/spirals.py:job", "--config", str(config_file),
+                                 "--workers", "2"])
+    assert result.exit_code == 2
+    assert "scaling in --config FILE must be a section of settings, not 4" in _text(result.output)
+    config_file.write_text("- 1\n- 2\n")
+    result = runner.invoke(app, ["run", "examples/spirals.py:job", "--config", str(config_file)])
+    assert result.exit_code == 2 and "its top level must be settings" in _text(result.output)
