@@ -6,7 +6,6 @@ Each one calls the Python API (`elastic.runs`, `elastic.status`, ...) and prints
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Annotated
 
@@ -15,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 import elastic
-from cli.output import console, fail, one_line
+from cli.output import console, fail, one_line, to_json
 from cli.render import log_line
 from elastic.errors import ElasticError
 from elastic.events import parse
@@ -71,7 +70,7 @@ def status(
     except ElasticError as e:
         raise fail(one_line(e)) from None
     if as_json:
-        console.print_json(json.dumps(info))
+        console.print_json(to_json(info))
         return
     line = (f"run {info['name']}: {info['state']}, step {info['step']}/{info['total_steps']}, "
             f"last loss {_loss(info.get('last_loss'))}, started {_when(info.get('started_at'))}")

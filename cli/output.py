@@ -6,6 +6,7 @@ Bad input exits with code 2 and one line naming what to fix (`fail`).
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from collections.abc import Callable
 
@@ -51,4 +52,21 @@ def save(path: pathlib.Path | None, write: Callable[[pathlib.Path], object]) -> 
 
 def save_json(path: pathlib.Path | None, data: dict) -> None:
     """Writes `data` as indented JSON to `path` (`--json`), if given."""
-    save(path, lambda p: p.write_text(json.dumps(data, indent=2)))
+    save(path, lambda p: p.write_text(to_json(data, indent=2)))
+
+
+def to_json(data: object, indent: int | None = None) -> str:
+    """`data` as standard JSON: a NaN or infinite number (a skipped step's loss, an evaluation
+    over nothing) is null, which every JSON reader takes (Python writes NaN, which `jq` and
+    most other readers refuse)."""
+    return json.dumps(_finite(data), indent=indent, allow_nan=False)
+
+
+def _finite(data: object) -> object:
+    if isinstance(data, float) and not math.isfinite(data):
+        return None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(v) for v in data]
+    return data

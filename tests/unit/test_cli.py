@@ -2,6 +2,7 @@
 
 import dataclasses
 import inspect
+import json
 import os
 
 import pytest
@@ -384,6 +385,12 @@ def test_status_lists_the_ranks_that_train_and_counts_a_joining_worker_apart(mon
     del info["joining_workers"]  # the record of a run from before the field
     result = runner.invoke(app, ["status", "r"])
     assert result.exit_code == 0 and "joining" not in result.output, result.output
+    # --json is standard JSON: a skipped step's NaN loss is null (Python's NaN is not JSON).
+    info.update(last_loss=float("nan"), evaluation={"acc": float("inf"), "n": 3.0})
+    result = runner.invoke(app, ["status", "r", "--json"])
+    assert result.exit_code == 0, result.output
+    read = json.loads(result.output, parse_constant=lambda c: pytest.fail(f"{c} in the output"))
+    assert read["last_loss"] is None and read["evaluation"] == {"acc": None, "n": 3.0}
 
 
 def test_sharding_options_set_the_sharding_config_and_bad_values_name_the_option(capsys):
