@@ -49,7 +49,7 @@ import ast
 import inspect
 import textwrap
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -282,7 +282,7 @@ class _HuggingFace:
         size = float(_batch_size(batch))
         terms: dict[str, tuple[Any, float]] = {}
         labels = batch.get("labels") if isinstance(batch, Mapping) else None
-        loss, logits = _eval_outputs(out, labels is not None)
+        loss, logits = _eval_outputs(out, labels is not None, _ignored_at_inference(model))
         if loss is not None:
             terms["loss"] = (loss.detach().double() * size, size)
         if self.compute_metrics is not None:
@@ -311,14 +311,23 @@ class _HuggingFace:
         return default_data_collator(samples)
 
 
-def _eval_outputs(out: Any, has_labels: bool) -> tuple[Any, Any]:
+def _ignored_at_inference(model: Any) -> list[str]:
+    """The output keys `Trainer` leaves out of the predictions: the model config's
+    `keys_to_ignore_at_inference` (GPT-2's past_key_values), by default ["cache"]."""
+    config = getattr(model, "config", None)
+    return [] if config is None else list(getattr(config, "keys_to_ignore_at_inference",
+                                                      ["cache"]))
+
+
+def _eval_outputs(out: Any, has_labels: bool, ignored: Sequence[str] = ()) -> tuple[Any, Any]:
     """The loss (None without one) and the predictions of a model's output, as `Trainer`'s
-    `prediction_step` takes them: from a mapping, "loss" and "logits"; from a tuple, the
-    loss first when the batch has labels, the rest the predictions (one element: itself)."""
+    `prediction_step` takes them: from a mapping, "loss" and every other value in order but
+    those of the `ignored` keys (hidden states and attentions too, when the model returns
+    them); from a tuple, the loss first when the batch has labels, the rest; a single
+    prediction is itself, not a tuple of one."""
     if isinstance(out, Mapping):
-        if "logits" in out:
-            return out.get("loss"), out["logits"]
-        rest = tuple(v for k, v in out.items() if k != "loss" and v is not None)
+        rest = tuple(v for k, v in out.items()
+                     if k != "loss" and k not in ignored and v is not None)
         return out.get("loss"), rest[0] if len(rest) == 1 else rest
     items = tuple(out) if isinstance(out, (tuple, list)) else (out,)
     loss, rest = (items[0], items[1:]) if has_labels and len(items) > 1 else (None, items)

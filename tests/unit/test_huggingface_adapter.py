@@ -268,6 +268,41 @@ def test_evaluation_takes_a_tuple_output_as_trainer_does(tmp_path):
     assert seen == [(4, hf_setup.SEQ, hf_setup.VOCAB)]
 
 
+def test_evaluation_predictions_are_trainers_with_hidden_states_and_without_the_cache(tmp_path):
+    # A GPT-2 that returns its hidden states: Trainer's predictions are (logits, hidden
+    # states), the cache left out (`keys_to_ignore_at_inference`); before, only the logits,
+    # so a compute_metrics written for Trainer unpacked another structure.
+    from transformers import Trainer
+
+    def gpt2_states():
+        model = hf_setup.gpt2()
+        model.config.output_hidden_states = True
+        return model
+
+    seen = []
+
+    def metrics(prediction):
+        seen.append(prediction.predictions)
+        return {"one": 1.0}
+
+    args = hf_setup.arguments(str(tmp_path), gradient_accumulation_steps=1)
+    job = hf_job(gpt2_states, args, hf_setup.Tokens(8, 1), eval_dataset=hf_setup.Tokens(8, 2),
+                 compute_metrics=metrics)
+    data = hf_setup.Tokens(8, 2)
+    batch = job.collate_fn([data[i] for i in range(4)])
+    model = job.model()
+    model.eval()
+    job.eval_step(model, batch)
+    trainer = Trainer(model=model, args=args, eval_dataset=data)
+    _, logits, _ = trainer.prediction_step(model, dict(batch), prediction_loss_only=False)
+    [ours] = seen
+    assert isinstance(logits, tuple) and isinstance(ours, tuple) and len(ours) == len(logits) == 2
+    assert len(ours[1]) == len(logits[1]) == 3  # the embeddings' and two layers' states
+    torch.testing.assert_close(torch.from_numpy(ours[0]), logits[0].float())
+    for mine, theirs in zip(ours[1], logits[1], strict=True):
+        torch.testing.assert_close(torch.from_numpy(mine), theirs.float())
+
+
 def test_a_per_sample_loss_with_accumulation_is_refused_as_trainer_would_scale_it(tmp_path):
     from transformers import BertConfig, BertForSequenceClassification
 
