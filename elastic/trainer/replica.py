@@ -143,6 +143,11 @@ class Replica:
         self._modules = list(self.model.modules())
         # A module that overrides train() (to keep a BatchNorm frozen, say) is asked every step.
         self._own_train = any(type(m).train is not torch.nn.Module.train for m in self._modules)
+        if not self.model.training:  # a model built for inference (`from_pretrained`): trained
+            self.model.train()
+        # Else each module trains in the mode the factory left it in: a layer it put in eval
+        # mode (a frozen BatchNorm) stays so, as in a plain loop that never calls train().
+        self._modes = [m.training for m in self._modules]
         self.shards = self._shards()
         self.buffers = BufferSync(self.model)
         collective = config.collective
@@ -430,8 +435,12 @@ class Replica:
         self.buffers.begin(context.pieces)
         self.faults.arm_slow(chaos, step)
         self.drop_grads()
-        if self._own_train or not all(m.training for m in self._modules):
-            self.model.train()  # ~7 us a module: skipped when it would change nothing
+        if self._own_train:
+            self.model.train()
+        elif any(m.training is not mode for m, mode in zip(self._modules, self._modes,
+                                                           strict=True)):
+            for module, mode in zip(self._modules, self._modes, strict=True):
+                module.training = mode  # as built (user code switched some modes meanwhile)
         return context
 
     def _compute(self, context: StepContext) -> Computed:

@@ -257,6 +257,51 @@ def test_a_frozen_batchnorm_normalises_with_its_own_statistics_as_in_a_plain_loo
     torch.testing.assert_close(replica.model.state_dict(), expected)
 
 
+class _EvalFrozenStats(nn.Module):
+    """_FrozenStats frozen the usual way, by its factory putting the layer in eval mode (no
+    train() override)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.bn.running_mean.fill_(2.0)
+            self.bn.running_var.fill_(4.0)
+        self.bn.eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:  # user code that switches a mode (as an evaluation inside the loss)
+            self.eval()
+        return self.head(self.bn(self.conv(x)).mean((2, 3)))
+
+
+def test_a_batchnorm_its_factory_put_in_eval_mode_stays_frozen_as_in_a_plain_loop(tmp_path):
+    # Before: every step called model.train(), which put the layer back in training mode, so
+    # it normalised with batch statistics and overwrote its own (docs: "a layer in eval mode
+    # keeps its statistics").
+    job = TrainJob(model=_EvalFrozenStats, optimizer=fidelity.sgd, loss=fidelity.classify,
+                   dataset=fidelity.images)
+    config = FitConfig(scaling=ScalingConfig(num_workers=1), seed=3, max_steps=8,
+                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+                       run_dir=str(tmp_path))
+    replica = Replica(job, config, str(tmp_path))
+    replica.comm = PlaneCheck(cuda=False)
+    assert all(isinstance(r, StepRecord) for r in _run(replica, 3, BatchPlan(B, (B,), (8,))))
+    assert replica.model.training and not replica.model.bn.training
+    assert torch.equal(replica.model.bn.running_mean, torch.full((4,), 2.0))
+    # The plain loop of the same layer frozen through train() (fidelity.reference calls it).
+    frozen = TrainJob(model=_FrozenStats, optimizer=fidelity.sgd, loss=fidelity.classify,
+                      dataset=fidelity.images)
+    expected = fidelity.reference(frozen, 3, B, 8, 3)
+    torch.testing.assert_close(replica.model.state_dict(), expected)
+    # A model its factory returns in eval mode (from_pretrained) trains in training mode.
+    inference = Replica(TrainJob(model=lambda: _EvalFrozenStats().eval(), optimizer=fidelity.sgd,
+                                 loss=fidelity.classify, dataset=fidelity.images),
+                        config, str(tmp_path / "inference"))
+    assert inference.model.training and inference.model.bn.training
+
+
 def test_only_layers_in_training_mode_are_zeroed_before_a_forward_pass():
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4))
     with torch.no_grad():
