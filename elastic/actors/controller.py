@@ -92,7 +92,9 @@ class Controller:
         self.name = name
         self.run_dir = run_dir
         self.log = RunLog(run_dir)
-        job = adopt_ray_dataset(job)  # this actor owns the blocks for as long as the run lives
+        # This actor owns the blocks for as long as the run lives; a detached one copies those
+        # another process made (they would be lost as that process ends).
+        job = adopt_ray_dataset(job, own=detached)
         self.server = RendezvousServer(host=ray.util.get_node_ip_address())
         self.workers = RayWorkers(job, config, run_dir, checkpoint_key, self.server,
                                   controller=ray.get_runtime_context().current_actor,

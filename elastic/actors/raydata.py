@@ -2,15 +2,17 @@
 
 The run's controller materialises the dataset once (`Dataset.to_arrow_refs`: Ray Data runs its
 pipeline, its transforms in parallel over the cluster) and owns the blocks for as long as the
-run lives; workers read the blocks their shares fall in (`ray.get`, zero-copy on the block's
-node). From there on the order is the public shard order of `elastic.data`, so exactly-once,
-the ledger and replay hold as for any data set. What cannot keep that promise, and so is not
-done: Ray Data's own per-epoch randomness (`random_shuffle`, `randomize_block_order`, a
-`map_batches` that draws random numbers) runs once, at materialisation, instead of every epoch;
-streaming a dataset larger than the object store (it must fit, with spilling to disk); reading
-blocks in loader processes (they are not Ray workers: `data.loader_workers` must be 0, and
-Ray Data already ran the heavy transforms in parallel). Augment in `transform`, which runs per
-row on the worker under the step's seeded generators.
+run lives (a dataset materialised already, `from_items` or `.materialize()`, hands over the
+blocks of the process that made it, which Ray loses when that process ends: a detached run's
+controller copies them into blocks of its own); workers read the blocks their shares fall in
+(`ray.get`, zero-copy on the block's node). From there on the order is the public shard order
+of `elastic.data`, so exactly-once, the ledger and replay hold as for any data set. What cannot
+keep that promise, and so is not done: Ray Data's own per-epoch randomness (`random_shuffle`,
+`randomize_block_order`, a `map_batches` that draws random numbers) runs once, at
+materialisation, instead of every epoch; streaming a dataset larger than the object store (it
+must fit, with spilling to disk); reading blocks in loader processes (they are not Ray workers:
+`data.loader_workers` must be 0, and Ray Data already ran the heavy transforms in parallel).
+Augment in `transform`, which runs per row on the worker under the step's seeded generators.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ def _num_rows(table: Any) -> int:
     return table.num_rows
 
 
+@ray.remote(num_cpus=0, num_returns=2)
+def _own(table: Any) -> tuple[Any, int]:
+    """The block again, as an object of the caller, and its rows."""
+    return table, table.num_rows
+
+
 class RayDataSource(ShardedSource):
     """The blocks of a Ray Dataset as shards. Build it where the blocks should be owned (the
     controller does, for a `TrainJob` whose `dataset` is a Ray Dataset).
@@ -39,13 +47,22 @@ class RayDataSource(ShardedSource):
     Args:
         dataset: a `ray.data.Dataset`.
         transform: `row dict -> sample`, run on the worker.
+        own: copy the blocks into objects of this process (their owner: blocks another process
+            materialised are lost when it ends, as the process that starts a detached run does).
     """
 
     uses_loader_processes = False
 
-    def __init__(self, dataset: Any, transform: Callable[[dict[str, Any]], Any] | None = None) -> None:
-        self._refs = list(dataset.to_arrow_refs())
-        sizes = ray.get([_num_rows.remote(ref) for ref in self._refs])
+    def __init__(self, dataset: Any, transform: Callable[[dict[str, Any]], Any] | None = None,
+                 own: bool = False) -> None:
+        refs = list(dataset.to_arrow_refs())
+        if own:
+            pairs = [_own.remote(ref) for ref in refs]
+            self._refs = [table for table, _ in pairs]
+            sizes = ray.get([rows for _, rows in pairs])
+        else:
+            self._refs = refs
+            sizes = ray.get([_num_rows.remote(ref) for ref in refs])
         self._cache: OrderedDict[int, Any] = OrderedDict()
         super().__init__(sizes, transform)
 
@@ -73,10 +90,12 @@ class _Source:
         return self.source
 
 
-def adopt_ray_dataset(job: TrainJob) -> TrainJob:
+def adopt_ray_dataset(job: TrainJob, own: bool = False) -> TrainJob:
     """`job` with a Ray Dataset in `dataset` replaced by a factory of its `RayDataSource`
-    (materialised here, so the caller owns the blocks); any other job as it is."""
+    (materialised here; `own`: its blocks copied into objects of the caller, which a detached
+    run's controller needs, as it outlives the process that started it); any other job as it
+    is."""
     if not is_ray_dataset(job.dataset):
         return job
-    return dataclasses.replace(job, dataset=_Source(RayDataSource(job.dataset, job.transform)),
-                               transform=None)
+    source = RayDataSource(job.dataset, job.transform, own=own)
+    return dataclasses.replace(job, dataset=_Source(source), transform=None)

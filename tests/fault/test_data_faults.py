@@ -173,6 +173,51 @@ def test_a_ray_dataset_is_read_exactly_once_through_a_kill(ray_cluster, tmp_path
         torch.testing.assert_close(result.model_state[key], value, rtol=1e-9, atol=1e-10, msg=key)
 
 
+@pytest.mark.timeout(180)
+def test_a_detached_runs_copy_of_a_materialised_ray_dataset_outlives_the_process_that_made_it(
+        ray_cluster):
+    # `from_items` or `.materialize()` hands over blocks of the process that made them, and Ray
+    # loses those when it ends (the process that starts a detached run exits at once): before,
+    # the detached controller's workers then failed reading them.
+    import ray
+
+    from elastic.actors.raydata import RayDataSource
+
+    @ray.remote(num_cpus=0)
+    class Starter:  # the process that starts the run, then exits
+        def dataset(self):
+            # Blocks of about 400 KB: in the object store, not inlined by value (< 100 KB).
+            rows = [{"x": [float(i)] * 5000, "y": float(i)} for i in range(40)]
+            return ray.data.from_items(rows, override_num_blocks=4).materialize()
+
+        def me(self):
+            return ray.get_runtime_context().get_worker_id()
+
+    @ray.remote(num_cpus=0)
+    class Holder:  # the detached run's controller
+        def adopt(self, dataset, own):
+            self.source = RayDataSource(dataset, own=own)
+            # Ray's owner of each block (its address holds the owner's worker id).
+            return ray.get_runtime_context().get_worker_id(), [
+                ref.owner_address().hex() for ref in self.source._refs]
+
+        def ys(self):
+            return sorted(row["y"] for row in self.source.__getitems__(range(len(self.source))))
+
+    starter = Starter.remote()
+    dataset, made_by = ray.get([starter.dataset.remote(), starter.me.remote()])
+    owned = Holder.remote()
+    holder, owners = ray.get(owned.adopt.remote(dataset, True))
+    assert len(owners) == 4 and all(holder in owner for owner in owners)
+    _, borrowed = ray.get(Holder.remote().adopt.remote(dataset, False))
+    assert all(made_by in owner for owner in borrowed)  # the old way: the starter's blocks
+    del dataset
+    ray.kill(starter)
+    with pytest.raises(ray.exceptions.RayActorError):  # once it is gone
+        ray.get(starter.me.remote(), timeout=60)
+    assert ray.get(owned.ys.remote(), timeout=60) == [float(i) for i in range(40)]
+
+
 def test_a_ray_dataset_refuses_loader_processes(ray_cluster, tmp_path):
     import ray
 
