@@ -237,6 +237,15 @@ class FinalModelWritten(Event, kind="final_model_written"):
     path: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class FinalModelFailed(Event, kind="final_model_failed"):
+    """The final model could not be written to `path` (`error`: why: a full disk, say); the
+    run's newest checkpoint, if any, holds its weights."""
+
+    path: str
+    error: str
+
+
 # --- requests from the user --------------------------------------------------------------------
 
 

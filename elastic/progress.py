@@ -35,6 +35,7 @@ from elastic.events import (
     Evaluate,
     Event,
     Failed,
+    FinalModelFailed,
     FinalModelWritten,
     Finish,
     Generation,
@@ -458,6 +459,7 @@ _LOG_RENDERERS: dict[type[Event], Callable[[Any], str]] = {
     Failed: lambda e: f"run failed at step {e.step}: {e.error}",
     DetachedExit: lambda e: "detached controller exits" + (" (the run failed)" if e.failed else ""),
     FinalModelWritten: lambda e: f"final model written to {e.path}",
+    FinalModelFailed: lambda e: f"the final model could not be written to {e.path}: {e.error}",
     ScaleRequested: lambda e: f"scale to {e.num_workers} workers requested",
     KillRequested: lambda e: f"kill of rank {e.rank} (worker {e.worker_id}) requested",
     DrainRequested: lambda e: (f"drain of worker(s) {_ids(e.worker_ids)} requested"

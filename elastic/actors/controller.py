@@ -40,6 +40,7 @@ from elastic.events import (
     DeadlineMissed,
     DetachedExit,
     DrainRequested,
+    FinalModelFailed,
     FinalModelWritten,
     KillRequested,
     PreemptionNotice,
@@ -135,13 +136,23 @@ class Controller:
     # --- detached runs -------------------------------------------------------------------------
 
     def _run_detached(self) -> None:
-        self.run()
-        # The record of the run stays in run_dir and the index; the named actor goes away.
-        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        try:
+            self.run()
+        finally:
+            # The record of the run stays in run_dir and the index; the named actor goes away
+            # (also if run() raised: a name held by a dead run could not be resumed or reused).
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     def _write_final_model(self, model_state: dict[str, Any]) -> None:
+        """Writes final_model.pt; a failure (a full disk, no memory to serialise) is an event,
+        not the run's end: the run did finish, and its newest checkpoint holds the weights."""
         path = os.path.join(self.run_dir, FINAL_MODEL)
-        write_private(path, serialize(model_state))
+        try:
+            write_private(path, serialize(model_state))
+        except (OSError, MemoryError) as e:
+            logger.error("run %s: cannot write %s: %s", self.name, path, e)
+            self.log.emit(FinalModelFailed(path=path, error=f"{type(e).__name__}: {e}"))
+            return
         self.log.emit(FinalModelWritten(path=path))
 
     def events(self) -> list[dict[str, Any]]:

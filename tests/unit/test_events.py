@@ -35,6 +35,7 @@ SAMPLES = {
     "failed": {"error": "UserCodeError: boom", "step": 3},
     "detached_exit": {"failed": True},
     "final_model_written": {"path": "/runs/r/final_model.pt"},
+    "final_model_failed": {"path": "/runs/r/final_model.pt", "error": "OSError: [Errno 28]"},
     "scale_requested": {"num_workers": 4},
     "kill_requested": {"rank": 1, "worker_id": 5},
     "stop_requested": {},

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+import torch
+
 from elastic.api import run_dir_of
 from elastic.config import storage_root
 
@@ -34,3 +37,32 @@ def test_an_unreadable_job_configuration_is_the_usual_default():
     for value in ("not json", "[1, 2]", json.dumps({"runtime_env": "x"})):
         assert run_dir_of(None, "r", {"RAY_JOB_CONFIG_JSON_ENV_VAR": value}) == os.path.abspath(
             os.path.join("runs", "r"))
+
+
+def test_a_final_model_that_cannot_be_written_is_an_event_and_a_detached_controller_still_ends(
+        tmp_path, monkeypatch):
+    # A full disk as the run ends: before, the error escaped run() and a detached run's actor
+    # stayed alive for ever (no ray.kill after it), holding the run's name.
+    import types
+
+    from elastic.actors import controller as module
+    from elastic.runlog import RunLog
+
+    taken = tmp_path / "a-file"  # a run dir that cannot hold files
+    taken.write_text("")
+    fake = types.SimpleNamespace(run_dir=str(taken), name="r", log=RunLog(str(tmp_path / "log")))
+    module.Controller._write_final_model(fake, {"w": torch.zeros(2)})
+    [event] = [e for e in fake.log.events if e["event"].startswith("final_model")]
+    assert event["event"] == "final_model_failed" and "NotADirectoryError" in event["error"]
+
+    killed = []
+    monkeypatch.setattr(module.ray, "kill", lambda actor, no_restart: killed.append(no_restart))
+    monkeypatch.setattr(module.ray, "get_runtime_context",
+                        lambda: types.SimpleNamespace(current_actor="me"))
+
+    def run():
+        raise MemoryError("serialising the final model")
+
+    with pytest.raises(MemoryError):
+        module.Controller._run_detached(types.SimpleNamespace(run=run))
+    assert killed == [True]
