@@ -190,7 +190,8 @@ def drop(ctx: Context, ranks: list[int], why: str, *, replace: bool = True) -> N
 
 
 def wait_for_capacity(ctx: Context) -> None:
-    """Tops up, then waits for replacements while below `min_workers`.
+    """Tops up, then waits for replacements while below `min_workers`; a stop request ends
+    the wait (the members there are form a generation only to finish: no step runs).
 
     Raises:
         InsufficientWorkersError: still below after `failure.capacity_timeout`.
@@ -199,6 +200,10 @@ def wait_for_capacity(ctx: Context) -> None:
     minimum = ctx.config.scaling.lower
     deadline = ctx.workers.now() + ctx.config.failure.capacity_timeout.total_seconds()
     while len(ctx.members) < minimum:
+        with ctx.requests.lock:
+            stopping = ctx.requests.stop
+        if stopping and ctx.members:  # before: the stop waited for capacity_timeout, then failed
+            return
         remaining = deadline - ctx.workers.now()
         verdict = ctx.policy.capacity(len(ctx.members), minimum, ctx.workers.starting(),
                                       remaining)

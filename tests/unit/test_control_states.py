@@ -181,6 +181,42 @@ def test_a_stop_request_finishes_after_the_step_in_flight(tmp_path):
 # --- failures ------------------------------------------------------------------------------
 
 
+def test_a_stop_while_waiting_for_capacity_stops_the_run_instead_of_failing_it(tmp_path):
+    # Two of four lost at step 6 (min_workers 3) and no replacement can come: the run waits.
+    # Before, a stop then waited out failure.capacity_timeout and the run failed.
+    class NoCapacity(SimulatedWorkers):
+        waits = 0
+
+        def spawn(self):
+            worker_id = super().spawn()
+            if worker_id >= 4:  # replacements never come up
+                self.workers[worker_id].ready_at = float("inf")
+            return worker_id
+
+        def admit(self, wanted, timeout):
+            if ctx_box and ctx_box[0].members and len(ctx_box[0].members) < 3:
+                type(self).waits += 1
+                if type(self).waits == 2:  # the user's stop arrives during the wait
+                    with ctx_box[0].requests.lock:
+                        ctx_box[0].requests.stop = True
+            return super().admit(wanted, timeout)
+
+    ctx_box = []
+    sim = NoCapacity(dataset_size=16000, capacity=4, start_delay_s=0.02)
+    config = FitConfig(chunks_ahead=True, run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
+                       scaling=ScalingConfig(num_workers=4, min_workers=3, max_workers=4),
+                       batch=BatchConfig(global_batch_size=16),
+                       failure=FailureConfig(capacity_timeout=timedelta(hours=1)),
+                       chaos=(ChaosEvent(step=6, rank=1, action="kill"),
+                              ChaosEvent(step=6, rank=2, action="kill")))
+    ctx = Context(config, "sim", RunLog(str(tmp_path)), sim)
+    ctx_box.append(ctx)
+    end = Machine(ctx).run()
+    assert isinstance(end, Finished) and ctx.stopped_early
+    assert end.model_state == {"step": 6} and _steps(ctx) == list(range(6))
+    assert not _events(ctx, "failed")
+
+
 def test_too_few_workers_at_start_fail_with_startup_timeout(tmp_path):
     sim = SimulatedWorkers(dataset_size=16000, capacity=2)
     end, ctx, _ = _run(tmp_path, sim=sim,
