@@ -65,6 +65,7 @@ from elastic.errors import (
     AfterStepError,
     CheckpointSignatureError,
     CollectiveError,
+    ConfigError,
     InjectedFault,
 )
 from elastic.job import TrainJob
@@ -442,7 +443,10 @@ class WorkerActor:
             step = replica.global_step
             broken = ChunkVotedDown(records, step, replica.cursor.to_dict(),
                                     OutOfMemory(step=step, ranks=(rank,)), broken=True)
-        except AfterStepError as e:
+        except (AfterStepError, ConfigError) as e:
+            # User code after a step raised, or the job is set up so that a step cannot run
+            # (a parameter that started training, exact mode's plan): the run fails with it,
+            # the other ranks released from the step's collectives.
             return ChunkFailed(records, replica.global_step, replica.cursor.to_dict(), e)
         if broken is not None:
             # Out of the except block: the error's frames (the failed attempt's tensors) are

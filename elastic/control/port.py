@@ -134,8 +134,9 @@ class ChunkVotedDown:
 
 @dataclass(frozen=True)
 class ChunkFailed:
-    """User code that runs after a step is applied raised (`elastic.errors.AfterStepError`):
-    that step and those in `records` committed; the run cannot go on."""
+    """User code that runs after a step is applied raised (`elastic.errors.AfterStepError`), or
+    the job cannot run a step (a `ConfigError`): the steps in `records` committed; the run
+    cannot go on."""
 
     records: list[Any]
     committed_step: int

@@ -418,6 +418,8 @@ class Running(State):
                               detected=report.detected or ctx.workers.now())
         # A voted-down step: every rank is at the same committed step and cursor.
         ctx.cursor = Cursor(**next(iter(report.outcomes.values())).cursor)
+        if isinstance(error, ConfigError):  # the job cannot run a step (`ChunkFailed`)
+            raise error
         ranks = decisions.voted_ranks(report.outcomes)
         if isinstance(error, UserCodeError):
             action = ctx.policy.decide(error)

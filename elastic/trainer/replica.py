@@ -140,6 +140,8 @@ class Replica:
         # is packed; the worker actor sets it per chunk).
         self.yielding: Callable[[], bool] = lambda: False
         self._params = [p for p in self.model.parameters() if p.requires_grad]
+        # Parameters frozen when the model was built: none may start training later (`_begin`).
+        self._frozen = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
         self._modules = list(self.model.modules())
         # A module that overrides train() (to keep a BatchNorm frozen, say) is asked every step.
         self._own_train = any(type(m).train is not torch.nn.Module.train for m in self._modules)
@@ -414,6 +416,15 @@ class Replica:
         comm = self._comm()
         rank = comm.rank
         step = self.global_step
+        thawed = next((name for name, p in self._frozen if p.requires_grad), None)
+        if thawed is not None:
+            raise ConfigError(
+                f"parameter {thawed!r} was frozen when the model was built (requires_grad="
+                "False) and trains now: the gradients summed over the workers are those of the "
+                "parameters that trained at the start, so its gradient would stay each worker's "
+                "own and the workers' weights would part. Build the model with every parameter "
+                "that will ever train set to requires_grad=True (hold one still with a "
+                "learning rate of 0 in a parameter group of its own)")
         reducer = self._solo if comm.world_size == 1 and self._solo is not None else self._several
         if reducer is not self.reducer:  # a generation of one rank, or of several again
             self.reducer.release()

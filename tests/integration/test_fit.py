@@ -281,6 +281,41 @@ def test_a_loss_that_always_raises_fails_with_rank_step_and_traceback(ray_cluste
     assert isinstance(events[-1], StateChanged) and events[-1].state == "failed"
 
 
+def _bias_frozen():
+    from tests.jobs import make_model
+
+    model = make_model()
+    model[2].bias.requires_grad_(False)
+    return model
+
+
+def _thawing_loss(model, batch):
+    """The mse; once the model trained a step (a scheduled unfreezing) the bias trains too."""
+    from tests.jobs import mse
+
+    weights = float(model[0].weight.detach().abs().sum())
+    if weights != _thawing_loss.first.setdefault(id(model), weights):  # it trained once
+        model[2].bias.requires_grad_(True)
+    return mse(model, batch)
+
+
+_thawing_loss.first = {}
+
+
+def test_a_parameter_that_starts_training_mid_run_fails_the_run_naming_it(ray_cluster, tmp_path):
+    # Before, its gradient was never summed over the workers: their weights parted silently.
+    from tests.jobs import make_dataset, make_optimizer
+
+    job = elastic.TrainJob(model=_bias_frozen, optimizer=make_optimizer, loss=_thawing_loss,
+                           dataset=make_dataset)
+    with pytest.raises(elastic.errors.ConfigError, match=r"parameter '2.bias' was frozen when the "
+                                                         r"model was built"):
+        elastic.fit(job, _config(tmp_path, max_steps=6,
+                                 scaling=ScalingConfig(num_workers=2, min_workers=1)))
+    events = read_events(tmp_path / "run")
+    assert isinstance(events[-1], StateChanged) and events[-1].state == "failed"
+
+
 def test_scale_outside_the_bounds_is_refused(ray_cluster, tmp_path):
     name = "bounds-run"
     config = _config(tmp_path, max_steps=100_000, name=name)

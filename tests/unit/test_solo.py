@@ -17,6 +17,7 @@ from elastic.adapt.plan import BatchPlan
 from elastic.bench.step import run_step_bench
 from elastic.collective import RendezvousServer
 from elastic.config import CollectiveConfig
+from elastic.errors import ConfigError
 from elastic.trainer.buffers import BufferSync
 from elastic.trainer.reducers import SoloReducer, grads_finite
 from elastic.trainer.replica import NonFinite, Replica, StepRecord, UserFailure
@@ -300,6 +301,28 @@ def test_a_batchnorm_its_factory_put_in_eval_mode_stays_frozen_as_in_a_plain_loo
                                  loss=fidelity.classify, dataset=fidelity.images),
                         config, str(tmp_path / "inference"))
     assert inference.model.training and inference.model.bn.training
+
+
+def test_a_parameter_frozen_at_build_that_starts_training_later_is_refused_naming_it(tmp_path):
+    # Gradual unfreezing by requires_grad: before, its gradient was never summed over the
+    # workers nor cleared, and the workers' weights parted silently.
+    def backbone_frozen():
+        model = _EvalFrozenStats()
+        model.conv.requires_grad_(False)
+        return model
+
+    job = TrainJob(model=backbone_frozen, optimizer=fidelity.sgd, loss=fidelity.classify,
+                   dataset=fidelity.images)
+    config = FitConfig(scaling=ScalingConfig(num_workers=1), seed=3, max_steps=8,
+                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+                       run_dir=str(tmp_path))
+    replica = Replica(job, config, str(tmp_path))
+    replica.comm = PlaneCheck(cuda=False)
+    assert all(isinstance(r, StepRecord) for r in _run(replica, 1, BatchPlan(B, (B,), (8,))))
+    replica.model.conv.weight.requires_grad_(True)  # thawed between steps (a hook, the loss)
+    with pytest.raises(ConfigError, match=r"parameter 'conv.weight' was frozen when the model "
+                                          r"was built .* learning rate of 0"):
+        _run(replica, 1, BatchPlan(B, (B,), (8,)))
 
 
 def test_only_layers_in_training_mode_are_zeroed_before_a_forward_pass():
