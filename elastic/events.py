@@ -65,6 +65,7 @@ No Ray and no torch here: the CLI reads events without either.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -74,6 +75,8 @@ from elastic.config import ChaosAction, ChaosPhase
 
 KINDS: dict[str, type[Event]] = {}
 """Every known kind -> its record class (filled as the classes are defined)."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -778,11 +781,26 @@ def parse(record: Mapping[str, Any]) -> Event:
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
     """Reads a JSON-lines file written by `elastic.runlog.RunLog`; a last line still being
-    written (no newline yet) is left for the next read."""
+    written (no newline yet) is left for the next read, and a line a crash tore (a full disk,
+    a host that went down mid-write, then more lines after it) is passed over with a warning:
+    one torn record must not make the run's whole history unreadable."""
     if not os.path.exists(path):
         return []
+    records = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip() and line.endswith("\n")]
+        for number, line in enumerate(f, 1):
+            if not line.strip() or not line.endswith("\n"):
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if not isinstance(record, dict):
+                logger.warning("%s: line %d is not a whole record (torn by a crash?); passed "
+                               "over", path, number)
+                continue
+            records.append(record)
+    return records
 
 
 def read_events(path: str | os.PathLike[str]) -> list[Event]:

@@ -66,7 +66,14 @@ class RunLog:
     def _descriptor(self, name: str) -> int:
         fd = self._files.get(name)
         if fd is None:
-            fd = self._files[name] = open_private_append(os.path.join(self.run_dir, name))
+            path = os.path.join(self.run_dir, name)
+            fd = self._files[name] = open_private_append(path)
+            if os.fstat(fd).st_size:
+                with open(path, "rb") as f:
+                    f.seek(-1, os.SEEK_END)
+                    torn = f.read(1) != b"\n"
+                if torn:  # an earlier run's last record, cut short by a crash: end its line
+                    os.write(fd, b"\n")
         return fd
 
     def _append(self, name: str, record: dict[str, Any]) -> None:

@@ -111,3 +111,24 @@ def test_a_follower_sees_the_new_records_across_two_replacements_between_reads(t
     assert [json.loads(line)["loss"] for line in tail.read()] == [-15.0, -16.0, -17.0, -18.0, -19.0]
     tail.close()
 
+
+
+def test_a_record_torn_by_a_crash_is_passed_over_and_the_next_run_starts_a_new_line(tmp_path):
+    # A full disk or a host that went down mid-write left half a record; a resumed run then
+    # appended after it. Before, the glued line made every later read raise: the next
+    # resume, `elastic logs`, the run's own supersede of redone steps.
+    earlier = RunLog(str(tmp_path))
+    for step in range(3):
+        earlier.metric(step=step, loss=1.0)
+    earlier.close()
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "a") as f:
+        f.write('{"step": 3, "lo')  # torn
+    later = RunLog(str(tmp_path))
+    assert later.newest_step() == 2
+    later.metric(step=3, loss=0.5)
+    later.close()
+    assert [r["step"] for r in read_jsonl(str(path))] == [0, 1, 2, 3]
+    with open(path, "a") as f:
+        f.write('{"step": 4, "lo\n{"step": 5}\n')  # a torn line in the middle
+    assert [r["step"] for r in read_jsonl(str(path))] == [0, 1, 2, 3, 5]
