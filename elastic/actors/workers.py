@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
 from elastic.actors.worker import WorkerActor
 from elastic.adapt.lr import LrRamp
@@ -401,6 +401,9 @@ class RayWorkers:
             answer = ray.get(getattr(self.actors[worker_id], method).remote(*args))
         except RayActorError as e:
             raise WorkerLostError(f"worker {worker_id} died: {_death_reason(e)}") from e
+        except ObjectLostError as e:  # its answer lay on a node that died as it came back
+            raise WorkerLostError(f"the answer of worker {worker_id} was lost with its node: "
+                                  f"{type(e).__name__}") from e
         except RayTaskError as e:
             if isinstance(e.cause, ElasticError):  # ours, typed: the policy acts on it
                 raise e.cause from e

@@ -66,3 +66,30 @@ def test_a_final_model_that_cannot_be_written_is_an_event_and_a_detached_control
     with pytest.raises(MemoryError):
         module.Controller._run_detached(types.SimpleNamespace(run=run))
     assert killed == [True]
+
+
+def test_an_answer_lost_with_its_node_is_a_lost_worker_that_the_next_member_replaces(monkeypatch):
+    # A spot node reclaimed as the controller pulls the final weights from it: before, Ray's
+    # ObjectLostError failed the run as "controller failed" (a bug of ours) instead of asking
+    # the next member.
+    import types
+
+    import ray
+
+    from elastic.actors import workers as module
+    from elastic.errors import WorkerLostError
+
+    class Actor:
+        class model_state:  # as Ray's actor method
+            @staticmethod
+            def remote():
+                return "ref"
+
+    def lost(ref):
+        raise ray.exceptions.ObjectReconstructionFailedError("00" * 28)
+
+    monkeypatch.setattr(module.ray, "get", lost)
+    fake = types.SimpleNamespace(config=types.SimpleNamespace(
+        sharding=types.SimpleNamespace(stage=0)), actors={3: Actor})
+    with pytest.raises(WorkerLostError, match="the answer of worker 3 was lost with its node"):
+        module.RayWorkers.call(fake, 3, "model_state")
