@@ -337,6 +337,14 @@ class FailureConfig(_Frozen):
         description="How many times a step is retried after user code (model, loss, dataset) "
         "raised, before the run fails with UserCodeError.",
     )
+    max_start_failures: int = Field(
+        default=3, ge=1,
+        description="Workers in a row that fail to start during the run (their factories "
+        "raise there, a node builds another data set or cannot import this elastic) before "
+        "the run stops starting replacements and spares: it goes on with the workers it has "
+        "(below scaling.min_workers it fails after capacity_timeout). A worker that joins "
+        "starts the count over.",
+    )
     max_collective_retries: int = Field(
         default=3, ge=0,
         description="Recoveries in a row from a collective error at one step with no worker "

@@ -151,6 +151,8 @@ class Context:
             only the run's end or a stop): the scheduler of `scheduler_interval` 'evaluation'
             steps after it.
         stopped_early: the run ended on a stop request.
+        start_failures: workers in a row that failed to start since one last joined (at
+            `failure.max_start_failures`, no more are started: `group.top_up`).
     """
 
     config: FitConfig
@@ -179,6 +181,7 @@ class Context:
     pending_evaluation: int | None = None
     pending_scheduled: bool = False
     stopped_early: bool = False
+    start_failures: int = 0
 
     def __post_init__(self) -> None:
         self.policy = FailurePolicy(self.config.failure)

@@ -48,6 +48,8 @@ def top_up(ctx: Context) -> None:
     then hot spares (`ScalingConfig.spares`); then, unless the user set the size with
     `scale`, uses free cluster capacity up to max_workers (a node that joins is used at the
     next boundary)."""
+    if ctx.start_failures >= ctx.config.failure.max_start_failures:
+        return  # each would fail as the last ones did (said once, by `admit`)
     requests = ctx.requests
     with requests.lock:
         target, grow = requests.target, not requests.scaled_by_user
@@ -88,6 +90,7 @@ def admit(ctx: Context, timeout: float) -> bool:
     started = ctx.workers.admit(None, timeout)
     for error in started.failed:
         ctx.log.emit(WorkerStartFailed(error=first_line(error)))
+    _count_start_failures(ctx, len(started.failed))
     with ctx.requests.lock:
         target = ctx.requests.target
     joined = False
@@ -96,7 +99,9 @@ def admit(ctx: Context, timeout: float) -> bool:
         if problem is not None:  # not one of this run: as a worker whose factory raised
             ctx.workers.release(member.worker_id)
             ctx.log.emit(WorkerStartFailed(error=problem))
+            _count_start_failures(ctx, 1)
             continue
+        ctx.start_failures = 0
         for notice in ctx.requests.gone([member.worker_id]):  # told to leave while starting
             ctx.workers.release(member.worker_id)
             ctx.log.emit(WorkerRetired(worker_id=member.worker_id, source=notice.source,
@@ -105,6 +110,20 @@ def admit(ctx: Context, timeout: float) -> bool:
         else:
             joined |= _place(ctx, member, target)
     return joined
+
+
+def _count_start_failures(ctx: Context, failed: int) -> None:
+    """Counts workers that failed to start; at `failure.max_start_failures` in a row no more
+    are started (`top_up`), and the run says so once."""
+    if not failed:
+        return
+    limit = ctx.config.failure.max_start_failures
+    before, ctx.start_failures = ctx.start_failures, ctx.start_failures + failed
+    if before < limit <= ctx.start_failures:
+        ctx.log.emit(WorkerStartFailed(error=(
+            f"{ctx.start_failures} workers in a row failed to start, failure.max_start_failures"
+            f" = {limit}: no more are started; the run goes on with the {len(ctx.members)} "
+            "it has (the errors above say why)")))
 
 
 def _place(ctx: Context, member: Member, target: int) -> bool:

@@ -588,6 +588,22 @@ def test_chunk_length_stops_at_every_boundary():
     assert decisions.chunk_length(**{**base, "chaos_steps": [10, 13, 11]}) == 1
 
 
+def test_replacements_that_keep_failing_to_start_are_given_up_and_the_run_goes_on(tmp_path):
+    # Every replacement lands where the data differ. Before: one more started at every chunk
+    # boundary for the rest of the run.
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.02,
+                           dataset_sizes={w: 12000 for w in range(4, 40)})
+    end, ctx, _ = _run(tmp_path, sim=sim, chaos=(ChaosEvent(step=6, rank=1, action="kill"),),
+                       failure=FailureConfig(max_start_failures=2))
+    assert isinstance(end, Finished) and _steps(ctx) == list(range(24))
+    failed = [e["error"] for e in _events(ctx, "worker_start_failed")]
+    assert len(failed) == 3 and failed[2].startswith(
+        "2 workers in a row failed to start, failure.max_start_failures = 2: no more are "
+        "started; the run goes on with the 3 it has")
+    assert sorted(sim.workers) == [0, 1, 2, 3, 4, 5]  # none started after the second
+    assert len(ctx.members) == 3
+
+
 def test_a_data_set_mismatch_names_the_workers_that_differ_from_the_run_or_the_most():
     from elastic.control.port import Member
 
