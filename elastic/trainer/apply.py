@@ -162,11 +162,14 @@ def _apply(host: ApplyHost, context: StepContext, computed: Computed, reduced: R
 
 def _buffers_and_agreement(host: ApplyHost, context: StepContext, computed: Computed,
                            reduced: Reduced, commit: Commit, alone: bool) -> None:
-    """The step's buffers committed (rolled back when the step is skipped, or applied
-    `alone`: then they come with the source's state), then, with sharded state, the
-    agreement that every rank holds the step's sums (`elastic.trainer.apply.agree`), the step's last
-    collective before anything is stepped."""
-    if commit.skipped or alone:
+    """The step's buffers committed (rolled back when the step is applied `alone`: then they
+    come with the source's state; and when it is skipped with non-finite statistics: a skip
+    for an overflow in the scaled gradients ran finite forward passes, whose statistics a
+    `GradScaler` loop keeps too), then, with sharded state, the agreement that every rank
+    holds the step's sums (`elastic.trainer.apply.agree`), the step's last collective before
+    anything is stepped."""
+    if alone or (commit.skipped and (host.exact is not None
+                                     or not bool(torch.isfinite(reduced.buffers).all()))):
         host.buffers.rollback()
     else:
         try:  # before the optimizer: a failed broadcast leaves nothing half-applied

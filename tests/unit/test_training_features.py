@@ -211,6 +211,26 @@ def test_fp16_with_a_float16_loss_skips_where_grad_scaler_skips(tmp_path, init_s
     _close(final, expected, tol=1e-3)
 
 
+def bn_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+
+
+@pytest.mark.timeout(120)
+def test_fp16_steps_grad_scaler_skips_still_update_the_batchnorm_statistics_as_its_loop(tmp_path):
+    # A step skipped for an overflow in the scaled gradients ran its forward passes: a
+    # GradScaler loop keeps their BatchNorm statistics (only optimizer.step is skipped).
+    # Before, they were rolled back, so the running statistics parted from the loop's.
+    job = _job(model=bn_mlp, loss=half_loss)
+    training = TrainingConfig(precision="fp16-mixed", init_scale=2.0**16, growth_interval=2)
+    final, records, _ = _run(tmp_path, job, training)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+    expected, log, _ = _reference(job, 8, precision="fp16-mixed", scaler=scaler)
+    assert [bool(r.skipped_ranks) for r in records] == [e["skipped"] for e in log]
+    assert any(e["skipped"] for e in log)
+    assert int(final["1.num_batches_tracked"]) == int(expected["1.num_batches_tracked"]) == 8 * B // G
+    _close(final, expected, tol=1e-3)
+
+
 # --- clipping, parameter groups ----------------------------------------------------------------
 
 
