@@ -382,17 +382,26 @@ def resume(name: str, job: TrainJob | None = None, *, num_workers: int | None = 
         module_part, _, attr = launch.target.rpartition(":")
         spec = f"{path}:{attr}" if module_part.endswith(".py") else launch.target
         job = load_target(spec)
-    if overrides or num_workers is not None:
-        # What the resume asks for wins over what the job implies (a longer max_steps, say).
-        asked = set(overrides or ()) | ({"scaling.num_workers"} if num_workers is not None else set())
-        job = dataclasses.replace(job, settings={k: v for k, v in job.settings.items()
-                                                 if k not in asked})
+    job = _asked_over_implied(job, overrides, num_workers)
     checkpoint = config.checkpoint
     assert checkpoint is not None  # resume_config refuses a run without
     if not _has_checkpoint(checkpoint.path, checkpoint.key_file, checkpoint.sign):
         raise ConfigError(f"run {name!r} has no valid checkpoint under {checkpoint.path!r}: "
                           "nothing to resume from")
     return start(job, config) if detach else fit(job, config)
+
+
+def _asked_over_implied(job: TrainJob, overrides: Mapping[str, Any] | None,
+                        num_workers: int | None) -> TrainJob:
+    """`job` without the settings it implies that a resume asks for otherwise (a longer
+    max_steps, say: then the epochs it implies go too, as `resume_config` drops the run's)."""
+    asked = set(overrides or ()) | ({"scaling.num_workers"} if num_workers is not None else set())
+    if "max_steps" in asked:
+        asked.add("epochs")
+    if not asked:
+        return job
+    return dataclasses.replace(job, settings={k: v for k, v in job.settings.items()
+                                             if k not in asked})
 
 
 def _has_checkpoint(path: str, key_file: str | None, signed: bool) -> bool:

@@ -339,11 +339,12 @@ class FailureConfig(_Frozen):
     )
     max_start_failures: int = Field(
         default=3, ge=1,
-        description="Workers in a row that fail to start during the run (their factories "
-        "raise there, a node builds another data set or cannot import this elastic) before "
-        "the run stops starting replacements and spares: it goes on with the workers it has "
-        "(below scaling.min_workers it fails after capacity_timeout). A worker that joins "
-        "starts the count over.",
+        description="Workers in a row that fail to start during the run in a way that would "
+        "repeat (their factories raise there, a node builds another data set or cannot import "
+        "this elastic; not a node lost as it started) before the run stops starting "
+        "replacements and spares: it goes on with the workers it has (below "
+        "scaling.min_workers it fails). A worker that joins, or a scale request, starts the "
+        "count over.",
     )
     max_collective_retries: int = Field(
         default=3, ge=0,
@@ -506,8 +507,9 @@ class CheckpointConfig(_Frozen):
         default=None, gt=0, description="Write a checkpoint at the first chunk boundary after "
         "this many seconds have passed since the last one (with chunks_ahead, up to one chunk "
         "later: a boundary whose next chunk was handed out before the time came is passed over). "
-        f"With neither interval set: {DEFAULT_CHECKPOINT_EVERY_S:.0f} (a run that loses every "
-        "worker, or its driver, has a checkpoint to go back to, not only the final one)."
+        f"With neither interval given: {DEFAULT_CHECKPOINT_EVERY_S:.0f} (a run that loses every "
+        "worker, or its driver, has a checkpoint to go back to, not only the final one); both "
+        "given as None: only the final checkpoint."
     )
     keep_last: int = Field(default=3, ge=1, description="Valid checkpoints retention keeps.")
     timeout: timedelta | None = Field(
@@ -560,8 +562,8 @@ class CheckpointConfig(_Frozen):
     @model_validator(mode="before")
     @classmethod
     def _some_interval(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("every_steps") is None \
-                and data.get("every_seconds") is None:
+        # Neither interval given: the default; both given as None: the final checkpoint only.
+        if isinstance(data, dict) and "every_steps" not in data and "every_seconds" not in data:
             return {**data, "every_seconds": DEFAULT_CHECKPOINT_EVERY_S}
         return data
 

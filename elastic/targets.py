@@ -11,6 +11,13 @@ from elastic.errors import ConfigError
 from elastic.job import TrainJob
 
 
+def _same_file(found: str | None, path: str) -> bool:
+    try:
+        return found is not None and os.path.samefile(found, path)
+    except OSError:  # the module's file moved or lies in an archive: not the target
+        return False
+
+
 def load_target(spec: str) -> TrainJob:
     """Imports `spec` and returns the `TrainJob` it names (or that the function it names
     returns).
@@ -42,7 +49,7 @@ def load_target(spec: str) -> TrainJob:
     except ImportError as e:
         raise ConfigError(f"cannot import target module {module_name!r}: {e}") from e
     found = getattr(module, "__file__", None)
-    if path is not None and (found is None or not os.path.samefile(found, path)):
+    if path is not None and not _same_file(found, path):
         # A module of that name was imported already (the standard library's `statistics`,
         # a package's `cli`): the workers would import that one too.
         raise ConfigError(f"target file {module_part!r} is named like the module "

@@ -401,7 +401,8 @@ def call(name: str, request: Request) -> Any:
         if isinstance(cause, Exception):
             raise cause from None
         raise
-    except ray.exceptions.RayActorError as e:  # the run ended (or its node died) as it was asked
+    except ray.exceptions.ActorDiedError as e:  # the run ended (or its node died) as it was asked
+        # (not ActorUnavailableError: a controller Ray is restarting answers again later)
         raise RunNotFoundError(f"run {name!r} ended as it was asked (its controller is gone: "
                                f"{type(e).__name__})") from None
 

@@ -271,6 +271,7 @@ class Controller:
         with requests.lock:
             requests.target = num_workers
             requests.scaled_by_user = True
+        self.ctx.start_failures = 0  # asked for: workers are tried again
         self.log.emit(ScaleRequested(num_workers=num_workers))
         if num_workers < len(self.ctx.members):
             # Workers leave after the step in flight; growth waits for a started one to be up.

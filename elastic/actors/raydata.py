@@ -40,6 +40,14 @@ def _own(table: Any) -> tuple[Any, int]:
     return table, table.num_rows
 
 
+def _owned_by(ref: Any, worker_id: str) -> bool:
+    """Whether process `worker_id` owns object `ref` (its owner's address names the worker)."""
+    try:
+        return worker_id in ref.owner_address().hex()
+    except Exception:  # not known: taken for another's (a copy too many, never a block lost)
+        return False
+
+
 class RayDataSource(ShardedSource):
     """The blocks of a Ray Dataset as shards. Build it where the blocks should be owned (the
     controller does, for a `TrainJob` whose `dataset` is a Ray Dataset).
@@ -56,13 +64,13 @@ class RayDataSource(ShardedSource):
     def __init__(self, dataset: Any, transform: Callable[[dict[str, Any]], Any] | None = None,
                  own: bool = False) -> None:
         refs = list(dataset.to_arrow_refs())
-        if own:
-            pairs = [_own.remote(ref) for ref in refs]
-            self._refs = [table for table, _ in pairs]
-            sizes = ray.get([rows for _, rows in pairs])
-        else:
-            self._refs = refs
-            sizes = ray.get([_num_rows.remote(ref) for ref in refs])
+        me = ray.get_runtime_context().get_worker_id()
+        # (block, rows) refs: a block of another process copied into one of this one's, if
+        # `own`; a block this process made (it ran the dataset's pipeline) as it is.
+        pairs = [_own.remote(ref) if own and not _owned_by(ref, me) else (ref, _num_rows.remote(ref))
+                 for ref in refs]
+        self._refs = [table for table, _ in pairs]
+        sizes = ray.get([rows for _, rows in pairs])
         self._cache: OrderedDict[int, Any] = OrderedDict()
         super().__init__(sizes, transform)
 

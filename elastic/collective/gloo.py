@@ -125,6 +125,7 @@ class GlooTransport(Transport):
         self._receivers = _Waiter(f"elastic-gloo-recv-r{rank}")
         self._lock = threading.Lock()
         self._outstanding: set[_GlooPending] = set()
+        self._failed = False  # an operation failed without an abort (`fail`)
 
     def _group(self) -> dist.ProcessGroupGloo:
         assert self._pg is not None, "transport used after close"
@@ -187,12 +188,21 @@ class GlooTransport(Transport):
             _ABANDONED.append(self._pg)  # see _ABANDONED
         self._pg = None
 
+    def fail(self) -> None:
+        self._failed = True  # a helper thread may still be blocked in the group (`close`)
+
     def close(self) -> None:
-        # After an abort the group is kept already; after a clean run nothing is blocked in
-        # it, and it is released now (before: kept until the process ended, a group of W - 1
-        # connections and its threads leaked at every resize).
+        # After an abort the group is kept already. After an operation failed (a timeout, a
+        # reset connection: no abort) or with one outstanding, a helper thread may still be
+        # blocked in it: kept too (see _ABANDONED). After a clean run nothing is, and it is
+        # released now (before: kept until the process ended, a group of W - 1 connections
+        # and its threads leaked at every resize).
+        with self._lock:
+            busy = self._failed or any(not h.is_done() for h in self._outstanding)
         self._senders.stop()
         self._receivers.stop()
+        if self._pg is not None and busy:
+            _ABANDONED.append(self._pg)
         self._pg = None
 
 

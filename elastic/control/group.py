@@ -19,6 +19,7 @@ from elastic.control.policy import Fail
 from elastic.control.port import Gathered, Member
 from elastic.errors import (
     CallbackError,
+    ConfigError,
     GenerationOutOfMemoryError,
     MembersLostError,
     RendezvousError,
@@ -90,7 +91,9 @@ def admit(ctx: Context, timeout: float) -> bool:
     started = ctx.workers.admit(None, timeout)
     for error in started.failed:
         ctx.log.emit(WorkerStartFailed(error=first_line(error)))
-    _count_start_failures(ctx, len(started.failed))
+    # Those that would fail again (the job's factories raised, the worker could not be
+    # built); not a worker whose node died as it started.
+    _count_start_failures(ctx, sum(isinstance(e, ConfigError) for e in started.failed))
     with ctx.requests.lock:
         target = ctx.requests.target
     joined = False

@@ -103,7 +103,8 @@ class FailurePolicy:
     user_retries: dict[int, int] = field(default_factory=dict)
     evaluation_retries: dict[int, int] = field(default_factory=dict)
     generation_attempts: int = 0
-    # step -> recoveries in a row from a collective error there (the last such step only)
+    # step -> recoveries in a row from a collective error there (the last such step only;
+    # cleared when an evaluation at the step goes through)
     collective_recoveries: dict[int, int] = field(default_factory=dict)
     # step -> generations that ran out of memory forming at it (the last such step only;
     # `formed` keeps it).

@@ -523,6 +523,7 @@ class Evaluating(State):
             done = report.outcomes[min(report.outcomes)]
             assert isinstance(done, EvalDone)
             metrics.update(done.metrics)
+            ctx.policy.collective_recoveries.clear()  # it went through: "in a row" ends
         if ctx.has_evaluate:
             legacy = on_any_member(ctx, lambda w: ctx.workers.call(w, "evaluate"))
             clash = sorted(set(legacy) & set(metrics))

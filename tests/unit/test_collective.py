@@ -3,6 +3,7 @@
 Ranks run as threads with real gloo transports; hypothesis draws world sizes, lengths, dtypes,
 algorithms, the transport (shared memory or not) and how many hosts the ranks act as."""
 
+from datetime import timedelta
 from unittest import mock
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from elastic.collective import Communicator, Endpoint, RendezvousServer, direct
 from elastic.config import ALGORITHMS, CollectiveConfig
+from elastic.errors import CollectiveError
 from tests.threads import run_ranks
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
@@ -289,3 +291,12 @@ def test_a_gloo_group_closed_cleanly_is_released_and_an_aborted_one_is_kept(serv
 
     run_ranks(server, 2, aborted, config)
     assert len(gloo._ABANDONED) == before + 2
+
+    def timed_out(comm):  # rank 0 never sends: rank 1's receive fails, nobody aborts it
+        if comm.rank == 1:
+            with pytest.raises(CollectiveError):
+                comm.recv(torch.zeros(4), src=0)
+
+    short = CollectiveConfig(simulated_hosts=2, timeout=timedelta(seconds=0.3))
+    run_ranks(server, 2, timed_out, short)
+    assert len(gloo._ABANDONED) == before + 3  # rank 1's: a helper may still wait in it

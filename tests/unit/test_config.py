@@ -254,3 +254,7 @@ def test_a_checkpoint_folder_without_an_interval_is_written_every_30_minutes():
     assert CheckpointConfig(path="/ckpt").every_seconds == 1800
     assert CheckpointConfig(path="/ckpt", every_steps=5).every_seconds is None
     assert CheckpointConfig(path="/ckpt", every_seconds=60).every_seconds == 60
+    # Both given as None: the final checkpoint only (as a resumed run's recorded config has).
+    final_only = CheckpointConfig(path="/ckpt", every_steps=None, every_seconds=None)
+    assert (final_only.every_steps, final_only.every_seconds) == (None, None)
+    assert CheckpointConfig.model_validate(final_only.model_dump()).every_seconds is None

@@ -107,6 +107,22 @@ def test_resume_at_another_size_keeps_the_math_or_refuses_a_batch_that_follows_t
     assert (longer.epochs, longer.max_steps) == (None, 500)
     both = resume_config("epochs", record, None, overrides={"max_steps": 500, "epochs": 9})
     assert (both.epochs, both.max_steps) == (9, 500)
+    # A job that implies its epochs (a Lightning module's max_epochs): they go too, else the
+    # configuration would contradict the job.
+    import dataclasses
+
+    from elastic.api import _asked_over_implied
+    from elastic.config import with_job_settings
+    from tests.jobs import regression_job
+
+    implied = dataclasses.replace(regression_job(), settings={"epochs": 3})
+    kept = _asked_over_implied(implied, {"max_steps": 500}, None)
+    assert kept.settings == {}
+    assert _asked_over_implied(implied, {"logging.progress": "lines"}, None).settings == {
+        "epochs": 3}
+    assert with_job_settings(longer, kept.settings, "the module").max_steps == 500
+    with pytest.raises(ConfigError, match="implies epochs=3"):
+        with_job_settings(longer, implied.settings, "the module")
 
 
 def test_resume_refuses_a_live_or_finished_run_one_without_checkpoints_and_a_bad_size(tmp_path):
