@@ -142,14 +142,7 @@ class Replica:
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         # Parameters frozen when the model was built: none may start training later (`_begin`).
         self._frozen = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
-        self._modules = list(self.model.modules())
-        # A module that overrides train() (to keep a BatchNorm frozen, say) is asked every step.
-        self._own_train = any(type(m).train is not torch.nn.Module.train for m in self._modules)
-        if not self.model.training:  # a model built for inference (`from_pretrained`): trained
-            self.model.train()
-        # Else each module trains in the mode the factory left it in: a layer it put in eval
-        # mode (a frozen BatchNorm) stays so, as in a plain loop that never calls train().
-        self._modes = [m.training for m in self._modules]
+        self._modules, self._own_train, self._modes = self._training_modes()
         self.shards = self._shards()
         self.buffers = BufferSync(self.model)
         collective = config.collective
@@ -336,6 +329,18 @@ class Replica:
         (`Communicator(shared_bytes=...)`; `FlatReducer.registered_bytes`): 0 when the step
         reduces no flat host buffers (buckets, exact mode, or gradients on a GPU)."""
         return self._several.registered_bytes()
+
+    def _training_modes(self) -> tuple[list[torch.nn.Module], bool, list[bool]]:
+        """The model's modules, whether one overrides train() (to keep a BatchNorm frozen,
+        say: then train() is called every step, `_begin`), and the mode each trains in: the
+        one the factory left it in (a layer it put in eval mode, a frozen BatchNorm, stays so,
+        as in a plain loop that never calls train()); a model built for inference
+        (`from_pretrained`) is put in training mode first."""
+        modules = list(self.model.modules())
+        own = any(type(m).train is not torch.nn.Module.train for m in modules)
+        if not self.model.training:
+            self.model.train()
+        return modules, own, [m.training for m in modules]
 
     def _comm(self) -> Communicator:
         assert self.comm is not None, "replica has no communicator; connect first"
