@@ -142,7 +142,7 @@ def compute(host: ComputeHost, context: StepContext) -> Computed:
             loss_sum += value
         for value in read[len(losses) : 2 * len(losses)]:
             count += value
-        metrics.settle(read[2 * len(losses) : 2 * len(losses) + len(unread)])
+        metrics.settle(read[2 * len(losses) : 2 * len(losses) + len(unread)], context.metric_names)
         host.buffers.settle(read[2 * len(losses) + len(unread) :])
         used = host.reducer.used()
         host.faults.stretch(context.step, context.started)
@@ -152,9 +152,9 @@ def compute(host: ComputeHost, context: StepContext) -> Computed:
     if vote != Vote.OK:
         # Out of the except block, so that the failed attempt's frames (its batch,
         # activations, half-allocated buffers) are gone; its gradients are never sent. Its
-        # metrics not read yet are dropped unread: the step is not committed, and a read
-        # after a failure on the device would raise its error again outside the vote.
-        metrics.discard_unread()
+        # metrics are dropped, those not read yet unread: the step is not committed, and a
+        # read after a failure on the device would raise its error again outside the vote.
+        metrics.discard()
         host.drop_grads()
         if vote == Vote.OUT_OF_MEMORY:
             release_cached_memory(host.device)

@@ -47,11 +47,6 @@ def split_output(out: Any) -> tuple[Any, Mapping[str, Any] | None]:
     bad = [k for k in metrics if not isinstance(k, str) or not k]
     if bad:
         raise ValueError(f"TrainJob.loss returned metric names {bad!r}; names must be non-empty str")
-    size = len(encode_names(list(metrics)))
-    if size > MAX_NAMES_BYTES:  # the ranks could not exchange them (`exchange_names`)
-        raise ValueError(f"TrainJob.loss returned {len(metrics)} metric names, {size} bytes as "
-                         f"JSON, more than the {MAX_NAMES_BYTES} allowed; return fewer (sum "
-                         "per-class or per-layer values into a few)")
     return out[0], metrics
 
 
@@ -100,9 +95,18 @@ class MetricSums:
         """The values `settle` needs, in its order (floats, and tensors not read yet)."""
         return [x for _, value, _, weight in self._terms for x in (value, weight)]
 
-    def settle(self, read: Sequence[float] | None = None) -> None:
+    def settle(self, read: Sequence[float] | None = None,
+               known: Sequence[str] | None = None) -> None:
         """Adds the kept values into `sums`, in the order they came: `read` is `unread()` as
-        floats (None: read here)."""
+        floats (None: read here); then, given the step's `known` names, `check_names`.
+
+        Raises:
+            ValueError: too many metric names (`check_names`).
+        """
+        if known is not None:
+            self.settle(read)
+            self.check_names(known)
+            return
         if not self._terms:
             return
         values = host_values(self.unread()) if read is None else list(read)
@@ -113,9 +117,29 @@ class MetricSums:
             pair[1] += values[2 * i + 1]
         self._terms.clear()
 
-    def discard_unread(self) -> None:
-        """Drops the values kept since the last `settle` (a failed attempt's)."""
+    def discard(self) -> None:
+        """Drops everything, the values kept since the last `settle` unread (a failed
+        attempt's: nothing of it is summed, and its names are not offered to the peers)."""
         self._terms.clear()
+        self.sums.clear()
+
+    def check_names(self, known: Sequence[str]) -> None:
+        """Refuses, as the user's error, names this rank would ask its peers to adopt beside
+        the `known` ones that exceed what they exchange (`MAX_NAMES_BYTES`: `exchange_names`
+        refuses them on every rank, and each redo of the step would fail alike). JSON only
+        when some names are new.
+
+        Raises:
+            ValueError: too many (or too long) metric names.
+        """
+        names = {*known, *self.sums}
+        if len(names) == len(known):  # none new
+            return
+        size = len(encode_names(list(names)))
+        if size > MAX_NAMES_BYTES:
+            raise ValueError(f"TrainJob.loss returned {len(names)} metric names, {size} bytes as "
+                             f"JSON, more than the {MAX_NAMES_BYTES} allowed; return fewer (sum "
+                             "per-class or per-layer values into a few)")
 
     def section(self, names: Sequence[str]) -> torch.Tensor:
         """The metadata's metrics section under `names`: the flag (1.0 when this rank has a

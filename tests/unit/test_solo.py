@@ -272,22 +272,25 @@ class _EvalFrozenStats(nn.Module):
         self.bn.eval()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1:  # user code that switches a mode (as an evaluation inside the loss)
-            self.eval()
         return self.head(self.bn(self.conv(x)).mean((2, 3)))
+
+
+def _one_rank(tmp_path, model, loss=fidelity.classify) -> Replica:
+    """A one-rank replica of `model` on `fidelity.images` (seed 3, global batch B)."""
+    job = TrainJob(model=model, optimizer=fidelity.sgd, loss=loss, dataset=fidelity.images)
+    config = FitConfig(scaling=ScalingConfig(num_workers=1), seed=3, max_steps=8,
+                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
+                       run_dir=str(tmp_path))
+    replica = Replica(job, config, str(tmp_path))
+    replica.comm = PlaneCheck(cuda=False)
+    return replica
 
 
 def test_a_batchnorm_its_factory_put_in_eval_mode_stays_frozen_as_in_a_plain_loop(tmp_path):
     # Before: every step called model.train(), which put the layer back in training mode, so
     # it normalised with batch statistics and overwrote its own (docs: "a layer in eval mode
     # keeps its statistics").
-    job = TrainJob(model=_EvalFrozenStats, optimizer=fidelity.sgd, loss=fidelity.classify,
-                   dataset=fidelity.images)
-    config = FitConfig(scaling=ScalingConfig(num_workers=1), seed=3, max_steps=8,
-                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
-                       run_dir=str(tmp_path))
-    replica = Replica(job, config, str(tmp_path))
-    replica.comm = PlaneCheck(cuda=False)
+    replica = _one_rank(tmp_path, _EvalFrozenStats)
     assert all(isinstance(r, StepRecord) for r in _run(replica, 3, BatchPlan(B, (B,), (8,))))
     assert replica.model.training and not replica.model.bn.training
     assert torch.equal(replica.model.bn.running_mean, torch.full((4,), 2.0))
@@ -297,9 +300,7 @@ def test_a_batchnorm_its_factory_put_in_eval_mode_stays_frozen_as_in_a_plain_loo
     expected = fidelity.reference(frozen, 3, B, 8, 3)
     torch.testing.assert_close(replica.model.state_dict(), expected)
     # A model its factory returns in eval mode (from_pretrained) trains in training mode.
-    inference = Replica(TrainJob(model=lambda: _EvalFrozenStats().eval(), optimizer=fidelity.sgd,
-                                 loss=fidelity.classify, dataset=fidelity.images),
-                        config, str(tmp_path / "inference"))
+    inference = _one_rank(tmp_path / "inference", lambda: _EvalFrozenStats().eval())
     assert inference.model.training and inference.model.bn.training
 
 
@@ -311,18 +312,36 @@ def test_a_parameter_frozen_at_build_that_starts_training_later_is_refused_namin
         model.conv.requires_grad_(False)
         return model
 
-    job = TrainJob(model=backbone_frozen, optimizer=fidelity.sgd, loss=fidelity.classify,
-                   dataset=fidelity.images)
-    config = FitConfig(scaling=ScalingConfig(num_workers=1), seed=3, max_steps=8,
-                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
-                       run_dir=str(tmp_path))
-    replica = Replica(job, config, str(tmp_path))
-    replica.comm = PlaneCheck(cuda=False)
+    replica = _one_rank(tmp_path, backbone_frozen)
     assert all(isinstance(r, StepRecord) for r in _run(replica, 1, BatchPlan(B, (B,), (8,))))
     replica.model.conv.weight.requires_grad_(True)  # thawed between steps (a hook, the loss)
     with pytest.raises(ConfigError, match=r"parameter 'conv.weight' was frozen when the model "
                                           r"was built .* learning rate of 0"):
         _run(replica, 1, BatchPlan(B, (B,), (8,)))
+
+
+class _ManyMetrics:
+    """The loss, with 1500 per-class metrics named after the micro-batch's call: about 70 KB
+    of names a step over its two micro-batches, more than the ranks exchange (each
+    micro-batch's alone is less)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, model: nn.Module, batch):
+        self.calls += 1
+        return fidelity.classify(model, batch), {
+            f"call_{self.calls}_class_{i:04d}_precision": 1.0 for i in range(1500)}
+
+
+def test_more_metric_names_than_the_ranks_exchange_are_the_users_error_at_once(tmp_path):
+    # Before: every rank's exchange refused them as a CollectiveError, a recovery with nobody
+    # lost, and the redone step failed alike.
+    replica = _one_rank(tmp_path, fidelity.cnn, loss=_ManyMetrics())
+    [outcome] = _run(replica, 1, BatchPlan(B, (B,), (8,)))
+    assert isinstance(outcome, UserFailure)
+    assert "TrainJob.loss returned 3000 metric names" in outcome.traceback
+    assert "more than the 65536 allowed" in outcome.traceback
 
 
 def test_only_layers_in_training_mode_are_zeroed_before_a_forward_pass():
