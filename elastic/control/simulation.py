@@ -36,7 +36,12 @@ from elastic.control.port import (
     Member,
     Started,
 )
-from elastic.errors import GenerationOutOfMemoryError, HalfUpdatedError, WorkerLostError
+from elastic.errors import (
+    ElasticError,
+    GenerationOutOfMemoryError,
+    HalfUpdatedError,
+    WorkerLostError,
+)
 from elastic.trainer.outcomes import EvalFailure, StepRecord
 
 
@@ -79,6 +84,9 @@ class SimulatedWorkers:
             `GenerationOutOfMemoryError`); each entry once, in order.
         dataset_sizes: worker id -> the length of the data set that worker builds (default:
             `dataset_size`; another builds a different data set, as a node with other files).
+        start_errors: worker id -> the error that worker fails to start with (a
+            `WorkerLostError` for one whose node died, a `ConfigError` for a factory that
+            raised), at the time it would have been up.
     """
 
     def __init__(self, dataset_size: int, capacity: int, step_time_s: float = 0.01,
@@ -90,7 +98,9 @@ class SimulatedWorkers:
                  oom_in_collective: bool = False, oom_in_apply: bool = False,
                  slow: dict[int, float] | None = None,
                  oom_forming: Sequence[tuple[int, str, int]] = (),
-                 dataset_sizes: Mapping[int, int] | None = None) -> None:
+                 dataset_sizes: Mapping[int, int] | None = None,
+                 start_errors: Mapping[int, ElasticError] | None = None) -> None:
+        self.start_errors = dict(start_errors or {})
         self.oom_forming = list(oom_forming)
         self.dataset_sizes = dict(dataset_sizes or {})
         self._generation = 0  # the one forming, or formed last
@@ -149,9 +159,12 @@ class SimulatedWorkers:
             self.clock += timeout
         for w in ready:
             self._starting.remove(w)
+            if w in self.start_errors:
+                self.workers[w].alive = False
         return Started([Member(w, pid=10_000 + w, node_id="sim",
                                dataset_size=self.dataset_sizes.get(w, self.dataset_size))
-                        for w in ready])
+                        for w in ready if w not in self.start_errors],
+                       [self.start_errors[w] for w in ready if w in self.start_errors])
 
     def placeable(self) -> int:
         return self.capacity

@@ -36,6 +36,7 @@ from elastic.control.group import (
     admit,
     check_spares,
     drop,
+    first_line,
     form,
     hand_over,
     on_any_member,
@@ -87,6 +88,7 @@ from elastic.events import (
     WorkerFailure,
     WorkerHung,
     WorkerRemoved,
+    WorkerStartFailed,
 )
 from elastic.events import (
     Failed as RunFailed,
@@ -181,9 +183,17 @@ class Starting(State):
         wanted = max(min(scaling.num_workers, ctx.workers.placeable()), scaling.lower)
         started = ctx.workers.admit(min(wanted, scaling.num_workers),
                                     failure.startup_timeout.total_seconds())
-        if started.failed:
-            raise started.failed[0]
+        for error in started.failed:  # the job's code raised: it would raise again
+            if isinstance(error, ConfigError):
+                raise error
+        for error in started.failed:  # a worker (its node) died as it started: the others go on
+            ctx.log.emit(WorkerStartFailed(error=first_line(error)))
         ctx.members = sorted(started.members, key=lambda m: m.worker_id)
+        if len(ctx.members) < scaling.lower and started.failed:
+            raise WorkerLostError(
+                f"only {len(ctx.members)} of {scaling.num_workers} workers started, fewer than "
+                f"scaling.min_workers = {scaling.lower}; {len(started.failed)} died while "
+                f"starting, the first: {first_line(started.failed[0])}")
         if len(ctx.members) < scaling.lower:
             raise StartupTimeoutError(
                 f"only {len(ctx.members)} of {scaling.num_workers} workers started within "

@@ -227,6 +227,39 @@ def test_too_few_workers_at_start_fail_with_startup_timeout(tmp_path):
     assert _states(ctx) == [("starting", "failed")]
 
 
+def test_a_worker_that_dies_as_the_run_starts_is_replaced_and_the_others_train(tmp_path):
+    # Before: the first start failure of any kind failed the run, min_workers = 1 or not.
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.02,
+                           start_errors={2: WorkerLostError("worker 2 died while starting: "
+                                                            "its node was lost")})
+    end, ctx, _ = _run(tmp_path, sim=sim)
+    assert isinstance(end, Finished) and _steps(ctx) == list(range(24))
+    assert [e["error"] for e in _events(ctx, "worker_start_failed")] == [
+        "worker 2 died while starting: its node was lost"]
+    assert [e["workers"] for e in _events(ctx, "generation")][:2] == [[0, 1, 3], [0, 1, 3, 4]]
+    assert ctx.cursor.samples == 24 * 4 * PER_RANK  # the global batch never changed
+
+
+def test_workers_dying_as_the_run_starts_below_min_workers_fail_it_saying_so(tmp_path):
+    lost = {w: WorkerLostError(f"worker {w} died while starting: node lost") for w in (1, 2)}
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.02,
+                           start_errors=lost)
+    end, _, _ = _run(tmp_path, sim=sim,
+                       scaling=ScalingConfig(num_workers=4, min_workers=3, max_workers=4))
+    assert isinstance(end, Failed) and isinstance(end.error, WorkerLostError)
+    assert str(end.error) == (
+        "only 2 of 4 workers started, fewer than scaling.min_workers = 3; 2 died while "
+        "starting, the first: worker 1 died while starting: node lost")
+
+
+def test_a_factory_that_raises_on_one_worker_at_start_fails_the_run_with_its_error(tmp_path):
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.02,
+                           start_errors={3: ConfigError("worker 3: model() raised: KeyError")})
+    end, ctx, _ = _run(tmp_path, sim=sim)
+    assert isinstance(end, Failed) and str(end.error) == "worker 3: model() raised: KeyError"
+    assert _states(ctx) == [("starting", "failed")]
+
+
 def test_more_losses_than_max_failures_fail_the_run(tmp_path):
     end, ctx, _ = _run(tmp_path, chaos=(ChaosEvent(step=4, rank=0, action="kill"),
                                         ChaosEvent(step=8, rank=0, action="kill")),
