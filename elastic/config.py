@@ -747,6 +747,19 @@ class LoggingConfig(_Frozen):
         default=None, description="MLflow tracking (needs mlflow-skinny: pip install "
         "'elastic[loggers]')."
     )
+    queue_points: int = Field(
+        default=10_000, ge=1,
+        description="Points (a committed step's values, or an evaluation's) each logger may "
+        "have waiting: loggers write on their own threads, so a tracking server that does not "
+        "answer never holds up training; past this many waiting, new points are dropped "
+        "(`logger_behind`, and `logger_dropped` with the count at the run's end).",
+    )
+    flush_timeout: timedelta = Field(
+        default=timedelta(minutes=1), gt=timedelta(0),
+        description="How long the run's end waits for each logger to write the points it "
+        "still has waiting; past it, the logger is reported failed and those points are lost "
+        "(metrics.jsonl has them all).",
+    )
     progress: Literal["auto", "bar", "lines", "off"] = Field(
         default="auto",
         description="Progress of `elastic run` and `elastic.fit`: 'bar' (a rich progress bar: "

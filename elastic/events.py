@@ -26,6 +26,8 @@ Kinds and their classes:
 | `generation` | `Generation` |
 | `generation_failed` | `GenerationFailed` |
 | `kill_requested` | `KillRequested` |
+| `logger_behind` | `LoggerBehind` |
+| `logger_dropped` | `LoggerDropped` |
 | `logger_failed` | `LoggerFailed` |
 | `member_unreachable` | `MemberUnreachable` |
 | `micro_batch_tuned` | `MicroBatchTuned` |
@@ -710,6 +712,28 @@ class LoggerFailed(Event, kind="logger_failed"):
     logger: str
     error: str
     step: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggerBehind(Event, kind="logger_behind"):
+    """Logger `logger` has `queued` points waiting (its destination answers slowly or not
+    at all; `LoggingConfig.queue_points`): the points from `step` on are dropped until it
+    catches up. Training goes on; metrics.jsonl has every point."""
+
+    logger: str
+    step: int
+    queued: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggerDropped(Event, kind="logger_dropped"):
+    """Logger `logger` did not get `points` points of the run, at steps `first_step` to
+    `last_step` (it fell behind: `logger_behind`); written as the run ends."""
+
+    logger: str
+    points: int
+    first_step: int
+    last_step: int
 
 
 # --- the codec ---------------------------------------------------------------------------------

@@ -23,9 +23,18 @@ the value of the newest run:
   same state, so the two agree up to floating-point summation order (bitwise with
   `batch.exact`).
 
+Threads. Each logger writes on its own thread, fed through a queue of at most
+`LoggingConfig.queue_points` points, so a destination that answers slowly or not at all (an
+MLflow server that is down retries each request for minutes) never holds up training. Points
+that find the queue full are dropped (a `logger_behind` event when that starts; a
+`logger_dropped` event with the count as the run ends); metrics.jsonl has them all. A truncation
+is never dropped and removes the waiting points it replaces. The run's end waits up to
+`LoggingConfig.flush_timeout` for each logger to write what it has waiting.
+
 Failures. A logger that raises is closed and is off for the rest of the run, which goes on:
-the run writes a `logger_failed` event and the controller's log a warning with the traceback.
-A logger whose package is missing fails the run before it starts (ConfigError).
+the run writes a `logger_failed` event (at the next point, on the run's thread) and the
+controller's log a warning with the traceback. A logger whose package is missing fails the run
+before it starts (ConfigError).
 
 No Ray here.
 """
@@ -36,13 +45,16 @@ import contextlib
 import csv
 import logging
 import os
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from elastic.config import LoggingConfig, MLflowConfig
 from elastic.errors import ConfigError
-from elastic.events import Evaluate, LoggerFailed, parse
+from elastic.events import Evaluate, LoggerBehind, LoggerDropped, LoggerFailed, parse
 
 if TYPE_CHECKING:
     from elastic.runlog import RunLog
@@ -251,22 +263,33 @@ class MLflowLogger(Logger):
 
         self._metric = Metric
         self.client = MlflowClient(tracking_uri=config.tracking_uri)
-        name = config.run_name or run_name
-        experiment = self.client.get_experiment_by_name(config.experiment)
-        experiment_id = (experiment.experiment_id if experiment is not None
-                         else self.client.create_experiment(config.experiment))
-        found = self.client.search_runs(
-            [experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{name}'",
-            order_by=["attributes.start_time DESC"], max_results=1)
-        if found:
-            self.run_id = found[0].info.run_id
-            self.client.update_run(self.run_id, status="RUNNING")
-        else:
-            self.run_id = self.client.create_run(experiment_id, run_name=name,
-                                                 tags={RUN_TAG: name}).info.run_id
+        self.config = config
+        self.run_name = config.run_name or run_name
+        self._run_id: str | None = None  # the server is first asked on the logger's thread
         self._logged: dict[str, set[int]] = {}  # key -> steps at or after the truncation point
         self._pending: list[Any] = []
         self._sent = time.monotonic()
+
+    @property
+    def run_id(self) -> str:
+        """The MLflow run's id: the newest run tagged with this run's name, continued, else a
+        new one (asks the tracking server the first time)."""
+        if self._run_id is None:
+            client, name, experiment = self.client, self.run_name, self.config.experiment
+            found_experiment = client.get_experiment_by_name(experiment)
+            experiment_id = (found_experiment.experiment_id if found_experiment is not None
+                             else client.create_experiment(experiment))
+            found = client.search_runs(
+                [experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{name}'",
+                order_by=["attributes.start_time DESC"], max_results=1)
+            if found:
+                run_id = found[0].info.run_id
+                client.update_run(run_id, status="RUNNING")
+            else:
+                run_id = client.create_run(experiment_id, run_name=name,
+                                           tags={RUN_TAG: name}).info.run_id
+            self._run_id = run_id
+        return self._run_id
 
     def truncate(self, train_from: int, eval_from: int) -> None:
         self._send()
@@ -292,6 +315,8 @@ class MLflowLogger(Logger):
         self._sent = time.monotonic()
 
     def close(self, state: str) -> None:
+        if self._run_id is None and not self._pending:  # never reached the server: no run to end
+            return
         self._send()
         self.client.set_terminated(self.run_id, self.STATUS.get(state, "FAILED"))
 
@@ -354,20 +379,133 @@ def report_failure(log: RunLog, name: str, error: BaseException, step: int | Non
                           step=step))
 
 
-class LoggerSink:
-    """Feeds loggers from the run's log (an `elastic.runlog.Sink`): decides where each
-    logger truncates (see the module docstring) and switches off a logger that raises.
+@dataclass
+class _Op:
+    """One call waiting for a logger's thread: a point of `series` at `step`, or (`series`
+    None) a truncation from training step `step` and evaluation step `eval_from`."""
 
-    Args:
-        loggers: the loggers (`open_loggers`).
-        log: the run's log, for `logger_failed` events.
+    call: Callable[[Logger], None]
+    series: Series | None
+    step: int
+    eval_from: int = 0
+
+
+class _Feed:
+    """One logger and the thread that calls it, in order, with what the run thread queues.
+
+    The run thread queues (`put`) and reads what happened (`failure`, `dropped`); the logger
+    is only ever called on this thread. After the logger raised, or once it is closed, the
+    thread ends and queued calls are discarded.
     """
 
-    def __init__(self, loggers: Iterable[Logger], log: RunLog) -> None:
-        self.loggers = list(loggers)
+    def __init__(self, each: Logger, capacity: int) -> None:
+        self.logger = each
+        self.name = each.name
+        self.capacity = capacity
+        self._ops: deque[_Op] = deque()
+        self._points = 0  # points among `_ops`
+        self._wake = threading.Condition()
+        self._closing: str | None = None  # how the run ended, once `close` was asked
+        self.failure: tuple[BaseException, int | None] | None = None  # (error, step) it raised
+        self.reported = False  # its failure was reported (on the run thread)
+        self.dropped: list[int] = []  # count, lowest and highest step of the points dropped
+        self.behind = False  # dropping points since the queue was last empty
+        self._thread = threading.Thread(target=self._work, name=f"elastic-logger-{self.name}",
+                                         daemon=True)
+        self._thread.start()
+
+    def put(self, op: _Op) -> bool:
+        """Queues `op`; False when it is a point that found the queue full (dropped)."""
+        with self._wake:
+            if self.failure is not None or self._closing is not None:
+                return True  # off: nothing more is called
+            if op.series is None:  # a truncation replaces the points it drops
+                self._truncate_queued(op)
+            elif self._points >= self.capacity:
+                count, first, last = self.dropped or [0, op.step, op.step]
+                self.dropped = [count + 1, min(first, op.step), max(last, op.step)]
+                return False
+            else:
+                self._points += 1
+            self._ops.append(op)
+            self._wake.notify()
+        return True
+
+    def _truncate_queued(self, op: _Op) -> None:
+        kept = [each for each in self._ops if each.series is None
+                or each.step < (op.step if each.series == "train" else op.eval_from)]
+        self._points -= len(self._ops) - len(kept)
+        self._ops = deque(kept)
+
+    def close(self, state: str, deadline: float) -> int:
+        """Asks the thread to write what is queued and close the logger; waits for it until
+        `deadline` (time.monotonic()). Returns the points still waiting (0: it ended)."""
+        with self._wake:
+            if self._closing is None:
+                self._closing = state
+                self._wake.notify()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        with self._wake:
+            return self._points if self._thread.is_alive() else 0
+
+    def _work(self) -> None:
+        while True:
+            with self._wake:
+                while not self._ops and self._closing is None:
+                    self._wake.wait()
+                if not self._ops:
+                    break
+                op = self._ops.popleft()
+                if op.series is not None:
+                    self._points -= 1
+                if not self._ops:
+                    self.behind = False
+            try:
+                op.call(self.logger)
+            except Exception as e:
+                with self._wake:
+                    self.failure = (e, op.step)
+                    self._ops.clear()
+                    self._points = 0
+                with contextlib.suppress(Exception):
+                    self.logger.close("failed")
+                return
+        try:
+            self.logger.close(self._closing or "failed")
+        except Exception as e:
+            self.failure = (e, None)
+
+
+class LoggerSink:
+    """Feeds loggers from the run's log (an `elastic.runlog.Sink`): decides where each
+    logger truncates (see the module docstring), hands each call to the logger's own thread
+    and reports, on the run's thread, a logger that raised (switched off) or fell behind.
+
+    Args:
+        loggers: the loggers (`open_loggers`; more with `add`).
+        log: the run's log, for `logger_*` events.
+        queue_points: points each logger may have waiting (`LoggingConfig.queue_points`).
+        flush_timeout_s: how long `close` waits for each logger (`LoggingConfig.flush_timeout`).
+    """
+
+    def __init__(self, loggers: Iterable[Logger], log: RunLog, queue_points: int = 10_000,
+                 flush_timeout_s: float = 60.0) -> None:
         self.log = log
+        self.queue_points = queue_points
+        self.flush_timeout_s = flush_timeout_s
+        self.feeds: list[_Feed] = []
         self._started = False
         self._last: dict[Series, int] = {"train": -1, "eval": -1}  # last step logged
+        self.add(loggers)
+
+    @property
+    def loggers(self) -> list[Logger]:
+        """The loggers still on."""
+        return [feed.logger for feed in self.feeds]
+
+    def add(self, loggers: Iterable[Logger]) -> None:
+        """Feeds `loggers` too, each from its own thread."""
+        self.feeds += [_Feed(each, self.queue_points) for each in loggers]
 
     def on_metric(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
@@ -384,35 +522,52 @@ class LoggerSink:
         self._point("eval", event.step, eval_values(event.metrics), record)
 
     def close(self, state: str) -> None:
-        """Closes every logger (`state`: how the run ended)."""
-        loggers, self.loggers = self.loggers, []
-        for each in loggers:
-            try:
-                each.close(state)
-            except Exception as e:
-                report_failure(self.log, each.name, e, None)
+        """Has every logger write what it has waiting and close (`state`: how the run
+        ended), waiting up to `flush_timeout_s` for each; reports the failures and the points
+        dropped."""
+        feeds, self.feeds = self.feeds, []
+        for feed in feeds:
+            left = feed.close(state, time.monotonic() + self.flush_timeout_s)
+            if left:
+                feed.failure = (TimeoutError(
+                    f"{left} points still waiting after logging.flush_timeout "
+                    f"({self.flush_timeout_s:g} s); they are not logged"), None)
+            self._report(feed)
+            if feed.dropped:
+                count, first, last = feed.dropped
+                self.log.emit(LoggerDropped(logger=feed.name, points=count, first_step=first,
+                                            last_step=last))
 
     def _truncate(self, train_from: int, eval_from: int) -> None:
         self._started = True
         self._last = {"train": min(self._last["train"], train_from - 1),
                       "eval": min(self._last["eval"], eval_from - 1)}
-        self._each(lambda each: each.truncate(train_from, eval_from), train_from)
+        self._each(_Op(lambda each: each.truncate(train_from, eval_from), None, train_from,
+                       eval_from))
 
     def _point(self, series: Series, step: int, values: dict[str, float],
                record: dict[str, Any]) -> None:
         self._last[series] = step
         walltime = record.get("time") or time.time()
         epoch = record.get("epoch")
-        self._each(lambda each: each.log(series, step, values, walltime, epoch), step)
+        self._each(_Op(lambda each: each.log(series, step, values, walltime, epoch), series, step))
 
-    def _each(self, call: Callable[[Logger], None], step: int) -> None:
-        for each in list(self.loggers):
-            try:
-                call(each)
-            except Exception as e:
-                self.loggers.remove(each)
-                report_failure(self.log, each.name, e, step)
-                try:
-                    each.close("failed")
-                except Exception:  # already reported; it is off either way
-                    logger.debug("closing failed logger %s", each.name, exc_info=True)
+    def _each(self, op: _Op) -> None:
+        for feed in list(self.feeds):
+            if self._report(feed):
+                self.feeds.remove(feed)
+                continue
+            if not feed.put(op) and not feed.behind:
+                feed.behind = True
+                self.log.emit(LoggerBehind(logger=feed.name, step=op.step,
+                                           queued=feed.capacity))
+
+    def _report(self, feed: _Feed) -> bool:
+        """Reports `feed`'s failure once (True if it failed)."""
+        failure = feed.failure
+        if failure is None:
+            return False
+        if not feed.reported:
+            feed.reported = True
+            report_failure(self.log, feed.name, failure[0], failure[1])
+        return True

@@ -42,6 +42,8 @@ from elastic.events import (
     GenerationFailed,
     Grouped,
     KillRequested,
+    LoggerBehind,
+    LoggerDropped,
     LoggerFailed,
     MemberUnreachable,
     MicroBatchTuned,
@@ -171,6 +173,10 @@ _RENDERERS: dict[type[Event], Callable[[Any], str | None]] = {
     WorkerHung: _fields,
     Stopping: _fields,
     Failed: _fields,
+    LoggerBehind: lambda e: (f"logger {e.logger} is {e.queued} points behind: those from "
+                             f"step {e.step} on are dropped until it catches up"),
+    LoggerDropped: lambda e: (f"logger {e.logger} dropped {e.points} points (steps "
+                              f"{e.first_step} to {e.last_step}); metrics.jsonl has them"),
     LoggerFailed: lambda e: (f"logger {e.logger} failed"
                              + (f" at step {e.step}" if e.step is not None else "")
                              + f" ({e.error}); it is off for the rest of the run"),

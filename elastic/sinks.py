@@ -37,7 +37,8 @@ class RunSinks:
         self.machine = machine
         ctx = machine.ctx
         self.log: RunLog = ctx.log
-        self.loggers = LoggerSink([], self.log)
+        self.loggers = LoggerSink([], self.log, config.queue_points,
+                                  config.flush_timeout.total_seconds())
         self.callbacks = CallbackSink(callbacks, self.log, lambda: ctx.step)
 
     def start(self) -> None:
@@ -51,7 +52,7 @@ class RunSinks:
             return
         self.log.add_sinks(self.loggers, self.callbacks)
         try:
-            self.loggers.loggers = open_loggers(self.config, self.machine.ctx.name, self.log)
+            self.loggers.add(open_loggers(self.config, self.machine.ctx.name, self.log))
         except ElasticError as e:  # a missing package, or a callback raising on a logger's failure
             self.machine.enter(Failed(e))
 

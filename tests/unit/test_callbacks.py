@@ -316,7 +316,7 @@ def test_close_closes_the_loggers_even_when_the_records_left_cannot_be_delivered
     machine.run()
     sinks.end()
     fake = Logger()
-    sinks.loggers.loggers = [fake]
+    sinks.loggers.add([fake])
 
     def broken():
         raise ValueError("a sink broke")

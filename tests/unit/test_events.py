@@ -94,6 +94,8 @@ SAMPLES = {
     "checkpoint_config_changed": {"path": "/ckpt/step-10",
                                   "note": "global batch or seed differ from the run that wrote it"},
     "logger_failed": {"logger": "mlflow", "error": "MlflowException: connection refused", "step": 12},
+    "logger_behind": {"logger": "mlflow", "step": 1200, "queued": 10000},
+    "logger_dropped": {"logger": "mlflow", "points": 310, "first_step": 1200, "last_step": 1509},
 }
 
 

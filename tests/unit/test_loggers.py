@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import sys
+import threading
 
 import pytest
 
@@ -162,6 +163,8 @@ def test_a_restore_within_a_run_drops_the_steps_after_the_checkpoint(tmp_path, k
 def test_mlflow_continues_the_run_named_in_its_config_and_ends_it_with_the_runs_state(tmp_path):
     mlflow = MLflowConfig(tracking_uri=str(tmp_path / "mlruns"), run_name="shared")
     first = MLflowLogger(mlflow, "elastic-run-1")
+    first.truncate(0, 0)
+    first.log("train", 0, {"loss": 1.0}, 1000.0, 0)
     first.close("failed")
     second = MLflowLogger(mlflow, "elastic-run-2")
     assert second.run_id == first.run_id
@@ -236,3 +239,99 @@ def test_a_missing_logger_package_is_a_config_error_naming_the_extra(tmp_path, m
     with pytest.raises(ConfigError, match=r"logging.mlflow needs the mlflow package.*"
                                           r"pip install 'elastic\[loggers\]'"):
         open_loggers(config, "r", RunLog(str(tmp_path / "run")))
+
+
+# --- loggers that fall behind ----------------------------------------------------------------------
+
+
+class StuckLogger(Logger):
+    """A destination that does not answer until `answer` is set (a tracking server that is
+    down: each request waits); records the calls it got through."""
+
+    name = "stuck"
+
+    def __init__(self) -> None:
+        self.answer = threading.Event()
+        self.calls: list[tuple] = []
+
+    def truncate(self, train_from: int, eval_from: int) -> None:
+        self.answer.wait()
+        self.calls.append(("truncate", train_from, eval_from))
+
+    def log(self, series, step, values, walltime, epoch) -> None:
+        self.answer.wait()
+        self.calls.append((series, step, values["loss"] if series == "train" else None))
+
+    def close(self, state: str) -> None:
+        self.calls.append(("close", state))
+
+
+def test_a_logger_that_does_not_answer_never_holds_up_the_run_and_drops_what_does_not_fit(tmp_path):
+    # Before, each point was logged on the run's thread: a down MLflow server held up every
+    # chunk boundary for minutes per request.
+    log = RunLog(str(tmp_path / "run"))
+    stuck = StuckLogger()
+    sink = LoggerSink([stuck], log, queue_points=5)
+    log.add_sinks(sink)
+    try:
+        for step in range(10):  # returns although the logger answers nothing
+            log.metric(**_line(step, float(step)))
+        # Every worker lost: restored to step 2; the points waiting from it on are replaced.
+        for step in range(2, 5):
+            log.metric(**_line(step, step + 100.0))
+        behind = [e for e in log.events if e["event"] == "logger_behind"]
+        assert [(e["logger"], e["step"], e["queued"]) for e in behind] == [("stuck", 5, 5)]
+    finally:
+        stuck.answer.set()
+    sink.close("finished")
+    assert stuck.calls == [("truncate", 0, 1), ("train", 0, 0.0), ("train", 1, 1.0),
+                           ("truncate", 2, 3), ("train", 2, 102.0), ("train", 3, 103.0),
+                           ("train", 4, 104.0), ("close", "finished")]
+    [dropped] = [e for e in log.events if e["event"] == "logger_dropped"]
+    assert (dropped["points"], dropped["first_step"], dropped["last_step"]) == (5, 5, 9)
+    assert not [e for e in log.events if e["event"] == "logger_failed"]
+
+
+def test_the_end_waits_for_a_stuck_logger_only_up_to_the_flush_timeout(tmp_path):
+    log = RunLog(str(tmp_path / "run"))
+    stuck = StuckLogger()
+    sink = LoggerSink([stuck], log, flush_timeout_s=0.05)
+    log.add_sinks(sink)
+    try:
+        for step in range(3):
+            log.metric(**_line(step, float(step)))
+        sink.close("finished")  # returns although the logger never answers
+        [failure] = [e for e in log.events if e["event"] == "logger_failed"]
+        assert failure["error"] == ("TimeoutError: 3 points still waiting after "
+                                    "logging.flush_timeout (0.05 s); they are not logged")
+    finally:
+        stuck.answer.set()
+
+
+def test_an_mlflow_server_that_does_not_answer_holds_up_neither_the_start_nor_the_steps(
+        tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    answer = threading.Event()
+    asked: list[str] = []
+
+    def waits(self, *args, **kwargs):
+        asked.append("get_experiment_by_name")
+        answer.wait()
+        raise ConnectionError("connection refused")
+
+    monkeypatch.setattr(MlflowClient, "get_experiment_by_name", waits)
+    log = RunLog(str(tmp_path / "run"))
+    config = LoggingConfig(mlflow=MLflowConfig(tracking_uri="http://127.0.0.1:9"))
+    sink = LoggerSink(open_loggers(config, "r", log), log)
+    log.add_sinks(sink)
+    try:
+        for step in range(3):
+            log.metric(**_line(step, float(step)))
+    finally:
+        answer.set()
+    sink.close("finished")
+    assert asked == ["get_experiment_by_name"]
+    [failure] = [e for e in log.events if e["event"] == "logger_failed"]
+    assert (failure["logger"], failure["step"], failure["error"]) == (
+        "mlflow", 0, "ConnectionError: connection refused")
