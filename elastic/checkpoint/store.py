@@ -20,6 +20,11 @@ sha256 and size like its own files, and which state ids each holds (`"shards"`);
 manifest is still the one commit marker and signs every byte; loading joins the shards into
 the whole optimizer state (`verify`), so a loaded checkpoint looks the same whether its state
 was sharded or not.
+
+Writing a step that has a checkpoint already (a run resumed or restored at that step that ends
+or evaluates there) leaves that checkpoint whole until the new manifest replaces it: the new
+files get names of their own (`model-<write id>.pt`, the manifest's `"part_names"` maps them
+back to their parts), and the files no manifest lists are removed once it is committed.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import json
 import logging
 import os
 import platform
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -182,11 +188,13 @@ def write_checkpoint(root: str, step: int, parts: Mapping[str, bytes], meta: Map
     """
     fs, base = _fs(root)
     directory = _step_directory(fs, base, step)
-    if fs.exists(f"{directory}/{MANIFEST}"):
-        fs.rm(f"{directory}/{MANIFEST}")  # re-writing a step: uncommit it first
-    files = {}
+    # Re-writing a step: the checkpoint there stays whole until this manifest replaces its own.
+    write = f"-{secrets.token_hex(6)}" if fs.exists(f"{directory}/{MANIFEST}") else ""
+    files, part_names = {}, {}
     for name, data in parts.items():
-        filename = f"{name}.pt"
+        filename = f"{name}{write}.pt"
+        if write:
+            part_names[filename] = name
         _write_atomically(fs, f"{directory}/{filename}", data)
         files[filename] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
         if after_part is not None:
@@ -200,29 +208,30 @@ def write_checkpoint(root: str, step: int, parts: Mapping[str, bytes], meta: Map
     manifest = {
         "format": FORMAT_VERSION, "step": step, "created": time.time(), "files": files,
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        **meta,
+        **({"part_names": part_names} if part_names else {}), **meta,
     }
     if key is not None:
         manifest = sign(manifest, key)
     _write_atomically(fs, f"{directory}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
     _fsync_dir(fs, directory)
-    _drop_stray_shards(fs, directory, files)
+    _drop_stray_files(fs, directory, files)
     return directory
 
 
-def _drop_stray_shards(fs: fsspec.AbstractFileSystem, directory: str,
-                       listed: Mapping[str, Any]) -> None:
-    """Once a checkpoint of a step is committed, the optimizer-state shards its manifest does
-    not list (left by an earlier write of that step that failed or was skipped after some
-    members wrote theirs): retention deletes whole step folders only, so they would stay as
-    long as the checkpoint. Best effort: a file that cannot be removed stays."""
+def _drop_stray_files(fs: fsspec.AbstractFileSystem, directory: str,
+                      listed: Mapping[str, Any]) -> None:
+    """Once a checkpoint of a step is committed, the files its manifest does not list: those
+    of the checkpoint it replaced, or optimizer-state shards of an earlier write of that step
+    that failed or was skipped after some members wrote theirs. Retention deletes whole step
+    folders only, so they would stay as long as the checkpoint. Best effort: a file that
+    cannot be removed stays."""
     try:
         names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(directory, detail=False)]
         for name in names:
-            if name.startswith("optimizer-shard-") and name not in listed:
+            if name.endswith(".pt") and name not in listed:
                 fs.rm(f"{directory}/{name}")
     except OSError as e:
-        logger.warning("cannot remove stray optimizer shards from %s: %s", directory, e)
+        logger.warning("cannot remove stray files from %s: %s", directory, e)
 
 
 @dataclass
@@ -279,6 +288,10 @@ def verify(root: str, step: int, key: bytes | None = None) -> LoadedCheckpoint:
                    and isinstance(e.get("sha256"), str) and isinstance(n, str) and "/" not in n
                    for n, e in files.items()):
             raise ValueError("manifest lists a file without a plain name, size and sha256")
+        part_names = manifest.get("part_names", {})
+        if not isinstance(part_names, dict) or not all(
+                n in files and isinstance(p, str) for n, p in part_names.items()):
+            raise ValueError("manifest names parts of files it does not list")
         shards = _listed_shards(manifest)
     except FileNotFoundError as e:
         raise CheckpointCorruptError(f"{directory}: no manifest (an interrupted write)") from e
@@ -299,8 +312,8 @@ def verify(root: str, step: int, key: bytes | None = None) -> LoadedCheckpoint:
             raise CheckpointCorruptError(f"{directory}/{filename}: checksum mismatch")
         try:
             # weights_only: a checkpoint is data; a pickle that would run code is refused.
-            parts[filename.removesuffix(".pt")] = torch.load(io.BytesIO(data), weights_only=True,
-                                                              map_location="cpu")
+            part = part_names.get(filename, filename.removesuffix(".pt"))
+            parts[part] = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         except Exception as e:
             if _allocation_failed(e):  # the reader's memory, not the checkpoint, is short
                 raise

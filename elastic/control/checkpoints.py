@@ -108,6 +108,8 @@ class CheckpointCoordinator:
             self.log.event(event, step=info["step"], path=info["path"],
                            work_lost_steps=max(0, current_step - info["step"]))
         self._last_step = int(info["step"])
+        # Its checkpoint is there: a run that ends (or is stopped) at this step writes none.
+        self._written = (self._last_step, False)
         return self._last_step
 
     def _reached(self, writer: str | None) -> int | None:

@@ -42,6 +42,36 @@ def test_written_checkpoints_load_newest_first(root):
     assert load_checkpoint(root, step=3).parts["cursor"] == {"global_step": 3}
 
 
+def test_rewriting_a_step_leaves_its_checkpoint_whole_until_the_new_one_commits(root):
+    # A run resumed (or restored) at step 5 that ends or evaluates there writes step 5 again.
+    # Before, the rewrite removed the manifest first: a failed rewrite lost step 5.
+    import fsspec
+
+    write_checkpoint(root, 5, _parts(5), {"world_size": 2})
+
+    def crash(name):
+        if name == "cursor":
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_checkpoint(root, 5, {"model": serialize({"w": torch.zeros(64)}), "cursor": b"x"},
+                         {"world_size": 3}, after_part=crash)
+    loaded = load_checkpoint(root)
+    assert (loaded.step, loaded.manifest["world_size"]) == (5, 2)
+    assert torch.equal(loaded.parts["model"]["w"], torch.full((64,), 5.0))
+    write_checkpoint(root, 5, {"model": serialize({"w": torch.ones(64)}),
+                               "cursor": serialize({"global_step": 5})}, {"world_size": 3})
+    loaded = load_checkpoint(root)
+    assert (loaded.step, loaded.manifest["world_size"]) == (5, 3)
+    assert sorted(loaded.parts) == ["cursor", "model"]
+    assert torch.equal(loaded.parts["model"]["w"], torch.ones(64))
+    fs, path = fsspec.core.url_to_fs(root)
+    left = sorted(e.rstrip("/").rsplit("/", 1)[-1]
+                  for e in fs.ls(f"{path}/{step_dir_name(5)}", detail=False))
+    assert left == sorted([MANIFEST, *loaded.manifest["files"]])  # the replaced files are gone
+    assert len(left) == 3
+
+
 def test_an_empty_root_has_no_checkpoint(root):
     assert load_checkpoint(root) is None
 

@@ -320,6 +320,34 @@ def test_a_run_resumed_by_name_says_how_many_steps_it_redoes(tmp_path):
                                       "step 205)")
 
 
+def test_a_run_that_ends_at_the_step_it_resumed_from_does_not_write_that_checkpoint_again(
+        tmp_path):
+    # Before: the final write rewrote the checkpoint it had just loaded (a stop, Ctrl-C or
+    # full disk during that write could lose the only copy).
+    from elastic.control.checkpoints import CheckpointCoordinator
+    from elastic.runlog import RunLog
+
+    class Worker:
+        calls: list[str] = []
+
+        def call(self, worker_id, method, *args):
+            self.calls.append(method)
+            if method == "flush_checkpoints":
+                return []
+            assert method == "restore_checkpoint"
+            return {"step": 300, "path": "/ckpt/step-300", "skipped": [], "run": "r",
+                    "fingerprint": "B=16;seed=0", "world_size": 3}
+
+    config = FitConfig(max_steps=300, scaling=ScalingConfig(num_workers=3),
+                       batch=BatchConfig(global_batch_size=16),
+                       checkpoint=CheckpointConfig(path=str(tmp_path / "ckpt")))
+    worker = Worker()
+    coordinator = CheckpointCoordinator(config, RunLog(str(tmp_path)), worker)
+    assert coordinator.restore(0, "resumed", 0, world_size=3) == 300
+    coordinator.maybe_write(0, 300, 3, final=True)
+    assert "checkpoint" not in worker.calls
+
+
 def test_a_launch_record_another_could_have_written_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     write_launch(str(run_dir), "examples/spirals.py:job")
