@@ -258,6 +258,14 @@ class CheckpointCorruptError(ElasticError):
     """
 
 
+class CheckpointUncommittedError(CheckpointCorruptError):
+    """A step folder without a committed manifest: a write that was interrupted, or is still
+    running; never a checkpoint, so nothing is lost by skipping it.
+
+    Recovery: skipped like a corrupt one.
+    """
+
+
 class CheckpointSignatureError(CheckpointCorruptError):
     """A checkpoint is intact but not validly signed with the run's key: unsigned (written
     without signing, or planted), signed with another key, or altered.

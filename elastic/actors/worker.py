@@ -45,7 +45,7 @@ from elastic.adapt.plan import BatchPlan
 from elastic.adapt.sharding import describe
 from elastic.checkpoint import CheckpointWriter
 from elastic.checkpoint.retention import Retention
-from elastic.checkpoint.store import newest_checkpoint_within, serialize, shard_name
+from elastic.checkpoint.store import newest_checkpoint_within, none_loaded, serialize, shard_name
 from elastic.collective import Communicator, Endpoint
 from elastic.config import ChaosEvent, FitConfig
 from elastic.control.port import (
@@ -63,7 +63,6 @@ from elastic.control.port import (
 )
 from elastic.errors import (
     AfterStepError,
-    CheckpointSignatureError,
     CollectiveError,
     ConfigError,
     InjectedFault,
@@ -642,10 +641,7 @@ class WorkerActor:
             loaded, skipped = newest_checkpoint_within(
                 ckpt.path, self._key, ckpt.timeout_s)
             if loaded is None:
-                return {"step": None, "path": None,
-                        "skipped": [(d, str(e)) for d, e in skipped],
-                        "unsigned": [(d, str(e)) for d, e in skipped
-                                     if isinstance(e, CheckpointSignatureError)]}
+                return none_loaded(skipped)
             self.replica.load_state(loaded.parts)
         change = None
         there = (loaded.parts.get("exact") or {}).get("environment")

@@ -51,6 +51,7 @@ from elastic.errors import (
     CheckpointCorruptError,
     CheckpointSignatureError,
     CheckpointTimeoutError,
+    CheckpointUncommittedError,
     ConfigError,
 )
 from elastic.private import ensure_private_dir, write_private
@@ -294,7 +295,7 @@ def verify(root: str, step: int, key: bytes | None = None) -> LoadedCheckpoint:
             raise ValueError("manifest names parts of files it does not list")
         shards = _listed_shards(manifest)
     except FileNotFoundError as e:
-        raise CheckpointCorruptError(f"{directory}: no manifest (an interrupted write)") from e
+        raise CheckpointUncommittedError(f"{directory}: no manifest (an interrupted write)") from e
     except (ValueError, KeyError, UnicodeDecodeError) as e:
         raise CheckpointCorruptError(f"{directory}: unreadable manifest: {e}") from e
     if key is not None:
@@ -407,6 +408,19 @@ def newest_checkpoint(root: str, key: bytes | None = None
     return None, skipped
 
 
+def none_loaded(skipped: list[tuple[str, CheckpointCorruptError]]) -> dict[str, Any]:
+    """What a restore that found no checkpoint to load answers (`restore_checkpoint`): every
+    step folder `skipped` (directory, reason), and among them those `unsigned` (intact but not
+    signed with the run's key) and those `damaged` (committed, yet they do not verify); an
+    interrupted write is neither."""
+    return {"step": None, "path": None,
+            "skipped": [(d, str(e)) for d, e in skipped],
+            "unsigned": [(d, str(e)) for d, e in skipped
+                         if isinstance(e, CheckpointSignatureError)],
+            "damaged": [(d, str(e)) for d, e in skipped if not isinstance(
+                e, CheckpointSignatureError | CheckpointUncommittedError)]}
+
+
 def newest_checkpoint_within(root: str, key: bytes | None, limit_s: float | None
                              ) -> tuple[LoadedCheckpoint | None, list[tuple[str, CheckpointCorruptError]]]:
     """`newest_checkpoint`, waited for `limit_s` seconds at most (None: for ever).
@@ -480,17 +494,25 @@ def _retention_state(root: str, step: int, key: bytes | None) -> tuple[str, dict
 
 
 def prune(root: str, keep_last: int, key: bytes | None = None,
-          retention: Retention | None = None) -> list[int]:
+          retention: Retention | None = None, written: int | None = None) -> list[int]:
     """Deletes all but the newest `keep_last` valid checkpoints (signed with `key`, if given)
     and, with `retention` (which then replaces `keep_last`), the best `keep_best` by its
     monitored metric besides; and incomplete directories older than the newest valid one.
     Never deletes the only valid checkpoint, nor a complete one signed otherwise. Returns the
-    steps deleted."""
+    steps deleted.
+
+    `written`: the step just written. Checkpoints of later steps belong to a history the run
+    left: it restored an older one, having skipped them as unreadable (a corruption that
+    keeps the files' sizes passes this cheap check). They neither count nor are deleted
+    (before, with keep_last=1, such a one pushed out every checkpoint the run wrote); the
+    run's own write of that step replaces one."""
     fs, base = _fs(root)
     retention = retention or Retention(keep_last=keep_last)
     valid: list[Candidate] = []
     incomplete: list[int] = []
     for candidate in list_steps(root):
+        if written is not None and candidate > written:
+            continue
         state, manifest = _retention_state(root, candidate, key)
         if state == "valid":
             valid.append(Candidate(candidate, monitored_value(manifest, retention.monitor)))

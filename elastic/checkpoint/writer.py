@@ -201,7 +201,7 @@ class CheckpointWriter:
         try:
             blobs = {name: _bytes(value) for name, value in parts.items()}
             path = write_checkpoint(self.root, step, blobs, meta, after_part, self.key, written)
-            pruned = tuple(prune(self.root, self.keep_last, self.key, self.retention))
+            pruned = tuple(prune(self.root, self.keep_last, self.key, self.retention, step))
             report = WriteReport(step, path, time.perf_counter() - started, pruned=pruned)
         except Exception as e:
             report = WriteReport(step, None, time.perf_counter() - started,

@@ -76,6 +76,16 @@ class CheckpointCoordinator:
                     "that wrote them, checkpoint.sign=False to load unsigned ones from a trusted "
                     "folder, or point checkpoint.path at a new folder"
                 )
+            damaged = info.get("damaged") or []
+            if event == "resumed" and damaged:
+                # Nor on top of checkpoints it could not read (a disk that filled, bit rot):
+                # their step folders stay for a repair, and retention would delete them.
+                raise ConfigError(
+                    f"checkpoint.path {self.config.checkpoint.path!r} holds {len(damaged)} "
+                    f"checkpoint(s), none of which loads (newest: {damaged[0][0]}: "
+                    f"{damaged[0][1]}); the run does not start over on top of them. Repair "
+                    "or remove the damaged step folders, or point checkpoint.path at a new "
+                    "folder")
             return None
         if info.get("fingerprint") not in (None, self.fingerprint()):
             self.log.emit(CheckpointConfigChanged(path=info["path"],

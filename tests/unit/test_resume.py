@@ -348,6 +348,38 @@ def test_a_run_that_ends_at_the_step_it_resumed_from_does_not_write_that_checkpo
     assert "checkpoint" not in worker.calls
 
 
+def test_a_resume_over_checkpoints_that_are_all_damaged_refuses_to_start_over(tmp_path):
+    # Before: it started from step 0 on top of them, and retention then deleted them.
+    from elastic.checkpoint.store import newest_checkpoint, none_loaded, write_checkpoint
+    from elastic.control.checkpoints import CheckpointCoordinator
+    from elastic.runlog import RunLog
+
+    root = tmp_path / "ckpt"
+    write_checkpoint(str(root), 100, {"model": b"x" * 64}, {})
+    (root / "step-000000000100" / "model.pt").write_bytes(b"y" * 64)  # same size, other bytes
+    (root / "step-000000000200").mkdir()  # a write interrupted before its manifest
+    config = FitConfig(max_steps=300, scaling=ScalingConfig(num_workers=3),
+                       batch=BatchConfig(global_batch_size=16),
+                       checkpoint=CheckpointConfig(path=str(root), sign=False))
+
+    class Worker:  # what `WorkerActor.restore_checkpoint` answers when nothing loads
+        def call(self, worker_id, method):
+            loaded, skipped = newest_checkpoint(str(root))
+            assert loaded is None
+            return none_loaded(skipped)
+
+    coordinator = CheckpointCoordinator(config, RunLog(str(tmp_path / "run")), Worker())
+    with pytest.raises(ConfigError) as raised:
+        coordinator.restore(0, "resumed", 0, world_size=3)
+    assert str(raised.value) == (
+        f"checkpoint.path {str(root)!r} holds 1 checkpoint(s), none of which loads (newest: "
+        f"step-000000000100: {root}/step-000000000100/model.pt: checksum mismatch); the run "
+        "does not start over on top of them. Repair or remove the damaged step folders, or "
+        "point checkpoint.path at a new folder")
+    (root / "step-000000000100" / "MANIFEST.json").unlink()  # nothing was ever committed
+    assert coordinator.restore(0, "resumed", 0, world_size=3) is None
+
+
 def test_a_launch_record_another_could_have_written_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     write_launch(str(run_dir), "examples/spirals.py:job")

@@ -87,3 +87,28 @@ def test_no_best_checkpoint_without_monitored_ones(tmp_path):
     root = str(tmp_path / "ckpt")
     _write(root, 3, None)
     assert best_checkpoint(root) is None
+
+
+def test_a_damaged_newer_checkpoint_never_pushes_out_those_the_run_writes_after_it(tmp_path):
+    # Step 200's model was damaged without changing its size: the run restored 100 and goes
+    # on. Before, retention counted 200 as the newest of keep_last=2: each write deleted the
+    # one before it, and with 200 left only one readable checkpoint stayed.
+    root = str(tmp_path / "ckpt")
+    writer = CheckpointWriter(root, keep_last=2)
+
+    def write(step):
+        writer.write_now(step, {"model": {"w": torch.full((3,), float(step))}}, {})
+        [report] = writer.take_reports()
+        assert report.error is None
+        return report.pruned
+
+    write(100), write(200)
+    path = os.path.join(root, step_dir_name(200), "model.pt")
+    data = bytearray(open(path, "rb").read())
+    data[-20] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    assert load_checkpoint(root).step == 100
+    assert write(150) == () and write(160) == (100,)
+    assert list_steps(root) == [200, 160, 150]
+    assert write(200) == (150,)  # the run's own write of 200 replaces the damaged one
+    assert list_steps(root) == [200, 160] and load_checkpoint(root).step == 200
