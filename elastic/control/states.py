@@ -712,6 +712,20 @@ def _settle_checkpoints(ctx: Context, leaving: list[int]) -> None:
             pass  # it died meanwhile: nothing of it to wait for
 
 
+def _settle_before_failing(ctx: Context) -> None:
+    """Before the run fails (and its workers end with it): waits for the checkpoint writes
+    in flight on the members, up to each write's time limit, and logs how they ended. Before,
+    a background write of a step the run had reached died with the worker processes, unsaid:
+    a resume went back to the checkpoint before it."""
+    if not ctx.checkpoints.enabled:
+        return
+    for worker_id in ctx.ids():
+        try:
+            ctx.checkpoints.flush(worker_id)
+        except Exception:  # lost, or failing too: the run's own error is what it ends with
+            logger.debug("waiting for worker %s's checkpoint writes", worker_id, exc_info=True)
+
+
 def _depart(ctx: Context, leaving: tuple[int, ...]) -> PlannedDeparture | None:
     """Members `leaving` (worker ids, on notice) leave the run at this step boundary; returns
     the event that says so, to be written once the next generation has formed (it counts the
@@ -819,6 +833,8 @@ class Machine:
                 following = Failed(e)
             except Exception as e:  # a bug of ours: keep the cause
                 following = Failed(_bug(e))
+            if isinstance(following, Failed) and not isinstance(self.state, Failed):
+                _settle_before_failing(self.ctx)
             try:
                 self.enter(following)
             except Exception as e:  # writing the change failed: end without more writes

@@ -11,7 +11,14 @@ from datetime import timedelta
 
 import pytest
 
-from elastic.config import BatchConfig, ChaosEvent, FailureConfig, FitConfig, ScalingConfig
+from elastic.config import (
+    BatchConfig,
+    ChaosEvent,
+    CheckpointConfig,
+    FailureConfig,
+    FitConfig,
+    ScalingConfig,
+)
 from elastic.control import decisions
 from elastic.control.context import Context, Roster
 from elastic.control.policy import BackOff, Fail, FailurePolicy, Reconfigure, Recover, Retry
@@ -258,6 +265,26 @@ def test_a_factory_that_raises_on_one_worker_at_start_fails_the_run_with_its_err
     end, ctx, _ = _run(tmp_path, sim=sim)
     assert isinstance(end, Failed) and str(end.error) == "worker 3: model() raised: KeyError"
     assert _states(ctx) == [("starting", "failed")]
+
+
+def test_a_run_that_fails_waits_for_its_checkpoint_writes_in_flight_first(tmp_path):
+    # Before, a background write of a step the run had reached died with the workers.
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4,
+                           votes={9: [UserFailure(9, (1,), "Traceback\nValueError: bad")] * 9})
+    asked, call = [], sim.call
+
+    def recorded(worker_id, method, *args):
+        asked.append((method, sorted(sim.checkpoints)))
+        return call(worker_id, method, *args)
+
+    sim.call = recorded
+    end, ctx, _ = _run(tmp_path, sim=sim, failure=FailureConfig(max_user_retries=1),
+                       checkpoint=CheckpointConfig(path=str(tmp_path / "c"), every_steps=4))
+    assert isinstance(end, Failed) and isinstance(end.error, UserCodeError)
+    flushed = [i for i, (method, _) in enumerate(asked) if method == "flush_checkpoints"]
+    assert asked[flushed[-1]][1] == [4, 8]  # after the last write, before the end
+    assert len(flushed) == 4  # every member asked
+    assert [e["event"] for e in ctx.log.events][-2:] == ["failed", "state"]
 
 
 def test_more_losses_than_max_failures_fail_the_run(tmp_path):
