@@ -659,12 +659,15 @@ class RestoredFromCheckpoint(_CheckpointLoaded, kind="restored_from_checkpoint")
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointWritten(Event, kind="checkpoint_written"):
-    """The checkpoint of `step` is at `path`, written in `seconds`; `pruned`: steps removed."""
+    """The checkpoint of `step` is at `path`, written in `seconds`; `pruned`: steps removed;
+    `prune_error`: the older step folders retention could not remove (they stay; the
+    checkpoint stands)."""
 
     step: int
     path: str
     seconds: float
     pruned: list[int]
+    prune_error: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

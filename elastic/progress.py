@@ -167,7 +167,9 @@ _RENDERERS: dict[type[Event], Callable[[Any], str | None]] = {
                            f"{e.predicted_after_s * 1e3:.0f} ms)"),
     RebalanceJudged: _rebalance_judged,
     BatchPlanned: _batch_planned,
-    CheckpointWritten: lambda e: f"checkpoint of step {e.step} written in {e.seconds:.2f} s",
+    CheckpointWritten: lambda e: (f"checkpoint of step {e.step} written in {e.seconds:.2f} s"
+                                  + (f"; retention left older ones: {e.prune_error}"
+                                     if e.prune_error else "")),
     # A chaos kill is told by the failure it causes (as planned).
     Chaos: lambda e: None if e.action == "kill" else _fields(e),
     WorkerHung: _fields,

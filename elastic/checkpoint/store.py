@@ -494,12 +494,15 @@ def _retention_state(root: str, step: int, key: bytes | None) -> tuple[str, dict
 
 
 def prune(root: str, keep_last: int, key: bytes | None = None,
-          retention: Retention | None = None, written: int | None = None) -> list[int]:
+          retention: Retention | None = None, written: int | None = None,
+          problems: list[str] | None = None) -> list[int]:
     """Deletes all but the newest `keep_last` valid checkpoints (signed with `key`, if given)
     and, with `retention` (which then replaces `keep_last`), the best `keep_best` by its
     monitored metric besides; and incomplete directories older than the newest valid one.
     Never deletes the only valid checkpoint, nor a complete one signed otherwise. Returns the
-    steps deleted.
+    steps deleted. A folder that cannot be removed (a file held open on NFS, a permission) is
+    left and the others still go; what went wrong is appended to `problems` (without it, the
+    first such OSError is raised once the others are gone).
 
     `written`: the step just written. Checkpoints of later steps belong to a history the run
     left: it restored an older one, having skipped them as unreadable (a corruption that
@@ -522,9 +525,19 @@ def prune(root: str, keep_last: int, key: bytes | None = None,
     doomed = [c.step for c in valid if c.step not in keep]
     if valid:
         doomed += [s for s in incomplete if s < valid[0].step]
-    for s in doomed:
-        fs.rm(f"{base}/{step_dir_name(s)}", recursive=True)
-    return sorted(doomed)
+    deleted, failed = [], []
+    for s in sorted(doomed):
+        try:
+            fs.rm(f"{base}/{step_dir_name(s)}", recursive=True)
+        except OSError as e:
+            failed.append(e)
+            if problems is not None:
+                problems.append(f"cannot remove {step_dir_name(s)}: {type(e).__name__}: {e}")
+            continue
+        deleted.append(s)
+    if failed and problems is None:
+        raise failed[0]
+    return deleted
 
 
 def best_checkpoint(root: str, key: bytes | None = None) -> LoadedCheckpoint | None:

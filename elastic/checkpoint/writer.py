@@ -58,6 +58,7 @@ class WriteReport:
     seconds: float
     error: str | None = None
     pruned: tuple[int, ...] = ()
+    prune_error: str | None = None  # retention could not remove a folder (the write stands)
 
 
 class CheckpointWriter:
@@ -201,12 +202,18 @@ class CheckpointWriter:
         try:
             blobs = {name: _bytes(value) for name, value in parts.items()}
             path = write_checkpoint(self.root, step, blobs, meta, after_part, self.key, written)
-            pruned = tuple(prune(self.root, self.keep_last, self.key, self.retention, step))
-            report = WriteReport(step, path, time.perf_counter() - started, pruned=pruned)
         except Exception as e:
-            report = WriteReport(step, None, time.perf_counter() - started,
-                                 error=f"{type(e).__name__}: {e}")
-        return report
+            return WriteReport(step, None, time.perf_counter() - started,
+                               error=f"{type(e).__name__}: {e}")
+        # The checkpoint is committed: a folder retention cannot remove does not undo that.
+        pruned: list[int] = []
+        problems: list[str] = []
+        try:
+            pruned = prune(self.root, self.keep_last, self.key, self.retention, step, problems)
+        except Exception as e:  # the storage failed listing or reading the folders
+            problems.append(f"{type(e).__name__}: {e}")
+        return WriteReport(step, path, time.perf_counter() - started, pruned=tuple(pruned),
+                           prune_error="; ".join(problems) or None)
 
     def flush(self) -> None:
         """Waits for the write in flight, if any, up to its deadline (then reports it as

@@ -223,7 +223,8 @@ class CheckpointCoordinator:
                 self.log.emit(CheckpointFailed(step=r["step"], error=r["error"]))
             else:
                 self.log.emit(CheckpointWritten(step=r["step"], path=r["path"],
-                               seconds=r["seconds"], pruned=list(r["pruned"])))
+                               seconds=r["seconds"], pruned=list(r["pruned"]),
+                               prune_error=r.get("prune_error")))
 
 
 def monitored(name: str, metrics: dict[str, Any]) -> float:

@@ -112,3 +112,30 @@ def test_a_damaged_newer_checkpoint_never_pushes_out_those_the_run_writes_after_
     assert list_steps(root) == [200, 160, 150]
     assert write(200) == (150,)  # the run's own write of 200 replaces the damaged one
     assert list_steps(root) == [200, 160] and load_checkpoint(root).step == 200
+
+
+def test_a_folder_retention_cannot_remove_leaves_the_checkpoint_written(tmp_path, monkeypatch):
+    # A step folder held on NFS (or owned by another user): before, every later write was
+    # reported failed although committed, and the folders after the stuck one stayed too.
+    import fsspec.implementations.local as local
+
+    root = str(tmp_path / "ckpt")
+    writer = CheckpointWriter(root, keep_last=1)
+    for step in (1, 2):
+        writer.write_now(step, _parts(step), {})
+    writer.take_reports()
+    remove = local.LocalFileSystem.rm
+
+    def stuck(self, path, *args, **kwargs):
+        if path.rstrip("/").endswith(step_dir_name(2)):
+            raise OSError(39, "Directory not empty")
+        return remove(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(local.LocalFileSystem, "rm", stuck)
+    writer.write_now(3, _parts(3), {})
+    writer.write_now(4, _parts(4), {})
+    reports = writer.take_reports()
+    assert [(r.step, r.error, r.pruned) for r in reports] == [(3, None, ()), (4, None, (3,))]
+    assert all(r.path and "cannot remove step-000000000002: OSError" in r.prune_error
+               for r in reports)
+    assert list_steps(root) == [4, 2] and load_checkpoint(root).step == 4
