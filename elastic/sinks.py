@@ -15,7 +15,7 @@ from typing import Any
 
 from elastic.callbacks import CallbackSink
 from elastic.config import LoggingConfig
-from elastic.control.states import Failed, Machine, State
+from elastic.control.states import Failed, Finished, Machine, State
 from elastic.errors import ElasticError
 from elastic.loggers import LoggerSink, open_loggers
 from elastic.runlog import RunLog
@@ -40,6 +40,10 @@ class RunSinks:
         self.loggers = LoggerSink([], self.log, config.queue_points,
                                   config.flush_timeout.total_seconds())
         self.callbacks = CallbackSink(callbacks, self.log, lambda: ctx.step)
+        self.weights_left: dict[str, Any] | None = None
+        """After `end`: the final weights of a run whose training finished but which a
+        callback then failed (the caller gets the error, not the weights: the controller
+        leaves them in the run dir)."""
 
     def start(self) -> None:
         """Opens the loggers and hands them and the callbacks every record from now on, on
@@ -61,10 +65,13 @@ class RunSinks:
         `on_finish`. A callback error that could not end the run at once (raised on the
         records of the run's last state change, or by `on_finish`) fails it now. Returns the
         final state."""
+        trained = self.machine.state
         self.log.deliver()
         self._fail(self.callbacks.take_error())
         self._fail(self.callbacks.finish(self._summary()))
         state, error = self.machine.state, self.callbacks.error
+        if isinstance(trained, Finished) and state is not trained:
+            self.weights_left = trained.model_state
         if error is not None and not (isinstance(state, Failed) and state.error is error):
             logger.warning("run %s failed of its own error; a callback raised too: %s",
                            self.machine.ctx.name, error)

@@ -478,6 +478,8 @@ class Controller:
                 keep = self.detached or self._interrupted
             if keep and model_state is not None:
                 self._write_final_model(model_state)
+            elif self.sinks.weights_left is not None:  # trained, then a callback failed it
+                self._write_final_model(self.sinks.weights_left)
             if self.detached:
                 self.log.emit(DetachedExit(failed=error is not None))
         finally:

@@ -156,11 +156,22 @@ def test_a_hook_that_raises_on_the_last_state_change_fails_the_finished_run(tmp_
     assert raiser.calls[-1][1]["state"] == "failed"
 
 
-def test_a_raising_on_finish_fails_a_finished_run(tmp_path):
-    end, ctx = _run(tmp_path, [Recorder(fail_on=lambda h, a: h == "on_finish")], steps=4)
+def test_a_raising_on_finish_fails_a_finished_run_and_leaves_its_weights(tmp_path):
+    cfg = FitConfig(run_dir=str(tmp_path), max_steps=4, scaling=ScalingConfig(num_workers=2),
+                    batch=BatchConfig(global_batch_size=8))
+    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), SimulatedWorkers(dataset_size=8000,
+                                                                      capacity=2))
+    machine = Machine(ctx)
+    sinks = RunSinks(LoggingConfig(), [Recorder(fail_on=lambda h, a: h == "on_finish")], machine)
+    sinks.start()
+    machine.run()
+    end = sinks.end()
+    sinks.close()
     assert type(end.error) is CallbackError
     assert end.error.args[0] == "callback Recorder.on_finish raised ValueError: boom"
     assert ctx.log.events[-2]["event"] == "failed"
+    # Before, the trained weights were dropped: the controller now writes them to final_model.pt.
+    assert sinks.weights_left == {"step": 4}
 
 
 def test_on_finish_runs_for_a_stopped_and_a_failed_run(tmp_path):
