@@ -19,7 +19,8 @@ class FitResult:
         steps: optimizer steps taken in total.
         samples: samples processed by committed steps (steps x global batch).
         events: every event of the run, in order.
-        metrics: one record per committed step.
+        metrics: one record per committed step, as metrics.jsonl holds it but for the
+            per-rank step `timeline` (read that from the file: `elastic.runlog.DISK_ONLY`).
         evaluation: the last evaluation's metrics (`TrainJob.eval_step`'s and `evaluate`'s), if any.
         stopped: True when the run ended early because of `stop`.
     """

@@ -24,6 +24,12 @@ from elastic.private import ensure_private_dir, open_private_append, write_priva
 __all__ = ["RunLog", "Sink", "read_jsonl"]  # read_jsonl lives with the events; kept here for its callers
 
 
+DISK_ONLY = ("timeline",)
+"""Fields of a metrics line kept in metrics.jsonl and handed to the sinks, but not in
+`RunLog.metrics` (nor so in `FitResult.metrics`): the per-rank step timeline is three quarters
+of a line, and a long run's controller would hold every one (64 ranks: 18 KB a step)."""
+
+
 class Sink(Protocol):
     """What `RunLog.add_sinks` takes: called with each record as written (do not change it)."""
 
@@ -52,7 +58,7 @@ class RunLog:
         self._files: dict[str, int] = {}
         self._last_step: dict[str, int] = {}  # the newest step in each file (`_supersede`)
         self.events: list[dict[str, Any]] = []
-        self.metrics: list[dict[str, Any]] = []
+        self.metrics: list[dict[str, Any]] = []  # every committed step's line, but `DISK_ONLY`
         self._sinks: list[Sink] = []
         self._sink_thread: int | None = None
         # (hook, record, own: see `handing_own`), in the order written
@@ -123,7 +129,7 @@ class RunLog:
                 self._supersede("metrics.jsonl", fields["step"])
                 if self.metrics and self.metrics[-1].get("step", -1) >= fields["step"]:
                     self.metrics = [m for m in self.metrics if m.get("step", -1) < fields["step"]]
-            self.metrics.append(fields)
+            self.metrics.append({k: v for k, v in fields.items() if k not in DISK_ONLY})
             self._append("metrics.jsonl", fields)
             if self._sinks:
                 self._pending.append(("on_metric", fields, self._own()))
@@ -175,6 +181,11 @@ class RunLog:
 
     def _own(self) -> bool:
         return self._on_sink_thread() and not self._delivering
+
+    def last_metric(self) -> dict[str, Any] | None:
+        """The newest metrics line in memory (None before the first)."""
+        with self._lock:
+            return self.metrics[-1] if self.metrics else None
 
     def ledger(self, step: int, epoch: int, indices: list[int]) -> None:
         """Records which data set indices a committed step consumed."""

@@ -169,7 +169,8 @@ class Controller:
         caller that sees "finished", "stopped" or "failed" may read everything the run leaves
         behind."""
         ctx = self.ctx
-        last_loss = self.log.metrics[-1].get("loss") if self.log.metrics else None
+        last = self.log.last_metric()
+        last_loss = last.get("loss") if last is not None else None
         error = self.error
         batching = ctx.batching
         plan = batching.plan if batching else None

@@ -193,7 +193,7 @@ def elastic_run(model_name: str, device: torch.device, size: Size, workers: int 
     'nccl') or sharing it (several, `gpus_per_worker` 1/workers, backend 'gloo'); on the CPU
     (the rehearsal) CPU workers, backend 'gloo'."""
     from elastic.api import fit
-    from elastic.bench.overhead import breakdown, elastic_rows
+    from elastic.bench.overhead import breakdown, elastic_rows, run_metrics
     from elastic.config import (
         BatchConfig,
         CollectiveConfig,
@@ -226,7 +226,7 @@ def elastic_run(model_name: str, device: torch.device, size: Size, workers: int 
         run_dir=tempfile.mkdtemp(prefix=f"bench-gpu-{model_name}-"),
     )
     result = fit(job, config)
-    rows = elastic_rows(result.metrics)
+    rows = elastic_rows(run_metrics(result))
     assert len(rows) == size.warmup + size.steps, f"{len(rows)} metrics lines"
     seconds = rows[-1]["time"] - rows[size.warmup - 1]["time"]
     phases = asdict(breakdown(rows, size.warmup))

@@ -194,6 +194,14 @@ def breakdown(rows: Sequence[Mapping[str, float]], warmup: int,
     )
 
 
+def run_metrics(result: Any) -> list[dict[str, Any]]:
+    """A finished run's metrics lines as metrics.jsonl holds them, per-rank timelines too
+    (`FitResult.metrics` leaves those out)."""
+    from elastic.events import read_jsonl
+
+    return read_jsonl(os.path.join(result.run_dir, "metrics.jsonl"))
+
+
 def elastic_rows(metrics: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The metrics lines of `elastic.fit` in step order, each with `start`: the latest of the
     ranks' step starts (the first entry of each rank's `timeline`)."""
@@ -328,7 +336,7 @@ def run_overhead_bench(workers: int = 2, model: str = "mlp", steps: int = 40,
             collective=collective, max_steps=steps, steps_per_chunk=steps_per_chunk, chunks_ahead=True,
             run_dir=tempfile.mkdtemp(prefix="elastic-bench-overhead-"),
         )
-        ours.append(breakdown(elastic_rows(fit(job, config).metrics), warmup, starts))
+        ours.append(breakdown(elastic_rows(run_metrics(fit(job, config))), warmup, starts))
         theirs.append(breakdown(_ddp_run(workers, model, global_batch_size, steps), warmup))
     per_round = [{"elastic": asdict(e), "ddp": asdict(d), "step_ratio": e.step_s / d.step_s,
                   "wall_ratio": e.wall_s / d.wall_s} for e, d in zip(ours, theirs, strict=True)]

@@ -29,6 +29,7 @@ from elastic.events import (
     WorkerJoined,
     WorkerStarting,
     read_events,
+    read_jsonl,
 )
 from tests.events import of_kind
 from tests.jobs import N_SAMPLES, failing_job, reference_weights, regression_job
@@ -116,7 +117,11 @@ def test_two_kills_in_different_phases_end_with_the_reference_weights(ray_cluste
         assert image.std() > 0  # not a blank canvas
     # The step timeline: per step, data + forward/backward + exposed communication + optimizer
     # of the slowest rank add up to (at most) its step time; the Chrome trace has them per rank.
-    for m in result.metrics:
+    on_disk = read_jsonl(os.path.join(result.run_dir, "metrics.jsonl"))
+    # FitResult.metrics is the file's lines but for the per-rank timeline (kept out of memory)
+    assert [(m["step"], sorted(m)) for m in result.metrics] == [
+        (m["step"], sorted(set(m) - {"timeline"})) for m in on_disk]
+    for m in on_disk:
         parts = m["data_s"] + m["forward_backward_s"] + m["comm_s"] + m["optimizer_s"]
         assert 0 < parts <= m["step_time_s"] + 1e-6
         assert len(m["timeline"]) == m["world_size"]
@@ -130,7 +135,7 @@ def test_two_kills_in_different_phases_end_with_the_reference_weights(ray_cluste
     # Four spans per rank and step, but for a killed rank's last steps: with chunks handed out
     # ahead, a rank can die in the chunk ahead before its answer to the chunk before arrives
     # (the survivors' answers carry those steps; only the dead rank's timings are missing).
-    missing = [(m["step"], rank) for m in result.metrics
+    missing = [(m["step"], rank) for m in on_disk
                for rank, row in enumerate(m["timeline"]) if row is None]
     for step, rank in missing:
         assert any(rank in f.lost_ranks and f.step - 2 * 8 <= step < f.step for f in failures)
