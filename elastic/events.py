@@ -69,7 +69,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
@@ -811,9 +811,13 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     written (no newline yet) is left for the next read, and a line a crash tore (a full disk,
     a host that went down mid-write, then more lines after it) is passed over with a warning:
     one torn record must not make the run's whole history unreadable."""
+    return list(iter_jsonl(path))
+
+
+def iter_jsonl(path: str) -> Iterator[dict[str, Any]]:
+    """`read_jsonl`, a record at a time (a file of gigabytes is never held whole)."""
     if not os.path.exists(path):
-        return []
-    records = []
+        return
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip() or not line.endswith("\n"):
@@ -826,8 +830,7 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
                 logger.warning("%s: line %d is not a whole record (torn by a crash?); passed "
                                "over", path, number)
                 continue
-            records.append(record)
-    return records
+            yield record
 
 
 def read_events(path: str | os.PathLike[str]) -> list[Event]:

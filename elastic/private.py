@@ -14,6 +14,7 @@ import contextlib
 import os
 import secrets
 import stat
+from collections.abc import Iterable
 
 from elastic.errors import ConfigError
 
@@ -55,14 +56,16 @@ def ensure_private_dir(path: str, setting: str) -> None:
         raise ConfigError(f"refusing {setting} {path!r}: {why}; choose another directory")
 
 
-def write_private(path: str, data: bytes, fsync: bool = True) -> None:
-    """Replaces `path` with `data` atomically: a 0600 file under a fresh name, then renamed."""
+def write_private(path: str, data: bytes | Iterable[bytes], fsync: bool = True) -> None:
+    """Replaces `path` with `data` (bytes, or chunks of them written as they come)
+    atomically: a 0600 file under a fresh name, then renamed."""
     directory, base = os.path.split(path)
     tmp = os.path.join(directory, f".{base}.{secrets.token_hex(8)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_EXCL | _NOFOLLOW_CREATE, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for chunk in (data,) if isinstance(data, bytes) else data:
+                f.write(chunk)
             f.flush()
             if fsync:
                 os.fsync(f.fileno())

@@ -228,7 +228,10 @@ class _Tail:
         self.file: Any = None
         self._open()
         if self.file is not None:  # the lines there before belong to an earlier run: this run's only
-            self._complete(self.file.read())
+            for raw in self.file:  # a line at a time: a long run's metrics are gigabytes
+                if not raw.endswith(b"\n"):
+                    break
+                self.offset += len(raw)
 
     def _open(self) -> bool:
         try:
@@ -255,13 +258,39 @@ class _Tail:
         if not self._replaced():
             self.file.seek(self.offset)
             return self._complete(self.file.read())
-        self.file.seek(0)
-        kept = set(self.file.read(self.offset).decode().splitlines())
-        self.file.close()
+        old, read = self.file, self.offset
         if not self._open():
+            old.close()
             self.file = None
             return []
-        return [line for line in self._complete(self.file.read()) if line not in kept]
+        try:
+            return self._unseen(old, read)
+        finally:
+            old.close()
+
+    def _unseen(self, old: Any, read: int) -> list[str]:
+        """The complete lines of the file now open that are not among the first `read` bytes
+        of `old`, the file it replaced: the new one holds some of those lines, in order, then
+        new ones. Both are read a line at a time."""
+        old.seek(0)
+        earlier = iter(old.readline, b"")
+        left, fresh, lines = read, False, []
+        for raw in self.file:
+            if not raw.endswith(b"\n"):
+                break  # still being written: the next read takes it
+            self.offset += len(raw)
+            while not fresh:  # the old lines passed over were dropped by the replacement
+                before = next(earlier, b"") if left > 0 else b""
+                if not before:
+                    fresh = True
+                    break
+                left -= len(before)
+                if before == raw:
+                    break
+            if fresh and raw.strip():
+                lines.append(raw.decode().rstrip("\n"))
+        self.file.seek(self.offset)
+        return lines
 
     def close(self) -> None:
         if self.file is not None:

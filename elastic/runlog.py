@@ -18,7 +18,7 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
-from elastic.events import Event, build, read_jsonl, to_record
+from elastic.events import Event, build, iter_jsonl, read_jsonl, to_record
 from elastic.private import ensure_private_dir, open_private_append, write_private
 
 __all__ = ["RunLog", "Sink", "read_jsonl"]  # read_jsonl lives with the events; kept here for its callers
@@ -200,8 +200,7 @@ class RunLog:
             last = self._last_step.get(name)
             if last is None:
                 last = self._last_step[name] = max(
-                    (r.get("step", -1) for r in read_jsonl(os.path.join(self.run_dir, name))),
-                    default=-1)
+                    (_step(r) for r in iter_jsonl(os.path.join(self.run_dir, name))), default=-1)
         return last if last >= 0 else None
 
     def _supersede(self, name: str, step: int) -> None:
@@ -210,21 +209,23 @@ class RunLog:
         earlier step, by a new `fit` or a restarted controller, or restored from one while it
         runs, redoes those steps), they are dropped, so that every step is in the file once,
         as the run that holds the weights took it (as the loggers do). The file is replaced
-        atomically; the newest step written is kept, so the file is read only once a run."""
+        atomically; the newest step written is kept, so the file is read only once a run, a
+        line at a time (a long run's metrics are gigabytes)."""
         path = os.path.join(self.run_dir, name)
         last = self._last_step.get(name)
-        records = None
         if last is None:
-            records = read_jsonl(path)
-            last = max((r.get("step", -1) for r in records), default=-1)
+            last = max((_step(r) for r in iter_jsonl(path)), default=-1)
         if step <= last:
-            kept = [r for r in (records if records is not None else read_jsonl(path))
-                    if r.get("step", -1) < step]
             fd = self._files.pop(name, None)
             if fd is not None:
                 os.close(fd)
-            write_private(path, b"".join(map(_line, kept)))
+            write_private(path, (_line(r) for r in iter_jsonl(path) if _step(r) < step))
         self._last_step[name] = step
+
+
+def _step(record: dict[str, Any]) -> int:
+    step = record.get("step", -1)
+    return step if isinstance(step, int) else -1
 
 
 def _line(record: dict[str, Any]) -> bytes:

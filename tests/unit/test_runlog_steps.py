@@ -77,6 +77,31 @@ def test_the_per_rank_timeline_is_kept_on_disk_and_for_the_sinks_but_not_in_memo
     assert read_jsonl(str(tmp_path / "metrics.jsonl")) == seen
 
 
+def test_a_resume_and_its_follower_read_a_long_runs_metrics_a_line_at_a_time(tmp_path):
+    # Before, both held the whole file as records (a resumed 100k-step run at 64 ranks: 2 GB
+    # of lines, several times that as dicts) in the controller and in the driver.
+    import tracemalloc
+
+    line = json.dumps({"step": 0, "loss": 1.0, "shares": "8" * 4000})
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in range(3_000):
+            f.write(line.replace('"step": 0', f'"step": {step}', 1) + "\n")
+    size = os.path.getsize(tmp_path / "metrics.jsonl")
+    follower = _Tail(str(tmp_path / "metrics.jsonl"))
+    tracemalloc.start()
+    try:
+        log = RunLog(str(tmp_path))
+        assert log.newest_step() == 2_999
+        log.metric(step=2_000, loss=0.5)  # resumed from the checkpoint of step 2000
+        assert [json.loads(x)["step"] for x in follower.read()] == [2_000]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert size > 12_000_000 and peak < size / 20
+    assert _steps(tmp_path, "metrics.jsonl") == list(range(2_001))
+    follower.close()
+
+
 def test_a_run_that_only_appends_never_rewrites_its_files(tmp_path):
     log = RunLog(str(tmp_path))
     _commit(log, 0)
