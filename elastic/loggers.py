@@ -14,14 +14,17 @@ evaluations after s is dropped (the evaluation at s saw the checkpoint's state a
 redone); a first evaluation at c drops both from c on. So every step is in the log once, with
 the value of the newest run:
 
-- CSV rewrites its file without those rows;
+- CSV rewrites its file without those rows (of this run: each row carries the run's name,
+  so runs may share a file);
 - TensorBoard opens its writers with `purge_step` (runs `train` and `eval` under the log
-  directory, so that each has its own purge point);
+  directory, so that each has its own purge point): give each run its own log directory, as
+  another run's points there would be hidden by the purge;
 - MLflow cannot delete a value: it continues the MLflow run tagged with the run's name (or
   `MLflowConfig.run_name`), reads that run's metric history, and never logs a step twice, so
-  a replayed step keeps the value logged first. The replay recomputes the same step from the
-  same state, so the two agree up to floating-point summation order (bitwise with
-  `batch.exact`).
+  a replayed step keeps the value logged first. A run that starts at step 0 continues
+  nothing: it gets an MLflow run of its own, even under a name an earlier run used. The
+  replay recomputes the same step from the same state, so the two agree up to floating-point
+  summation order (bitwise with `batch.exact`).
 
 Threads. Each logger writes on its own thread, fed through a queue of at most
 `LoggingConfig.queue_points` points, so a destination that answers slowly or not at all (an
@@ -123,22 +126,26 @@ def _is_number(value: Any) -> bool:
 
 class CSVLogger(Logger):
     """One row per committed step and one per evaluation (its `eval/` columns filled), with
-    the columns `step`, `epoch`, `time` and the values; a new value name rewrites the file
-    with one more column.
+    the columns `run` (the run's name), `step`, `epoch`, `time` and the values; a new value
+    name rewrites the file with one more column. Several runs may share a file: a run drops
+    only its own rows (and rows without a run, from before the column existed).
 
     Args:
         path: the CSV file (created with its folder; an existing one is continued).
+        run_name: the run whose rows these are.
     """
 
     name = "csv"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, run_name: str = "") -> None:
         self.path = path
+        self.run_name = run_name
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.columns = ["step", "epoch", "time"]
+        self.columns = ["run", "step", "epoch", "time"]
         if os.path.exists(path):
             with open(path, newline="") as f:
-                self.columns = list(csv.DictReader(f).fieldnames or self.columns)
+                found = list(csv.DictReader(f).fieldnames or self.columns)
+            self.columns = found if "run" in found else ["run", *found]
         self._file: Any = None
 
     def _read(self) -> list[dict[str, str]]:
@@ -161,6 +168,8 @@ class CSVLogger(Logger):
 
     def truncate(self, train_from: int, eval_from: int) -> None:
         def keep(row: dict[str, str]) -> bool:
+            if row.get("run") not in (None, "", self.run_name):
+                return True  # another run's
             is_eval = any(v for k, v in row.items() if k.startswith("eval/"))
             return int(row["step"]) < (eval_from if is_eval else train_from)
 
@@ -168,7 +177,8 @@ class CSVLogger(Logger):
 
     def log(self, series: Series, step: int, values: dict[str, float], walltime: float,
             epoch: int | None) -> None:
-        row = {"step": step, "epoch": "" if epoch is None else epoch, "time": walltime, **values}
+        row = {"run": self.run_name, "step": step, "epoch": "" if epoch is None else epoch,
+               "time": walltime, **values}
         new = [k for k in row if k not in self.columns]
         if new:
             self.columns += new
@@ -274,12 +284,17 @@ class MLflowLogger(Logger):
     def run_id(self) -> str:
         """The MLflow run's id: the newest run tagged with this run's name, continued, else a
         new one (asks the tracking server the first time)."""
+        return self._connect(continued=True)
+
+    def _connect(self, continued: bool) -> str:
+        """The MLflow run: with `continued`, the newest tagged with this run's name if any;
+        else (a run from its first step: nothing to continue) a new one."""
         if self._run_id is None:
             client, name, experiment = self.client, self.run_name, self.config.experiment
             found_experiment = client.get_experiment_by_name(experiment)
             experiment_id = (found_experiment.experiment_id if found_experiment is not None
                              else client.create_experiment(experiment))
-            found = client.search_runs(
+            found = continued and client.search_runs(
                 [experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{name}'",
                 order_by=["attributes.start_time DESC"], max_results=1)
             if found:
@@ -292,6 +307,9 @@ class MLflowLogger(Logger):
         return self._run_id
 
     def truncate(self, train_from: int, eval_from: int) -> None:
+        # A run that starts at its first step continues nothing: an MLflow run of the same
+        # name (an earlier run's) would keep its values and drop every one of this run's.
+        self._connect(continued=train_from > 0)
         self._send()
         self._logged = {}
         for key in self.client.get_run(self.run_id).data.metrics:
@@ -339,7 +357,7 @@ def open_loggers(config: LoggingConfig, run_name: str, log: RunLog) -> list[Logg
     csv_path, log_dir, mlflow = config.csv, config.tensorboard, config.mlflow
     makers: list[tuple[str, str | None, Callable[[], Logger]]] = []
     if csv_path is not None:
-        makers.append(("csv", None, lambda: CSVLogger(csv_path)))
+        makers.append(("csv", None, lambda: CSVLogger(csv_path, run_name)))
     if log_dir is not None:
         makers.append(("tensorboard", "tensorboard", lambda: TensorBoardLogger(log_dir)))
     if mlflow is not None:

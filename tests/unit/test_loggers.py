@@ -67,7 +67,7 @@ def _read_csv(tmp_path) -> dict[str, list[tuple[int, float]]]:
     with open(tmp_path / "out" / "steps.csv", newline="") as f:
         for row in csv.DictReader(f):
             for name, value in row.items():
-                if name not in ("step", "epoch", "time") and value != "":
+                if name not in ("run", "step", "epoch", "time") and value != "":
                     points.setdefault(name, []).append((int(row["step"]), float(value)))
     return {k: sorted(v) for k, v in points.items()}
 
@@ -171,6 +171,38 @@ def test_mlflow_continues_the_run_named_in_its_config_and_ends_it_with_the_runs_
     second.close("stopped")
     _, run = _mlflow_run(tmp_path, "shared")
     assert (run.info.run_name, run.info.status) == ("shared", "KILLED")
+
+
+def test_another_run_on_the_same_csv_file_keeps_the_first_runs_rows(tmp_path):
+    # Before, the second run's first step truncated the file: the first run's rows were gone.
+    config = _config(tmp_path, "csv")
+    for name, offset in (("first", 0.0), ("second", 100.0)):
+        log = RunLog(str(tmp_path / name))
+        sink = LoggerSink(open_loggers(config, name, log), log)
+        log.add_sinks(sink)
+        for step in range(3):
+            log.metric(**_line(step, step + offset))
+        sink.close("finished")
+    with open(tmp_path / "out" / "steps.csv", newline="") as f:
+        rows = [(r["run"], int(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
+    assert rows == [("first", 0, 0.0), ("first", 1, 1.0), ("first", 2, 2.0),
+                    ("second", 0, 100.0), ("second", 1, 101.0), ("second", 2, 102.0)]
+
+
+def test_a_new_run_under_an_earlier_runs_name_gets_its_own_mlflow_run(tmp_path):
+    # Before, it continued the earlier MLflow run, which kept its values: every point of the
+    # new run was dropped as "logged already".
+    config = _config(tmp_path, "mlflow")
+    _run(tmp_path, config, range(4), {}, offset=0.0, run="a")
+    _run(tmp_path, config, range(4), {}, offset=100.0, run="b")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(str(tmp_path / "mlruns"))
+    runs = client.search_runs([client.get_experiment_by_name("elastic").experiment_id],
+                              order_by=["attributes.start_time ASC"])
+    losses = [[m.value for m in client.get_metric_history(r.info.run_id, "loss")] for r in runs]
+    assert [sorted(values) for values in losses] == [[0.0, 1.0, 2.0, 3.0],
+                                                     [100.0, 101.0, 102.0, 103.0]]
 
 
 # --- what is logged ------------------------------------------------------------------------------
