@@ -21,10 +21,10 @@ the value of the newest run:
   another run's points there would be hidden by the purge;
 - MLflow cannot delete a value: it continues the MLflow run tagged with the run's name (or
   `MLflowConfig.run_name`), reads that run's metric history, and never logs a step twice, so
-  a replayed step keeps the value logged first. A run that starts at step 0 continues
-  nothing: it gets an MLflow run of its own, even under a name an earlier run used. The
-  replay recomputes the same step from the same state, so the two agree up to floating-point
-  summation order (bitwise with `batch.exact`).
+  a replayed step keeps the value logged first. The replay recomputes the same step from the
+  same state, so the two agree up to floating-point summation order (bitwise with
+  `batch.exact`). A run that starts at step 0 continues nothing: it gets an MLflow run of its
+  own, even under a name an earlier run used.
 
 Threads. Each logger writes on its own thread, fed through a queue of at most
 `LoggingConfig.queue_points` points, so a destination that answers slowly or not at all (an
