@@ -12,6 +12,7 @@ line after it is written.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -20,6 +21,8 @@ from typing import Any, Protocol
 
 from elastic.events import Event, build, iter_jsonl, read_jsonl, to_record
 from elastic.private import ensure_private_dir, open_private_append, write_private
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["RunLog", "Sink", "read_jsonl"]  # read_jsonl lives with the events; kept here for its callers
 
@@ -57,6 +60,8 @@ class RunLog:
         self._lock = threading.Lock()
         self._files: dict[str, int] = {}
         self._last_step: dict[str, int] = {}  # the newest step in each file (`_supersede`)
+        self._cut: set[str] = set()  # files whose last record a failed write cut short
+        self._unwritten = 0  # records the disk refused since the last one it took
         self.events: list[dict[str, Any]] = []
         self.metrics: list[dict[str, Any]] = []  # every committed step's line, but `DISK_ONLY`
         self._sinks: list[Sink] = []
@@ -83,9 +88,30 @@ class RunLog:
         return fd
 
     def _append(self, name: str, record: dict[str, Any]) -> None:
-        fd, data = self._descriptor(name), _line(record)
-        while data:
-            data = data[os.write(fd, data):]
+        """Appends one record. A write the disk refuses (full, or an I/O error) loses that
+        record from the file, not the run: it stays in memory (`events`, `metrics`), the
+        controller's log says so once per outage, and the next record that goes through
+        starts a line of its own."""
+        data = _line(record)
+        try:
+            fd = self._descriptor(name)
+            if name in self._cut:  # a record was cut short: end its line first
+                data = b"\n" + data
+            while data:
+                data = data[os.write(fd, data):]
+        except OSError as e:
+            if data != _line(record):  # part of it may be in the file
+                self._cut.add(name)
+            if not self._unwritten:
+                logger.error("run log %s: cannot write %s (%s); records are kept in memory "
+                             "only until the disk takes them again", self.run_dir, name, e)
+            self._unwritten += 1
+            return
+        self._cut.discard(name)
+        if self._unwritten:
+            logger.warning("run log %s: writing again; %d records were not written",
+                           self.run_dir, self._unwritten)
+            self._unwritten = 0
 
     def close(self) -> None:
         """Closes the files (a later record opens them again)."""
@@ -219,7 +245,11 @@ class RunLog:
             fd = self._files.pop(name, None)
             if fd is not None:
                 os.close(fd)
-            write_private(path, (_line(r) for r in iter_jsonl(path) if _step(r) < step))
+            try:
+                write_private(path, (_line(r) for r in iter_jsonl(path) if _step(r) < step))
+            except OSError as e:  # a full disk: the file keeps them; the run goes on
+                logger.error("run log %s: cannot drop the records of steps %d and after from "
+                             "%s (%s); the file holds them twice", self.run_dir, step, name, e)
         self._last_step[name] = step
 
 

@@ -178,3 +178,30 @@ def test_a_record_torn_by_a_crash_is_passed_over_and_the_next_run_starts_a_new_l
     with open(path, "a") as f:
         f.write('{"step": 4, "lo\n{"step": 5}\n')  # a torn line in the middle
     assert [r["step"] for r in read_jsonl(str(path))] == [0, 1, 2, 3, 5]
+
+
+def test_a_full_disk_loses_records_from_the_files_not_the_run(tmp_path, monkeypatch):
+    # Before, the OSError ended the run as a controller bug ("ControllerError: OSError").
+    import errno
+
+    import elastic.runlog as runlog
+
+    log = RunLog(str(tmp_path))
+    _commit(log, 0)
+    write, calls = os.write, []
+
+    def full(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return write(fd, data[:7])  # part of the line, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(runlog.os, "write", full)
+    log.metric(step=1, epoch=0, loss=1.0)
+    log.emit(Planned(dataset_size=24, steps_per_epoch=12, total_steps=12))
+    monkeypatch.setattr(runlog.os, "write", write)  # space again
+    log.metric(step=2, epoch=0, loss=2.0)
+    assert [m["step"] for m in log.metrics] == [0, 1, 2]
+    assert [e["event"] for e in log.events] == ["planned"]
+    assert _steps(tmp_path, "metrics.jsonl") == [0, 2]  # the cut line is passed over
+    assert read_jsonl(str(tmp_path / "events.jsonl")) == []
