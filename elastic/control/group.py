@@ -30,6 +30,7 @@ from elastic.events import (
     Generation,
     GenerationFailed,
     MemberUnreachable,
+    Planned,
     ShardsLost,
     SpareLost,
     SparePromoted,
@@ -449,6 +450,10 @@ def _source(ctx: Context, steps: list[int], ids: list[int],
 def replan(ctx: Context, reason: str) -> None:
     """After a new generation: the batch for its size and the step count that follows."""
     ctx.batch.replan(reason, ctx.ids(), ctx.step)
+    before, b = ctx.total_steps, ctx.batch.batch_now
     ctx.total_steps = decisions.total_steps(
         max_steps=ctx.config.max_steps, epochs=ctx.config.epochs,
-        dataset_size=ctx.dataset_size, batch=ctx.batch.batch_now, cursor=ctx.cursor)
+        dataset_size=ctx.dataset_size, batch=b, cursor=ctx.cursor)
+    if ctx.total_steps != before:  # a global batch that follows the world size: say so
+        ctx.log.emit(Planned(dataset_size=ctx.dataset_size, steps_per_epoch=ctx.dataset_size // b,
+                             total_steps=ctx.total_steps))

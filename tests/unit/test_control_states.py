@@ -287,6 +287,18 @@ def test_a_run_that_fails_waits_for_its_checkpoint_writes_in_flight_first(tmp_pa
     assert [e["event"] for e in ctx.log.events][-2:] == ["failed", "state"]
 
 
+def test_a_global_batch_that_follows_the_world_size_replans_the_steps_and_says_so(tmp_path):
+    # Before, `planned` was written once: a progress bar stayed at the first total.
+    sim = SimulatedWorkers(dataset_size=1600, capacity=4, start_delay_s=100.0)
+    end, ctx, _ = _run(tmp_path, sim=sim, steps=None, epochs=1,
+                       chaos=(ChaosEvent(step=20, rank=3, action="kill"),),
+                       batch=BatchConfig(global_batch_size=16, policy="scale_with_workers"))
+    assert isinstance(end, Finished)
+    # 100 steps of 16 planned; after step 20 at 12 a step, the 1280 samples left take 106 more
+    assert [e["total_steps"] for e in _events(ctx, "planned")] == [100, 126]
+    assert ctx.step == 126 and _steps(ctx)[-1] == 125
+
+
 def test_more_losses_than_max_failures_fail_the_run(tmp_path):
     end, ctx, _ = _run(tmp_path, chaos=(ChaosEvent(step=4, rank=0, action="kill"),
                                         ChaosEvent(step=8, rank=0, action="kill")),
