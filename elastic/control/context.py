@@ -5,8 +5,9 @@ No Ray here.
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,8 +17,27 @@ from elastic.control.checkpoints import CheckpointCoordinator
 from elastic.control.cursor import Cursor
 from elastic.control.policy import FailurePolicy
 from elastic.control.port import Member, Notice, Workers
+from elastic.events import iter_jsonl
 from elastic.recovery import PendingRecovery
 from elastic.runlog import RunLog
+
+
+def standing_requests(records: Iterable[dict[str, Any]]) -> tuple[bool, int | None]:
+    """The stop and scale requests (events `stop_requested`, `scale_requested`) made since the
+    run's controller last started (its `start` event), from the run's event records: whether
+    it was asked to stop, and the world size it was last asked for (None: none). A controller
+    Ray restarts takes them up again; before, it forgot them (an `elastic stop` answered
+    "stopping", then the run went on to its end)."""
+    stop, target = False, None
+    for record in records:
+        kind = record.get("event")
+        if kind == "start":
+            stop, target = False, None
+        elif kind == "stop_requested":
+            stop = True
+        elif kind == "scale_requested" and isinstance(record.get("num_workers"), int):
+            target = record["num_workers"]
+    return stop, target
 
 
 @dataclass
@@ -188,6 +208,12 @@ class Context:
         self.checkpoints = CheckpointCoordinator(self.config, self.log, self.workers)
         self.checkpoints.run_name = self.name
         self.requests = Requests(target=self.config.scaling.num_workers)
+        if self.restarted:  # what the controller that died was asked still stands
+            stop, target = standing_requests(
+                iter_jsonl(os.path.join(self.log.run_dir, "events.jsonl")))
+            self.requests.stop = stop
+            if target is not None:
+                self.requests.target, self.requests.scaled_by_user = target, True
         self.chaos = sorted(self.config.chaos, key=lambda e: e.step)
 
     @property

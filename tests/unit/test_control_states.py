@@ -299,6 +299,30 @@ def test_a_global_batch_that_follows_the_world_size_replans_the_steps_and_says_s
     assert ctx.step == 126 and _steps(ctx)[-1] == 125
 
 
+def test_a_restarted_controller_takes_up_the_stop_and_scale_its_predecessor_was_asked(tmp_path):
+    # Before, it forgot them: `elastic stop` had answered, and the run went on to its end.
+    from elastic.control.context import standing_requests
+    from elastic.events import ScaleRequested, Start, StopRequested
+
+    earlier = RunLog(str(tmp_path))
+    earlier.emit(StopRequested())  # asked of an earlier run of this name: not this one's
+    earlier.emit(Start(name="sim", config={}))
+    earlier.emit(ScaleRequested(num_workers=3))
+    assert standing_requests(earlier.events) == (False, 3)
+    earlier.emit(StopRequested())
+    earlier.close()
+    cfg = FitConfig(run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
+                    scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
+                    batch=BatchConfig(global_batch_size=16),
+                    checkpoint=CheckpointConfig(path=str(tmp_path / "c")))
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.02)
+    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim, restarted=True)
+    assert (ctx.requests.stop, ctx.requests.target, ctx.requests.scaled_by_user) == (True, 3, True)
+    end = Machine(ctx).run()
+    assert isinstance(end, Finished) and ctx.stopped_early and _steps(ctx) == []
+    assert not Context(cfg, "sim", RunLog(str(tmp_path)), sim).requests.stop  # not restarted
+
+
 def test_more_losses_than_max_failures_fail_the_run(tmp_path):
     end, ctx, _ = _run(tmp_path, chaos=(ChaosEvent(step=4, rank=0, action="kill"),
                                         ChaosEvent(step=8, rank=0, action="kill")),
