@@ -295,12 +295,19 @@ def _wait(controller: Any, name: str, run_dir: str) -> Outcome:
                     f"failed: {'SystemExit' if by == 'SIGTERM' else 'KeyboardInterrupt'})")
             _raise_interrupted(by, line, None)
     path = os.path.join(run_dir, FINAL_MODEL)
+    unwritten = [e.get("error") for e in outcome.events if e.get("event") == "final_model_failed"]
     if not in_time and outcome.model_state is not None:  # it had ended: keep its weights too
-        write_private(path, serialize(outcome.model_state))
+        try:
+            write_private(path, serialize(outcome.model_state))
+        except (OSError, MemoryError) as e:
+            unwritten.append(f"{type(e).__name__}: {e}")
     how = "failed" if outcome.error is not None else "stopped" if outcome.stopped else "finished"
     line = f"run {name} {how} at step {outcome.steps} (interrupted by {by})"
     if outcome.error is not None:
         line += f": {type(outcome.error).__name__}: {outcome.error}"
+    elif unwritten:  # before, the line named the file all the same
+        line += (f"; its final model could not be written to {path} ({unwritten[-1]}): its "
+                 "newest checkpoint, if any, holds the weights")
     else:
         line += f"; its final model is in {path}"
     _raise_interrupted(by, line, outcome.error)

@@ -25,7 +25,14 @@ import elastic
 from elastic import BatchConfig, FitConfig, ScalingConfig, TrainJob
 from elastic.actors import client
 from elastic.errors import RunNotFoundError
-from elastic.events import Failed, FinalModelWritten, Finish, StopRequested, read_events
+from elastic.events import (
+    Failed,
+    FinalModelFailed,
+    FinalModelWritten,
+    Finish,
+    StopRequested,
+    read_events,
+)
 from tests.events import kinds, of_kind
 from tests.head import wait_until
 from tests.jobs import make_dataset, make_model, make_optimizer, mse, reference_weights
@@ -77,6 +84,9 @@ def test_ctrl_c_or_sigterm_on_fit_stops_the_run_as_stop_does_then_raises(ray_clu
                                                                          signum):
     name = f"interrupt-fit-{signal.Signals(signum).name.lower()}"
     run_dir = tmp_path / name
+    if signum == signal.SIGTERM:  # the weights cannot be written: the line must not name them
+        (run_dir / "final_model.pt").mkdir(mode=0o700, parents=True)
+        run_dir.chmod(0o700)
 
     def script(ctrl_c):
         wait_until(_at_step(name, 10), LIMIT_S)
@@ -93,7 +103,9 @@ def test_ctrl_c_or_sigterm_on_fit_stops_the_run_as_stop_does_then_raises(ray_clu
     assert not errors, errors
     if signum == signal.SIGTERM:  # the status of a process SIGTERM ended; the line on stderr
         assert raised.value.code == 143
-        assert re.search(stopped, capfd.readouterr().err)
+        said = capfd.readouterr().err
+        assert re.search(stopped + r"; its final model could not be written to .*final_model.pt "
+                         r"\(IsADirectoryError: .*\): its newest checkpoint, if any, holds", said)
     assert signal.getsignal(signal.SIGTERM) is before  # the handler of the wait is gone
 
     status = elastic.status(name)
@@ -101,11 +113,17 @@ def test_ctrl_c_or_sigterm_on_fit_stops_the_run_as_stop_does_then_raises(ray_clu
     assert status["workers"] == [] and status["ended_at"] >= status["started_at"]
     events = read_events(run_dir)
     order = kinds(events)
-    assert StopRequested in order and FinalModelWritten in order
+    assert StopRequested in order
+    if signum == signal.SIGTERM:
+        assert FinalModelFailed in order and FinalModelWritten not in order
+    else:
+        assert FinalModelWritten in order
     finish = of_kind(events, Finish)[-1]
     assert finish.stopped and finish.step == status["step"] >= 10
     metrics = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(metrics) == finish.step
+    if signum == signal.SIGTERM:
+        return
     # The weights the caller could not be returned are in the run dir, exactly the run's.
     model = torch.load(run_dir / "final_model.pt", weights_only=True)
     torch.testing.assert_close(model, reference_weights(0, 16, finish.step), rtol=1e-9, atol=1e-10)
