@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from elastic.errors import ConfigError
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -51,6 +53,29 @@ def default_group_size(global_batch_size: int, num_workers: int, policy: str = "
     whole = per_worker if policy == "scale_with_workers" else global_batch_size
     top = min(per_worker, max_micro_batch or per_worker)
     return max(d for d in range(1, top + 1) if whole % d == 0)
+
+
+def _check_default_size(size: int, group_size: int | None, global_batch_size: int,
+                        num_workers: int, max_micro_batch: int | None) -> None:
+    """Refuses a default G that divisibility forced far below each worker's samples (a global
+    batch of 101 over 4 workers: groups of 1): BatchNorm cannot normalise one sample (or
+    normalises it alone, other math than DDP's), and every sample is a forward of its own.
+
+    Raises:
+        ConfigError: naming batch.group_size and what it could be.
+    """
+    top = min(max(1, global_batch_size // num_workers), max_micro_batch or global_batch_size)
+    if group_size is not None or 2 * size >= top:
+        return
+    near = [d for d in range(top + 1, global_batch_size + 1) if global_batch_size % d == 0][:1]
+    raise ConfigError(
+        f"batch.global_batch_size = {global_batch_size} has no divisor near its "
+        f"{global_batch_size // num_workers} samples per worker (scaling.num_workers = "
+        f"{num_workers}): the default group would be {size} sample(s), and every forward runs "
+        "one group (BatchNorm over that few samples is not DDP's math, and each group is a "
+        "forward of its own). Set batch.group_size to a divisor of the global batch"
+        + (f" (the next one up is {near[0]})" if near else "")
+        + ", or a global batch that scaling.num_workers divides")
 
 
 @dataclass(frozen=True)
@@ -97,6 +122,7 @@ def decide_grouping(setting: Literal["auto", "on", "off"], group_size: int | Non
     if exact and setting == "off":
         raise ValueError("batch.exact needs batch.groups 'auto' or 'on'")
     if setting == "on" or exact or (setting == "auto" and found):
+        _check_default_size(size, group_size, global_batch_size, num_workers, max_micro_batch)
         why = ("batch.exact = True" if exact else
                f"the model has {found}" if found else "batch.groups = 'on'")
         return Grouping(size=size, on=True, pinned=False,

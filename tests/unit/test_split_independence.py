@@ -247,6 +247,26 @@ def test_groups_turn_on_for_batchnorm_or_dropout_and_pin_the_split_when_turned_o
     assert (forced.on, forced.size) == (True, 12)
 
 
+def test_a_default_group_forced_far_below_each_workers_batch_is_refused_naming_the_setting():
+    # Before: a global batch of 101 over 4 workers ran groups of 1 sample (BatchNorm1d then
+    # raised in the user's forward; BatchNorm2d normalised each sample alone, silently).
+    from elastic.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        decide_grouping("auto", None, 101, 4, "fixed", batchnorm=1, dropout=0)
+    assert str(refused.value) == (
+        "batch.global_batch_size = 101 has no divisor near its 25 samples per worker "
+        "(scaling.num_workers = 4): the default group would be 1 sample(s), and every forward "
+        "runs one group (BatchNorm over that few samples is not DDP's math, and each group is a "
+        "forward of its own). Set batch.group_size to a divisor of the global batch (the next "
+        "one up is 101), or a global batch that scaling.num_workers divides")
+    with pytest.raises(ConfigError, match="the default group would be 2 sample"):
+        decide_grouping("on", None, 106, 4, "fixed", batchnorm=0, dropout=0)
+    assert decide_grouping("auto", None, 126, 4, "fixed", batchnorm=1, dropout=0).size == 21
+    assert decide_grouping("auto", 1, 101, 4, "fixed", batchnorm=0, dropout=1).size == 1  # asked
+    assert not decide_grouping("auto", None, 101, 4, "fixed", batchnorm=0, dropout=0).on
+
+
 class _KeepsItsDropout(torch.nn.Module):
     """Calls `F.dropout(x, self.attention_dropout)` itself, as Hugging Face attention does."""
 
