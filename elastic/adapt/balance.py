@@ -118,8 +118,10 @@ class Rebalancer:
     re-split that did not deliver at least half its prediction doubles both the observation
     window and the threshold the next one must clear, so that on noise (a shared machine,
     tiny steps) re-splits become rare instead of endless; one that delivered halves them
-    again, down to the configured values. A membership change ends any trial (the rates
-    change anyway) but keeps what was learnt about the machine.
+    again, down to the configured values. The threshold stops at 0.5 (or the configured one,
+    if higher): at 0.95 no re-split could ever pass again, nor so be judged and bring it down.
+    A membership change ends any trial (the rates change anyway) and halves what was learnt
+    about the machine: a node that joins slow must be able to get a smaller share.
 
     Args:
         threshold: the configured threshold (`BatchConfig.rebalance_threshold`).
@@ -137,7 +139,7 @@ class Rebalancer:
 
     @property
     def threshold(self) -> float:
-        return min(0.95, self.base_threshold * self.scale)
+        return min(max(0.5, self.base_threshold), self.base_threshold * self.scale)
 
     @property
     def window(self) -> int:
@@ -149,6 +151,7 @@ class Rebalancer:
 
     def membership_changed(self) -> None:
         self._trial = None
+        self.scale = max(1, self.scale // 2)
 
     def observe(self, compute_s: float) -> Judgement | None:
         """One chunk's median step compute time (slowest rank); the judgement of the re-split

@@ -67,6 +67,10 @@ def resize(policy: str, rule: str, warmup_steps: int, global_batch_size: int, nu
     """The decision for a generation of `world_size` workers starting at `step`."""
     batch = global_batch_for(policy, global_batch_size, num_workers, world_size)
     target = lr_factor(rule, batch, global_batch_size) if policy != "fixed" else 1.0
+    if current is not None and current.to_factor == target:
+        # A new generation at the same size (a replacement, a straggler swapped): the ramp in
+        # progress goes on as it was (before, it started again from where it had got to).
+        return BatchResize(world_size=world_size, global_batch_size=batch, ramp=current)
     # The ramp starts from the factor of the last step taken.
     now = current.factor(step - 1) if current is not None else target
     ramp = LrRamp(start_step=step, warmup_steps=warmup_steps if now != target else 0,

@@ -53,9 +53,11 @@ class Batching:
             batch.groups, batch.group_size, batch.global_batch_size, config.scaling.num_workers,
             batch.policy, traits.get("batchnorm", 0), traits.get("dropout", 0),
             batch.max_micro_batch, batch.exact)
+        self.traits = {"batchnorm": traits.get("batchnorm", 0), "dropout": traits.get("dropout", 0)}
         self.log.emit(Grouped(groups=self.grouping.on, group_size=self.grouping.size,
-                              pinned=self.grouping.pinned, batchnorm=traits.get("batchnorm", 0),
-                              dropout=traits.get("dropout", 0), reason=self.grouping.reason))
+                              pinned=self.grouping.pinned, reason=self.grouping.reason,
+                              **self.traits))
+        self._idle = 0  # members without a share, last said
         self.batch_now = global_batch_for(batch.policy, batch.global_batch_size,
                                           config.scaling.num_workers, world_size)
         self.lr_ramp: LrRamp | None = None
@@ -96,6 +98,7 @@ class Batching:
                                warmup_steps=decision.ramp.warmup_steps))
             self.batch_now = decision.global_batch_size
             self.lr_ramp = decision.ramp
+        self._say_idle(n)
         self.rebalancer.membership_changed()
         if self.stragglers is not None:
             self.stragglers.reset()
@@ -108,6 +111,22 @@ class Batching:
             if len(options) > 1:
                 self.tuner = MicroBatchTuner(options, batch.autotune_steps, reason)
                 self.tuned_micro = None
+
+    def _say_idle(self, n: int) -> None:
+        """With groups on, a world of more members than the global batch has groups leaves
+        some without a share: said (a `grouped` event) whenever how many changes, since a
+        scale up then buys nothing."""
+        grouping = self.grouping
+        idle = max(0, n - self.batch_now // grouping.size) if grouping.on else 0
+        if idle and idle != self._idle:
+            self.log.emit(Grouped(
+                groups=True, group_size=grouping.size, pinned=False, **self.traits,
+                reason=f"{idle} of {n} workers have no share: the global batch is "
+                f"{self.batch_now // grouping.size} groups of {grouping.size} samples and a "
+                "group runs whole on one worker; they stay members and take over when others "
+                "die (a smaller batch.group_size, set at the start, spreads a step over more "
+                "workers but changes the math of BatchNorm and dropout)"))
+        self._idle = idle
 
     def weights(self, ids: Sequence[int]) -> list[float] | None:
         """Relative throughput of members `ids`, or None for an even split."""

@@ -137,6 +137,16 @@ def test_a_resize_ramps_from_the_factor_in_force():
     assert fixed.global_batch_size == 64 and fixed.ramp.factor(3) == 1.0
 
 
+def test_a_new_generation_at_the_same_size_keeps_the_ramp_in_progress():
+    # A replacement (or a straggler swapped) at step 150 of a 100-step ramp 1 -> 2 from step
+    # 100: before, a new ramp 1.5 -> 2 began there, ending at 250 instead of 200.
+    grow = resize("scale_with_workers", "linear", 100, 64, 4, 8, step=100,
+                  current=LrRamp(0, 0, 1.0, 1.0))
+    again = resize("scale_with_workers", "linear", 100, 64, 4, 8, step=150, current=grow.ramp)
+    assert again.ramp is grow.ramp and again.global_batch_size == 128
+    assert again.ramp.factor(199) == 2.0 and again.ramp.factor(149) == 1.5
+
+
 # --- the data cursor -------------------------------------------------------------------------
 
 

@@ -895,6 +895,22 @@ def test_a_checkpoint_fingerprint_holds_the_group_size_once_groups_are_on(tmp_pa
     assert plain.checkpoints.fingerprint() == "B=16;seed=0"
 
 
+def test_members_beyond_the_number_of_groups_are_said_to_have_no_share(tmp_path):
+    # Two groups of 4 (G = 8 / 2 at the start); the run grows into free capacity to 4 workers,
+    # two of which get nothing to do. Before, nothing said so.
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.02,
+                           traits={"batchnorm": 1, "dropout": 0})
+    end, ctx, _ = _run(tmp_path, sim=sim, steps=24,
+                       scaling=ScalingConfig(num_workers=2, min_workers=1, max_workers=4),
+                       batch=BatchConfig(global_batch_size=8))
+    assert isinstance(end, Finished) and max(len(e["workers"])
+                                             for e in _events(ctx, "generation")) == 4
+    said = [e["reason"] for e in _events(ctx, "grouped")][1:]
+    assert len(said) == 1 and said[0].startswith(
+        "2 of 4 workers have no share: the global batch is 2 groups of 4 samples")
+    assert "batch.group_size" in said[0]
+
+
 # --- chunks handed out ahead -----------------------------------------------------------------
 
 
