@@ -6,7 +6,9 @@ A part is one parameter tensor, whole. Whole tensors, not flat slices of the par
 tensor's own gradient and state works sharded with no change to its code: not only the
 element-wise ones (SGD, Adam, AdamW) but also those with per-tensor statistics (LAMB and
 LARS norms, Adafactor's factored moments, Muon's orthogonalisation), which flat
-slices break. The price is balance: a rank's load moves in steps of whole tensors, so the
+slices break. Not one that clips by the norm of all its gradients (a LAMB with
+`max_grad_norm`): `elastic.trainer.sharding.check_shardable` refuses it. The price is
+balance: a rank's load moves in steps of whole tensors, so the
 largest tensor bounds how even the map can be (a model whose embedding is a third of its
 parameters cannot be spread over more than three owners' worth of ranks); the map reports
 its loads and the memory benchmark measures them.

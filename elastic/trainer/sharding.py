@@ -573,8 +573,10 @@ def check_shardable(optimizer: torch.optim.Optimizer) -> None:
     own gradient and state (what owning whole tensors needs).
 
     Raises:
-        ConfigError: the optimizer needs a closure over the whole model (L-BFGS) or shards
-            state itself.
+        ConfigError: the optimizer needs a closure over the whole model (L-BFGS), shards
+            state itself, or clips by the norm of every gradient it steps (`max_grad_norm`
+            above 0, as timm's and apex's LAMB by default): each owner would clip by the
+            norm of its own parts, and the owners of a part would part ways.
     """
     name = type(optimizer).__name__
     if isinstance(optimizer, torch.optim.LBFGS) or name == "ZeroRedundancyOptimizer":
@@ -583,3 +585,11 @@ def check_shardable(optimizer: torch.optim.Optimizer) -> None:
             + ("re-evaluates the loss over the whole model in its step"
                if isinstance(optimizer, torch.optim.LBFGS) else "shards its state itself")
             + "; set sharding.stage=0")
+    clipped = [g.get("max_grad_norm") for g in optimizer.param_groups]
+    if any(isinstance(v, int | float) and v > 0 for v in clipped):
+        raise ConfigError(
+            f"sharding.stage 1 steps each parameter on its owners only, but {name} clips by the "
+            f"norm of all the gradients it steps (max_grad_norm = {max(v or 0 for v in clipped)}):"
+            " each owner would see only its own parts. Give the optimizer max_grad_norm=0 and "
+            "set training.clip_grad_norm instead (computed over every gradient), or set "
+            "sharding.stage=0")

@@ -234,6 +234,44 @@ def test_an_optimizer_that_is_not_per_parameter_is_refused(tmp_path):
         Replica(job, _config(tmp_path, stage=1), str(tmp_path))
 
 
+class _GlobalNormSGD(torch.optim.SGD):
+    """SGD that first clips by the norm of every gradient it steps, as timm's and apex's LAMB
+    do by default (`max_grad_norm`)."""
+
+    def __init__(self, params, lr=0.1, max_grad_norm=1.0):
+        super().__init__(params, lr=lr)
+        for group in self.param_groups:
+            group["max_grad_norm"] = max_grad_norm
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        limit = self.param_groups[0]["max_grad_norm"]
+        if limit > 0:
+            torch.nn.utils.clip_grads_with_norm_(
+                [p for g in self.param_groups for p in g["params"]], limit,
+                torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads])))
+        return super().step(closure)
+
+
+def test_an_optimizer_that_clips_by_the_norm_of_every_gradient_is_refused(tmp_path):
+    # Before: each owner clipped by the norm of its own parts, silently (other weights than
+    # stage 0, and the owners of a part parted ways).
+    job = TrainJob(model=sharding.model, optimizer=lambda params: _GlobalNormSGD(params),
+                   loss=sharding.mse, dataset=sharding.data)
+    with pytest.raises(ConfigError) as refused:
+        Replica(job, _config(tmp_path, stage=1), str(tmp_path))
+    assert str(refused.value) == (
+        "sharding.stage 1 steps each parameter on its owners only, but _GlobalNormSGD clips by "
+        "the norm of all the gradients it steps (max_grad_norm = 1.0): each owner would see "
+        "only its own parts. Give the optimizer max_grad_norm=0 and set "
+        "training.clip_grad_norm instead (computed over every gradient), or set "
+        "sharding.stage=0")
+    unclipped = TrainJob(model=sharding.model, loss=sharding.mse, dataset=sharding.data,
+                         optimizer=lambda params: _GlobalNormSGD(params, max_grad_norm=0.0))
+    Replica(unclipped, _config(tmp_path, stage=1), str(tmp_path)).close()
+
+
 def test_replicas_above_the_workers_are_refused():
     with pytest.raises(ValueError, match=r"sharding\.replicas \(3\) exceeds scaling\.num_workers \(2\)"):
         FitConfig(scaling=ScalingConfig(num_workers=2), batch=BatchConfig(global_batch_size=8),
