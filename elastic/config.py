@@ -489,6 +489,14 @@ class ShardingConfig(_Frozen):
         "replicas - 1 of them may be lost and a survivor still holds it (else the run restores "
         "its newest checkpoint). When the run shrinks below it, every worker owns every part.",
     )
+    max_state_bytes_per_element: int = Field(
+        default=24, ge=8,
+        description="The most optimizer state per parameter element a worker accepts from a "
+        "peer before it allocates it, when it holds none to compare with (a fresh worker; "
+        "otherwise twice what it holds per element): 24 covers Adam with amsgrad in float64. "
+        "Raise it for optimizers with larger per-tensor state (Shampoo, SOAP preconditioners), "
+        "which are otherwise refused when state moves to a fresh worker.",
+    )
 
 
 DEFAULT_CHECKPOINT_EVERY_S = 1800.0  # checkpoint.every_seconds when no interval is set

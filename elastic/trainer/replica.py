@@ -171,7 +171,9 @@ class Replica:
         if not self.config.sharding.stage:
             return None
         check_shardable(self.optimizer)
-        return OptimizerShards(self._params, self.optimizer, self.config.sharding.replicas)
+        sharding = self.config.sharding
+        return OptimizerShards(self._params, self.optimizer, sharding.replicas,
+                               sharding.max_state_bytes_per_element)
 
     def _staging(self) -> HostStaging | None:
         """GPU workers on the host plane (no NCCL): their gradients are summed in host memory

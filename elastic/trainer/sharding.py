@@ -77,13 +77,16 @@ class OptimizerShards:
         params: the parameters that train (the parts, in order).
         optimizer: the run's optimizer (over those parameters, in any groups).
         replicas: owners per part (`ShardingConfig.replicas`).
+        state_bytes: the most state per element a peer may send this rank when it holds
+            none (`ShardingConfig.max_state_bytes_per_element`).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-                 replicas: int) -> None:
+                 replicas: int, state_bytes: int = 24) -> None:
         self.params = list(params)
         self.optimizer = optimizer
         self.replicas = replicas
+        self.state_bytes = state_bytes
         self.sizes = [p.numel() for p in self.params]
         # The optimizer's state-dict id of each part (None: the optimizer does not step it).
         ids = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups
@@ -278,7 +281,7 @@ class OptimizerShards:
         """
         rank = control.rank
         plan = moves(survey.ownership, survey.holders)
-        received = _move_state(control, plan, kept, self.params)
+        received = _move_state(control, plan, kept, self.params, self.state_bytes)
         if received:
             self._kept = {**kept, **received}
             self.held = self.held | received.keys()
@@ -422,7 +425,8 @@ def _windows(parts: Sequence[int], sizes: Sequence[int], limit: int) -> list[lis
 
 
 def _move_state(control: Any, plan: Sequence[Move], mine: dict[int, dict[str, Any]],
-                params: Sequence[torch.nn.Parameter]) -> dict[int, dict[str, Any]]:
+                params: Sequence[torch.nn.Parameter], state_bytes: int = 24
+                ) -> dict[int, dict[str, Any]]:
     """Carries out `plan` over the control plane: each holder sends each receiver one message
     with every part it gives it (sizes first, then the bytes, in one exchange each so that
     no pair waits on another); returns the parts this rank received, their tensors on their
@@ -451,11 +455,13 @@ def _move_state(control: Any, plan: Sequence[Move], mine: dict[int, dict[str, An
     buffers: dict[int, torch.Tensor] = {}
     for src, size in sizes_in.items():
         announced = int(size.item())
-        limit = _state_bound(params, incoming[src], mine)
+        limit = _state_bound(params, incoming[src], mine, state_bytes)
         if not 0 <= announced <= limit:
-            raise CollectiveError(f"rank {src} announced {announced} bytes of optimizer state "
-                                  f"for {len(incoming[src])} parameter(s) of at most {limit}; "
-                                  "refused", rank=rank)
+            raise CollectiveError(
+                f"rank {src} announced {announced} bytes of optimizer state for "
+                f"{len(incoming[src])} parameter(s) of at most {limit}; refused (an optimizer "
+                "that keeps more state per parameter element than "
+                f"sharding.max_state_bytes_per_element = {state_bytes}: raise it)", rank=rank)
         buffers[src] = torch.empty(announced, dtype=torch.uint8)
     _exchange(control,
               [(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
@@ -496,21 +502,19 @@ def _serialise(parts: dict[int, dict[str, Any]]) -> bytes:
     return buffer.getvalue()
 
 
-# Tensors of a parameter's size an optimizer may keep per parameter (Adam with amsgrad: three),
-# and room for the rest (step counters, pickling).
-_STATE_SLOTS = 3
+# Room for what is not a parameter-sized tensor (step counters, pickling).
 _STATE_SLACK = 1 << 20
 
 
 def _state_bound(params: Sequence[torch.nn.Parameter], parts: Sequence[int],
-                 mine: dict[int, dict[str, Any]]) -> int:
+                 mine: dict[int, dict[str, Any]], state_bytes: int = 24) -> int:
     """The most bytes a peer may announce for the optimizer state of `parts`, checked before
-    they are allocated: `_STATE_SLOTS` float64 tensors of each part's size, or, for an
-    optimizer that keeps more (preconditioners), twice what this rank's own parts' state
-    takes per element."""
+    they are allocated: `state_bytes` per element of each part (24: Adam with amsgrad, three
+    float64 tensors), or, for an optimizer that keeps more (preconditioners), twice what this
+    rank's own parts' state takes per element."""
     held = sum(tensor_bytes(state) for state in mine.values())
     elements = sum(params[part].numel() for part in mine) or 1
-    per_element = max(_STATE_SLOTS * 8, 2 * held / elements)
+    per_element = max(state_bytes, 2 * held / elements)
     return int(sum(per_element * params[part].numel() + _STATE_SLACK // 16 for part in parts)
                + _STATE_SLACK)
 

@@ -272,6 +272,24 @@ def test_an_optimizer_that_clips_by_the_norm_of_every_gradient_is_refused(tmp_pa
     Replica(unclipped, _config(tmp_path, stage=1), str(tmp_path)).close()
 
 
+def test_a_fresh_worker_takes_larger_optimizer_state_when_the_setting_allows_it(tmp_path):
+    # A preconditioner optimizer (SOAP on a 4096 x 1024 weight: about 40 bytes of state per
+    # element) was refused whenever its state moved to a fresh worker, and the error named
+    # nothing to change.
+    from elastic.trainer.sharding import _state_bound
+
+    params = [torch.nn.Parameter(torch.empty(4096, 1024, device="meta"))]
+    soap = 40 * 4096 * 1024
+    assert _state_bound(params, [0], {}) < soap <= _state_bound(params, [0], {}, 64)
+    config = _config(tmp_path, stage=1).model_copy(
+        update={"sharding": ShardingConfig(stage=1, max_state_bytes_per_element=64)})
+    job = TrainJob(model=sharding.model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                   loss=sharding.mse, dataset=sharding.data)
+    replica = Replica(job, config, str(tmp_path))
+    assert replica.shards.state_bytes == 64
+    replica.close()
+
+
 def test_replicas_above_the_workers_are_refused():
     with pytest.raises(ValueError, match=r"sharding\.replicas \(3\) exceeds scaling\.num_workers \(2\)"):
         FitConfig(scaling=ScalingConfig(num_workers=2), batch=BatchConfig(global_batch_size=8),
