@@ -25,6 +25,7 @@ answer while a step runs or is stuck).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -421,10 +422,13 @@ class WorkerActor:
                 step = replica.global_step
                 mine = [e for e in chaos if e.step == step and e.rank == rank]
                 factor = lr_ramp.factor(step) if lr_ramp is not None else 1.0
+                writing = self._writer is not None and self._writer.writing
                 outcome = replica.run_step(plan, mine, factor)
                 if isinstance(outcome, (UserFailure, OutOfMemory, NonFinite)):
                     return ChunkVotedDown(records, replica.global_step, replica.cursor.to_dict(),
                                           outcome)
+                if writing or (self._writer is not None and self._writer.writing):
+                    outcome = dataclasses.replace(outcome, writing=True)
                 records.append(outcome)
                 if outcome.interrupted is not None:  # committed, but the gather after it failed
                     return ChunkInterrupted(records, replica.global_step,

@@ -86,6 +86,12 @@ class CheckpointWriter:
         self._reports: list[WriteReport] = []
         self._shards: dict[str, dict[str, Any]] = {}  # write id -> `shard_entry`
 
+    @property
+    def writing(self) -> bool:
+        """Whether a write is in flight (its thread competes with training for this process)."""
+        with self._lock:
+            return self._running is not None and not self._running.done
+
     def busy_note(self) -> str | None:
         """Why a write asked for now would be skipped (the one in flight, and how long it has
         run), or None when none is in flight."""

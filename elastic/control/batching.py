@@ -234,7 +234,8 @@ class Batching:
         for rank, rank_records in records.items():
             for record in rank_records:
                 by_step.setdefault(record.step, {})[rank] = record
-                self.tracker.observe(ids[rank], record.shares[rank], record.compute_time_s)
+                if not record.writing:  # a checkpoint write beside it: no measure of its speed
+                    self.tracker.observe(ids[rank], record.shares[rank], record.compute_time_s)
         for step in sorted(by_step):
             self._metric(step, by_step[step], generation)
         return by_step

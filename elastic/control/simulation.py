@@ -11,7 +11,7 @@ No Ray, no torch workers: the whole control loop runs at hundreds of members in 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,8 @@ class SimulatedWorkers:
         oom_in_apply: as `oom_in_collective`, in the apply phase: the ranks it names are also
             left half updated and offer no state (`Replica.restorable_step`) until they sync.
         slow: worker id -> factor by which its compute is slower (a straggler).
+        writing: worker ids whose checkpoint write runs beside every step (`StepRecord.writing`;
+            give them a `slow` factor too for the competition it makes).
         oom_forming: (step, doing, worker id): when a generation forms whose newest member
             holds `step`, that worker runs out of memory while `doing` ('connecting',
             'restoring', or 'loading a checkpoint' in `restore_checkpoint`;
@@ -99,7 +101,9 @@ class SimulatedWorkers:
                  slow: dict[int, float] | None = None,
                  oom_forming: Sequence[tuple[int, str, int]] = (),
                  dataset_sizes: Mapping[int, int] | None = None,
-                 start_errors: Mapping[int, ElasticError] | None = None) -> None:
+                 start_errors: Mapping[int, ElasticError] | None = None,
+                 writing: Collection[int] = ()) -> None:
+        self.writing = set(writing)
         self.start_errors = dict(start_errors or {})
         self.oom_forming = list(oom_forming)
         self.dataset_sizes = dict(dataset_sizes or {})
@@ -296,7 +300,7 @@ class SimulatedWorkers:
                     global_batch_size=batch, shares=shares, micro_batch=plan.micro_batches[rank],
                     step_time_s=self.step_time_s,
                     compute_time_s=self.step_time_s / 2 * self.slow.get(ids[rank], 1.0),
-                    end_time=self.clock, lr=0.1))
+                    end_time=self.clock, lr=0.1, writing=ids[rank] in self.writing))
             cursor, step = cursor.advance(self.dataset_size, batch), step + 1
         self._commit(ids, cursor)
         return ChunkReport({rank: ChunkDone(records[rank], step, cursor.to_dict())

@@ -35,6 +35,9 @@ class StepRecord:
     # Sharded state: the step is committed here but gathering the parameters after it failed
     # (the error's text); the chunk ends after it, and the next generation completes it.
     interrupted: str | None = None
+    # This rank's checkpoint write ran beside the step: its compute time measures the write's
+    # competition, not the rank's speed (not fed to rebalancing or straggler detection).
+    writing: bool = False
 
 
 @dataclass(frozen=True)

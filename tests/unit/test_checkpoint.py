@@ -172,6 +172,19 @@ def test_retention_keeps_the_newest_valid_and_never_the_only_valid_one(tmp_path)
     assert load_checkpoint(root).step == 4
 
 
+def test_the_writer_says_while_a_write_is_in_flight(tmp_path):
+    import threading
+
+    writer = CheckpointWriter(str(tmp_path / "ckpt"), keep_last=5)
+    go = threading.Event()
+    assert not writer.writing
+    assert writer.submit(1, _parts(1), {}, after_part=lambda name: go.wait())
+    assert writer.writing  # what a worker marks its steps with (`StepRecord.writing`)
+    go.set()
+    writer.flush()
+    assert not writer.writing and [r.step for r in writer.take_reports()] == [1]
+
+
 def test_the_writer_never_has_two_writes_in_flight(tmp_path):
     root = str(tmp_path / "ckpt")
     writer = CheckpointWriter(root, keep_last=5)

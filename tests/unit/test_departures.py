@@ -258,6 +258,21 @@ def test_a_straggler_is_swapped_for_a_ready_spare_and_it_is_no_preemption(tmp_pa
     assert ctx.policy.preemptions == 0  # max_preemptions 0 and the run finished
 
 
+def test_a_member_slowed_by_its_own_checkpoint_writes_is_neither_a_straggler_nor_rebalanced(
+        tmp_path):
+    # Rank 0 writes the checkpoints, in the background beside its steps. Before, that
+    # competition counted as slowness: it was swapped for a spare (and the next rank 0 then
+    # wrote and was swapped in turn), and its share shrank and grew with every write.
+    config = _spare_config(tmp_path, failure=FailureConfig(straggler_factor=2.0,
+                                                           straggler_window=2))
+    sim = SimulatedWorkers(dataset_size=16000, capacity=5, start_delay_s=0.02, slow={0: 3.0},
+                           writing={0})
+    ctx = Context(config.model_copy(update={"max_steps": 40}), "sim", RunLog(str(tmp_path)), sim)
+    assert isinstance(Machine(ctx).run(), Finished)
+    assert "straggler_found" not in _kinds(ctx) and "rebalanced" not in _kinds(ctx)
+    assert {m["world_size"] for m in ctx.log.metrics} == {4}
+
+
 def test_a_straggler_stays_without_a_ready_spare_and_a_fast_member_is_never_one(tmp_path):
     end, ctx, _ = _machine(tmp_path, _config(
         tmp_path, failure=FailureConfig(straggler_factor=2.0, straggler_window=2)),
