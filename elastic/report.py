@@ -65,14 +65,22 @@ def write_report(run_dir: str, out_dir: str | None = None) -> list[str]:
     return written
 
 
+def markers(events: list[Event]) -> tuple[list[int], list[int]]:
+    """The steps `training.png` marks: workers lost, and the world changing size without a
+    loss (a scale request, workers joining, members leaving on notice)."""
+    failures = [e.step for e in events if isinstance(e, WorkerFailure)]
+    resizes = [e.step for e in events
+               if isinstance(e, Generation) and e.reason in ("resize", "departure")]
+    return failures, resizes
+
+
 def _plot_training(metrics: list[dict[str, Any]], events: list[Event], title: str, path: str) -> str:
     """Loss, samples/s and workers over steps, with lost workers and resizes marked."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
     steps = [m["step"] for m in metrics]
-    failures = [e.step for e in events if isinstance(e, WorkerFailure)]
-    resizes = [e.step for e in events if isinstance(e, Generation) and e.reason == "resize"]
+    failures, resizes = markers(events)
     fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     series = (("loss", "loss"), ("samples_per_s", "samples/s"), ("world_size", "workers"))
     for ax, (key, label) in zip(axes, series, strict=True):
@@ -84,7 +92,7 @@ def _plot_training(metrics: list[dict[str, Any]], events: list[Event], title: st
                        label="worker lost" if i == 0 else None)
         for i, step in enumerate(resizes):
             ax.axvline(step, color="green", linestyle=":", linewidth=1,
-                       label="resize / join" if i == 0 else None)
+                       label="resize / join / departure" if i == 0 else None)
     axes[0].set_yscale("log")
     axes[2].yaxis.set_major_locator(MaxNLocator(integer=True))
     if failures or resizes:

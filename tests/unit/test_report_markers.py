@@ -1,0 +1,22 @@
+"""What `elastic report` marks on `training.png`: the steps where workers were lost, and those
+where the world changed size without a loss."""
+
+from __future__ import annotations
+
+from elastic.events import Generation, WorkerFailure
+from elastic.report import markers
+
+
+def _generation(step: int, reason: str, world: int) -> Generation:
+    return Generation(generation=step, world_size=world, reason=reason, source_rank=0, step=step,
+                      transport="shm", workers=list(range(world)))
+
+
+def test_departures_are_marked_with_resizes_and_losses_apart():
+    # Before, members that left on notice (a drained node, a straggler swapped) were unmarked.
+    events = [_generation(0, "start", 4), _generation(10, "resize", 5),
+              _generation(20, "departure", 4), _generation(30, "recovery", 3),
+              _generation(31, "hand_over", 3)]
+    failure = WorkerFailure(lost_ranks=[3], step=30, lost_workers=[4], survivors=3,
+                            planned=False, reasons=["killed"])
+    assert markers([*events, failure]) == ([30], [10, 20])
