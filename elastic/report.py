@@ -31,6 +31,9 @@ STAGES = (("detect_s", "detect"), ("abort_s", "abort"), ("rebuild_s", "rebuild")
 def _read_metrics(run_dir: str) -> list[dict[str, Any]]:
     metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     if not metrics:
+        if os.path.exists(os.path.join(run_dir, "events.jsonl")):
+            raise ConfigError(f"the run in {run_dir} committed no step, so there is nothing to "
+                              "plot; its events.jsonl (elastic logs) says how it went")
         raise ConfigError(f"{run_dir} has no metrics.jsonl; is it a run directory?")
     return metrics
 

@@ -20,3 +20,17 @@ def test_departures_are_marked_with_resizes_and_losses_apart():
     failure = WorkerFailure(lost_ranks=[3], step=30, lost_workers=[4], survivors=3,
                             planned=False, reasons=["killed"])
     assert markers([*events, failure]) == ([30], [10, 20])
+
+
+def test_a_run_that_committed_no_step_is_said_to_have_nothing_to_plot(tmp_path):
+    import pytest
+
+    from elastic.errors import ConfigError
+    from elastic.report import write_report
+    from elastic.runlog import RunLog
+
+    with pytest.raises(ConfigError, match=r"has no metrics\.jsonl; is it a run directory"):
+        write_report(str(tmp_path / "nothing"))
+    RunLog(str(tmp_path / "failed")).event("stop_requested")  # a run that failed at its start
+    with pytest.raises(ConfigError, match="committed no step, so there is nothing to plot"):
+        write_report(str(tmp_path / "failed"))
