@@ -119,16 +119,20 @@ class OptimizerShards:
 
     def gather(self, comm: Any, streams: Any | None) -> None:
         """After the optimizer step: every rank takes each part's values from its primary
-        owner (`_take_from`)."""
+        owner (`_take_from`); a part every rank owns (a world no larger than
+        `sharding.replicas`) every rank has stepped itself, as in stage 0, and nothing moves
+        (before, such a world summed the whole model once more every step, for nothing)."""
         assert self.ownership is not None, "no ownership map: a generation must form first"
-        self._take_from(comm, [self.ownership.primary(part) for part in range(len(self.params))],
-                        streams)
+        owners = self.ownership.owners
+        self._take_from(comm, [None if len(owners[part]) >= comm.world_size else owners[part][0]
+                               for part in range(len(self.params))], streams)
 
-    def _take_from(self, comm: Any, sources: Sequence[int], streams: Any | None) -> None:
+    def _take_from(self, comm: Any, sources: Sequence[int | None], streams: Any | None) -> None:
         """Every rank takes part `p`'s values from rank `sources[p]`: one sum over the ranks
         per window of parts of a dtype, of a buffer that holds the parts this rank is the
         source of and zeros elsewhere (a sum with zeros is exact, so every rank gets the
-        source's bits). A generation of one rank is its own source: nothing moves.
+        source's bits). A generation of one rank is its own source: nothing moves; nor does a
+        part whose source is None (every rank holds its values).
 
         `streams`: GPU parameters on a host plane go through page-locked host memory, with
         these stream operations (`elastic.trainer.staging.CudaStreams`): the copies from the
@@ -149,7 +153,8 @@ class OptimizerShards:
                    if streams is None and comm.starts_allreduce else None)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for part, p in enumerate(self.params):
-            by_dtype.setdefault(p.dtype, []).append(part)
+            if sources[part] is not None:
+                by_dtype.setdefault(p.dtype, []).append(part)
         for dtype, parts in by_dtype.items():
             cut = _windows(parts, self.sizes, _GATHER_ELEMENTS)
             cap = min(_GATHER_ELEMENTS, max(sum(self.sizes[p] for p in window) for window in cut))
@@ -175,7 +180,7 @@ class OptimizerShards:
         if windows is not None:
             windows.finish()
 
-    def _fill(self, flat: torch.Tensor, window: list[int], sources: Sequence[int], rank: int,
+    def _fill(self, flat: torch.Tensor, window: list[int], sources: Sequence[int | None], rank: int,
               streams: Any | None) -> None:
         """A window's buffer: this rank's parts (those it is the source of), zeros elsewhere."""
         if streams is not None:
@@ -191,7 +196,7 @@ class OptimizerShards:
                     flat[offset : offset + n].copy_(source)
             offset += n
 
-    def _took(self, window: list[int], flat: torch.Tensor, sources: Sequence[int],
+    def _took(self, window: list[int], flat: torch.Tensor, sources: Sequence[int | None],
               rank: int) -> None:
         """A window's sum: the parts of others copied into this rank's parameters."""
         offset = 0

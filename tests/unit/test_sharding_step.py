@@ -342,6 +342,36 @@ def test_a_world_below_the_replicas_owns_every_part_on_every_rank(tmp_path):
         torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
 
 
+@pytest.mark.timeout(120)
+def test_a_world_no_larger_than_the_replicas_gathers_nothing_after_a_step(tmp_path, monkeypatch):
+    # Every rank owns every part and stepped it itself, as in stage 0. Before, the gather
+    # summed the whole model once more every step (default replicas 2 on 2 workers).
+    from elastic.trainer import sharding as module
+
+    summed: list[int] = []
+    gather = module.OptimizerShards.gather
+
+    def counted(self, comm, streams):
+        calls = []
+        take = self._take_from
+        self._take_from = lambda comm, sources, streams: (calls.append(sources),
+                                                          take(comm, sources, streams))
+        try:
+            gather(self, comm, streams)
+        finally:
+            del self._take_from
+        summed.append(sum(source is not None for source in calls[0]))
+
+    monkeypatch.setattr(module.OptimizerShards, "gather", counted)
+    replicas = _run(tmp_path, _job(), _config(tmp_path, stage=1),
+                    [(["a", "b", "c"], 2), (["a", "b"], 2)])
+    parts = len(list(replicas["b"].model.parameters()))
+    assert summed[:6] == [parts] * 6 and summed[6:] == [0] * 4  # 3 ranks: 2 steps; then none
+    final = replicas["b"].model.state_dict()
+    for key, value in _reference(_adamw, 4).items():
+        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
 class _Unsure(Replica):
     """A peer dies in the agreement before step `at`, as seen by each rank: on an `unsure`
     one the agreement fails (it holds the sums unapplied); the others apply the step and
@@ -675,14 +705,16 @@ def test_gpu_parameters_on_a_host_plane_are_gathered_in_host_memory_waited_for_o
 
     monkeypatch.setattr(apply_module, "staged_streams", streams)
     monkeypatch.setattr(sharding_module, "staged_streams", streams)
-    schedule = [(["a", "b"], 2), (["a"], 1), (["a", "d"], 2)]
-    replicas = _run(tmp_path, _job(_sgd), _config(tmp_path, stage=stage), schedule)
+    # One owner per part, nobody lost: two and three ranks gather (with `replicas` owners
+    # each, a world no larger than that gathers nothing).
+    schedule = [(["a"], 1), (["a", "b"], 2), (["a", "b", "d"], 2)]
+    replicas = _run(tmp_path, _job(_sgd), _config(tmp_path, stage=stage, replicas=1), schedule)
     final = replicas["d"].model.state_dict()
     for key, value in _reference(_sgd, 5).items():
         torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
     several = [fake for world, fake in made if world > 1]
     alone = [fake for world, fake in made if world == 1]
-    assert len(several) == 2 * (1 + 2) * 2  # per rank: each generation's take, its gathers
+    assert len(several) == (2 + 3) * (1 + 2)  # per rank: each generation's take, its gathers
     assert all(fake.violations == [] for fake in several)
     # this model's parameters fit one window: one wait for the device per gather
     assert all([e[0] for e in fake.log].count("synchronize") == 1 for fake in several)
