@@ -215,6 +215,20 @@ def follow(run_dir: str, setting: str) -> Iterator[None]:
         yield
 
 
+def _records(lines: list[str]) -> list[dict[str, Any]]:
+    """The records among `lines`; a line a failed write cut short (a full disk, a crash) is
+    passed over, as `elastic.events.iter_jsonl` does: the display goes on."""
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
 class _Tail:
     """The complete lines appended to a file since the last read (a line still being
     written waits for the next). The file stays open between reads, so that its inode
@@ -356,12 +370,12 @@ class RunProgress:
         """Shows the records appended since the last call, events and steps in time order
         (a step's time is its workers' clock, an event's the controller's: on one host, or
         hosts whose clocks agree, the order is right to the millisecond)."""
-        events = [parse(json.loads(line)) for line in self.events.read()]
+        events = [parse(record) for record in _records(self.events.read())]
         for event in events:
             if isinstance(event, Planned):  # before any step, whatever the clocks say
                 self.total = event.total_steps
         records: list[tuple[float, Event | dict[str, Any]]] = [(e.time or 0.0, e) for e in events]
-        records += [(m.get("time") or 0.0, m) for m in map(json.loads, self.metrics.read())]
+        records += [(m.get("time") or 0.0, m) for m in _records(self.metrics.read())]
         for _, record in sorted(records, key=lambda r: r[0]):
             if isinstance(record, Event):
                 self._event(record)

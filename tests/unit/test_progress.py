@@ -66,3 +66,31 @@ def test_an_evaluation_line_names_its_step_not_an_epoch_it_may_not_have_ended():
 
     line = describe(Evaluate(step=20, epoch=0, metrics={"mse": 0.123456789, "acc": 1}))
     assert line == "evaluation at step 20 (0 epochs done): acc 1, mse 0.123457"
+
+
+def test_a_record_a_full_disk_cut_short_is_passed_over_and_the_display_goes_on(tmp_path,
+                                                                                 monkeypatch):
+    # The run log ends a cut record's line before the next one; before, the display's
+    # json.loads raised on it and `fit` ended in a JSONDecodeError.
+    import errno
+
+    import elastic.runlog as runlog
+
+    log = RunLog(str(tmp_path))
+    out = io.StringIO()
+    with RunProgress(str(tmp_path), "lines", Console(file=out, width=200, color_system=None)):
+        log.emit(Planned(dataset_size=48, steps_per_epoch=3, total_steps=3))
+        log.metric(step=0, epoch=0, loss=0.5, samples_per_s=1.0, world_size=1, time=time.time())
+        write = runlog.os.write
+
+        def full(fd, data):
+            monkeypatch.setattr(runlog.os, "write", lambda fd, data: (_ for _ in ()).throw(
+                OSError(errno.ENOSPC, "No space left on device")))
+            return write(fd, data[:7])
+
+        monkeypatch.setattr(runlog.os, "write", full)
+        log.metric(step=1, epoch=0, loss=0.25, samples_per_s=1.0, world_size=1, time=time.time())
+        monkeypatch.setattr(runlog.os, "write", write)
+        log.metric(step=2, epoch=1, loss=0.125, samples_per_s=1.0, world_size=1, time=time.time())
+    lines = out.getvalue().splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("step")] == ["1/3", "3/3"]
