@@ -428,6 +428,7 @@ class _Feed:
         self.reported = False  # its failure was reported (on the run thread)
         self.dropped: list[int] = []  # count, lowest and highest step of the points dropped
         self.behind = False  # dropping points since the queue was last empty
+        self._busy: _Op | None = None  # the call the thread is in (None: closing, or idle)
         self._thread = threading.Thread(target=self._work, name=f"elastic-logger-{self.name}",
                                          daemon=True)
         self._thread.start()
@@ -455,16 +456,22 @@ class _Feed:
         self._points -= len(self._ops) - len(kept)
         self._ops = deque(kept)
 
-    def close(self, state: str, deadline: float) -> int:
+    def close(self, state: str, deadline: float) -> str | None:
         """Asks the thread to write what is queued and close the logger; waits for it until
-        `deadline` (time.monotonic()). Returns the points still waiting (0: it ended)."""
+        `deadline` (time.monotonic()). Returns None once it has ended, else what it had not
+        done by then."""
         with self._wake:
             if self._closing is None:
                 self._closing = state
                 self._wake.notify()
         self._thread.join(max(0.0, deadline - time.monotonic()))
         with self._wake:
-            return self._points if self._thread.is_alive() else 0
+            if not self._thread.is_alive():
+                return None
+            busy = self._busy
+            doing = ("closing" if busy is None else "logging the point of step "
+                     f"{busy.step}" if busy.series is not None else "truncating")
+            return f"still {doing}, {self._points} more points waiting"
 
     def _work(self) -> None:
         while True:
@@ -473,24 +480,26 @@ class _Feed:
                     self._wake.wait()
                 if not self._ops:
                     break
-                op = self._ops.popleft()
+                op = self._busy = self._ops.popleft()
                 if op.series is not None:
                     self._points -= 1
                 if not self._ops:
                     self.behind = False
             try:
                 op.call(self.logger)
-            except Exception as e:
+            except BaseException as e:  # anything: the run thread reports it, the run goes on
                 with self._wake:
                     self.failure = (e, op.step)
                     self._ops.clear()
                     self._points = 0
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(BaseException):
                     self.logger.close("failed")
                 return
+            with self._wake:
+                self._busy = None
         try:
             self.logger.close(self._closing or "failed")
-        except Exception as e:
+        except BaseException as e:
             self.failure = (e, None)
 
 
@@ -546,10 +555,10 @@ class LoggerSink:
         feeds, self.feeds = self.feeds, []
         for feed in feeds:
             left = feed.close(state, time.monotonic() + self.flush_timeout_s)
-            if left:
+            if left is not None:
                 feed.failure = (TimeoutError(
-                    f"{left} points still waiting after logging.flush_timeout "
-                    f"({self.flush_timeout_s:g} s); they are not logged"), None)
+                    f"not done after logging.flush_timeout ({self.flush_timeout_s:g} s): {left}; "
+                    "what it had not sent is not logged"), None)
             self._report(feed)
             if feed.dropped:
                 count, first, last = feed.dropped

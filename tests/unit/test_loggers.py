@@ -284,13 +284,16 @@ class StuckLogger(Logger):
 
     def __init__(self) -> None:
         self.answer = threading.Event()
+        self.asked = threading.Event()  # a call is waiting for the answer
         self.calls: list[tuple] = []
 
     def truncate(self, train_from: int, eval_from: int) -> None:
+        self.asked.set()
         self.answer.wait()
         self.calls.append(("truncate", train_from, eval_from))
 
     def log(self, series, step, values, walltime, epoch) -> None:
+        self.asked.set()
         self.answer.wait()
         self.calls.append((series, step, values["loss"] if series == "train" else None))
 
@@ -332,10 +335,29 @@ def test_the_end_waits_for_a_stuck_logger_only_up_to_the_flush_timeout(tmp_path)
     try:
         for step in range(3):
             log.metric(**_line(step, float(step)))
+        assert stuck.asked.wait(30)
         sink.close("finished")  # returns although the logger never answers
         [failure] = [e for e in log.events if e["event"] == "logger_failed"]
-        assert failure["error"] == ("TimeoutError: 3 points still waiting after "
-                                    "logging.flush_timeout (0.05 s); they are not logged")
+        assert failure["error"] == ("TimeoutError: not done after logging.flush_timeout "
+                                    "(0.05 s): still truncating, 3 more points waiting; what it "
+                                    "had not sent is not logged")
+    finally:
+        stuck.answer.set()
+
+
+def test_a_logger_stuck_in_its_last_point_at_the_end_is_reported(tmp_path):
+    # Before, nothing was waiting in its queue, so the end took it for done and said nothing.
+    log = RunLog(str(tmp_path / "run"))
+    stuck = StuckLogger()
+    stuck.truncate = lambda train_from, eval_from: None  # answers, then the point hangs
+    sink = LoggerSink([stuck], log, flush_timeout_s=0.05)
+    log.add_sinks(sink)
+    try:
+        log.metric(**_line(0, 0.0))
+        assert stuck.asked.wait(30)
+        sink.close("finished")
+        [failure] = [e for e in log.events if e["event"] == "logger_failed"]
+        assert "still logging the point of step 0, 0 more points waiting" in failure["error"]
     finally:
         stuck.answer.set()
 
