@@ -302,7 +302,7 @@ def test_a_global_batch_that_follows_the_world_size_replans_the_steps_and_says_s
 def test_a_restarted_controller_takes_up_the_stop_and_scale_its_predecessor_was_asked(tmp_path):
     # Before, it forgot them: `elastic stop` had answered, and the run went on to its end.
     from elastic.control.context import standing_requests
-    from elastic.events import ScaleRequested, Start, StopRequested
+    from elastic.events import ScaleRequested, Start, StopRequested, read_jsonl
 
     earlier = RunLog(str(tmp_path))
     earlier.emit(StopRequested())  # asked of an earlier run of this name: not this one's
@@ -321,6 +321,9 @@ def test_a_restarted_controller_takes_up_the_stop_and_scale_its_predecessor_was_
     end = Machine(ctx).run()
     assert isinstance(end, Finished) and ctx.stopped_early and _steps(ctx) == []
     assert not Context(cfg, "sim", RunLog(str(tmp_path)), sim).requests.stop  # not restarted
+    # That controller wrote `controller_restarted`, then `start`; were it to die before it
+    # stopped, the next one must still stop.
+    assert standing_requests(read_jsonl(str(tmp_path / "events.jsonl"))) == (True, 3)
 
 
 def test_more_losses_than_max_failures_fail_the_run(tmp_path):
