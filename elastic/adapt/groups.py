@@ -56,26 +56,34 @@ def default_group_size(global_batch_size: int, num_workers: int, policy: str = "
 
 
 def _check_default_size(size: int, group_size: int | None, global_batch_size: int,
-                        num_workers: int, max_micro_batch: int | None) -> None:
-    """Refuses a default G that divisibility forced far below each worker's samples (a global
-    batch of 101 over 4 workers: groups of 1): BatchNorm cannot normalise one sample (or
-    normalises it alone, other math than DDP's), and every sample is a forward of its own.
+                        num_workers: int, policy: str, max_micro_batch: int | None,
+                        batchnorm: int) -> None:
+    """Refuses, for a model with BatchNorm, a default G that divisibility forced far below
+    each worker's samples (a global batch of 101 over 4 workers: groups of 1): BatchNorm
+    cannot normalise one sample, and over a few it is not the math DDP does. (Dropout's math
+    holds at any G; a small one is only slower.)
 
     Raises:
         ConfigError: naming batch.group_size and what it could be.
     """
-    top = min(max(1, global_batch_size // num_workers), max_micro_batch or global_batch_size)
-    if group_size is not None or 2 * size >= top:
+    per_worker = max(1, global_batch_size // num_workers)
+    top = min(per_worker, max_micro_batch or per_worker)
+    if group_size is not None or not batchnorm or 2 * size >= top:
         return
-    near = [d for d in range(top + 1, global_batch_size + 1) if global_batch_size % d == 0][:1]
+    whole = per_worker if policy == "scale_with_workers" else global_batch_size
+    up = [d for d in range(top + 1, whole) if whole % d == 0
+          and (max_micro_batch is None or d <= max_micro_batch)][:1]
+    within = (f" within batch.max_micro_batch = {max_micro_batch}"
+              if max_micro_batch is not None and max_micro_batch < per_worker else "")
     raise ConfigError(
-        f"batch.global_batch_size = {global_batch_size} has no divisor near its "
-        f"{global_batch_size // num_workers} samples per worker (scaling.num_workers = "
-        f"{num_workers}): the default group would be {size} sample(s), and every forward runs "
-        "one group (BatchNorm over that few samples is not DDP's math, and each group is a "
-        "forward of its own). Set batch.group_size to a divisor of the global batch"
-        + (f" (the next one up is {near[0]})" if near else "")
-        + ", or a global batch that scaling.num_workers divides")
+        f"batch.global_batch_size = {global_batch_size} has no divisor near its {per_worker} "
+        f"samples per worker (scaling.num_workers = {num_workers}){within}: the default group "
+        f"would be {size} sample(s), and BatchNorm would normalise over that few (DDP: over "
+        f"{per_worker}). Set batch.group_size to a divisor of "
+        + ("each worker's batch" if policy == "scale_with_workers" else "the global batch")
+        + (f" (such as {up[0]})" if up else "")
+        + ", or a global batch that scaling.num_workers divides"
+        + (", or raise batch.max_micro_batch" if within else ""))
 
 
 @dataclass(frozen=True)
@@ -122,7 +130,8 @@ def decide_grouping(setting: Literal["auto", "on", "off"], group_size: int | Non
     if exact and setting == "off":
         raise ValueError("batch.exact needs batch.groups 'auto' or 'on'")
     if setting == "on" or exact or (setting == "auto" and found):
-        _check_default_size(size, group_size, global_batch_size, num_workers, max_micro_batch)
+        _check_default_size(size, group_size, global_batch_size, num_workers, policy,
+                            max_micro_batch, batchnorm)
         why = ("batch.exact = True" if exact else
                f"the model has {found}" if found else "batch.groups = 'on'")
         return Grouping(size=size, on=True, pinned=False,

@@ -256,15 +256,20 @@ def test_a_default_group_forced_far_below_each_workers_batch_is_refused_naming_t
         decide_grouping("auto", None, 101, 4, "fixed", batchnorm=1, dropout=0)
     assert str(refused.value) == (
         "batch.global_batch_size = 101 has no divisor near its 25 samples per worker "
-        "(scaling.num_workers = 4): the default group would be 1 sample(s), and every forward "
-        "runs one group (BatchNorm over that few samples is not DDP's math, and each group is a "
-        "forward of its own). Set batch.group_size to a divisor of the global batch (the next "
-        "one up is 101), or a global batch that scaling.num_workers divides")
-    with pytest.raises(ConfigError, match="the default group would be 2 sample"):
-        decide_grouping("on", None, 106, 4, "fixed", batchnorm=0, dropout=0)
+        "(scaling.num_workers = 4): the default group would be 1 sample(s), and BatchNorm "
+        "would normalise over that few (DDP: over 25). Set batch.group_size to a divisor of "
+        "the global batch, or a global batch that scaling.num_workers divides")
+    with pytest.raises(ConfigError, match=r"would be 2 sample\(s\).*\(such as 53\)"):
+        decide_grouping("on", None, 106, 4, "fixed", batchnorm=2, dropout=0)
+    with pytest.raises(ConfigError, match=r"within batch.max_micro_batch = 64.*each worker's "
+                                          r"batch, or .*, or raise batch.max_micro_batch$"):
+        decide_grouping("auto", None, 404, 4, "scale_with_workers", batchnorm=1, dropout=0,
+                        max_micro_batch=64)
     assert decide_grouping("auto", None, 126, 4, "fixed", batchnorm=1, dropout=0).size == 21
-    assert decide_grouping("auto", 1, 101, 4, "fixed", batchnorm=0, dropout=1).size == 1  # asked
-    assert not decide_grouping("auto", None, 101, 4, "fixed", batchnorm=0, dropout=0).on
+    assert decide_grouping("auto", 1, 101, 4, "fixed", batchnorm=1, dropout=0).size == 1  # asked
+    # Without BatchNorm a small group is only slower: dropout's math holds at any size.
+    assert decide_grouping("auto", None, 101, 4, "fixed", batchnorm=0, dropout=1).size == 1
+    assert decide_grouping("auto", None, 101, 4, "fixed", 0, 0, exact=True).size == 1
 
 
 class _KeepsItsDropout(torch.nn.Module):
