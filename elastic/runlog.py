@@ -84,7 +84,9 @@ class RunLog:
                     f.seek(-1, os.SEEK_END)
                     torn = f.read(1) != b"\n"
                 if torn:  # an earlier run's last record, cut short by a crash: end its line
-                    os.write(fd, b"\n")
+                    self._cut.add(name)  # (the next record does, should this write fail)
+                    if os.write(fd, b"\n") == 1:
+                        self._cut.discard(name)
         return fd
 
     def _append(self, name: str, record: dict[str, Any]) -> None:

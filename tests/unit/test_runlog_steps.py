@@ -205,3 +205,24 @@ def test_a_full_disk_loses_records_from_the_files_not_the_run(tmp_path, monkeypa
     assert [e["event"] for e in log.events] == ["planned"]
     assert _steps(tmp_path, "metrics.jsonl") == [0, 2]  # the cut line is passed over
     assert read_jsonl(str(tmp_path / "events.jsonl")) == []
+
+
+def test_a_full_disk_as_an_earlier_runs_torn_line_is_ended_glues_nothing_onto_it(tmp_path,
+                                                                                   monkeypatch):
+    import errno
+
+    import elastic.runlog as runlog
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "lo')
+    os.chmod(tmp_path / "metrics.jsonl", 0o600)
+    log = RunLog(str(tmp_path))
+    write = os.write
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(runlog.os, "write", full)
+    log.metric(step=1, loss=0.5)  # the newline that ends the torn record fails, and this one
+    monkeypatch.setattr(runlog.os, "write", write)
+    log.metric(step=2, loss=0.25)
+    assert _steps(tmp_path, "metrics.jsonl") == [0, 2]
