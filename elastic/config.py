@@ -729,7 +729,8 @@ class MLflowConfig(_Frozen):
         default=None, pattern=r"^[^'\"\\]{1,250}$",
         description="MLflow run name (no quotes or backslashes). Default: the elastic run's "
         "name. The MLflow run is found again by this name (its tag `elastic.run`), so a run "
-        "resumed under the same name continues the same MLflow run."
+        "resumed under the same name continues the same MLflow run; a new run that starts at "
+        "step 0 gets an MLflow run of its own."
     )
 
     @field_validator("tracking_uri")

@@ -257,6 +257,8 @@ class MLflowLogger(Logger):
     Args:
         config: tracking URI, experiment and run name.
         run_name: the elastic run's name (the MLflow run's name unless `config.run_name`).
+        restarted: opened by a controller Ray restarted: the MLflow run of this name goes on,
+            even where the run starts over from step 0 (no checkpoint yet).
     """
 
     name = "mlflow"
@@ -264,7 +266,7 @@ class MLflowLogger(Logger):
     BATCH = 1000  # MLflow's limit of metrics per log_batch request
     STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 
-    def __init__(self, config: MLflowConfig, run_name: str) -> None:
+    def __init__(self, config: MLflowConfig, run_name: str, restarted: bool = False) -> None:
         if _is_path(config.tracking_uri):
             # MLflow 3 refuses its file store unless told; a directory here is the user's choice.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -275,6 +277,7 @@ class MLflowLogger(Logger):
         self.client = MlflowClient(tracking_uri=config.tracking_uri)
         self.config = config
         self.run_name = config.run_name or run_name
+        self.restarted = restarted  # a restarted controller's: the run goes on, from any step
         self._run_id: str | None = None  # the server is first asked on the logger's thread
         self._logged: dict[str, set[int]] = {}  # key -> steps at or after the truncation point
         self._pending: list[Any] = []
@@ -309,7 +312,7 @@ class MLflowLogger(Logger):
     def truncate(self, train_from: int, eval_from: int) -> None:
         # A run that starts at its first step continues nothing: an MLflow run of the same
         # name (an earlier run's) would keep its values and drop every one of this run's.
-        self._connect(continued=train_from > 0)
+        self._connect(continued=train_from > 0 or self.restarted)
         self._send()
         self._logged = {}
         for key in self.client.get_run(self.run_id).data.metrics:
@@ -347,9 +350,11 @@ def _is_path(uri: str) -> bool:
 # --- building and feeding them -------------------------------------------------------------------
 
 
-def open_loggers(config: LoggingConfig, run_name: str, log: RunLog) -> list[Logger]:
-    """The loggers `config` names. One that cannot be opened is reported as failed (a
-    `logger_failed` event) and left out.
+def open_loggers(config: LoggingConfig, run_name: str, log: RunLog,
+                 restarted: bool = False) -> list[Logger]:
+    """The loggers `config` names (`restarted`: by a controller Ray restarted, which goes on
+    with the run's MLflow run even from step 0). One that cannot be opened is reported as
+    failed (a `logger_failed` event) and left out.
 
     Raises:
         ConfigError: a logger's package is not installed.
@@ -361,7 +366,7 @@ def open_loggers(config: LoggingConfig, run_name: str, log: RunLog) -> list[Logg
     if log_dir is not None:
         makers.append(("tensorboard", "tensorboard", lambda: TensorBoardLogger(log_dir)))
     if mlflow is not None:
-        makers.append(("mlflow", "mlflow", lambda: MLflowLogger(mlflow, run_name)))
+        makers.append(("mlflow", "mlflow", lambda: MLflowLogger(mlflow, run_name, restarted)))
     loggers: list[Logger] = []
     for name, package, make in makers:
         if package is not None:

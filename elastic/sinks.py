@@ -56,7 +56,8 @@ class RunSinks:
             return
         self.log.add_sinks(self.loggers, self.callbacks)
         try:
-            self.loggers.add(open_loggers(self.config, self.machine.ctx.name, self.log))
+            ctx = self.machine.ctx
+            self.loggers.add(open_loggers(self.config, ctx.name, self.log, ctx.restarted))
         except ElasticError as e:  # a missing package, or a callback raising on a logger's failure
             self.machine.enter(Failed(e))
 

@@ -169,8 +169,9 @@ class Batching:
         for rank_records in records.values():
             for record in rank_records:
                 step_times[record.step] = max(step_times.get(record.step, 0.0), record.step_time_s)
-                compute_times[record.step] = max(compute_times.get(record.step, 0.0),
-                                                 record.compute_time_s)
+                if not record.writing:  # slowed by its checkpoint write: no measure of a split
+                    compute_times[record.step] = max(compute_times.get(record.step, 0.0),
+                                                     record.compute_time_s)
         if trial is not None and self.tuner is not None:
             self._tuned(trial, list(step_times.values()), step)
             return
@@ -180,7 +181,7 @@ class Batching:
                 self.slow = self.stragglers.observe({w: self.tracker.rate(w) or 0.0
                                                      for w in working})
         if not self.config.batch.rebalance or self.grouping.pinned or len(ids) < 2 \
-                or self.plan is None or not step_times:
+                or self.plan is None or not compute_times:
             return
         if plan is not None and plan.shares != self.plan.shares:
             return
