@@ -57,6 +57,7 @@ from elastic.control.port import (
 )
 from elastic.control.run_state import RunState
 from elastic.errors import (
+    CheckpointTimeoutError,
     CollectiveError,
     ConfigError,
     ControllerError,
@@ -833,8 +834,9 @@ class Machine:
                 following = Failed(e)
             except Exception as e:  # a bug of ours: keep the cause
                 following = Failed(_bug(e))
-            if isinstance(following, Failed) and not isinstance(self.state, Failed):
-                _settle_before_failing(self.ctx)
+            if isinstance(following, Failed) and not isinstance(self.state, Failed) \
+                    and not isinstance(following.error, CheckpointTimeoutError):
+                _settle_before_failing(self.ctx)  # (storage that hangs: no write will end)
             try:
                 self.enter(following)
             except Exception as e:  # writing the change failed: end without more writes

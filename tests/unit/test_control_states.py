@@ -287,6 +287,25 @@ def test_a_run_that_fails_waits_for_its_checkpoint_writes_in_flight_first(tmp_pa
     assert [e["event"] for e in ctx.log.events][-2:] == ["failed", "state"]
 
 
+def test_a_run_that_fails_for_storage_that_does_not_answer_waits_for_no_write(tmp_path):
+    from elastic.errors import CheckpointTimeoutError
+
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.02)
+    asked, call = [], sim.call
+
+    def hung(worker_id, method, *args):
+        asked.append(method)
+        if method == "restore_checkpoint":
+            raise CheckpointTimeoutError("loading the newest checkpoint did not finish")
+        return call(worker_id, method, *args)
+
+    sim.call = hung
+    end, _, _ = _run(tmp_path, sim=sim,
+                     checkpoint=CheckpointConfig(path=str(tmp_path / "c"), every_steps=4))
+    assert isinstance(end, Failed) and isinstance(end.error, CheckpointTimeoutError)
+    assert "flush_checkpoints" not in asked  # each would wait out its write's time limit
+
+
 def test_a_global_batch_that_follows_the_world_size_replans_the_steps_and_says_so(tmp_path):
     # Before, `planned` was written once: a progress bar stayed at the first total.
     sim = SimulatedWorkers(dataset_size=1600, capacity=4, start_delay_s=100.0)
