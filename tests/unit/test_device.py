@@ -790,6 +790,7 @@ def _actor(replica) -> object:
     actor._lock, actor._abort, actor._turn = threading.Lock(), threading.Event(), threading.Condition()
     actor._next_ticket, actor._completed, actor._generation, actor._yield_ticket = 0, True, -1, -1
     actor._checkpoint_chaos, actor._restore_chaos, actor._restore_fired = [], [], []
+    actor._writer = None  # no checkpoints
     actor._taken_in = threading.Event()  # set by connect: a spare taken into a generation
     return actor
 
