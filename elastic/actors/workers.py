@@ -196,8 +196,10 @@ class RayWorkers:
         timer.start()
 
     def alive(self) -> list[int]:
-        """Every worker started and not killed, members, spares and starting ones."""
-        return [w for w in self.actors if w not in self._killed]
+        """Every worker started and not killed, members, spares and starting ones (from a
+        request's thread too, while the run thread starts workers: a snapshot first, taken
+        in one step under the interpreter lock)."""
+        return [w for w in list(self.actors) if w not in self._killed]
 
     def shutdown(self) -> None:
         for worker_id in list(self.actors):
