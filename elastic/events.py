@@ -155,10 +155,13 @@ class UnknownEvent(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Start(Event, kind="start"):
-    """The controller starts the run with this configuration (`FitConfig` as JSON)."""
+    """The controller starts the run with this configuration (`FitConfig` as JSON);
+    `restarted`: True when Ray restarted it (the run goes on: the requests made of the one
+    before still stand)."""
 
     name: str
     config: dict[str, Any]
+    restarted: bool | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -85,8 +85,12 @@ class RunLog:
                     torn = f.read(1) != b"\n"
                 if torn:  # an earlier run's last record, cut short by a crash: end its line
                     self._cut.add(name)  # (the next record does, should this write fail)
-                    if os.write(fd, b"\n") == 1:
-                        self._cut.discard(name)
+                    try:
+                        if os.write(fd, b"\n") == 1:
+                            self._cut.discard(name)
+                    except OSError as e:  # a full disk: the next record that goes through
+                        logger.error("run log %s: cannot end the cut record of %s (%s)",
+                                     self.run_dir, name, e)
         return fd
 
     def _append(self, name: str, record: dict[str, Any]) -> None:

@@ -166,10 +166,12 @@ class Batching:
         the shares before it: it neither judges the re-split nor calls for another."""
         step_times: dict[int, float] = {}  # a step lasts as long as its slowest rank
         compute_times: dict[int, float] = {}
+        # A step some rank ran beside its checkpoint write measures that write, not a split.
+        written = {r.step for rank_records in records.values() for r in rank_records if r.writing}
         for rank_records in records.values():
             for record in rank_records:
                 step_times[record.step] = max(step_times.get(record.step, 0.0), record.step_time_s)
-                if not record.writing:  # slowed by its checkpoint write: no measure of a split
+                if record.step not in written:
                     compute_times[record.step] = max(compute_times.get(record.step, 0.0),
                                                      record.compute_time_s)
         if trial is not None and self.tuner is not None:

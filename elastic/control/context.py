@@ -24,18 +24,17 @@ from elastic.runlog import RunLog
 
 def standing_requests(records: Iterable[dict[str, Any]]) -> tuple[bool, int | None]:
     """The stop and scale requests (events `stop_requested`, `scale_requested`) made since the
-    run last started (a `start` event; not one a restarted controller wrote, after its
-    `controller_restarted`: those requests still stand), from the run's event records: whether
+    run last started (a `start` event; not one a restarted controller wrote, marked
+    `restarted`: those requests still stand), from the run's event records: whether
     it was asked to stop, and the world size it was last asked for (None: none). A controller
     Ray restarts takes them up again; before, it forgot them (an `elastic stop` answered
     "stopping", then the run went on to its end)."""
-    stop, target, restarted = False, None, False
+    stop, target = False, None
     for record in records:
         kind = record.get("event")
-        if kind == "start" and not restarted:  # a restarted controller's start goes on
-            stop, target = False, None      # with what its predecessors were asked
-        restarted = kind == "controller_restarted"
-        if kind == "stop_requested":
+        if kind == "start" and not record.get("restarted"):  # a restarted controller's goes
+            stop, target = False, None                       # on with what was asked before
+        elif kind == "stop_requested":
             stop = True
         elif kind == "scale_requested" and isinstance(record.get("num_workers"), int):
             target = record["num_workers"]

@@ -130,7 +130,8 @@ class Starting(State):
                     f"the controller of run {ctx.name!r} died and was restarted, but the "
                     "run has no checkpoints to resume from; set checkpoint.path so that a "
                     "restarted controller can resume")
-        ctx.log.emit(Start(name=ctx.name, config=config.model_dump(mode="json")))
+        ctx.log.emit(Start(name=ctx.name, config=config.model_dump(mode="json"),
+                           restarted=True if ctx.restarted else None))
         if config.checkpoint is not None:
             from elastic.checkpoint.store import check_root
             check_root(config.checkpoint.path, config.checkpoint.timeout_s)

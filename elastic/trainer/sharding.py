@@ -7,8 +7,11 @@ How a step goes (the apply phase, `elastic.trainer.apply`): the gradients are su
 stage 0 (by any reducer: flat, bucketed or exact) and clipped over all of them; the gradients
 of the parameters this rank does not own are dropped, so the optimizer skips them (no state
 is ever created for them); the optimizer steps the owned ones; then each part's primary owner
-sends its new values to everyone (`gather`). The owners of a part compute the same update
-from the same summed gradient and state, so they hold the same bits.
+sends its new values to everyone (`gather`), but for a part every rank owns (a world no
+larger than `replicas`), which every rank stepped itself as in stage 0. The owners of a part
+compute the same update from the same summed gradient and state, so they hold the same bits
+(an optimizer whose update differs by rank, drawing random numbers, parts ways as in stage 0
+until the next generation forms, which takes every part's values from one holder).
 
 A rank applies a step only once it knows that every rank holds the step's sums (one more
 sum over the control plane first: `elastic.trainer.apply.agree`); where that fails, the rank keeps the

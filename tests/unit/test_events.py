@@ -24,7 +24,7 @@ from elastic.runlog import RunLog
 
 # One record of every kind, with the fields (and in the order) the controller writes them.
 SAMPLES = {
-    "start": {"name": "r", "config": {"seed": 0, "scaling": {"num_workers": 2}}},
+    "start": {"name": "r", "config": {"seed": 0, "scaling": {"num_workers": 2}}, "restarted": True},
     "controller_restarted": {"name": "r"},
     "planned": {"dataset_size": 1024, "steps_per_epoch": 16, "total_steps": 32},
     "grouped": {"groups": True, "group_size": 6, "pinned": False, "batchnorm": 2, "dropout": 0,
