@@ -72,7 +72,8 @@ def test_uninterrupted_run_matches_plain_pytorch(ray_cluster, tmp_path):
     # Four workers on one host: gradients travel through shared memory.
     assert [e.transport for e in _events(result, Generation)] == ["shared_memory"]
     on_disk = [json.loads(line) for line in open(os.path.join(result.run_dir, "metrics.jsonl"))]
-    assert on_disk == result.metrics
+    # The file's lines, but for the per-rank timeline, which stays on disk only.
+    assert all(len(m.pop("timeline")) == 4 for m in on_disk) and on_disk == result.metrics
 
 
 def test_two_kills_in_different_phases_end_with_the_reference_weights(ray_cluster, tmp_path,
