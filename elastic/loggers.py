@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import json
 import logging
 import os
 import threading
@@ -58,6 +59,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from elastic.config import LoggingConfig, MLflowConfig
 from elastic.errors import ConfigError
 from elastic.events import Evaluate, LoggerBehind, LoggerDropped, LoggerFailed, parse
+from elastic.private import write_private
 
 if TYPE_CHECKING:
     from elastic.runlog import RunLog
@@ -70,6 +72,10 @@ Series = Literal["train", "eval"]
 
 TRAIN_FIELDS = ("loss", "lr", "samples_per_s", "world_size", "global_batch_size", "grad_norm", "scale")
 """Fields of a metrics line that are logged under their own name."""
+
+MLFLOW_RECORD = "mlflow_run.json"
+"""The file in the run dir naming the MLflow run the run logs to (a restarted controller's
+logger goes on with it)."""
 
 RUN_TAG = "elastic.run"
 """The MLflow tag holding the run's name, by which a resumed run finds its MLflow run."""
@@ -257,8 +263,9 @@ class MLflowLogger(Logger):
     Args:
         config: tracking URI, experiment and run name.
         run_name: the elastic run's name (the MLflow run's name unless `config.run_name`).
-        restarted: opened by a controller Ray restarted: the MLflow run of this name goes on,
-            even where the run starts over from step 0 (no checkpoint yet).
+        restarted: opened by a controller Ray restarted: the MLflow run its predecessor
+            recorded goes on, even where the run starts over from step 0 (no checkpoint yet).
+        record: the file that records the MLflow run's id (in the run dir), or None.
     """
 
     name = "mlflow"
@@ -266,7 +273,8 @@ class MLflowLogger(Logger):
     BATCH = 1000  # MLflow's limit of metrics per log_batch request
     STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 
-    def __init__(self, config: MLflowConfig, run_name: str, restarted: bool = False) -> None:
+    def __init__(self, config: MLflowConfig, run_name: str, restarted: bool = False,
+                 record: str | None = None) -> None:
         if _is_path(config.tracking_uri):
             # MLflow 3 refuses its file store unless told; a directory here is the user's choice.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -278,6 +286,7 @@ class MLflowLogger(Logger):
         self.config = config
         self.run_name = config.run_name or run_name
         self.restarted = restarted  # a restarted controller's: the run goes on, from any step
+        self.record = record  # the file in the run dir that names the MLflow run (`_connect`)
         self._run_id: str | None = None  # the server is first asked on the logger's thread
         self._logged: dict[str, set[int]] = {}  # key -> steps at or after the truncation point
         self._pending: list[Any] = []
@@ -291,28 +300,37 @@ class MLflowLogger(Logger):
 
     def _connect(self, continued: bool) -> str:
         """The MLflow run: with `continued`, the newest tagged with this run's name if any;
-        else (a run from its first step: nothing to continue) a new one."""
+        else (a run from its first step: nothing to continue) a new one. A controller Ray
+        restarted goes on with the MLflow run its predecessor recorded in the run dir
+        (`record`), if it got as far: else it starts one of its own (not an older run's of
+        the same name)."""
         if self._run_id is None:
             client, name, experiment = self.client, self.run_name, self.config.experiment
             found_experiment = client.get_experiment_by_name(experiment)
             experiment_id = (found_experiment.experiment_id if found_experiment is not None
                              else client.create_experiment(experiment))
-            found = continued and client.search_runs(
-                [experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{name}'",
-                order_by=["attributes.start_time DESC"], max_results=1)
+            if self.restarted and self.record is not None:
+                recorded = _recorded_run(self.record)
+                found = [client.get_run(recorded)] if recorded else []
+            else:
+                found = continued and client.search_runs(
+                    [experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{name}'",
+                    order_by=["attributes.start_time DESC"], max_results=1)
             if found:
                 run_id = found[0].info.run_id
                 client.update_run(run_id, status="RUNNING")
             else:
                 run_id = client.create_run(experiment_id, run_name=name,
                                            tags={RUN_TAG: name}).info.run_id
+            if self.record is not None:
+                write_private(self.record, json.dumps({"run_id": run_id}).encode())
             self._run_id = run_id
         return self._run_id
 
     def truncate(self, train_from: int, eval_from: int) -> None:
         # A run that starts at its first step continues nothing: an MLflow run of the same
         # name (an earlier run's) would keep its values and drop every one of this run's.
-        self._connect(continued=train_from > 0 or self.restarted)
+        self._connect(continued=train_from > 0)
         self._send()
         self._logged = {}
         for key in self.client.get_run(self.run_id).data.metrics:
@@ -342,6 +360,16 @@ class MLflowLogger(Logger):
         self.client.set_terminated(self.run_id, self.STATUS.get(state, "FAILED"))
 
 
+def _recorded_run(path: str) -> str | None:
+    """The MLflow run id `MLflowLogger` recorded in `path`, or None (none, or unreadable)."""
+    try:
+        with open(path) as f:
+            run_id = json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run_id if isinstance(run_id, str) else None
+
+
 def _is_path(uri: str) -> bool:
     """Whether an MLflow tracking URI names a local folder (its file store)."""
     return uri.startswith("file:") or (":" not in uri and uri != "databricks")
@@ -366,7 +394,9 @@ def open_loggers(config: LoggingConfig, run_name: str, log: RunLog,
     if log_dir is not None:
         makers.append(("tensorboard", "tensorboard", lambda: TensorBoardLogger(log_dir)))
     if mlflow is not None:
-        makers.append(("mlflow", "mlflow", lambda: MLflowLogger(mlflow, run_name, restarted)))
+        record = os.path.join(log.run_dir, MLFLOW_RECORD)
+        makers.append(("mlflow", "mlflow",
+                       lambda: MLflowLogger(mlflow, run_name, restarted, record)))
     loggers: list[Logger] = []
     for name, package, make in makers:
         if package is not None:

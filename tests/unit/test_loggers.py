@@ -204,13 +204,18 @@ def test_a_new_run_under_an_earlier_runs_name_gets_its_own_mlflow_run(tmp_path):
     assert [sorted(values) for values in losses] == [[0.0, 1.0, 2.0, 3.0],
                                                      [100.0, 101.0, 102.0, 103.0]]
     # A controller Ray restarted before the first checkpoint starts over at step 0 within the
-    # same run: it goes on with that run's MLflow run.
-    log = RunLog(str(tmp_path / "c"))
-    sink = LoggerSink(open_loggers(config, "resumed-run", log, restarted=True), log)
-    log.add_sinks(sink)
-    log.metric(**_line(0, 200.0))
-    sink.close("finished")
-    assert len(client.search_runs([runs[0].info.experiment_id])) == 2
+    # same run (run dir): it goes on with the MLflow run recorded there.
+    for run_dir in ("b", "c"):  # "c": restarted before its logger ever reached the server
+        log = RunLog(str(tmp_path / run_dir))
+        sink = LoggerSink(open_loggers(config, "resumed-run", log, restarted=True), log)
+        log.add_sinks(sink)
+        log.metric(**_line(0, 200.0))
+        sink.close("finished")
+    runs = client.search_runs([runs[0].info.experiment_id], order_by=["attributes.start_time ASC"])
+    losses = [[m.value for m in client.get_metric_history(r.info.run_id, "loss")] for r in runs]
+    # "b" kept its MLflow run (whose step 0 stays); "c" got one of its own, not the older one's
+    assert [sorted(values) for values in losses] == [[0.0, 1.0, 2.0, 3.0],
+                                                     [100.0, 101.0, 102.0, 103.0], [200.0]]
 
 
 # --- what is logged ------------------------------------------------------------------------------
