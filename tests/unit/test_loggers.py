@@ -314,13 +314,18 @@ class StuckLogger(Logger):
         self.calls.append(("close", state))
 
 
+def _stuck(tmp_path, **sink) -> tuple[RunLog, StuckLogger, LoggerSink]:
+    """A run's log feeding a `StuckLogger` through a `LoggerSink` made with `sink`."""
+    log, stuck = RunLog(str(tmp_path / "run")), StuckLogger()
+    feed = LoggerSink([stuck], log, **sink)
+    log.add_sinks(feed)
+    return log, stuck, feed
+
+
 def test_a_logger_that_does_not_answer_never_holds_up_the_run_and_drops_what_does_not_fit(tmp_path):
     # Before, each point was logged on the run's thread: a down MLflow server held up every
     # chunk boundary for minutes per request.
-    log = RunLog(str(tmp_path / "run"))
-    stuck = StuckLogger()
-    sink = LoggerSink([stuck], log, queue_points=5)
-    log.add_sinks(sink)
+    log, stuck, sink = _stuck(tmp_path, queue_points=5)
     try:
         for step in range(10):  # returns although the logger answers nothing
             log.metric(**_line(step, float(step)))
@@ -341,10 +346,7 @@ def test_a_logger_that_does_not_answer_never_holds_up_the_run_and_drops_what_doe
 
 
 def test_the_end_waits_for_a_stuck_logger_only_up_to_the_flush_timeout(tmp_path):
-    log = RunLog(str(tmp_path / "run"))
-    stuck = StuckLogger()
-    sink = LoggerSink([stuck], log, flush_timeout_s=0.05)
-    log.add_sinks(sink)
+    log, stuck, sink = _stuck(tmp_path, flush_timeout_s=0.05)
     try:
         for step in range(3):
             log.metric(**_line(step, float(step)))
@@ -360,11 +362,8 @@ def test_the_end_waits_for_a_stuck_logger_only_up_to_the_flush_timeout(tmp_path)
 
 def test_a_logger_stuck_in_its_last_point_at_the_end_is_reported(tmp_path):
     # Before, nothing was waiting in its queue, so the end took it for done and said nothing.
-    log = RunLog(str(tmp_path / "run"))
-    stuck = StuckLogger()
+    log, stuck, sink = _stuck(tmp_path, flush_timeout_s=0.05)
     stuck.truncate = lambda train_from, eval_from: None  # answers, then the point hangs
-    sink = LoggerSink([stuck], log, flush_timeout_s=0.05)
-    log.add_sinks(sink)
     try:
         log.metric(**_line(0, 0.0))
         assert stuck.asked.wait(30)
