@@ -293,6 +293,9 @@ def verify(root: str, step: int, key: bytes | None = None) -> LoadedCheckpoint:
         if not isinstance(part_names, dict) or not all(
                 n in files and isinstance(p, str) for n, p in part_names.items()):
             raise ValueError("manifest names parts of files it does not list")
+        named = [part_names.get(n, n.removesuffix(".pt")) for n in files]
+        if len(set(named)) != len(named):  # one file would silently replace another's part
+            raise ValueError("manifest names two files as one part")
         shards = _listed_shards(manifest)
     except FileNotFoundError as e:
         raise CheckpointUncommittedError(f"{directory}: no manifest (an interrupted write)") from e

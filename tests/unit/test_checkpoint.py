@@ -70,6 +70,16 @@ def test_rewriting_a_step_leaves_its_checkpoint_whole_until_the_new_one_commits(
                   for e in fs.ls(f"{path}/{step_dir_name(5)}", detail=False))
     assert left == sorted([MANIFEST, *loaded.manifest["files"]])  # the replaced files are gone
     assert len(left) == 3
+    # A manifest (unsigned, edited) that names a file as another's part is refused.
+    manifest_path = f"{path}/{step_dir_name(5)}/{MANIFEST}"
+    with fs.open(manifest_path, "rb") as f:
+        manifest = json.loads(f.read())
+    cursor_file = next(n for n, p in manifest["part_names"].items() if p == "cursor")
+    manifest["part_names"][cursor_file] = "model"
+    with fs.open(manifest_path, "wb") as f:
+        f.write(json.dumps(manifest).encode())
+    with pytest.raises(CheckpointCorruptError, match="names two files as one part"):
+        load_checkpoint(root, step=5)
 
 
 def test_an_empty_root_has_no_checkpoint(root):
