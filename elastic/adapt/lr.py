@@ -52,6 +52,35 @@ class LrRamp:
             return self.to_factor
         return self.from_factor + (self.to_factor - self.from_factor) * done / self.warmup_steps
 
+    def rest_from(self, step: int) -> LrRamp:
+        """What is left of this ramp at `step`, as a ramp that starts there: the same factor
+        at every step from `step` on (up to rounding), for a run restored at `step`."""
+        if step <= self.start_step:
+            return self
+        left = max(0, self.start_step + self.warmup_steps - step)
+        return LrRamp(start_step=step, warmup_steps=left, from_factor=self.factor(step - 1),
+                      to_factor=self.to_factor)
+
+    def to_dict(self) -> dict[str, int | float]:
+        """The ramp as a checkpoint's manifest records it (`from_dict` reads it back)."""
+        return {"start_step": self.start_step, "warmup_steps": self.warmup_steps,
+                "from_factor": self.from_factor, "to_factor": self.to_factor}
+
+    @staticmethod
+    def from_dict(record: object) -> LrRamp | None:
+        """The ramp `to_dict` wrote; None for anything else (a checkpoint written before
+        ramps were recorded, or a record that is not one)."""
+        if not isinstance(record, dict):
+            return None
+        ints = [record.get(k) for k in ("start_step", "warmup_steps")]
+        floats = [record.get(k) for k in ("from_factor", "to_factor")]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints) \
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                           and math.isfinite(v) and v > 0 for v in floats):
+            return None
+        return LrRamp(start_step=ints[0], warmup_steps=ints[1], from_factor=float(floats[0]),
+                      to_factor=float(floats[1]))
+
 
 @dataclass(frozen=True)
 class BatchResize:

@@ -61,6 +61,7 @@ class Batching:
         self.batch_now = global_batch_for(batch.policy, batch.global_batch_size,
                                           config.scaling.num_workers, world_size)
         self.lr_ramp: LrRamp | None = None
+        self._said: LrRamp | None = None  # the ramp of the last `batch_planned` event
         self.tracker = ThroughputTracker()
         failure = config.failure
         self.stragglers: StragglerWatch | None = (
@@ -89,13 +90,14 @@ class Batching:
             decision = resize(batch.policy, batch.lr_scaling, batch.warmup_steps,
                               batch.global_batch_size, self.config.scaling.num_workers, n, step,
                               self.lr_ramp)
-            if decision.global_batch_size != self.batch_now or self.lr_ramp is None \
-                    or decision.ramp.to_factor != self.lr_ramp.to_factor:
+            if decision.global_batch_size != self.batch_now or self._said is None \
+                    or decision.ramp != self._said:
                 self.log.emit(BatchPlanned(reason=reason, world_size=n, step=step,
                                global_batch_size=decision.global_batch_size,
                                lr_factor_from=decision.ramp.from_factor,
                                lr_factor_to=decision.ramp.to_factor,
                                warmup_steps=decision.ramp.warmup_steps))
+                self._said = decision.ramp
             self.batch_now = decision.global_batch_size
             self.lr_ramp = decision.ramp
         self._say_idle(n)
@@ -111,6 +113,14 @@ class Batching:
             if len(options) > 1:
                 self.tuner = MicroBatchTuner(options, batch.autotune_steps, reason)
                 self.tuned_micro = None
+
+    def restore_ramp(self, ramp: LrRamp, step: int) -> None:
+        """The learning-rate ramp a checkpoint of `step` recorded as in force, for a run
+        restored from it (a resume, a restarted controller, every holder lost): the next
+        `replan` goes on from what is left of it. Before, a resume in the middle of a ramp
+        jumped to its target factor. A run of policy 'fixed' has no ramp and takes none."""
+        if self.config.batch.policy != "fixed":
+            self.lr_ramp = ramp.rest_from(step)
 
     def _say_idle(self, n: int) -> None:
         """With groups on, a world of more members than the global batch has groups leaves

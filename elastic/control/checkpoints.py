@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from elastic.adapt.lr import LrRamp
 from elastic.checkpoint.retention import monitor_record
 from elastic.config import FitConfig
 from elastic.control.port import Workers
@@ -46,6 +47,10 @@ class CheckpointCoordinator:
         self._written: tuple[int, bool] | None = None  # (step, with a monitored value) submitted
         self.run_name = ""  # recorded in each checkpoint's manifest (who wrote it)
         self.resumed: dict[str, Any] | None = None  # the checkpoint this run resumed from
+        # The learning-rate ramp in force (policy 'scale_with_workers'), recorded in each
+        # manifest; and the one the checkpoint last restored recorded, until `replan` takes it.
+        self.lr_ramp: LrRamp | None = None
+        self.restored_ramp: LrRamp | None = None
 
     @property
     def enabled(self) -> bool:
@@ -117,6 +122,7 @@ class CheckpointCoordinator:
         else:
             self.log.event(event, step=info["step"], path=info["path"],
                            work_lost_steps=max(0, current_step - info["step"]))
+        self.restored_ramp = LrRamp.from_dict(info.get("lr_ramp"))
         self._last_step = int(info["step"])
         # Its checkpoint is there: a run that ends (or is stopped) at this step writes none.
         self._written = (self._last_step, False)
@@ -192,7 +198,8 @@ class CheckpointCoordinator:
 
     def _write(self, worker_id: int, step: int, world_size: int) -> None:
         meta = {"world_size": world_size, "fingerprint": self.fingerprint(), "run": self.run_name,
-                "dataset_size": self.dataset_size, **self._monitor_meta(step)}
+                "dataset_size": self.dataset_size, **self._monitor_meta(step),
+                **({"lr_ramp": self.lr_ramp.to_dict()} if self.lr_ramp is not None else {})}
         answer = self.workers.call(worker_id, "checkpoint", meta)
         if answer["submitted"]:
             self._last_step, self._last_time = step, time.monotonic()

@@ -448,8 +448,14 @@ def _source(ctx: Context, steps: list[int], ids: list[int],
 
 
 def replan(ctx: Context, reason: str) -> None:
-    """After a new generation: the batch for its size and the step count that follows."""
+    """After a new generation: the batch for its size and the step count that follows (the
+    learning-rate ramp goes on from the one a checkpoint restored in forming it recorded)."""
+    checkpoints = ctx.checkpoints
+    if checkpoints.restored_ramp is not None:
+        ctx.batch.restore_ramp(checkpoints.restored_ramp, ctx.step)
+        checkpoints.restored_ramp = None
     ctx.batch.replan(reason, ctx.ids(), ctx.step)
+    checkpoints.lr_ramp = ctx.batch.lr_ramp
     before, b = ctx.total_steps, ctx.batch.batch_now
     ctx.total_steps = decisions.total_steps(
         max_steps=ctx.config.max_steps, epochs=ctx.config.epochs,

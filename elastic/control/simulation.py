@@ -89,6 +89,9 @@ class SimulatedWorkers:
         start_errors: worker id -> the error that worker fails to start with (a
             `WorkerLostError` for one whose node died, a `ConfigError` for a factory that
             raised), at the time it would have been up.
+        store: where checkpoints are kept (the step, cursor and manifest fields of each
+            write) and restored from, newest first; share one list between two simulations
+            to resume one run's checkpoints in another (default: none is ever found).
     """
 
     def __init__(self, dataset_size: int, capacity: int, step_time_s: float = 0.01,
@@ -102,8 +105,10 @@ class SimulatedWorkers:
                  oom_forming: Sequence[tuple[int, str, int]] = (),
                  dataset_sizes: Mapping[int, int] | None = None,
                  start_errors: Mapping[int, ElasticError] | None = None,
-                 writing: Collection[int] = ()) -> None:
+                 writing: Collection[int] = (),
+                 store: list[dict[str, Any]] | None = None) -> None:
         self.writing = set(writing)
+        self.store = store
         self.start_errors = dict(start_errors or {})
         self.oom_forming = list(oom_forming)
         self.dataset_sizes = dict(dataset_sizes or {})
@@ -249,7 +254,8 @@ class SimulatedWorkers:
         if self.before_chunk is not None:
             self.before_chunk(start)
         self.ahead += bool(self._queued)
-        self._queued.append([list(ids), plan, start, num_steps, chaos, bool(self._queued), False])
+        self._queued.append([list(ids), plan, start, num_steps, chaos, bool(self._queued), False,
+                             lr_ramp])
 
     def yield_chunks(self) -> None:
         """The chunks queued so far end after their first step."""
@@ -257,7 +263,7 @@ class SimulatedWorkers:
             entry[6] = True
 
     def finish_chunk(self, hang_timeout: float, hung: Hung) -> ChunkReport:
-        ids, plan, start, num_steps, chaos, ahead, yielded = self._queued.pop(0)
+        ids, plan, start, num_steps, chaos, ahead, yielded, lr_ramp = self._queued.pop(0)
         first = self.workers[ids[0]]
         if ahead and any(not self.workers[w].completed or self.workers[w].step != start
                          for w in ids):
@@ -265,14 +271,14 @@ class SimulatedWorkers:
             lost = {r: "simulated kill" for r, w in enumerate(ids) if not self.workers[w].alive}
             skipped = ChunkSkipped([], first.step, first.cursor.to_dict())
             return ChunkReport({r: skipped for r in range(len(ids)) if r not in lost}, lost)
-        report = self._run(ids, plan, 1 if yielded else num_steps, chaos)
+        report = self._run(ids, plan, 1 if yielded else num_steps, chaos, lr_ramp)
         done = all(isinstance(o, ChunkDone) for o in report.outcomes.values()) and not report.lost
         for w in ids:
             self.workers[w].completed = done
         return report
 
     def _run(self, ids: Sequence[int], plan: BatchPlan, num_steps: int,
-             chaos: list[ChaosEvent]) -> ChunkReport:
+             chaos: list[ChaosEvent], lr_ramp: LrRamp | None = None) -> ChunkReport:
         self.chunks += 1
         world = len(ids)
         batch = plan.global_batch_size
@@ -300,7 +306,9 @@ class SimulatedWorkers:
                     global_batch_size=batch, shares=shares, micro_batch=plan.micro_batches[rank],
                     step_time_s=self.step_time_s,
                     compute_time_s=self.step_time_s / 2 * self.slow.get(ids[rank], 1.0),
-                    end_time=self.clock, lr=0.1, writing=ids[rank] in self.writing))
+                    end_time=self.clock,
+                    lr=0.1 * (lr_ramp.factor(step) if lr_ramp is not None else 1.0),
+                    writing=ids[rank] in self.writing))
             cursor, step = cursor.advance(self.dataset_size, batch), step + 1
         self._commit(ids, cursor)
         return ChunkReport({rank: ChunkDone(records[rank], step, cursor.to_dict())
@@ -372,9 +380,12 @@ class SimulatedWorkers:
             return {"step": worker.step}
         if method == "evaluate":
             return {}
-        # Checkpoints: every write is taken and none is ever found (nothing is stored).
+        # Checkpoints: every write is taken; none is ever found unless a `store` was given.
         if method == "checkpoint":
             self.checkpoints.append(worker.step)
+            if self.store is not None:
+                self.store.append({"step": worker.step, "cursor": worker.cursor,
+                                   "meta": dict(args[0])})
             return {"submitted": True, "reports": []}
         if method == "flush_checkpoints":
             return []
@@ -382,7 +393,12 @@ class SimulatedWorkers:
             failed = self._out_of_memory([worker_id], "loading a checkpoint")
             if failed is not None:
                 raise failed
-            return {"step": None, "path": None, "skipped": [], "unsigned": []}
+            if not self.store:
+                return {"step": None, "path": None, "skipped": [], "unsigned": []}
+            newest = max(self.store, key=lambda c: c["step"])
+            worker.step, worker.cursor, worker.torn = newest["step"], newest["cursor"], False
+            return {"step": newest["step"], "path": f"sim/step-{newest['step']}", "skipped": [],
+                    **newest["meta"]}
         raise NotImplementedError(f"the simulation has no {method!r}")
 
     def fired_kill(self, step: int, rank: int) -> float | None:

@@ -124,3 +124,35 @@ def test_scale_with_workers_ramps_the_learning_rate_after_a_resize(ray_cluster, 
     assert 0.025 < by_step[shrink.step]["lr"] < 0.05  # mid-ramp, visible in the metrics
     assert result.samples == sum(m["global_batch_size"] for m in result.metrics)
     _assert_matches_replay(result, regression_job(), lrs=True)
+
+
+def test_a_run_resumed_in_the_middle_of_a_learning_rate_ramp_goes_on_from_where_it_was(
+        ray_cluster, tmp_path):
+    # The kill at step 4 leaves one worker (no replacement): the rate ramps 1.0 -> 0.5 over 8
+    # steps, and the run ends at step 8, half way. Its checkpoint records the ramp; the run
+    # resumed from it at 2 workers ramps from the 0.75 reached back to 1.0. Before, it jumped
+    # to 1.0 at once.
+    from elastic import CheckpointConfig, FailureConfig
+
+    def config(steps, chaos=()):
+        return FitConfig(
+            scaling=ScalingConfig(num_workers=2, min_workers=1, max_workers=2),
+            batch=BatchConfig(global_batch_size=16, policy="scale_with_workers",
+                              warmup_steps=8, autotune=False),
+            failure=FailureConfig(replace_lost_workers=False),
+            checkpoint=CheckpointConfig(path=str(tmp_path / "ckpt")),
+            max_steps=steps, run_dir=str(tmp_path / "run"), chaos=chaos)
+
+    first = elastic.fit(regression_job(), config(
+        8, (ChaosEvent(step=4, rank=1, action="kill", phase="forward"),)))
+    assert [m["lr"] for m in first.metrics][3:] == pytest.approx(
+        [0.05] + [0.05 * (1 - 0.5 * k / 8) for k in range(1, 5)])
+    written = elastic.load_checkpoint(str(tmp_path / "ckpt"))
+    assert written.step == 8 and written.manifest["lr_ramp"] == {
+        "start_step": 4, "warmup_steps": 8, "from_factor": 1.0, "to_factor": 0.5}
+    again = elastic.fit(regression_job(), config(11))
+    [planned] = _events(again, BatchPlanned)
+    assert (planned.step, planned.world_size, planned.lr_factor_from, planned.lr_factor_to,
+            planned.warmup_steps) == (8, 2, 0.75, 1.0, 8)
+    assert [m["lr"] for m in again.metrics] == pytest.approx(
+        [0.05 * (0.75 + 0.25 * k / 8) for k in (1, 2, 3)])

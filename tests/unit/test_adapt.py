@@ -1,5 +1,6 @@
 """The adapt policies (pure) and the data cursor they move."""
 
+import json
 import math
 
 import pytest
@@ -135,6 +136,25 @@ def test_a_resize_ramps_from_the_factor_in_force():
     assert grow.ramp.from_factor == 0.875 and grow.ramp.to_factor == 2.0
     fixed = resize("fixed", "linear", 0, 64, 4, 2, step=3, current=None)
     assert fixed.global_batch_size == 64 and fixed.ramp.factor(3) == 1.0
+
+
+def test_a_ramp_reads_back_from_its_manifest_record_and_nothing_else_passes_for_one():
+    ramp = LrRamp(start_step=10, warmup_steps=4, from_factor=1.0, to_factor=0.5)
+    assert LrRamp.from_dict(ramp.to_dict()) == ramp
+    assert LrRamp.from_dict(json.loads(json.dumps(ramp.to_dict()))) == ramp
+    # What is left of it at a step it is restored at gives the same factors from there on.
+    for step in (5, 10, 11, 13, 14, 20):
+        rest = ramp.rest_from(step)
+        assert [rest.factor(s) for s in range(step, 20)] == pytest.approx(
+            [ramp.factor(s) for s in range(step, 20)], rel=1e-15)
+    assert ramp.rest_from(12) == LrRamp(start_step=12, warmup_steps=2, from_factor=0.75,
+                                        to_factor=0.5)
+    assert ramp.rest_from(30).warmup_steps == 0
+    for bad in (None, [], {}, {**ramp.to_dict(), "start_step": -1},
+                {**ramp.to_dict(), "warmup_steps": True}, {**ramp.to_dict(), "to_factor": "1"},
+                {**ramp.to_dict(), "from_factor": float("nan")},
+                {**ramp.to_dict(), "to_factor": 0.0}):
+        assert LrRamp.from_dict(bad) is None, bad
 
 
 def test_a_new_generation_at_the_same_size_keeps_the_ramp_in_progress():

@@ -318,6 +318,64 @@ def test_a_global_batch_that_follows_the_world_size_replans_the_steps_and_says_s
     assert ctx.step == 126 and _steps(ctx)[-1] == 125
 
 
+def test_a_run_resumed_in_the_middle_of_a_learning_rate_ramp_goes_on_from_where_it_was(tmp_path):
+    # Policy 'scale_with_workers': a kill at step 4 shrinks the run from 4 workers to 3, the
+    # rate ramps from 1.0 to 0.75 over 20 steps; the run ends at step 10 in the middle of it.
+    # Resumed at 4 workers (a new run from the checkpoints, as `elastic resume` or a
+    # restarted controller does), the ramp goes from the factor it had reached back to 1.0.
+    # Before, the resumed run jumped to 1.0 at once: the ramp was not in the checkpoints.
+    store: list = []
+    batch = BatchConfig(global_batch_size=16, policy="scale_with_workers", warmup_steps=20)
+    checkpoint = CheckpointConfig(path=str(tmp_path / "c"), every_steps=2)
+    first = SimulatedWorkers(dataset_size=1600, capacity=4, start_delay_s=100.0, store=store)
+    end, ctx, _ = _run(tmp_path / "first", sim=first, steps=10, batch=batch,
+                       checkpoint=checkpoint, chaos=(ChaosEvent(step=4, rank=3, action="kill"),))
+    assert isinstance(end, Finished) and max(c["step"] for c in store) == 10
+    lr = {m["step"]: m["lr"] for m in ctx.log.metrics}
+    assert lr[3] == 0.1 and lr[9] == pytest.approx(0.1 * (1 - 0.25 * 6 / 20))
+    again = SimulatedWorkers(dataset_size=1600, capacity=4, start_delay_s=0.02, store=store)
+    end, ctx, _ = _run(tmp_path / "again", sim=again, steps=16, batch=batch,
+                       checkpoint=checkpoint)
+    assert isinstance(end, Finished) and _steps(ctx) == list(range(10, 16))
+    [planned] = _events(ctx, "batch_planned")
+    assert (planned["step"], planned["world_size"], planned["global_batch_size"]) == (10, 4, 16)
+    assert planned["lr_factor_from"] == pytest.approx(lr[9] / 0.1)
+    assert (planned["lr_factor_to"], planned["warmup_steps"]) == (1.0, 20)
+    factor = lr[9] / 0.1
+    assert [m["lr"] for m in ctx.log.metrics] == pytest.approx(
+        [0.1 * (factor + (1 - factor) * (s - 9) / 20) for s in range(10, 16)])
+    # Its checkpoints record the ramp, for the next resume.
+    assert store[-1]["step"] == 16 and store[-1]["meta"]["lr_ramp"] == {
+        "start_step": 10, "warmup_steps": 20, "from_factor": planned["lr_factor_from"],
+        "to_factor": 1.0}
+    # Resumed again at 3 workers, from the checkpoint of step 12 (the newer ones lost): a
+    # new ramp towards 0.75 starts from the factor the recorded one had reached at step 11.
+    del store[[c["step"] for c in store].index(16)], store[[c["step"] for c in store].index(14)]
+    third = SimulatedWorkers(dataset_size=1600, capacity=3, start_delay_s=0.02, store=store)
+    end, ctx3, _ = _run(tmp_path / "third", sim=third, steps=14, batch=batch,
+                        checkpoint=checkpoint, scaling=ScalingConfig(num_workers=4,
+                                                                      min_workers=1))
+    [planned3] = _events(ctx3, "batch_planned")
+    assert (planned3["step"], planned3["world_size"]) == (12, 3)
+    rate = {m["step"]: m["lr"] for m in ctx.log.metrics}
+    assert planned3["lr_factor_from"] == pytest.approx(rate[11] / 0.1)
+    assert [m["lr"] for m in ctx3.log.metrics] == pytest.approx(
+        [0.1 * (rate[11] / 0.1 + (0.75 - rate[11] / 0.1) * (s - 11) / 20) for s in (12, 13)])
+
+
+def test_a_ramp_recorded_in_a_checkpoint_is_not_taken_by_a_run_of_policy_fixed(tmp_path):
+    from elastic.control.cursor import Cursor
+
+    ramp = {"start_step": 2, "warmup_steps": 20, "from_factor": 0.5, "to_factor": 0.75}
+    store = [{"step": 4, "cursor": Cursor(step=4, offset=64, samples=64), "meta": {"lr_ramp": ramp}}]
+    sim = SimulatedWorkers(dataset_size=1600, capacity=4, start_delay_s=0.02, store=store)
+    end, ctx, _ = _run(tmp_path, sim=sim, steps=8, batch=BatchConfig(global_batch_size=16),
+                       checkpoint=CheckpointConfig(path=str(tmp_path / "c"), every_steps=2))
+    assert isinstance(end, Finished) and _steps(ctx) == [4, 5, 6, 7]
+    assert {m["lr"] for m in ctx.log.metrics} == {0.1} and not _events(ctx, "batch_planned")
+    assert "lr_ramp" not in store[-1]["meta"]
+
+
 def test_a_restarted_controller_takes_up_the_stop_and_scale_its_predecessor_was_asked(tmp_path):
     # Before, it forgot them: `elastic stop` had answered, and the run went on to its end.
     from elastic.control.context import standing_requests
