@@ -187,11 +187,21 @@ def _piece(host: ComputeHost, context: StepContext, index: int, start: int, leng
     if index == 0:
         host.faults.fire(context.chaos, "backward")
     host.reducer.arm(last)
-    (loss * context.scale if context.scale != 1.0 else loss).backward()
+    if loss.requires_grad or not _weighs_nothing(items, form):
+        (loss * context.scale if context.scale != 1.0 else loss).backward()
+    # else: a `LossSum` of count 0 whose total is a constant (`LossSum(torch.zeros(()), 0)`
+    # for a micro-batch of padding alone): it adds nothing to any gradient, as in one
+    # process over the global batch; its backward would raise ("does not require grad").
     value = read_later(loss, "the loss")
     del batch, loss
     host.reducer.after_backward()
     return value, items, form, loading_s
+
+
+def _weighs_nothing(items: float | torch.Tensor, form: LossForm) -> bool:
+    """Whether a micro-batch's loss is a `LossSum` of count 0 (read here if it is a tensor
+    on a GPU: only for a loss that needs no gradient, which is rare)."""
+    return form == LossForm.SUM and float(items) == 0.0
 
 
 def _forward(host: ComputeHost, batch: Any, scale: float, form: LossForm, metrics: MetricSums,

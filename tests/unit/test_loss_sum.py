@@ -178,6 +178,61 @@ def test_a_loss_that_is_not_one_element_is_a_user_error_that_says_so(tmp_path, s
     assert replica.global_step == 0
 
 
+def padded_dataset() -> TensorDataset:
+    """`make_dataset`'s sequences, every fourth of them padding alone (no target token)."""
+    x, y = make_dataset().tensors
+    y = y.clone()
+    y[::4] = PAD
+    return TensorDataset(x, y)
+
+
+def guarded_sum(model: nn.Module, batch) -> LossSum:
+    """A token sum that, for a micro-batch with no target token, returns a constant: what a
+    plain loop's guard against dividing by zero tokens often does."""
+    _, y = batch
+    count = (y != PAD).sum()
+    if int(count) == 0:
+        return LossSum(torch.zeros((), dtype=torch.float64), 0)
+    return token_sum(model, batch)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["flat", "buckets"])
+@pytest.mark.parametrize("plan", [BatchPlan(B, (5, 3), (1, 1)), BatchPlan(B, (B,), (1,))],
+                         ids=["two-ranks", "one-rank"])
+def test_a_micro_batch_of_padding_alone_may_return_a_constant_loss_sum_of_count_0(
+        tmp_path, plan, overlap):
+    # Before, its backward raised ("does not require grad"): a user error after retries,
+    # where the plain loop over the global batch (which always has tokens) trains.
+    torch.manual_seed(SEED)
+    model = make_model()
+    opt = make_optimizer(model.parameters())
+    x, y = padded_dataset().tensors
+    for step in range(STEPS):
+        epoch, s = divmod(step, N // B)
+        idx = torch.randperm(N, generator=torch.Generator().manual_seed(SEED + epoch))[
+            s * B : (s + 1) * B]
+        opt.zero_grad()
+        assert int((y[idx] != PAD).sum()) > 0
+        (token_sum(model, (x[idx], y[idx])).total / (y[idx] != PAD).sum()).backward()
+        opt.step()
+    padded = TrainJob(model=make_model, optimizer=make_optimizer, loss=guarded_sum,
+                      dataset=padded_dataset)
+    for outcomes, replica in run(tmp_path, [padded] * plan.world_size, plan, overlap):
+        assert all(isinstance(o, StepRecord) for o in outcomes), outcomes
+        torch.testing.assert_close(replica.model.state_dict(), model.state_dict(), rtol=0,
+                                   atol=1e-6)
+
+
+def test_a_constant_loss_that_weighs_something_is_still_a_user_error(tmp_path):
+    def detached(model, batch):  # a loss cut from the graph: a bug, said as in a plain loop
+        return LossSum(token_sum(model, batch).total.detach(), 3)
+
+    (outcomes, replica), = run(tmp_path, [job(detached)], PLANS["one-rank"], steps=1)
+    assert isinstance(outcomes[0], UserFailure)
+    assert "does not require grad" in outcomes[0].traceback
+    assert replica.global_step == 0
+
+
 def test_a_global_count_of_zero_is_a_user_error(tmp_path):
     def nothing_counts(model, batch):
         return LossSum(token_sum(model, batch).total * 0, 0)
