@@ -16,6 +16,7 @@ worker processes are ended by Ray, which does not run finalization).
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 from collections.abc import Sequence
@@ -33,6 +34,15 @@ _NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 # down gloo's context under a thread still blocked in it, and the process dies with
 # std::terminate at exit (measured). Kept alive until the process ends; one per recovery.
 _ABANDONED: list[dist.ProcessGroupGloo] = []
+
+
+def _abandon(pg: dist.ProcessGroupGloo) -> None:
+    """Keeps `pg` for good: in `_ABANDONED`, and with a reference nobody owns, so that not
+    even the interpreter's teardown at exit destroys it (a list's references are dropped
+    then: a thread still blocked in the group, such as a broadcast a host peer gave up on,
+    ended the process with std::terminate, measured)."""
+    _ABANDONED.append(pg)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
 
 
 class _GlooPending:
@@ -185,7 +195,7 @@ class GlooTransport(Transport):
         self._senders.stop()
         self._receivers.stop()
         if self._pg is not None:
-            _ABANDONED.append(self._pg)  # see _ABANDONED
+            _abandon(self._pg)
         self._pg = None
 
     def fail(self) -> None:
@@ -202,7 +212,7 @@ class GlooTransport(Transport):
         self._senders.stop()
         self._receivers.stop()
         if self._pg is not None and busy:
-            _ABANDONED.append(self._pg)
+            _abandon(self._pg)
         self._pg = None
 
 

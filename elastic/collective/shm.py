@@ -163,11 +163,19 @@ class SharedMemoryTransport(Transport):
         ends[peer].queue.append(transfer)
         return [transfer]
 
+    # The collectives that go through the native transport (a generation's state broadcast,
+    # barriers, the 'native' allreduce) are watched as its transfers are: a host peer that
+    # gave up alive fails them within the liveness check (before, they waited out the
+    # native transport's timeout, the collective timeout of minutes).
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> list[Pending]:
-        return self._native.allreduce(tensor, op)
+        if self._broken is not None:
+            raise RuntimeError(f"shared-memory transport failed earlier: {self._broken}")
+        return [_Watched(p, self) for p in self._native.allreduce(tensor, op)]
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> list[Pending]:
-        return self._native.broadcast(tensor, src)
+        if self._broken is not None:
+            raise RuntimeError(f"shared-memory transport failed earlier: {self._broken}")
+        return [_Watched(p, self) for p in self._native.broadcast(tensor, src)]
 
     def abort(self) -> None:
         self._aborted = True

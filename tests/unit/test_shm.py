@@ -368,3 +368,26 @@ def test_a_receive_fails_at_once_when_its_host_peer_gives_up_alive(server):
         return "failed"
 
     assert run_ranks(server, 2, body)[1] == "failed"
+
+
+@pytest.mark.parametrize("collective", ["broadcast", "barrier", "native_allreduce"])
+def test_a_collective_through_gloo_fails_at_once_when_a_host_peer_gives_up_alive(server,
+                                                                                collective):
+    # The state broadcast of a forming generation, barriers and the 'native' allreduce go
+    # through gloo beside the shared-memory rings. Rank 0 gives up and stays alive: rank 1
+    # must fail within the liveness check; before, it waited out gloo's timeout (the
+    # 5-minute collective timeout; pytest-timeout fails the test first).
+    def body(comm):
+        if comm.rank == 0:
+            comm.abort()
+            return None
+        with pytest.raises(CollectiveError, match="rank 0 of this host gave up"):
+            if collective == "broadcast":
+                comm.broadcast(torch.zeros(4), src=0)
+            elif collective == "barrier":
+                comm.barrier()
+            else:
+                comm.allreduce(torch.zeros(4), algorithm="native")
+        return "failed"
+
+    assert run_ranks(server, 2, body)[1] == "failed"
