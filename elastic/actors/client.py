@@ -59,20 +59,29 @@ _reaper: list[Any] = []
 
 def _init(config: FitConfig | None, start: bool) -> None:
     kwargs: dict[str, Any] = {}
-    if config is not None and os.environ.get("RAY_ADDRESS") in (None, "", "local"):
+    address = os.environ.get("RAY_ADDRESS")
+    if config is not None and address in (None, "", "local"):
         scaling = config.scaling
         wanted = (scaling.upper + scaling.spares) * scaling.cpus_per_worker  # spares: on top
         kwargs["num_cpus"] = max(os.cpu_count() or 1, int(wanted + 0.999))
     try:
-        if os.environ.get("RAY_ADDRESS") == "local":  # Ray's own word for a fresh local one
+        if address == "local":  # Ray's own word for a fresh local one
             raise ConnectionError("RAY_ADDRESS=local")
         ray.init(address="auto", namespace=NAMESPACE, log_to_driver=_worker_logs(),
                  logging_level=logging.WARNING)
+        owner = throwaway_owner()
+        if start and owner is not None and address in (None, "", "auto"):
+            # Found by Ray's search of this machine's processes (no RAY_ADDRESS, no `ray
+            # start`): another process's local cluster, which ends with that process and
+            # every run on it. A run gets one of its own instead.
+            ray.shutdown()
+            raise ConnectionError(f"the local cluster of process {owner}")
     except ConnectionError:
         if not start:
             raise
-        ray.init(namespace=NAMESPACE, log_to_driver=_worker_logs(), logging_level=logging.WARNING,
-                 **kwargs)
+        ray.init(address="local" if address in (None, "", "auto") else None,
+                 namespace=NAMESPACE, log_to_driver=_worker_logs(),
+                 logging_level=logging.WARNING, **kwargs)
         # This process started the cluster: it ends with this process, however that ends.
         node = getattr(ray._private.worker, "_global_node", None)
         if node is not None and getattr(node, "head", False):
@@ -82,6 +91,24 @@ def _init(config: FitConfig | None, start: bool) -> None:
                 if old is not None and old.stdin is not None:
                     old.stdin.close()
             _reaper[:] = [reaper.start(pids)]
+            internal_kv._internal_kv_put(THROWAWAY_KEY, str(os.getpid()).encode(),
+                                         overwrite=True, namespace=NAMESPACE)
+
+
+# Marks a local cluster that an elastic process started for its own runs, and that ends with
+# it (`_init`): its value is that process's id.
+THROWAWAY_KEY = "local-cluster-of"
+
+
+def throwaway_owner() -> int | None:
+    """The process whose own local cluster the connected one is (it ends with that process),
+    if it is another process's; None for a cluster that outlives its starter."""
+    value = internal_kv._internal_kv_get(THROWAWAY_KEY, namespace=NAMESPACE)
+    try:
+        owner = int(value) if value is not None else None
+    except ValueError:
+        return None
+    return owner if owner != os.getpid() else None
 
 
 def _worker_logs() -> bool:
@@ -356,6 +383,13 @@ def start_detached(job: TrainJob, config: FitConfig, name: str, run_dir: str) ->
             "a detached run needs a Ray cluster that outlives this process, but the connected "
             "one was started by it and ends with it: start one with `ray start --head` (or "
             "pass --address)")
+    owner = throwaway_owner()
+    if owner is not None:  # another `elastic run`'s, or a script's `fit`
+        raise ConfigError(
+            "a detached run needs a Ray cluster that outlives this process, but the one found "
+            f"here is the local cluster of process {owner} (an `elastic run` or `fit`), which "
+            "ends with it and every run on it: start one with `ray start --head` (or pass "
+            "--address)")
     controller = _launch(job, config, name, run_dir, detached=True)
     # Wait until it exists (its constructor ran), so that status works right after this.
     ray.get(controller.status.remote())

@@ -129,3 +129,31 @@ def test_the_detached_lifecycle_through_the_cli(ray_cluster, tmp_path):
     assert finish.stopped is True
     model = torch.load(run_dir / "final_model.pt", weights_only=True)
     torch.testing.assert_close(model, reference_weights(0, 16, finish.step), rtol=1e-9, atol=1e-10)
+
+
+def test_a_detached_run_is_refused_on_another_processs_local_cluster(ray_cluster, tmp_path):
+    # A cluster another `elastic run` (or a script's `fit`) started for itself ends with that
+    # process, and every run on it: before, `elastic start` found it (Ray's search of this
+    # machine's processes) and started a detached run there, which died with that process.
+    from ray.experimental import internal_kv
+
+    from elastic.actors import client
+
+    internal_kv._internal_kv_put(client.THROWAWAY_KEY, b"4242", namespace=client.NAMESPACE)
+    try:
+        assert client.throwaway_owner() == 4242
+        config = elastic.FitConfig(scaling=elastic.ScalingConfig(num_workers=1),
+                                   batch=elastic.BatchConfig(global_batch_size=8), max_steps=2,
+                                   name="on-a-throwaway", run_dir=str(tmp_path / "run"))
+        from tests.jobs import regression_job
+
+        with pytest.raises(elastic.errors.ConfigError,
+                           match=r"the local cluster of process 4242 .* ends with it"):
+            elastic.start(regression_job(), config)
+        assert "on-a-throwaway" not in client.live_run_names()
+        # This process's own mark is not another's.
+        internal_kv._internal_kv_put(client.THROWAWAY_KEY, str(os.getpid()).encode(),
+                                     namespace=client.NAMESPACE)
+        assert client.throwaway_owner() is None
+    finally:
+        internal_kv._internal_kv_del(client.THROWAWAY_KEY, namespace=client.NAMESPACE)
