@@ -22,7 +22,7 @@ from rich.table import Table
 import elastic
 from cli.output import console, fail, one_line
 from cli.render import describe
-from elastic.api import record_launch, run_dir_of
+from elastic.api import recorded_launch, run_dir_of
 from elastic.errors import ElasticError
 from elastic.events import Evaluate, Recovered, parse
 from elastic.progress import resolve
@@ -332,8 +332,8 @@ def run(options: dict[str, Any]) -> None:
     console.print(f"run [bold]{run_name}[/bold]: {fit_config.scaling.num_workers} workers, "
                   f"global batch {fit_config.batch.global_batch_size}, run dir {directory}")
     try:
-        record_launch(run_name, directory, options["target"])  # what `resume` restarts
-        result = elastic.fit(job, fit_config)
+        with recorded_launch(run_name, directory, options["target"]):  # what `resume` restarts
+            result = elastic.fit(job, fit_config)
     except ElasticError as e:
         if options["debug"]:
             raise
@@ -387,8 +387,8 @@ def start(options: dict[str, Any]) -> None:
     name = _name(fit_config)
     fit_config = fit_config.model_copy(update={"name": name})
     try:
-        record_launch(name, run_dir_of(fit_config.run_dir, name), options["target"])
-        run_name = elastic.start(job, fit_config)
+        with recorded_launch(name, run_dir_of(fit_config.run_dir, name), options["target"]):
+            run_name = elastic.start(job, fit_config)
     except ElasticError as e:
         if options["debug"]:
             raise

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from elastic import control
@@ -309,15 +310,20 @@ def _from_record(record: dict[str, Any], request: Request) -> Any:
                            f"{request.verb}")
 
 
-def record_launch(name: str, run_dir: str, target: str) -> None:
+@contextlib.contextmanager
+def recorded_launch(name: str, run_dir: str, target: str) -> Iterator[None]:
     """Records in `run_dir` that run `name` is started from `target` (`path.py:attr` or
-    `package.module:attr`), for `resume` to start it again (`elastic.launch`). A live run of
-    that name is refused first: its launch record is never written over.
+    `package.module:attr`), for `resume` to start it again (`elastic.launch`), around the
+    start of that run. A live run of that name is refused first: its launch record is never
+    written over. If the start fails before the run began (no cluster, the name taken, a job
+    that cannot be sent), the record of the earlier run of that name is put back: before, a
+    `resume` of that run then trained the failed start's target on its checkpoints.
 
     Raises:
         ConfigError: a run of that name is live, or the run dir cannot be made private.
     """
-    from elastic.launch import write_launch
+    from elastic.launch import LAUNCH_FILE, write_launch
+    from elastic.private import write_private
 
     record = RunRegistry().read(name)
     if record is not None and not is_terminal(record) and record.get("state") != LOST:
@@ -325,7 +331,46 @@ def record_launch(name: str, run_dir: str, target: str) -> None:
         if not is_terminal(record) and record.get("state") != LOST:
             raise ConfigError(f"a run named {name!r} is already {record['state']}; choose "
                               "another --name")
+    path, events = os.path.join(run_dir, LAUNCH_FILE), os.path.join(run_dir, "events.jsonl")
+    earlier = _read_bytes(path)
+    offset = os.path.getsize(events) if os.path.exists(events) else 0
     write_launch(run_dir, target)
+    try:
+        yield
+    except BaseException:
+        if not _started_since(events, offset):
+            if earlier is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            else:
+                write_private(path, earlier)
+        raise
+
+
+def _read_bytes(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _started_since(events: str, offset: int) -> bool:
+    """Whether a `start` event was appended to `events` past byte `offset`."""
+    try:
+        with open(events, "rb") as f:
+            f.seek(offset)
+            return any(b'"start"' in line and _kind(line) == "start" for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def _kind(line: bytes) -> str | None:
+    try:
+        record = json.loads(line)
+    except ValueError:  # a line torn by a crash
+        return None
+    return record.get("event") if isinstance(record, dict) else None
 
 
 def resume(name: str, job: TrainJob | None = None, *, num_workers: int | None = None,

@@ -1,5 +1,6 @@
 """CLI wiring only; the behaviour behind each command is tested through the Python API."""
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -449,7 +450,13 @@ def test_run_without_a_name_never_reuses_an_earlier_runs_name(monkeypatch, tmp_p
     from cli import train
 
     names = []
-    monkeypatch.setattr(train, "record_launch", lambda name, *a: names.append(name))
+
+    @contextlib.contextmanager
+    def recorded(name, *args):
+        names.append(name)
+        yield
+
+    monkeypatch.setattr(train, "recorded_launch", recorded)
     monkeypatch.setattr(elastic, "fit", lambda job, config: (_ for _ in ()).throw(
         elastic.errors.ConfigError("stopped here")))
     for _ in range(2):

@@ -8,7 +8,7 @@ import inspect
 import elastic
 import elastic.api
 
-INTERNAL = {"run_dir_of", "record_launch"}  # the CLI's helpers, not part of the API
+INTERNAL = {"run_dir_of", "recorded_launch"}  # the CLI's helpers, not part of the API
 
 
 def test_every_public_api_function_is_exported_from_the_package():

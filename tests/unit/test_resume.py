@@ -500,3 +500,42 @@ def test_a_run_that_ends_as_it_is_asked_is_not_found_and_an_unknown_name_says_wh
     with pytest.raises(RunNotFoundError, match=r"ended as it was asked.*\(nor is it in the run "
                                                r"index, .*home"):
         elastic.status("typo")
+
+
+@pytest.mark.parametrize("command", ["run", "start"])
+def test_a_start_that_fails_before_the_run_began_keeps_the_earlier_runs_launch_record(
+        tmp_path, monkeypatch, command):
+    # Run 'exp' stopped; `elastic start other.py:job --name exp` then fails (no cluster, the
+    # name taken): before, its target stayed in exp's launch record, and `elastic resume exp`
+    # trained it on exp's checkpoints.
+    monkeypatch.setenv("ELASTIC_HOME", str(tmp_path / "home"))
+    run_dir = _ended_run(tmp_path / "home", tmp_path, "exp", target="examples/spirals.py:job")
+    recorded = (run_dir / "launch.json").read_bytes()
+    events = (run_dir / "events.jsonl").read_bytes()
+    started = []
+
+    def failing(job, config):
+        if started:  # this time the run begins (its start event), then fails
+            with open(run_dir / "events.jsonl", "a") as f:
+                f.write(json.dumps({"time": 2.0, "event": "start", "name": "exp"}) + "\n")
+        raise ConfigError("no cluster here")
+
+    monkeypatch.setattr(elastic, "fit" if command == "run" else "start", failing)
+    args = [command, "tests/jobs.py:regression_job", "--name", "exp", "--workers", "2",
+            "--global-batch", "16", "--max-steps", "4", "--run-dir", str(run_dir)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "no cluster here" in result.output
+    assert (run_dir / "launch.json").read_bytes() == recorded
+    assert read_launch(str(run_dir)).target == "examples/spirals.py:job"
+    # A run that began is what a resume restarts: its record stays.
+    started.append(True)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert read_launch(str(run_dir)).target == "tests/jobs.py:regression_job"
+    assert (run_dir / "events.jsonl").read_bytes().startswith(events)
+    # A first run of a name that fails before it began leaves no record.
+    fresh = tmp_path / "runs" / "new"
+    started.clear()
+    result = runner.invoke(app, [*args[:3], "new", *args[4:-1], str(fresh)])
+    assert result.exit_code == 2 and "no cluster here" in result.output
+    assert fresh.exists() and not (fresh / "launch.json").exists()
