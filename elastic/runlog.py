@@ -58,6 +58,10 @@ class RunLog:
         self.run_dir = run_dir
         ensure_private_dir(run_dir, "run_dir")
         self._lock = threading.Lock()
+        # Held while metrics.jsonl or ledger.jsonl is rewritten (`_supersede`: a long run's
+        # file is gigabytes), instead of `_lock`: status reads and other threads' events do
+        # not wait for the rewrite (a controller that did not answer in 10 s read as lost).
+        self._rewriting = threading.Lock()
         self._files: dict[str, int] = {}
         self._last_step: dict[str, int] = {}  # the newest step in each file (`_supersede`)
         self._cut: set[str] = set()  # files whose last record a failed write cut short
@@ -156,9 +160,11 @@ class RunLog:
 
     def metric(self, **fields: Any) -> None:
         """Records one step's metrics (a redone step supersedes the records from it on: `_supersede`)."""
+        if "step" in fields:
+            with self._rewriting:  # records of metrics.jsonl are written on one thread
+                self._supersede("metrics.jsonl", fields["step"])
         with self._lock:
             if "step" in fields:
-                self._supersede("metrics.jsonl", fields["step"])
                 if self.metrics and self.metrics[-1].get("step", -1) >= fields["step"]:
                     self.metrics = [m for m in self.metrics if m.get("step", -1) < fields["step"]]
             self.metrics.append({k: v for k, v in fields.items() if k not in DISK_ONLY})
@@ -221,8 +227,9 @@ class RunLog:
 
     def ledger(self, step: int, epoch: int, indices: list[int]) -> None:
         """Records which data set indices a committed step consumed."""
-        with self._lock:
+        with self._rewriting:
             self._supersede("ledger.jsonl", step)
+        with self._lock:
             self._append("ledger.jsonl", {"step": step, "epoch": epoch, "indices": indices})
 
     def newest_step(self, name: str = "metrics.jsonl") -> int | None:
@@ -248,7 +255,8 @@ class RunLog:
         if last is None:
             last = max((_step(r) for r in iter_jsonl(path)), default=-1)
         if step <= last:
-            fd = self._files.pop(name, None)
+            with self._lock:
+                fd = self._files.pop(name, None)
             if fd is not None:
                 os.close(fd)
             try:

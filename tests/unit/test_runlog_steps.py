@@ -10,6 +10,8 @@ import json
 import os
 import stat
 
+import pytest
+
 from elastic.events import Planned, read_jsonl
 from elastic.progress import _Tail
 from elastic.runlog import RunLog
@@ -226,3 +228,40 @@ def test_a_full_disk_as_an_earlier_runs_torn_line_is_ended_glues_nothing_onto_it
     monkeypatch.setattr(runlog.os, "write", write)
     log.metric(step=2, loss=0.25)
     assert _steps(tmp_path, "metrics.jsonl") == [0, 2]
+
+
+@pytest.mark.timeout(60)
+def test_status_reads_and_other_threads_events_do_not_wait_for_a_rewrite(tmp_path,
+                                                                          monkeypatch):
+    # A resumed run's first metric rewrites metrics.jsonl (gigabytes on a long run): before,
+    # under the lock a status read and every event take, so a controller busy rewriting did
+    # not answer `elastic status` in 10 s and its run read as lost.
+    import threading
+
+    from elastic import runlog
+    from elastic.events import StopRequested
+
+    first = RunLog(str(tmp_path))
+    for step in range(10):
+        _commit(first, step)
+    first.close()
+    log = RunLog(str(tmp_path))
+    log.metric(step=3, epoch=0, loss=3.0)  # a resume at step 3: the rewrite is done once
+    entered, release = threading.Event(), threading.Event()
+    write = runlog.write_private
+
+    def slow_write(path, data):
+        entered.set()
+        release.wait()
+        return write(path, data)
+
+    monkeypatch.setattr(runlog, "write_private", slow_write)
+    redo = threading.Thread(target=log.metric, kwargs={"step": 2, "epoch": 0, "loss": 2.0})
+    redo.start()  # restored from the checkpoint of step 2 while it runs
+    assert entered.wait(30)
+    assert log.last_metric()["step"] == 3  # neither waits for the rewrite
+    log.emit(StopRequested())
+    release.set()
+    redo.join()
+    assert _steps(tmp_path, "metrics.jsonl") == [0, 1, 2]
+    assert [r["event"] for r in read_jsonl(tmp_path / "events.jsonl")][-1] == "stop_requested"
