@@ -254,6 +254,8 @@ def _refresh(record: dict[str, Any]) -> dict[str, Any]:
         return record
     try:
         return control.call(record["control"], Status())
+    except control.ControlBusy:  # alive, and slow to answer: as last published
+        return RunRegistry().read(record["name"]) or record
     except control.ControlUnavailable:
         again = RunRegistry().read(record["name"]) or record
         return again if is_terminal(again) else mark_lost(again)

@@ -14,9 +14,9 @@
 - `channel`: the run's fast control channel (status, scale, kill, stop) on its host.
 - `cursor`: where training stands in the sample order (the trainer's too; no torch).
 
-`call`, `ControlServer` and `ControlUnavailable` are the channel's, re-exported here.
+`call`, `ControlServer`, `ControlUnavailable` and `ControlBusy` are the channel's, re-exported here.
 """
 
-from elastic.control.channel import ControlServer, ControlUnavailable, call
+from elastic.control.channel import ControlBusy, ControlServer, ControlUnavailable, call
 
-__all__ = ["ControlServer", "ControlUnavailable", "call"]
+__all__ = ["ControlBusy", "ControlServer", "ControlUnavailable", "call"]

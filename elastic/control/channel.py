@@ -43,6 +43,11 @@ class ControlUnavailable(Exception):
     """Nobody answers at the address: the controller is gone (internal; callers fall back)."""
 
 
+class ControlBusy(ControlUnavailable):
+    """The controller took the call but did not answer in time: it is there, and busy (a
+    caller must not take it for gone)."""
+
+
 class ControlServer:
     """Serves `handler(request)` on an abstract Unix socket until `close`.
 
@@ -113,21 +118,29 @@ def call(address: str, request: Request, timeout: float = _TIMEOUT_S) -> Any:
 
     Raises:
         ControlUnavailable: nobody of this user answers there (the controller is gone), or the
-            answer did not come within `timeout` or was not one.
+            answer was not one.
+        ControlBusy: the controller took the call but its answer did not come within
+            `timeout` (a `ControlUnavailable` too).
         ElasticError: what the controller raised, with its type and message.
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     deadline = time.monotonic() + timeout
+    connected = False
     with sock:
         try:
             sock.connect("\0" + address)
             if _peer_uid(sock) != os.getuid():
                 raise ControlUnavailable(f"{address} is held by another user")
+            connected = True
             sock.sendall(json.dumps(encode(request)).encode() + b"\n")
             line = _read_line(sock, limit=_MAX_REPLY, deadline=deadline)
             reply = json.loads(line) if line else None
-        except (OSError, ValueError) as e:  # refused, reset, timed out, oversized, not JSON
+        except TimeoutError as e:
+            if connected:  # its listener took the call: the controller is alive
+                raise ControlBusy(f"{address}: no answer in {timeout:g} s") from e
+            raise ControlUnavailable(f"{address}: {e}") from e
+        except (OSError, ValueError) as e:  # refused, reset, oversized, not JSON
             raise ControlUnavailable(f"{address}: {e}") from e
     if not isinstance(reply, dict):  # closed without an answer
         raise ControlUnavailable(address)

@@ -123,3 +123,38 @@ def test_records_are_private_replaced_whole_and_listed_newest_first(tmp_path):
     for name in os.listdir(registry.directory):
         assert name in ("old.json", "new.json")  # no temporary file left behind
         assert stat.S_IMODE(os.stat(os.path.join(registry.directory, name)).st_mode) == 0o600
+
+
+def test_a_controller_slow_to_answer_is_busy_not_gone(tmp_path, monkeypatch):
+    # Its listener took the call, its answer did not come in time: before, that read as
+    # "nobody there", and `status` showed the live run as lost (a resume's or a new run's
+    # check of the name then let it through).
+    import functools
+    import threading
+
+    from elastic import api
+    from elastic.registry import this_host
+
+    release = threading.Event()
+
+    def slow(request):
+        release.wait()
+        return {"state": "running"}
+
+    srv = control.ControlServer(slow)
+    try:
+        with pytest.raises(control.ControlBusy, match=r"no answer in 0\.2 s"):
+            control.call(srv.address, Status(), timeout=0.2)
+        monkeypatch.setenv("ELASTIC_HOME", str(tmp_path / "home"))
+        monkeypatch.setattr(control, "call", functools.partial(control.call, timeout=0.2))
+        record = {"name": "slow", "state": "running", "step": 7, "control": srv.address,
+                  "host": this_host(), "run_dir": str(tmp_path / "run")}
+        RunRegistry().write(record)
+        assert api._refresh(record)["state"] == "running"
+    finally:
+        release.set()
+        srv.close()
+    with pytest.raises(control.ControlUnavailable) as gone:  # and one that is gone, is
+        control.call(srv.address, Status(), timeout=0.2)
+    assert not isinstance(gone.value, control.ControlBusy)
+    assert api._refresh(record)["state"] == "lost"
