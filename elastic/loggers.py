@@ -52,7 +52,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -133,8 +133,11 @@ def _is_number(value: Any) -> bool:
 class CSVLogger(Logger):
     """One row per committed step and one per evaluation (its `eval/` columns filled), with
     the columns `run` (the run's name), `step`, `epoch`, `time` and the values; a new value
-    name rewrites the file with one more column. Several runs may share a file: a run drops
-    only its own rows (and rows without a run, from before the column existed).
+    name rewrites the file with one more column. Several runs may share a file, at once too:
+    a run drops only its own rows (and rows without a run, from before the column existed),
+    every read, rewrite and row is made under a lock on `.<file name>.lock` beside it, and a
+    run whose file another run rewrote takes up the new file and its columns (before, its
+    rows went to the replaced file, and were lost).
 
     Args:
         path: the CSV file (created with its folder; an existing one is continued).
@@ -142,35 +145,84 @@ class CSVLogger(Logger):
     """
 
     name = "csv"
+    BASE = ["run", "step", "epoch", "time"]
 
     def __init__(self, path: str, run_name: str = "") -> None:
         self.path = path
         self.run_name = run_name
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.columns = ["run", "step", "epoch", "time"]
-        if os.path.exists(path):
-            with open(path, newline="") as f:
-                found = list(csv.DictReader(f).fieldnames or self.columns)
-            self.columns = found if "run" in found else ["run", *found]
+        folder, base = os.path.split(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        self._lock_path = os.path.join(folder, f".{base}.lock")
+        self.columns = list(self.BASE)
         self._file: Any = None
+        with self._locked():
+            header = self._header()
+        if header is not None:
+            self.columns = header if "run" in header else ["run", *header]
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Holds the file's lock (other runs on the same file wait)."""
+        import fcntl
+
+        with open(self._lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _follow(self) -> None:
+        """The file as it is now, under the lock: if another run replaced it since this run's
+        last row, its columns (with this run's), and the new file opened for appending."""
+        if self._file is not None:
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(self._file.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return
+            self._file.close()
+            self._file = None
+        header = self._header()
+        if header is None:  # no file (yet, or removed): one with this run's columns
+            self._rewrite([])
+            return
+        ours = [c for c in self.columns if c not in header]
+        self.columns = header if "run" in header else ["run", *header]
+        if ours or "run" not in header:
+            self.columns += ours
+            self._rewrite(self._read())
+        else:
+            self._file = open(self.path, "a", newline="")  # kept open between rows
+
+    def _header(self) -> list[str] | None:
+        try:
+            with open(self.path, newline="") as f:
+                return list(csv.DictReader(f).fieldnames or self.BASE)
+        except FileNotFoundError:
+            return None
 
     def _read(self) -> list[dict[str, str]]:
-        if not os.path.exists(self.path):
+        try:
+            with open(self.path, newline="") as f:
+                return list(csv.DictReader(f))
+        except FileNotFoundError:
             return []
-        with open(self.path, newline="") as f:
-            return list(csv.DictReader(f))
 
     def _rewrite(self, rows: list[dict[str, Any]]) -> None:
-        """Writes `rows` under the current columns, atomically (temp file, then rename)."""
+        """Writes `rows` under the current columns, atomically (a temp file of this writer's
+        own, then rename), and opens the new file for appending; under the lock."""
         if self._file is not None:
             self._file.close()
             self._file = None
-        temp = f"{self.path}.tmp"
+        temp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(temp, "w", newline="") as f:
             writer = csv.DictWriter(f, self.columns)
             writer.writeheader()
             writer.writerows(rows)
         os.replace(temp, self.path)
+        self._file = open(self.path, "a", newline="")  # kept open between rows
 
     def truncate(self, train_from: int, eval_from: int) -> None:
         def keep(row: dict[str, str]) -> bool:
@@ -179,20 +231,22 @@ class CSVLogger(Logger):
             is_eval = any(v for k, v in row.items() if k.startswith("eval/"))
             return int(row["step"]) < (eval_from if is_eval else train_from)
 
-        self._rewrite([row for row in self._read() if keep(row)])
+        with self._locked():
+            self._follow()
+            self._rewrite([row for row in self._read() if keep(row)])
 
     def log(self, series: Series, step: int, values: dict[str, float], walltime: float,
             epoch: int | None) -> None:
         row = {"run": self.run_name, "step": step, "epoch": "" if epoch is None else epoch,
                "time": walltime, **values}
-        new = [k for k in row if k not in self.columns]
-        if new:
-            self.columns += new
-            self._rewrite(self._read())
-        if self._file is None:
-            self._file = open(self.path, "a", newline="")  # kept open between rows
-        csv.DictWriter(self._file, self.columns).writerow(row)
-        self._file.flush()
+        with self._locked():
+            self._follow()
+            new = [k for k in row if k not in self.columns]
+            if new:
+                self.columns += new
+                self._rewrite(self._read())
+            csv.DictWriter(self._file, self.columns).writerow(row)
+            self._file.flush()
 
     def close(self, state: str) -> None:
         if self._file is not None:

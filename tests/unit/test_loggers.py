@@ -6,6 +6,7 @@ which cannot delete, keeps the first)."""
 from __future__ import annotations
 
 import csv
+import os
 import sys
 import threading
 
@@ -401,3 +402,29 @@ def test_an_mlflow_server_that_does_not_answer_holds_up_neither_the_start_nor_th
     [failure] = [e for e in log.events if e["event"] == "logger_failed"]
     assert (failure["logger"], failure["step"], failure["error"]) == (
         "mlflow", 0, "ConnectionError: connection refused")
+
+
+def test_two_runs_logging_to_one_csv_file_at_once_keep_every_row_under_its_column(tmp_path):
+    # Each run keeps the file open between rows; another run's new column rewrites it (a
+    # new file under the name). Before, the first run's later rows went to the replaced
+    # file and were lost, and rows were written under a header they did not match.
+    from elastic.loggers import CSVLogger
+
+    path = str(tmp_path / "shared.csv")
+    a, b = CSVLogger(path, "a"), CSVLogger(path, "b")
+    a.truncate(0, 0)
+    b.truncate(0, 0)
+    a.log("train", 0, {"loss": 1.0}, 10.0, 0)
+    b.log("train", 0, {"loss": 2.0}, 11.0, 0)
+    b.log("train", 1, {"loss": 2.5, "train/acc": 0.5}, 12.0, 0)  # b rewrites: a new column
+    a.log("train", 1, {"loss": 1.5}, 13.0, 0)
+    a.log("eval", 1, {"eval/score": 0.9}, 14.0, 0)  # a rewrites too
+    b.log("train", 2, {"loss": 3.0, "train/acc": 0.75}, 15.0, 0)
+    a.close("finished")
+    b.close("finished")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["run"], r["step"], r["loss"], r["train/acc"], r["eval/score"]) for r in rows] == [
+        ("a", "0", "1.0", "", ""), ("b", "0", "2.0", "", ""), ("b", "1", "2.5", "0.5", ""),
+        ("a", "1", "1.5", "", ""), ("a", "1", "", "", "0.9"), ("b", "2", "3.0", "0.75", "")]
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
