@@ -34,6 +34,23 @@ def refusal(path: str, st: os.stat_result) -> str | None:
     return None
 
 
+def make_private_dirs(path: str) -> None:
+    """Creates `path` and its missing parents, each with mode 0700 (`os.makedirs` gives the
+    parents 0777 less the umask: `~/.elastic` was readable by all, listing run names).
+    Existing folders are left as they are."""
+    missing = []
+    head = os.path.abspath(path)
+    while not os.path.isdir(head):
+        missing.append(head)
+        parent = os.path.dirname(head)
+        if parent == head:
+            break
+        head = parent
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another process
+            os.mkdir(folder, 0o700)
+
+
 def ensure_private_dir(path: str, setting: str) -> None:
     """Creates `path` (and missing parents) with mode 0700, or checks that an existing
     directory is this user's and writable by no one else.
@@ -47,7 +64,7 @@ def ensure_private_dir(path: str, setting: str) -> None:
             directory, or cannot be created.
     """
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        make_private_dirs(path)
         st = os.stat(path)
     except OSError as e:
         raise ConfigError(f"{setting} {path!r} cannot be created: {e}") from e

@@ -18,7 +18,7 @@ import socket
 from typing import Any
 
 from elastic.config import storage_root
-from elastic.private import refusal, write_private
+from elastic.private import make_private_dirs, refusal, write_private
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # FitConfig.name's pattern
 TERMINAL_STATES = ("finished", "stopped", "failed")
@@ -86,7 +86,7 @@ class RunRegistry:
         Raises:
             OSError: the index folder cannot be made private to this user.
         """
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        make_private_dirs(self.directory)
         if not _private(self.directory):
             raise PermissionError(f"refusing the run index {self.directory}: it must be a folder of "
                                   "this user that no one else can write (set ELASTIC_HOME elsewhere)")

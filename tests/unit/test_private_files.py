@@ -294,6 +294,19 @@ def test_ensure_private_dir_names_the_setting(tmp_path):
         ensure_private_dir(str(tmp_path / "file"), "my.setting")
 
 
+def test_the_missing_parents_of_a_private_folder_are_private_too(tmp_path):
+    # `os.makedirs(mode=0o700)` gives the parents 0777 less the umask: `~/.elastic` was
+    # readable by all (it lists run names). A folder that exists is left as it is.
+    from elastic.registry import RunRegistry
+
+    os.chmod(tmp_path, 0o755)
+    ensure_private_dir(str(tmp_path / "home" / "keys"), "key folder")
+    RunRegistry(str(tmp_path / "other" / "runs")).write({"name": "r", "state": "running"})
+    for folder in ("home", "home/keys", "other", "other/runs"):
+        assert stat.S_IMODE(os.stat(tmp_path / folder).st_mode) == 0o700, folder
+    assert stat.S_IMODE(os.stat(tmp_path).st_mode) == 0o755
+
+
 @pytest.mark.parametrize("manifest", [
     [],
     {"format": 1, "step": 7, "files": []},
