@@ -15,7 +15,7 @@ from elastic.api import (
     status,
     stop,
 )
-from elastic.callbacks import Callback
+from elastic.callbacks import Callback, EarlyStopping, StopRun
 from elastic.config import (
     BatchConfig,
     ChaosEvent,
@@ -54,6 +54,7 @@ __all__ = [
     "CheckpointConfig",
     "CollectiveConfig",
     "DataConfig",
+    "EarlyStopping",
     "ElasticError",
     "EvaluationConfig",
     "FailureConfig",
@@ -64,6 +65,7 @@ __all__ = [
     "MLflowConfig",
     "ScalingConfig",
     "ShardingConfig",
+    "StopRun",
     "TrainJob",
     "TrainingConfig",
     "UserCodeError",

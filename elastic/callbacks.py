@@ -11,7 +11,10 @@ in the driver.
 
 A hook that raises ends the run: `elastic.errors.CallbackError` (a `UserCodeError`) naming the
 class and hook, with the hook's traceback. No hook of any callback is called after that except
-`on_finish`, which every callback gets for a finished, stopped or failed run.
+`on_finish`, which every callback gets for a finished, stopped or failed run. A hook that
+raises `StopRun` instead stops the run as `elastic stop` does, at the next step boundary
+(state 'stopped'; the final checkpoint, evaluation and model as for any stop): this is how
+`EarlyStopping` ends a run whose monitored metric stopped improving.
 
 No Ray here.
 """
@@ -29,7 +32,12 @@ from elastic.events import CheckpointWritten, Evaluate, parse
 if TYPE_CHECKING:
     from elastic.runlog import RunLog
 
-__all__ = ["Callback", "CallbackSink"]
+__all__ = ["Callback", "CallbackSink", "EarlyStopping", "StopRun"]
+
+
+class StopRun(Exception):
+    """Raised by a callback hook: the run stops at the next step boundary, as on `elastic
+    stop` (its message is the `stop_requested` event's reason)."""
 
 
 class Callback:
@@ -56,6 +64,65 @@ class Callback:
         "step": committed steps, "error": "Type: message" or None}`."""
 
 
+class EarlyStopping(Callback):
+    """Stops the run when the evaluation metric `monitor` has not improved for `patience`
+    evaluations in a row, as Lightning's `EarlyStopping` and Transformers'
+    `EarlyStoppingCallback` do; with `checkpoint.monitor` set to the same metric, the best
+    checkpoint is kept.
+
+    An evaluation improves on the best one before it when it is lower by more than
+    `min_delta` (`mode` 'min'; higher by more than it for 'max'). A run restored from an
+    older checkpoint evaluates those steps again: the evaluations of steps from the restored
+    one on are replaced, not counted twice.
+
+    Args:
+        monitor: the evaluation metric (a key of what `evaluate` or `eval_step` returns).
+        patience: evaluations without improvement that stop the run (at least 1).
+        mode: 'min' (a loss) or 'max' (an accuracy).
+        min_delta: the smallest change that counts as an improvement (at least 0).
+
+    Raises:
+        ValueError: an argument out of its range (when it is made).
+    """
+
+    def __init__(self, monitor: str, patience: int = 3, mode: str = "min",
+                 min_delta: float = 0.0) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"EarlyStopping mode must be 'min' or 'max', got {mode!r}")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"EarlyStopping patience must be an integer of at least 1, got "
+                             f"{patience!r}")
+        if not min_delta >= 0:
+            raise ValueError(f"EarlyStopping min_delta must be at least 0, got {min_delta!r}")
+        self.monitor, self.patience, self.mode, self.min_delta = monitor, patience, mode, min_delta
+        self.history: list[tuple[int, float]] = []  # (step, value) of each evaluation
+
+    def on_evaluate(self, step: int, metrics: dict[str, Any]) -> None:
+        if self.monitor not in metrics:
+            returned = ", ".join(sorted(metrics)) or "no metrics"
+            raise KeyError(f"EarlyStopping monitors {self.monitor!r}, but the evaluation "
+                           f"returned {returned}")
+        value = float(metrics[self.monitor])
+        self.history = [(s, v) for s, v in self.history if s < step] + [(step, value)]
+        best, waited = None, 0
+        for s, v in self.history:
+            if best is None or self._better(v, best[1]):
+                best, waited = (s, v), 0
+            else:
+                waited += 1
+        if best is not None and waited >= self.patience:
+            raise StopRun(f"{self.monitor} has not improved for {waited} evaluations (best "
+                          f"{best[1]:.6g} at step {best[0]})")
+
+    def _better(self, value: float, best: float) -> bool:
+        if value != value:  # NaN never improves
+            return False
+        if best != best:
+            return True
+        return (value < best - self.min_delta if self.mode == "min"
+                else value > best + self.min_delta)
+
+
 # Events the state machine writes while it changes state: an exception raised there would read
 # as a bug of the controller (ControllerError), so a hook's error on them ends the run later.
 _TRANSITIONS = ("state", "failed")
@@ -76,12 +143,16 @@ class CallbackSink:
         log: the run's log (it says who wrote the record being handed out).
         committed_step: the run's committed step, for the error of a hook whose record has no
             step (otherwise the error names the record's).
+        stop: stops the run, with the reason (a hook raised `StopRun`; None: nothing stops).
     """
 
-    def __init__(self, callbacks: Sequence[Any], log: RunLog, committed_step: Callable[[], int]) -> None:
+    def __init__(self, callbacks: Sequence[Any], log: RunLog, committed_step: Callable[[], int],
+                 stop: Callable[[str], None] | None = None) -> None:
         self.callbacks = list(callbacks)
         self.log = log
         self.committed_step = committed_step
+        self.stop = stop
+        self._stopping = False  # a hook raised StopRun: the run stops (said once)
         self.error: CallbackError | None = None
         self._raised = False
         self._finished = False  # on_finish is the last hook a callback gets
@@ -131,6 +202,11 @@ class CallbackSink:
             return
         try:
             method(*args)
+        except StopRun as e:
+            if self.stop is not None and not self._stopping:
+                self._stopping = True
+                self.stop(f"{type(callback).__name__}.{hook}: {e}" if str(e)
+                          else f"{type(callback).__name__}.{hook}")
         except Exception as e:
             if self.error is None:
                 self.error = CallbackError(

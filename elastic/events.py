@@ -274,7 +274,10 @@ class KillRequested(Event, kind="kill_requested"):
 
 @dataclass(frozen=True, kw_only=True)
 class StopRequested(Event, kind="stop_requested"):
-    """`elastic stop`: the run stops at the next step boundary."""
+    """`elastic stop`, or a callback that raised `elastic.StopRun` (`reason`: which, and
+    why): the run stops at the next step boundary."""
+
+    reason: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

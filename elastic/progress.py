@@ -523,7 +523,8 @@ _LOG_RENDERERS: dict[type[Event], Callable[[Any], str]] = {
                                  f"{e.steps_redone} steps redone"),
     DeadlineMissed: lambda e: (f"worker {e.worker_id} still trained at its deadline; killed "
                                "(the run recovers as from a failure)"),
-    StopRequested: lambda e: "stop requested; the run stops at the next step boundary",
+    StopRequested: lambda e: (f"stop requested{f' by {e.reason}' if e.reason else ''}; the run "
+                              "stops at the next step boundary"),
     Chaos: _chaos,
     WorkerStarting: lambda e: (f"starting workers {_WHY_START.get(e.reason, e.reason)} until the "
                                f"run has {e.target}"),

@@ -39,7 +39,7 @@ class RunSinks:
         self.log: RunLog = ctx.log
         self.loggers = LoggerSink([], self.log, config.queue_points,
                                   config.flush_timeout.total_seconds())
-        self.callbacks = CallbackSink(callbacks, self.log, lambda: ctx.step)
+        self.callbacks = CallbackSink(callbacks, self.log, lambda: ctx.step, ctx.request_stop)
         self.weights_left: dict[str, Any] | None = None
         """After `end`: the final weights of a run whose training finished but which a
         callback then failed (the caller gets the error, not the weights: the controller

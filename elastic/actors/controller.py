@@ -45,7 +45,6 @@ from elastic.events import (
     KillRequested,
     PreemptionNotice,
     ScaleRequested,
-    StopRequested,
 )
 from elastic.events import Failed as RunFailed
 from elastic.job import TrainJob
@@ -416,10 +415,7 @@ class Controller:
         ended)."""
         if self.machine.state.label.is_terminal:
             return
-        with self.ctx.requests.lock:
-            self.ctx.requests.stop = True
-        self.log.emit(StopRequested())
-        self.workers.yield_chunks()  # the workers end their chunk after the step they are in
+        self.ctx.request_stop()
 
     def interrupt(self) -> bool:
         """A Ctrl-C or SIGTERM in the process that waits for this (attached) run: stops it as

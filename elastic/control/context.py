@@ -17,7 +17,7 @@ from elastic.control.checkpoints import CheckpointCoordinator
 from elastic.control.cursor import Cursor
 from elastic.control.policy import FailurePolicy
 from elastic.control.port import Member, Notice, Workers
-from elastic.events import iter_jsonl
+from elastic.events import StopRequested, iter_jsonl
 from elastic.recovery import PendingRecovery
 from elastic.runlog import RunLog
 
@@ -221,6 +221,14 @@ class Context:
     def step(self) -> int:
         """The committed global step."""
         return self.cursor.step
+
+    def request_stop(self, reason: str | None = None) -> None:
+        """Ends the run gracefully at the next step boundary (`elastic stop`, or a callback's
+        `StopRun`: `reason`): chunks handed out already end after the step they are in."""
+        with self.requests.lock:
+            self.requests.stop = True
+        self.log.emit(StopRequested(reason=reason))
+        self.workers.yield_chunks()
 
     @property
     def evaluates(self) -> bool:

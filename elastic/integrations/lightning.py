@@ -86,7 +86,8 @@ REFUSED_HOOKS: dict[str, str] = {
     "on_train_end": "use an elastic.Callback (on_finish)",
     "on_fit_end": "use an elastic.Callback (on_finish)",
     "configure_callbacks": "elastic runs no Lightning callbacks: stop early with "
-                           "elastic.Callback (on_evaluation can stop the run), and keep the "
+                           "TrainJob(callbacks=[elastic.EarlyStopping(...)]) (any "
+                           "elastic.Callback hook may raise elastic.StopRun), and keep the "
                            "best weights with checkpoint.monitor",
 }
 _DATA_HOOKS_REFUSED: dict[str, str] = {

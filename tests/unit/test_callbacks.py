@@ -362,3 +362,70 @@ def test_a_final_checkpoint_whose_on_checkpoint_hook_raised_is_not_a_failed_chec
     save_before_failing(ctx)
     assert writes == [3, 3]  # written again on the same member in case it was not yet
     assert [e["event"] for e in log.events] == []
+
+
+def test_a_hook_that_raises_stop_run_stops_the_run_at_the_next_boundary(tmp_path):
+    # Before, the only way was `elastic.stop` from another thread; an exception failed the run.
+    from elastic import StopRun
+
+    class StopAtFive(Callback):
+        def on_step(self, record):
+            if record["step"] == 5:
+                raise StopRun("enough")
+
+    recorder = Recorder()
+    end, ctx = _run(tmp_path, [StopAtFive(), recorder], steps=100)
+    # Step 5's record comes after its chunk (4-7); the one handed out ahead ends after its
+    # first step.
+    assert isinstance(end, Finished) and ctx.stopped_early and ctx.step == 9
+    [stop] = [e for e in ctx.log.events if e["event"] == "stop_requested"]
+    assert stop["reason"] == "StopAtFive.on_step: enough"
+    assert _hook(recorder.calls, "on_finish")[0][0]["state"] == "stopped"
+
+
+def test_early_stopping_ends_a_run_whose_monitored_metric_stopped_improving(tmp_path):
+    from elastic import EarlyStopping
+    from elastic.config import EvaluationConfig
+
+    scores = {4: 0.5, 8: 0.4, 12: 0.45, 16: 0.38, 20: 0.39, 24: 0.385, 28: 0.3}
+    sim = SimulatedWorkers(dataset_size=8000, capacity=2,
+                           metrics=lambda step: {"loss": scores.get(step, 0.0)})
+    cfg = FitConfig(run_dir=str(tmp_path), max_steps=100, steps_per_chunk=4,
+                    scaling=ScalingConfig(num_workers=2),
+                    batch=BatchConfig(global_batch_size=8, autotune=False),
+                    evaluation=EvaluationConfig(every_steps=4, at_end=False))
+    ctx = Context(cfg, "sim", RunLog(str(tmp_path)), sim, has_eval_step=True)
+    machine = Machine(ctx)
+    recorder = Recorder()
+    sinks = RunSinks(LoggingConfig(), [EarlyStopping("loss", patience=2), recorder], machine)
+    sinks.start()
+    machine.run()
+    end = sinks.end()
+    sinks.close()
+    # 0.38 at step 16 is the best; 20 and 24 do not improve on it: stopped after step 24.
+    assert isinstance(end, Finished) and ctx.stopped_early and ctx.step == 24
+    assert [s for s, _ in _hook(recorder.calls, "on_evaluate")] == [4, 8, 12, 16, 20, 24]
+    [stop] = [e for e in ctx.log.events if e["event"] == "stop_requested"]
+    assert stop["reason"] == ("EarlyStopping.on_evaluate: loss has not improved for 2 "
+                              "evaluations (best 0.38 at step 16)")
+
+
+def test_early_stopping_counts_patience_over_the_evaluations_of_the_run_that_holds_the_weights():
+    from elastic import EarlyStopping, StopRun
+
+    stopper = EarlyStopping("acc", patience=2, mode="max", min_delta=0.01)
+    stopper.on_evaluate(10, {"acc": 0.5})
+    stopper.on_evaluate(20, {"acc": 0.505})  # within min_delta: no improvement (1)
+    # Restored from the checkpoint of step 10: step 20 is evaluated again, not counted twice.
+    stopper.on_evaluate(20, {"acc": 0.505})
+    stopper.on_evaluate(30, {"acc": 0.6})  # improves: the count starts over
+    stopper.on_evaluate(40, {"acc": float("nan")})  # NaN never improves (1)
+    with pytest.raises(StopRun, match=r"acc has not improved for 2 evaluations \(best 0\.6 at "
+                                      r"step 30\)"):
+        stopper.on_evaluate(50, {"acc": 0.59})
+    with pytest.raises(KeyError, match="EarlyStopping monitors 'acc', but the evaluation "
+                                       "returned loss"):
+        EarlyStopping("acc").on_evaluate(1, {"loss": 1.0})
+    for bad in ({"mode": "best"}, {"patience": 0}, {"patience": 1.5}, {"min_delta": -1.0}):
+        with pytest.raises(ValueError, match=f"EarlyStopping {next(iter(bad))}"):
+            EarlyStopping("acc", **bad)
