@@ -442,6 +442,10 @@ def bench_exact(
                       f"{row.exact_bytes_per_step / 1024:,.0f}")
     console.print(table)
     for model, same in r.bit_identical.items():
+        if same is None:
+            console.print(f"{model}: one world size ({workers}): weight bits not compared "
+                          "(give --workers two or more sizes)")
+            continue
         console.print(f"{model}: exact runs at workers {workers} ended with "
                       f"{'the same weight bits' if same else 'DIFFERENT weights (a bug)'}")
     save_json(json_path, r.to_json())

@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 import statistics
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,6 +62,18 @@ class AdaptBenchResult:
         return {**asdict(self), "rebalances": [to_record(e) for e in self.rebalances]}
 
 
+def split_by_shares(metrics: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[float]]:
+    """The step times of a run's steps on the even split (step 0 left out: it warms up) and
+    from its first step on other shares on. By the shares each step ran with, not by the
+    `rebalanced` event's step: a chunk handed out ahead of the re-split ran on the even
+    split, though its steps come after that event's."""
+    split = metrics[0]["shares"]
+    first = next((m["step"] for m in metrics if m["shares"] != split), None)
+    even = [m["step_time_s"] for m in metrics if 0 < m["step"] and (first is None or m["step"] < first)]
+    after = [m["step_time_s"] for m in metrics if first is not None and m["step"] >= first]
+    return even, after
+
+
 def run_adapt_bench(workers: int = 4, slow_factor: float = 2.0, steps: int = 64,
                     global_batch_size: int = 256, even_steps: int = 16,
                     run_dir: str | None = None) -> AdaptBenchResult:
@@ -88,14 +102,12 @@ def run_adapt_bench(workers: int = 4, slow_factor: float = 2.0, steps: int = 64,
     rebalances = [e for e in map(parse, result.events) if isinstance(e, Rebalanced)]
     if not rebalances:
         raise RuntimeError("the run never rebalanced; the slow-down was not measurable")
-    first = rebalances[0].step
-    even = [m["step_time_s"] for m in result.metrics if 0 < m["step"] < first]
-    after = [m["step_time_s"] for m in result.metrics if m["step"] >= first]
+    even, after = split_by_shares(result.metrics)
     if not after:
         # Re-splits happen at chunk boundaries (every `even_steps` steps); on a loaded machine
         # the first chunk's measurements may not clear the threshold.
-        raise RuntimeError(f"the first re-split came at step {first}, the last one; no step ran "
-                           f"on the new shares. Raise --steps (at least {3 * even_steps})")
+        raise RuntimeError(f"the first re-split came at step {rebalances[0].step}, and no step "
+                           f"ran on the new shares. Raise --steps (at least {3 * even_steps})")
     even_median, after_median = statistics.median(even), statistics.median(after)
     return AdaptBenchResult(
         workers=workers, slow_rank=slow_rank, slow_factor=slow_factor,

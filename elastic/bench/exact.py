@@ -48,7 +48,8 @@ class ExactBenchResult:
     steps: int
     warmup: int
     rows: list[ExactRow]
-    bit_identical: dict[str, bool]  # model -> exact runs at every world size ended alike
+    # model -> exact runs at every world size ended alike (None: one world size, nothing compared)
+    bit_identical: dict[str, bool | None]
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -122,7 +123,7 @@ def run_exact_bench(models: list[str], workers: list[int], steps: int = 30,
                 exact_comm_median_s=statistics.median(r["exact_comm_s"] for r in per_round),
                 default_bytes_per_step=payload_bytes(net, w, exact=False),
                 exact_bytes_per_step=payload_bytes(net, w, exact=True), rounds=per_round))
-        identical[model] = all(
+        identical[model] = None if len(finals) < 2 else all(
             state.keys() == finals[0].keys() and all(torch.equal(state[k], finals[0][k])
                                                      for k in state)
             for state in finals[1:])

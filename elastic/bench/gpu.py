@@ -148,7 +148,7 @@ def plain(model_name: str, device: torch.device, size: Size) -> Throughput:
                         batch_size=size.batch, num_workers=2, pin_memory=device.type == "cuda")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    start = None
+    start = seconds = None
     for i, b in enumerate(loader):
         if i == size.warmup:
             _sync(device)
@@ -160,9 +160,12 @@ def plain(model_name: str, device: torch.device, size: Size) -> Throughput:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    _sync(device)
-    assert start is not None, "the loader gave no more than the warm-up steps"
-    seconds = time.perf_counter() - start
+        if i == size.warmup + size.steps - 1 and start is not None:
+            # Stopped here: the loader's shutdown after its last batch (joining its processes)
+            # is no step's, and elastic's figure ends at its last step too.
+            _sync(device)
+            seconds = time.perf_counter() - start
+    assert seconds is not None, "the loader gave fewer batches than the steps measured"
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
     del model, optimizer
     if device.type == "cuda":
@@ -193,7 +196,7 @@ def elastic_run(model_name: str, device: torch.device, size: Size, workers: int 
     'nccl') or sharing it (several, `gpus_per_worker` 1/workers, backend 'gloo'); on the CPU
     (the rehearsal) CPU workers, backend 'gloo'."""
     from elastic.api import fit
-    from elastic.bench.overhead import breakdown, elastic_rows, run_metrics
+    from elastic.bench.overhead import breakdown, chunk_starts, elastic_rows, run_metrics
     from elastic.config import (
         BatchConfig,
         CollectiveConfig,
@@ -228,8 +231,14 @@ def elastic_run(model_name: str, device: torch.device, size: Size, workers: int 
     result = fit(job, config)
     rows = elastic_rows(run_metrics(result))
     assert len(rows) == size.warmup + size.steps, f"{len(rows)} metrics lines"
+    sizes = sorted({r.get("world_size") for r in rows})
+    if sizes != [workers]:  # the run starts with the workers the cluster can place
+        raise ValueError(f"the elastic-{workers} row trained with {sizes} workers: the cluster "
+                         f"has too few CPUs for {workers} workers of {size.threads} threads")
     seconds = rows[-1]["time"] - rows[size.warmup - 1]["time"]
-    phases = asdict(breakdown(rows, size.warmup))
+    total = size.warmup + size.steps  # one epoch: the data set holds these steps' batches
+    phases = asdict(breakdown(rows, size.warmup,
+                              chunk_starts(total, config.steps_per_chunk, total)))
     return Throughput(model_name, f"elastic-{workers}", size.batch, size.steps,
                       size.batch * size.unit(model_name) * size.steps / seconds,
                       seconds / size.steps, None, phases)
@@ -251,6 +260,13 @@ def run(out_dir: str, models: tuple[str, ...] = MODELS, shared_workers: int = 4,
             json.dump({"device": name, "size": size, "torch": torch.__version__,
                        "results": [asdict(r) for r in results]}, f, indent=1)
 
+    if shared_workers:  # a local cluster started now has CPUs for the widest run
+        from elastic import BatchConfig, FitConfig, ScalingConfig, connect
+
+        threads = max(SIZES[size][m].threads for m in models)
+        connect(FitConfig(scaling=ScalingConfig(num_workers=shared_workers,
+                                                cpus_per_worker=threads),
+                          batch=BatchConfig(global_batch_size=shared_workers), max_steps=1))
     for model_name in models:
         chosen = SIZES[size][model_name]
         keep(plain(model_name, where, chosen))

@@ -321,6 +321,9 @@ def run_overhead_bench(workers: int = 2, model: str = "mlp", steps: int = 40,
         raise ValueError(f"need at least 1 worker and more than {warmup + 2} steps")
     if global_batch_size % workers:
         raise ValueError("--batch must be divisible by --workers (DDP takes even shares)")
+    if not 1 <= global_batch_size <= SAMPLES:
+        raise ValueError(f"--batch must be between 1 and the data set's {SAMPLES} samples, got "
+                         f"{global_batch_size}")
     if rounds < 1 or steps_per_chunk < 1:
         raise ValueError(f"--rounds and --steps-per-chunk must be at least 1, got {rounds} and "
                          f"{steps_per_chunk}")

@@ -61,9 +61,12 @@ class RecoveryBenchResult:
     joins: int
     work_lost_steps: list[int]
     run_dir: str
+    sharding_stage: int = 0
+    seed: int = 0
 
     def to_json(self) -> dict:
         return {"workers": self.workers, "trials": self.trials, "replace": self.replace,
+                "sharding_stage": self.sharding_stage, "seed": self.seed,
                 "recoveries": [to_record(r) for r in self.recoveries],
                 "stages": [asdict(s) for s in self.stages], "joins": self.joins,
                 "work_lost_steps": self.work_lost_steps, "run_dir": self.run_dir}
@@ -105,6 +108,7 @@ def run_recovery_bench(workers: int, trials: int, seed: int = 0,
         workers=workers, trials=trials, replace=replace, recoveries=recoveries,
         stages=_stages(recoveries), joins=sum(isinstance(e, WorkerJoined) for e in typed),
         work_lost_steps=[r.work_lost_steps for r in recoveries], run_dir=directory,
+        sharding_stage=sharding_stage, seed=seed,
     )
 
 

@@ -187,7 +187,7 @@ def run_scaling_bench(model: str, workers: list[int], batches: list[int], steps:
     points: list[ScalingPoint] = []
     for batch in batches:
         base = None
-        for n in workers:
+        for n in sorted(workers):  # the 1-worker point first: the others' efficiency base
             config = FitConfig(
                 scaling=ScalingConfig(num_workers=n),
                 batch=BatchConfig(global_batch_size=batch, autotune=False, rebalance=False),

@@ -58,3 +58,43 @@ def test_scaling_models_build_and_run_a_step():
         model = make_model(name)
         x, y = make_dataset(name)[:4]
         torch.nn.functional.cross_entropy(model(x), y).backward()
+
+
+def test_the_adapt_bench_sorts_steps_by_the_shares_they_ran_with():
+    # The re-split is decided at step 4, but the chunk handed out ahead (steps 4-7) ran on
+    # the even split: before, its steps counted as rebalanced ones.
+    from elastic.bench.adapt import split_by_shares
+
+    shares = [[8, 8]] * 8 + [[12, 4]] * 4
+    metrics = [{"step": s, "shares": shares[s], "step_time_s": 2.0 if s < 8 else 1.0}
+               for s in range(12)]
+    even, after = split_by_shares(metrics)
+    assert even == [2.0] * 7 and after == [1.0] * 4
+    assert split_by_shares(metrics[:8]) == ([2.0] * 7, [])
+
+
+def test_bench_arguments_the_data_cannot_hold_are_refused_before_any_run():
+    from elastic.bench.overhead import SAMPLES, run_overhead_bench
+
+    with pytest.raises(ValueError, match=f"--batch must be between 1 and the data set's {SAMPLES}"):
+        run_overhead_bench(workers=2, global_batch_size=2 * SAMPLES)
+
+
+def test_the_memcpy_ceiling_is_one_threads_and_leaves_torch_as_it_was():
+    import torch
+
+    from elastic.bench import allreduce
+
+    threads, seen = torch.get_num_threads(), []
+    real = torch.Tensor.copy_
+
+    def copy(self, src, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(self, src, *args, **kwargs)
+
+    try:
+        torch.Tensor.copy_ = copy
+        assert allreduce.measure_memcpy_gbps(1 << 20) > 0
+    finally:
+        torch.Tensor.copy_ = real
+    assert seen == [1] * 5 and torch.get_num_threads() == threads
