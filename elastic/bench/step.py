@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.data import TensorDataset
+from torch.utils.data import TensorDataset, default_collate
 
 # Operations that launch no kernel on a GPU: views and metadata.
 VIEWS = frozenset({"view", "_unsafe_view", "slice", "select", "detach", "alias", "unbind",
@@ -120,11 +120,17 @@ def _plain(depth: int, width: int, batch: int, size: int, device: torch.device, 
     torch.manual_seed(0)
     model = _Deep(depth, width)().to(device)
     optimizer = _sgd(model.parameters())
-    x, y = _Images(batch, size)().tensors
-    x, y = x.to(device), y.to(device)
+    # The batch read as a plain loop over a DataLoader without loader processes reads it,
+    # each step: the samples indexed one by one, stacked, copied to the device (before, the
+    # plain step used one batch already there, while elastic's read and copied its own: the
+    # difference was partly the data's, not the step's).
+    dataset = _Images(batch * 64, size)()
+    order = iter(range(1 << 62))
 
     def step() -> None:
-        loss = _loss(model, (x, y))
+        first = next(order) * batch % len(dataset)
+        x, y = default_collate([dataset[i] for i in range(first, first + batch)])
+        loss = _loss(model, (x.to(device), y.to(device)))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
