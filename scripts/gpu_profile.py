@@ -1,6 +1,8 @@
 """Where a GPU step of elastic's replica spends its time beside a plain PyTorch step: ResNet-50
-(bf16 autocast, channels-last, batch 128) in one process, no Ray and no loader processes, the
-batch already in pinned host memory for both. Writes to the folder argv[1]: profile.txt (the
+(bf16 autocast, channels-last, batch 128) in one process, no Ray and no loader processes. The
+plain step copies one batch, collated once, from pinned host memory each step; the replica
+reads and collates its batch from the data set each step and copies it unpinned (its `data`
+phase in the timeline: subtract it for the step's own cost). Writes to the folder argv[1]: profile.txt (the
 timings, the profiler's top operations, and every place a step waits for the device, from
 torch's sync debug mode), for the replica alone (a generation of one rank) and summing
 through buckets as a rank of several would.
