@@ -325,7 +325,7 @@ def recorded_launch(name: str, run_dir: str, target: str) -> Iterator[None]:
         ConfigError: a run of that name is live, or the run dir cannot be made private.
     """
     from elastic.launch import LAUNCH_FILE, write_launch
-    from elastic.private import write_private
+    from elastic.private import ensure_private_dir, write_private
 
     record = RunRegistry().read(name)
     if record is not None and not is_terminal(record) and record.get("state") != LOST:
@@ -333,6 +333,7 @@ def recorded_launch(name: str, run_dir: str, target: str) -> Iterator[None]:
         if not is_terminal(record) and record.get("state") != LOST:
             raise ConfigError(f"a run named {name!r} is already {record['state']}; choose "
                               "another --name")
+    ensure_private_dir(run_dir, "run_dir")  # before anything in it is read
     path, events = os.path.join(run_dir, LAUNCH_FILE), os.path.join(run_dir, "events.jsonl")
     earlier = _read_bytes(path)
     offset = os.path.getsize(events) if os.path.exists(events) else 0
@@ -350,11 +351,15 @@ def recorded_launch(name: str, run_dir: str, target: str) -> Iterator[None]:
 
 
 def _read_bytes(path: str) -> bytes | None:
+    """The file at `path` (never through a link; None if there is none)."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e}") from e
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
 
 
 def _started_since(events: str, offset: int) -> bool:

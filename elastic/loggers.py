@@ -188,10 +188,10 @@ class CSVLogger(Logger):
         if header is None:  # no file (yet, or removed): one with this run's columns
             self._rewrite([])
             return
-        ours = [c for c in self.columns if c not in header]
-        self.columns = header if "run" in header else ["run", *header]
+        normal = header if "run" in header else ["run", *header]  # a file from before `run`
+        ours = [c for c in self.columns if c not in normal]
+        self.columns = normal + ours
         if ours or "run" not in header:
-            self.columns += ours
             self._rewrite(self._read())
         else:
             self._file = open(self.path, "a", newline="")  # kept open between rows

@@ -39,11 +39,20 @@ class RunSinks:
         self.log: RunLog = ctx.log
         self.loggers = LoggerSink([], self.log, config.queue_points,
                                   config.flush_timeout.total_seconds())
-        self.callbacks = CallbackSink(callbacks, self.log, lambda: ctx.step, ctx.request_stop)
+        self.callbacks = CallbackSink(callbacks, self.log, lambda: ctx.step, self._stop)
         self.weights_left: dict[str, Any] | None = None
         """After `end`: the final weights of a run whose training finished but which a
         callback then failed (the caller gets the error, not the weights: the controller
         leaves them in the run dir)."""
+
+    def _stop(self, reason: str, committed: int | None) -> None:
+        """A callback's `StopRun` (on a record written when `committed` steps were, if it
+        says): a stop request, unless the run ends there anyway (its last step, or it has
+        ended)."""
+        ctx = self.machine.ctx
+        reached = max(ctx.step, committed or 0)
+        if not self.machine.state.label.is_terminal and reached < ctx.total_steps:
+            ctx.request_stop(reason)
 
     def start(self) -> None:
         """Opens the loggers and hands them and the callbacks every record from now on, on

@@ -60,7 +60,7 @@ _reaper: list[Any] = []
 def _init(config: FitConfig | None, start: bool) -> None:
     kwargs: dict[str, Any] = {}
     address = os.environ.get("RAY_ADDRESS")
-    if config is not None and address in (None, "", "local"):
+    if config is not None and address in (None, "", "local", "auto"):
         scaling = config.scaling
         wanted = (scaling.upper + scaling.spares) * scaling.cpus_per_worker  # spares: on top
         kwargs["num_cpus"] = max(os.cpu_count() or 1, int(wanted + 0.999))

@@ -55,9 +55,9 @@ class LrRamp:
     def rest_from(self, step: int) -> LrRamp:
         """What is left of this ramp at `step`, as a ramp that starts there: the same factor
         at every step from `step` on (up to rounding), for a run restored at `step`."""
-        if step <= self.start_step:
+        left = self.start_step + self.warmup_steps - step
+        if step <= self.start_step or left <= 0:  # not begun, or over: the same factors
             return self
-        left = max(0, self.start_step + self.warmup_steps - step)
         return LrRamp(start_step=step, warmup_steps=left, from_factor=self.factor(step - 1),
                       to_factor=self.to_factor)
 

@@ -454,6 +454,17 @@ def _move_state(control: Any, plan: Sequence[Move], mine: dict[int, dict[str, An
             incoming.setdefault(m.src, []).append(m.part)
     if not outgoing and not incoming:
         return {}
+    if len(outgoing) > 1 and {m.src for m in plan} == {rank}:
+        # The only rank that gives (it loaded a checkpoint: every receiver takes its parts
+        # from it alone): one receiver's message at a time, so that it holds the state and
+        # one payload, not the state twice (before, every payload was made first).
+        for dst, parts in outgoing.items():
+            data = _serialise({part: mine[part] for part in parts if part in mine})
+            _exchange(control, [(torch.tensor([len(data)], dtype=torch.int64), dst)], [])
+            if len(data):
+                _exchange(control, [(torch.frombuffer(data, dtype=torch.uint8), dst)], [])
+            del data
+        return {}
     payloads = {dst: _serialise({part: mine[part] for part in parts if part in mine})
                 for dst, parts in outgoing.items()}
     sizes_out = {dst: torch.tensor([len(data)], dtype=torch.int64) for dst, data in payloads.items()}

@@ -429,3 +429,19 @@ def test_early_stopping_counts_patience_over_the_evaluations_of_the_run_that_hol
     for bad in ({"mode": "best"}, {"patience": 0}, {"patience": 1.5}, {"min_delta": -1.0}):
         with pytest.raises(ValueError, match=f"EarlyStopping {next(iter(bad))}"):
             EarlyStopping("acc", **bad)
+
+
+def test_a_stop_run_raised_as_the_run_ends_anyway_requests_nothing(tmp_path):
+    from elastic import StopRun
+
+    class StopLate(Callback):
+        def on_step(self, record):
+            if record["step"] == 9:  # the last step
+                raise StopRun("too late")
+
+        def on_finish(self, summary):
+            raise StopRun("after the end")
+
+    end, ctx = _run(tmp_path, [StopLate()], steps=10)
+    assert isinstance(end, Finished) and not ctx.stopped_early and ctx.step == 10
+    assert not [e for e in ctx.log.events if e["event"] == "stop_requested"]

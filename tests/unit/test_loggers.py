@@ -428,3 +428,19 @@ def test_two_runs_logging_to_one_csv_file_at_once_keep_every_row_under_its_colum
         ("a", "0", "1.0", "", ""), ("b", "0", "2.0", "", ""), ("b", "1", "2.5", "0.5", ""),
         ("a", "1", "1.5", "", ""), ("a", "1", "", "", "0.9"), ("b", "2", "3.0", "0.75", "")]
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+def test_a_csv_file_from_before_the_run_column_gets_it_once(tmp_path):
+    from elastic.loggers import CSVLogger
+
+    path = tmp_path / "old.csv"
+    path.write_text("step,epoch,time,loss\n0,0,1.0,0.5\n")
+    logger = CSVLogger(str(path), "r1")
+    logger.truncate(5, 5)
+    logger.log("train", 5, {"loss": 0.4}, 2.0, 0)
+    logger.close("finished")
+    with open(path, newline="") as f:
+        assert f.readline().strip() == "run,step,epoch,time,loss"
+        f.seek(0)
+        rows = list(csv.DictReader(f))
+    assert [(r["run"], r["step"], r["loss"]) for r in rows] == [("", "0", "0.5"), ("r1", "5", "0.4")]

@@ -539,3 +539,13 @@ def test_a_start_that_fails_before_the_run_began_keeps_the_earlier_runs_launch_r
     result = runner.invoke(app, [*args[:3], "new", *args[4:-1], str(fresh)])
     assert result.exit_code == 2 and "no cluster here" in result.output
     assert fresh.exists() and not (fresh / "launch.json").exists()
+
+
+def test_a_run_dir_that_cannot_be_one_is_one_line_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("ELASTIC_HOME", str(tmp_path / "home"))
+    (tmp_path / "file").write_text("")
+    result = runner.invoke(app, ["start", "tests/jobs.py:regression_job", "--name", "x",
+                                 "--workers", "2", "--global-batch", "16", "--max-steps", "4",
+                                 "--run-dir", str(tmp_path / "file" / "run")])
+    assert result.exit_code == 2 and "run_dir" in result.output
+    assert "Traceback" not in result.output

@@ -832,3 +832,45 @@ def test_a_frozen_parameter_reaches_a_rank_that_joins_a_sharded_run(tmp_path):
     replicas = _run(tmp_path, job, _config(tmp_path, stage=1, replicas=1),
                     [(["a"], 1), (["a", "b"], 1)], make=make)
     assert torch.equal(replicas["b"].model.frozen, torch.full((3,), 7.0))
+
+
+def test_the_rank_that_loaded_a_checkpoint_hands_out_one_payload_at_a_time(tmp_path,
+                                                                             monkeypatch):
+    """It alone gives (every part's state, from the checkpoint): each receiver's message is
+    made and sent before the next is made, so it holds the state and one payload, not the
+    state twice. The weights are still those of one plain process."""
+    from elastic.trainer import sharding as sharding_module
+
+    first = _run(tmp_path / "a", _job(), _config(tmp_path / "a", stage=1, replicas=2),
+                 [(["a", "b"], 2)])
+    checkpoint = first["a"].state()
+    calls: list[str] = []  # rank 0's ("c", the loader's): no other rank gives anything
+    loader: list[Replica] = []
+    serialise, exchange = sharding_module._serialise, sharding_module._exchange
+
+    def spy_serialise(parts):
+        calls.append("make")
+        return serialise(parts)
+
+    def spy_exchange(control, sends, recvs):
+        if control.rank == 0 and sends:
+            calls.append("send")
+        return exchange(control, sends, recvs)
+
+    monkeypatch.setattr(sharding_module, "_serialise", spy_serialise)
+    monkeypatch.setattr(sharding_module, "_exchange", spy_exchange)
+
+    def make(job, config, run_dir):
+        replica = Replica(job, config, run_dir)
+        if not loader:
+            replica.load_state(checkpoint, origin="checkpoint")
+            loader.append(replica)
+        return replica
+
+    replicas = _run(tmp_path / "c", _job(), _config(tmp_path / "c", stage=1, replicas=1),
+                    [(["c", "d", "e"], 2)], make=make)
+    assert replicas["c"] is loader[0]
+    assert calls == ["make", "send", "send"] * 2
+    final = replicas["e"].model.state_dict()
+    for key, value in _reference(_adamw, 4).items():
+        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
