@@ -455,15 +455,7 @@ def _move_state(control: Any, plan: Sequence[Move], mine: dict[int, dict[str, An
     if not outgoing and not incoming:
         return {}
     if len(outgoing) > 1 and {m.src for m in plan} == {rank}:
-        # The only rank that gives (it loaded a checkpoint: every receiver takes its parts
-        # from it alone): one receiver's message at a time, so that it holds the state and
-        # one payload, not the state twice (before, every payload was made first).
-        for dst, parts in outgoing.items():
-            data = _serialise({part: mine[part] for part in parts if part in mine})
-            _exchange(control, [(torch.tensor([len(data)], dtype=torch.int64), dst)], [])
-            if len(data):
-                _exchange(control, [(torch.frombuffer(data, dtype=torch.uint8), dst)], [])
-            del data
+        _give_one_by_one(control, outgoing, mine)
         return {}
     payloads = {dst: _serialise({part: mine[part] for part in parts if part in mine})
                 for dst, parts in outgoing.items()}
@@ -494,6 +486,20 @@ def _move_state(control: Any, plan: Sequence[Move], mine: dict[int, dict[str, An
             if part in parts:
                 received[part] = parts[part]
     return received
+
+
+def _give_one_by_one(control: Any, outgoing: dict[int, list[int]],
+                     mine: dict[int, dict[str, Any]]) -> None:
+    """`_move_state` on the only rank that gives (it loaded a checkpoint: every receiver takes
+    its parts from it alone): one receiver's message (its size, then its bytes) made and sent
+    at a time, so that the rank holds the state and one payload, not the state twice (before,
+    every payload was made first)."""
+    for dst, parts in outgoing.items():
+        data = _serialise({part: mine[part] for part in parts if part in mine})
+        _exchange(control, [(torch.tensor([len(data)], dtype=torch.int64), dst)], [])
+        if len(data):
+            _exchange(control, [(torch.frombuffer(data, dtype=torch.uint8), dst)], [])
+        del data
 
 
 def _all_received(control: Any) -> None:
