@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from elastic import control
 from elastic.config import FitConfig, storage_root, with_job_settings
 from elastic.control.requests import Drain, Events, Kill, Request, Scale, Status, Stop
-from elastic.errors import ConfigError, RunNotFoundError
+from elastic.errors import ConfigError, ControllerBusyError, RunNotFoundError
 from elastic.job import TrainJob
 from elastic.registry import LOST, RunRegistry, is_terminal, mark_lost, this_host
 from elastic.runlog import read_jsonl
@@ -218,6 +218,13 @@ def _control(name: str, request: Request) -> Any:
     if record is not None and not is_terminal(record) and _local(record):
         try:
             return control.call(record["control"], request)
+        except control.ControlBusy as e:
+            if isinstance(request, Kill):  # it may have killed: not asked again through Ray
+                raise ControllerBusyError(
+                    f"the controller of run {name!r} took the kill of rank {request.rank} but "
+                    f"did not answer in time ({e}); it may have killed it: see `elastic "
+                    f"status {name}` before asking again") from None
+            record = RunRegistry().read(name) or record
         except control.ControlUnavailable:
             record = RunRegistry().read(name) or record  # it may have ended just now
     if record is not None and is_terminal(record):

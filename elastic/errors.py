@@ -293,6 +293,15 @@ class RunNotFoundError(ElasticError):
     """
 
 
+class ControllerBusyError(ElasticError):
+    """The run's controller took a request that must not be made twice (`kill`) but did not
+    answer in time: it may have carried it out.
+
+    Recovery: none here; see `elastic status` before asking again (asking again through Ray,
+    as for other requests, could kill a second worker, another one after a resize).
+    """
+
+
 class ControllerError(ElasticError):
     """The controller failed for a reason that is not one of the typed errors above; it wraps
     the original exception.

@@ -158,3 +158,39 @@ def test_a_controller_slow_to_answer_is_busy_not_gone(tmp_path, monkeypatch):
         control.call(srv.address, Status(), timeout=0.2)
     assert not isinstance(gone.value, control.ControlBusy)
     assert api._refresh(record)["state"] == "lost"
+
+
+def test_a_kill_a_busy_controller_took_is_not_asked_again_through_ray(tmp_path, monkeypatch):
+    # Other requests fall back to Ray when the channel does not answer; a kill asked again
+    # would kill a second worker (another one, after a resize).
+    import functools
+    import threading
+
+    from elastic import api
+    from elastic.actors import client
+    from elastic.errors import ControllerBusyError
+    from elastic.registry import this_host
+
+    release, asked = threading.Event(), []
+
+    def slow(request):
+        asked.append(request)
+        release.wait()
+
+    monkeypatch.setattr(client, "call", lambda name, request: asked.append(("ray", request)))
+    monkeypatch.setattr(control, "call", functools.partial(control.call, timeout=0.2))
+    monkeypatch.setenv("ELASTIC_HOME", str(tmp_path / "home"))
+    srv = control.ControlServer(slow)
+    try:
+        RunRegistry().write({"name": "busy", "state": "running", "step": 7,
+                             "control": srv.address, "host": this_host(),
+                             "run_dir": str(tmp_path / "run")})
+        with pytest.raises(ControllerBusyError, match=r"took the kill of rank 1 .* see "
+                                                      r"`elastic status busy`"):
+            api.kill("busy", 1)
+        assert asked == [Kill(1)]
+        api.stop("busy")  # a stop asked twice stops once: it goes on through Ray
+        assert asked == [Kill(1), Stop(), ("ray", Stop())]
+    finally:
+        release.set()
+        srv.close()
