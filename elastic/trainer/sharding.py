@@ -480,12 +480,41 @@ def _move_state(control: Any, plan: Sequence[Move], mine: dict[int, dict[str, An
               [(buf, src) for src, buf in buffers.items() if buf.numel()])
     received: dict[int, dict[str, Any]] = {}
     for src, buf in buffers.items():
-        parts = torch.load(io.BytesIO(buf.numpy().tobytes()), weights_only=True,
+        parts = torch.load(_Reader(buf), weights_only=True,
                            map_location="cpu") if buf.numel() else {}
         for part in incoming[src]:
             if part in parts:
                 received[part] = parts[part]
     return received
+
+
+class _Reader(io.RawIOBase):
+    """A file over a received byte tensor, read where it lies (before, `torch.load` read a
+    copy of all of it: the receiver held its parts' bytes twice before loading them)."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self._view = memoryview(data.numpy()).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), len(self._view) - self._pos))
+        buffer[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
 
 def _give_one_by_one(control: Any, outgoing: dict[int, list[int]],
