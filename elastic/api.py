@@ -182,6 +182,8 @@ def kill(name: str, rank: int) -> None:
     Raises:
         RunNotFoundError: no such live run.
         ConfigError: no such rank.
+        ControllerBusyError: the run's controller took the kill but did not answer in time
+            (it may have killed the worker; it is not asked again).
     """
     _control(name, Kill(rank))
 
@@ -219,11 +221,16 @@ def _control(name: str, request: Request) -> Any:
         try:
             return control.call(record["control"], request)
         except control.ControlBusy as e:
-            if isinstance(request, Kill):  # it may have killed: not asked again through Ray
+            # A rank names another worker after a resize: a kill or drain of one may have
+            # been carried out, and is not asked again through Ray.
+            if isinstance(request, Kill) or (isinstance(request, Drain)
+                                             and request.rank is not None):
                 raise ControllerBusyError(
-                    f"the controller of run {name!r} took the kill of rank {request.rank} but "
-                    f"did not answer in time ({e}); it may have killed it: see `elastic "
-                    f"status {name}` before asking again") from None
+                    f"the controller of run {name!r} took the {request.verb} of rank "
+                    f"{request.rank} but did not answer in time ({e}); it may have carried "
+                    f"it out: see `elastic status {name}` before asking again") from None
+            if isinstance(request, Status):  # as last published (Ray would wait on it)
+                return RunRegistry().read(name) or record
             record = RunRegistry().read(name) or record
         except control.ControlUnavailable:
             record = RunRegistry().read(name) or record  # it may have ended just now

@@ -50,7 +50,8 @@ class RunSinks:
         says): a stop request, unless the run ends there anyway (its last step, or it has
         ended)."""
         ctx = self.machine.ctx
-        reached = max(ctx.step, committed or 0)
+        recorded = ctx.batching.recorded if ctx.batching is not None else 0
+        reached = max(ctx.step, committed or 0, recorded)
         if not self.machine.state.label.is_terminal and reached < ctx.total_steps:
             ctx.request_stop(reason)
 

@@ -61,6 +61,9 @@ class Batching:
         self.batch_now = global_batch_for(batch.policy, batch.global_batch_size,
                                           config.scaling.num_workers, world_size)
         self.lr_ramp: LrRamp | None = None
+        # The steps committed by the last chunk whose metrics lines are being written (the
+        # run's cursor moves on once they are): a callback's stop there may come too late.
+        self.recorded = 0
         self._said: LrRamp | None = None  # the ramp of the last `batch_planned` event
         self.tracker = ThroughputTracker()
         failure = config.failure
@@ -249,6 +252,8 @@ class Batching:
                 by_step.setdefault(record.step, {})[rank] = record
                 if not record.writing:  # a checkpoint write beside it: no measure of its speed
                     self.tracker.observe(ids[rank], record.shares[rank], record.compute_time_s)
+        if by_step:
+            self.recorded = max(by_step) + 1
         for step in sorted(by_step):
             self._metric(step, by_step[step], generation)
         return by_step

@@ -14,7 +14,7 @@ from typing import ClassVar
 import pytest
 
 from elastic import control
-from elastic.control.requests import Kill, Scale, Status, Stop
+from elastic.control.requests import Drain, Kill, Scale, Status, Stop
 from elastic.errors import ConfigError, ControllerError
 from elastic.registry import RunRegistry
 
@@ -189,8 +189,12 @@ def test_a_kill_a_busy_controller_took_is_not_asked_again_through_ray(tmp_path, 
                                                       r"`elastic status busy`"):
             api.kill("busy", 1)
         assert asked == [Kill(1)]
+        with pytest.raises(ControllerBusyError, match="took the drain of rank 0"):
+            api.drain("busy", rank=0)
         api.stop("busy")  # a stop asked twice stops once: it goes on through Ray
-        assert asked == [Kill(1), Stop(), ("ray", Stop())]
+        assert asked == [Kill(1), Drain(0), Stop(), ("ray", Stop())]
+        # Its status is the record it last published (Ray would wait on it too).
+        assert api.status("busy")["step"] == 7 and asked[-1] == Status()
     finally:
         release.set()
         srv.close()
