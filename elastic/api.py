@@ -13,6 +13,7 @@ from elastic import control
 from elastic.config import FitConfig, storage_root, with_job_settings
 from elastic.control.requests import Drain, Events, Kill, Request, Scale, Status, Stop
 from elastic.errors import ConfigError, ControllerBusyError, RunNotFoundError
+from elastic.events import iter_jsonl
 from elastic.job import TrainJob
 from elastic.registry import LOST, RunRegistry, is_terminal, mark_lost, this_host
 from elastic.runlog import read_jsonl
@@ -350,12 +351,12 @@ def recorded_launch(name: str, run_dir: str, target: str) -> Iterator[None]:
     ensure_private_dir(run_dir, "run_dir")  # before anything in it is read
     path, events = os.path.join(run_dir, LAUNCH_FILE), os.path.join(run_dir, "events.jsonl")
     earlier = _read_bytes(path)
-    offset = os.path.getsize(events) if os.path.exists(events) else 0
+    starts = _starts(events)
     write_launch(run_dir, target)
     try:
         yield
     except BaseException:
-        if not _started_since(events, offset):
+        if _starts(events) == starts:  # the run did not begin
             if earlier is None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
@@ -376,22 +377,9 @@ def _read_bytes(path: str) -> bytes | None:
         return f.read()
 
 
-def _started_since(events: str, offset: int) -> bool:
-    """Whether a `start` event was appended to `events` past byte `offset`."""
-    try:
-        with open(events, "rb") as f:
-            f.seek(offset)
-            return any(b'"start"' in line and _kind(line) == "start" for line in f)
-    except FileNotFoundError:
-        return False
-
-
-def _kind(line: bytes) -> str | None:
-    try:
-        record = json.loads(line)
-    except ValueError:  # a line torn by a crash
-        return None
-    return record.get("event") if isinstance(record, dict) else None
+def _starts(events: str) -> int:
+    """How many `start` events the run dir's `events.jsonl` holds."""
+    return sum(record.get("event") == "start" for record in iter_jsonl(events))
 
 
 def resume(name: str, job: TrainJob | None = None, *, num_workers: int | None = None,

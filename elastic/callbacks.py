@@ -143,12 +143,11 @@ class CallbackSink:
         log: the run's log (it says who wrote the record being handed out).
         committed_step: the run's committed step, for the error of a hook whose record has no
             step (otherwise the error names the record's).
-        stop: stops the run (a hook raised `StopRun`), given the reason and the steps
-            committed when the hook's record was written, if it says (None: nothing stops).
+        stop: stops the run, with the reason (a hook raised `StopRun`; None: nothing stops).
     """
 
     def __init__(self, callbacks: Sequence[Any], log: RunLog, committed_step: Callable[[], int],
-                 stop: Callable[[str, int | None], None] | None = None) -> None:
+                 stop: Callable[[str], None] | None = None) -> None:
         self.callbacks = list(callbacks)
         self.log = log
         self.committed_step = committed_step
@@ -190,13 +189,6 @@ class CallbackSink:
             self._call(callback, "on_finish", copy.deepcopy(summary))
         return self.take_error()
 
-    def _committed(self, hook: str) -> int | None:
-        """The steps committed when the record being handed out was written, if it says: a
-        metrics line's step is that step's index, an event's the steps committed."""
-        if not isinstance(self._step, int):
-            return None
-        return self._step + 1 if hook == "on_step" else self._step
-
     def take_error(self) -> CallbackError | None:
         """The first hook error if it has not been raised yet (taken: it is never raised)."""
         if self._raised or self.error is None:
@@ -214,8 +206,7 @@ class CallbackSink:
             if self.stop is not None and not self._stopping and not self._finished:
                 self._stopping = True
                 self.stop(f"{type(callback).__name__}.{hook}: {e}" if str(e)
-                          else f"{type(callback).__name__}.{hook}",
-                          self._committed(hook))
+                          else f"{type(callback).__name__}.{hook}")
         except Exception as e:
             if self.error is None:
                 self.error = CallbackError(

@@ -153,12 +153,8 @@ class CSVLogger(Logger):
         folder, base = os.path.split(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
         self._lock_path = os.path.join(folder, f".{base}.lock")
-        self.columns = list(self.BASE)
+        self.columns = list(self.BASE)  # the file's own are taken up at the first row
         self._file: Any = None
-        with self._locked():
-            header = self._header()
-        if header is not None:
-            self.columns = header if "run" in header else ["run", *header]
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -45,13 +45,12 @@ class RunSinks:
         callback then failed (the caller gets the error, not the weights: the controller
         leaves them in the run dir)."""
 
-    def _stop(self, reason: str, committed: int | None) -> None:
-        """A callback's `StopRun` (on a record written when `committed` steps were, if it
-        says): a stop request, unless the run ends there anyway (its last step, or it has
-        ended)."""
+    def _stop(self, reason: str) -> None:
+        """A callback's `StopRun`: a stop request, unless the run ends there anyway (the
+        chunk whose records are being handed out reached its last step, or it has ended)."""
         ctx = self.machine.ctx
         recorded = ctx.batching.recorded if ctx.batching is not None else 0
-        reached = max(ctx.step, committed or 0, recorded)
+        reached = max(ctx.step, recorded)
         if not self.machine.state.label.is_terminal and reached < ctx.total_steps:
             ctx.request_stop(reason)
 

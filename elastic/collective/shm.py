@@ -128,8 +128,7 @@ class SharedMemoryTransport(Transport):
         recvs: Sequence[tuple[torch.Tensor, int]],
         tag: int,
     ) -> list[Pending]:
-        if self._broken is not None:
-            raise RuntimeError(f"shared-memory transport failed earlier: {self._broken}")
+        self._check_unbroken()
         if not self._outbound:
             return [_Watched(p, self) for p in self._native.exchange(sends, recvs, tag)]
         pending: list[Pending] = []
@@ -146,8 +145,7 @@ class SharedMemoryTransport(Transport):
         through `native` (into scratch) when the ranks span hosts. As for every transfer here,
         only a thread waiting on a handle of this transport moves bytes, and none does once
         the transport is aborted."""
-        if self._broken is not None:
-            raise RuntimeError(f"shared-memory transport failed earlier: {self._broken}")
+        self._check_unbroken()
         if not self._inbound:
             return super().recv_reduce(tensor, src, op, tag, scratch)
         pending = self._queue(self._inbound, src, Transfer(self, tensor, tag, op))
@@ -167,14 +165,16 @@ class SharedMemoryTransport(Transport):
     # barriers, the 'native' allreduce) are watched as its transfers are: a host peer that
     # gave up alive fails them within the liveness check (before, they waited out the
     # native transport's timeout, the collective timeout of minutes).
-    def allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> list[Pending]:
+    def _check_unbroken(self) -> None:
         if self._broken is not None:
             raise RuntimeError(f"shared-memory transport failed earlier: {self._broken}")
+
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> list[Pending]:
+        self._check_unbroken()
         return [_Watched(p, self) for p in self._native.allreduce(tensor, op)]
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> list[Pending]:
-        if self._broken is not None:
-            raise RuntimeError(f"shared-memory transport failed earlier: {self._broken}")
+        self._check_unbroken()
         return [_Watched(p, self) for p in self._native.broadcast(tensor, src)]
 
     def abort(self) -> None:
