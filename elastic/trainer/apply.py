@@ -118,6 +118,7 @@ def _apply(host: ApplyHost, context: StepContext, computed: Computed, reduced: R
     grad_norm = None
     gather_failed = None
     _buffers_and_agreement(host, context, computed, reduced, commit, alone)
+    host.training.before_step(context.step, context.epoch, context.rank)
     if commit.skipped:  # the samples count as consumed
         lr = float(host.optimizer.param_groups[0]["lr"]) * context.lr_factor
     else:
@@ -297,7 +298,8 @@ def _after(host: ApplyHost, context: StepContext, loss: float, metrics: dict[str
     # batches, a count of 0) has no value here, as a skipped step's: NaN, which the scheduler
     # passes over; a name the run never had is the user's mistake.
     values = {name: metrics.get(name, math.nan) for name in host.metric_names}
-    host.training.after_step(context.step, context.rank, applied, loss, values, epoch_over)
+    host.training.after_step(context.step, context.rank, applied, loss, values, context.epoch,
+                             epoch_over)
 
 
 def _optimizer_step(host: ApplyHost, lr_factor: float) -> float:

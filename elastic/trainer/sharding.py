@@ -289,10 +289,13 @@ class OptimizerShards:
         """
         rank = control.rank
         plan = moves(survey.ownership, survey.holders)
-        received = _move_state(control, plan, kept, self.params, self.state_bytes)
-        if received:
-            self._kept = {**kept, **received}
-            self.held = self.held | received.keys()
+        received: dict[int, dict[str, Any]] = {}
+        try:
+            _move_state(control, plan, kept, self.params, self.state_bytes, received)
+        finally:  # what arrived before a failure too
+            if received:
+                self._kept = {**kept, **received}
+                self.held = self.held | received.keys()
         _all_received(control)
         owned = frozenset(survey.ownership.owned(rank))
         self._install({**kept, **received}, owned)
@@ -433,18 +436,23 @@ def _windows(parts: Sequence[int], sizes: Sequence[int], limit: int) -> list[lis
 
 
 def _move_state(control: Any, plan: Sequence[Move], mine: dict[int, dict[str, Any]],
-                params: Sequence[torch.nn.Parameter], state_bytes: int = 24
-                ) -> dict[int, dict[str, Any]]:
-    """Carries out `plan` over the control plane: each holder sends each receiver one message
-    with every part it gives it (sizes first, then the bytes, in one exchange each so that
-    no pair waits on another); returns the parts this rank received, their tensors on their
-    parameters' devices.
+                params: Sequence[torch.nn.Parameter], state_bytes: int = 24,
+                received: dict[int, dict[str, Any]] | None = None) -> dict[int, dict[str, Any]]:
+    """Carries out `plan` over the control plane in rounds: in round k each rank sends to the
+    rank k after it and receives from the rank k before it (a pair with nothing to move skips
+    the round; both sides read that from the plan), the size first, then one message with
+    every part it gives that receiver. So a rank holds its state, one payload it makes and
+    one it receives at a time, however many peers it gives to or takes from (before, every
+    payload was made first: a rank giving most of its parts at a resize held them twice).
+    Returns the parts this rank received, their tensors in host memory; with `received`, adds
+    them there as they arrive (what came before a failure is kept).
 
     Raises:
         CollectiveError: the communication failed, or a peer announced more bytes than the
             parts it gives can hold (refused before they are allocated).
     """
-    rank = control.rank
+    rank, world = control.rank, control.world_size
+    received = {} if received is None else received
     outgoing: dict[int, list[int]] = {}
     incoming: dict[int, list[int]] = {}
     for m in plan:
@@ -452,40 +460,45 @@ def _move_state(control: Any, plan: Sequence[Move], mine: dict[int, dict[str, An
             outgoing.setdefault(m.dst, []).append(m.part)
         if m.dst == rank:
             incoming.setdefault(m.src, []).append(m.part)
-    if not outgoing and not incoming:
-        return {}
-    if len(outgoing) > 1 and {m.src for m in plan} == {rank}:
-        _give_one_by_one(control, outgoing, mine)
-        return {}
-    payloads = {dst: _serialise({part: mine[part] for part in parts if part in mine})
-                for dst, parts in outgoing.items()}
-    sizes_out = {dst: torch.tensor([len(data)], dtype=torch.int64) for dst, data in payloads.items()}
-    sizes_in = {src: torch.zeros(1, dtype=torch.int64) for src in incoming}
-    _exchange(control, [(t, dst) for dst, t in sizes_out.items()],
-              [(t, src) for src, t in sizes_in.items()])
-    buffers: dict[int, torch.Tensor] = {}
-    for src, size in sizes_in.items():
-        announced = int(size.item())
-        limit = _state_bound(params, incoming[src], mine, state_bytes)
-        if not 0 <= announced <= limit:
-            raise CollectiveError(
-                f"rank {src} announced {announced} bytes of optimizer state for "
-                f"{len(incoming[src])} parameter(s) of at most {limit}; refused (an optimizer "
-                "that keeps more state per parameter element than "
-                f"sharding.max_state_bytes_per_element = {state_bytes}: raise it)", rank=rank)
-        buffers[src] = torch.empty(announced, dtype=torch.uint8)
-    _exchange(control,
-              [(torch.frombuffer(data, dtype=torch.uint8), dst)  # no copy of the payload
-               for dst, data in payloads.items() if len(data)],
-              [(buf, src) for src, buf in buffers.items() if buf.numel()])
-    received: dict[int, dict[str, Any]] = {}
-    for src, buf in buffers.items():
-        parts = torch.load(_Reader(buf), weights_only=True,
-                           map_location="cpu") if buf.numel() else {}
-        for part in incoming[src]:
-            if part in parts:
-                received[part] = parts[part]
+    for k in range(1, world):
+        dst, src = (rank + k) % world, (rank - k) % world
+        gives, takes = dst in outgoing, src in incoming
+        if not gives and not takes:
+            continue
+        data = (_serialise({part: mine[part] for part in outgoing[dst] if part in mine})
+                if gives else memoryview(b""))
+        size = torch.zeros(1, dtype=torch.int64)
+        _exchange(control, [(torch.tensor([len(data)], dtype=torch.int64), dst)] if gives else [],
+                  [(size, src)] if takes else [])
+        buf = torch.empty(_announced(size, src, incoming.get(src, []), params, mine, state_bytes,
+                                     rank) if takes else 0, dtype=torch.uint8)
+        _exchange(control,
+                  [(torch.frombuffer(data, dtype=torch.uint8), dst)] if len(data) else [],  # no copy
+                  [(buf, src)] if buf.numel() else [])
+        del data
+        if buf.numel():
+            parts = torch.load(_Reader(buf), weights_only=True, map_location="cpu")
+            received.update({part: parts[part] for part in incoming[src] if part in parts})
     return received
+
+
+def _announced(size: torch.Tensor, src: int, parts: Sequence[int],
+               params: Sequence[torch.nn.Parameter], mine: dict[int, dict[str, Any]],
+               state_bytes: int, rank: int) -> int:
+    """The byte count rank `src` announced for `parts`, checked against what they can hold.
+
+    Raises:
+        CollectiveError: it announced more.
+    """
+    announced = int(size.item())
+    limit = _state_bound(params, parts, mine, state_bytes)
+    if not 0 <= announced <= limit:
+        raise CollectiveError(
+            f"rank {src} announced {announced} bytes of optimizer state for "
+            f"{len(parts)} parameter(s) of at most {limit}; refused (an optimizer "
+            "that keeps more state per parameter element than "
+            f"sharding.max_state_bytes_per_element = {state_bytes}: raise it)", rank=rank)
+    return announced
 
 
 class _Reader(io.RawIOBase):
@@ -515,20 +528,6 @@ class _Reader(io.RawIOBase):
 
     def tell(self) -> int:
         return self._pos
-
-
-def _give_one_by_one(control: Any, outgoing: dict[int, list[int]],
-                     mine: dict[int, dict[str, Any]]) -> None:
-    """`_move_state` on the only rank that gives (it loaded a checkpoint: every receiver takes
-    its parts from it alone): one receiver's message (its size, then its bytes) made and sent
-    at a time, so that the rank holds the state and one payload, not the state twice (before,
-    every payload was made first)."""
-    for dst, parts in outgoing.items():
-        data = _serialise({part: mine[part] for part in parts if part in mine})
-        _exchange(control, [(torch.tensor([len(data)], dtype=torch.int64), dst)], [])
-        if len(data):
-            _exchange(control, [(torch.frombuffer(data, dtype=torch.uint8), dst)], [])
-        del data
 
 
 def _all_received(control: Any) -> None:

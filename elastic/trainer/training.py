@@ -46,6 +46,9 @@ class Training:
         self.growth_tracker = 0
         self.monitor_sum, self.monitor_steps = 0.0, 0  # the epoch's mean, for 'epoch' + monitor
         self.evaluated_step: int | None = None  # 'evaluation': the step it last stepped after
+        # 'epoch': the last epoch whose end the scheduler stepped for (None: a state written
+        # before it was recorded; the first end seen sets it).
+        self.scheduled_epoch: int | None = -1
         plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         if plateau and config.scheduler_monitor is None:
             raise ConfigError("TrainJob.lr_scheduler is a ReduceLROnPlateau, which steps on a "
@@ -61,11 +64,13 @@ class Training:
         return {"precision": self.config.precision, "scale": self.scale,
                 "growth_tracker": self.growth_tracker, "monitor_sum": self.monitor_sum,
                 "monitor_steps": self.monitor_steps,
-                "evaluated_step": -1 if self.evaluated_step is None else self.evaluated_step}
+                "evaluated_step": -1 if self.evaluated_step is None else self.evaluated_step,
+                "scheduled_epoch": self.scheduled_epoch}
 
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         """Takes a committed state (None: one written before these fields existed)."""
         if not state:
+            self.scheduled_epoch = None  # not known: no epoch's end is stepped for unseen
             return
         # A scale saved under another precision (1.0) is no fp16 scale: keep init_scale.
         if self.config.precision == "fp16-mixed" and state.get("precision") == "fp16-mixed":
@@ -75,6 +80,8 @@ class Training:
         self.monitor_steps = int(state.get("monitor_steps", 0))
         evaluated = int(state.get("evaluated_step", -1))
         self.evaluated_step = None if evaluated < 0 else evaluated
+        scheduled = state.get("scheduled_epoch")
+        self.scheduled_epoch = None if scheduled is None else int(scheduled)
 
     # --- the step ------------------------------------------------------------------------
 
@@ -127,7 +134,7 @@ class Training:
         return None
 
     def after_step(self, step: int, rank: int, applied: bool, loss: float,
-                   metrics: Mapping[str, float], epoch_over: bool) -> None:
+                   metrics: Mapping[str, float], epoch: int, epoch_over: bool) -> None:
         """Updates the loss scale and steps the scheduler once the step is committed (applied,
         or skipped for non-finite values: the step counts, its samples are consumed).
 
@@ -140,7 +147,26 @@ class Training:
         if self.scheduler is None or self.config.scheduler_interval == "evaluation":
             return
         with _as_after_step_error(f"after step {step} was applied", step, rank):
-            self._step_scheduler(applied, loss, metrics, epoch_over)
+            self._step_scheduler(applied, loss, metrics, epoch, epoch_over)
+
+    def before_step(self, step: int, epoch: int, rank: int) -> None:
+        """With `scheduler_interval` 'epoch', before the optimizer step of a committed step of
+        `epoch`: steps the scheduler for the end of the epoch before it if no step saw that
+        end. With policy 'scale_with_workers' the epoch's end depends on the next step's
+        batch: a step judged not the last of its epoch by its own batch can be followed by a
+        larger batch (the run grew) that the rest of the epoch cannot fill, so the epoch ends
+        unseen. Stepped here, before this step's update, its learning rate is the one it would
+        have had had the end been seen.
+
+        Raises:
+            AfterStepError: the scheduler raised.
+        """
+        if self.scheduler is None or self.config.scheduler_interval != "epoch" \
+                or self.scheduled_epoch is None or epoch <= self.scheduled_epoch + 1:
+            return
+        with _as_after_step_error(f"at the end of epoch {epoch - 1}, stepped before step "
+                                  f"{step}", step, rank):
+            self._end_epoch(epoch - 1)
 
     def after_evaluation(self, step: int, rank: int, metrics: Mapping[str, float]) -> None:
         """With `scheduler_interval` 'evaluation': steps the scheduler once after the
@@ -180,8 +206,17 @@ class Training:
             self.scale *= 2.0
             self.growth_tracker = 0
 
+    def _end_epoch(self, epoch: int) -> None:
+        """Steps the scheduler for the end of `epoch` (with its steps' mean monitored value)."""
+        if self.config.scheduler_monitor is None:
+            self.scheduler.step()
+        elif self.monitor_steps:
+            self.scheduler.step(self.monitor_sum / self.monitor_steps)
+        self.monitor_sum, self.monitor_steps = 0.0, 0
+        self.scheduled_epoch = epoch
+
     def _step_scheduler(self, applied: bool, loss: float, metrics: Mapping[str, float],
-                        epoch_over: bool) -> None:
+                        epoch: int, epoch_over: bool) -> None:
         config, scheduler = self.config, self.scheduler
         name = config.scheduler_monitor
         value = None
@@ -194,13 +229,10 @@ class Training:
             if value is not None and math.isfinite(value):
                 self.monitor_sum += value
                 self.monitor_steps += 1
-            if not epoch_over:
-                return
-            if name is None:
-                scheduler.step()
-            elif self.monitor_steps:
-                scheduler.step(self.monitor_sum / self.monitor_steps)
-            self.monitor_sum, self.monitor_steps = 0.0, 0
+            # Once per epoch: a step that saw its epoch end can be followed by a smaller
+            # batch (the run shrank, policy 'scale_with_workers') that still fits in it.
+            if epoch_over and (self.scheduled_epoch is None or self.scheduled_epoch < epoch):
+                self._end_epoch(epoch)
         elif name is None:
             scheduler.step()
         elif value is not None and math.isfinite(value):  # a skipped step has no value

@@ -874,3 +874,74 @@ def test_the_rank_that_loaded_a_checkpoint_hands_out_one_payload_at_a_time(tmp_p
     final = replicas["e"].model.state_dict()
     for key, value in _reference(_adamw, 4).items():
         torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def _even_model() -> torch.nn.Module:
+    """Parts of 48, 64, 64, 64, 64 and 8 elements: at replicas=2, growing from 2 ranks to 4
+    has each of the 2 holders give parts to both newcomers."""
+    layers = [torch.nn.Linear(6, 8, bias=False)] + [torch.nn.Linear(8, 8, bias=False)
+                                                   for _ in range(4)]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(8, 1, bias=False))
+
+
+def test_a_resize_moves_state_one_payload_at_a_time_on_every_rank(tmp_path, monkeypatch):
+    """Two holders each give parts to the same two newcomers: every rank makes a receiver's
+    payload only once the one before it was sent (it holds its state and one payload, not
+    the state it gives twice; before, each made both first). The weights are stage 0's."""
+    calls: dict[int, list[str]] = {}  # by thread: the ranks of a generation are threads
+    serialise, exchange = sharding_module._serialise, sharding_module._exchange
+
+    def spy_serialise(parts):
+        calls.setdefault(threading.get_ident(), []).append("make")
+        return serialise(parts)
+
+    def spy_exchange(control, sends, recvs):
+        if any(t.dtype == torch.uint8 for t, _ in sends):
+            calls.setdefault(threading.get_ident(), []).append("send")
+        return exchange(control, sends, recvs)
+
+    job = TrainJob(model=_even_model, optimizer=_adamw, loss=sharding.mse,
+                   dataset=sharding.data, lr_scheduler=sharding.warmup)
+    schedule = [(["a", "b"], 2), (["a", "b", "c", "d"], 2)]
+    monkeypatch.setattr(sharding_module, "_serialise", spy_serialise)
+    monkeypatch.setattr(sharding_module, "_exchange", spy_exchange)
+    sharded = _run(tmp_path / "s", job, _config(tmp_path / "s", stage=1), schedule)
+    monkeypatch.undo()
+    assert sorted(seq.count("make") for seq in calls.values()) == [2, 2], calls
+    for seq in calls.values():
+        assert seq == ["make", "send"] * 2, calls
+    whole = _run(tmp_path / "w", job, _config(tmp_path / "w", stage=0), schedule)
+    for x, y in zip(sharded["d"].model.parameters(), whole["d"].model.parameters(), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_parts_that_arrived_before_a_later_exchange_failed_are_kept(monkeypatch):
+    """Rank 0 of 3 takes part 0 from rank 2 (round 1: the rank before it), then part 1 from
+    rank 1 (round 2), which fails: part 0 stays in `received` for the caller to keep and
+    claim (before, every part came in one exchange: none arrived without all)."""
+    from elastic.adapt.sharding import Move
+
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(2)]
+    payload = sharding_module._serialise({0: {"exp_avg": torch.arange(4.0)}})
+    rounds: list[int] = []
+
+    class Control:
+        rank, world_size = 0, 3
+
+        def exchange(self, sends, recvs):
+            (buf, src), = recvs
+            rounds.append(src)
+            if src == 1:
+                raise CollectiveError("injected: rank 1 died")
+            data = torch.frombuffer(payload, dtype=torch.uint8)
+            buf.copy_(torch.tensor([len(data)]) if buf.dtype == torch.int64 else data)
+
+        def wait(self, handle):
+            pass
+
+    received: dict = {}
+    with pytest.raises(CollectiveError, match="injected"):
+        sharding_module._move_state(Control(), [Move(0, 2, 0), Move(1, 1, 0)], {}, params,
+                                    received=received)
+    assert rounds == [2, 2, 1]
+    assert list(received) == [0] and torch.equal(received[0]["exp_avg"], torch.arange(4.0))

@@ -336,6 +336,42 @@ def test_an_epoch_scheduler_steps_once_per_epoch_across_a_kill(tmp_path):
     _close(final, expected)
 
 
+@pytest.mark.timeout(120)
+def test_an_epoch_scheduler_steps_once_per_epoch_when_the_batch_follows_the_world_size(tmp_path):
+    """Policy 'scale_with_workers' (96 samples): 3 ranks (batch 36) see epoch 0 end after
+    step 1, but 2 ranks (batch 24) still fit step 2 in it: the scheduler stepped once for it,
+    not twice. Steps 3 to 5 leave 24 samples of epoch 1, which the next step at 3 ranks
+    cannot fill: epoch 1 ends unseen, and the scheduler steps for it before step 6's update
+    (before, it never did)."""
+    config = FitConfig(scaling=ScalingConfig(num_workers=2, min_workers=1),
+                       batch=BatchConfig(global_batch_size=24, policy="scale_with_workers",
+                                         lr_scaling="none", autotune=False, rebalance=False),
+                       training=TrainingConfig(scheduler_interval="epoch"),
+                       run_dir=str(tmp_path), max_steps=100, seed=SEED)
+    job = _job(lr_scheduler=halving)
+    state, records, server = None, [], RendezvousServer()
+    try:
+        for world, steps in [(3, 2), (2, 4), (3, 1)]:
+            plan = plan_batch(12 * world, world, None)
+
+            def body(comm, plan=plan, steps=steps, state=state):
+                with _SerialReplica.compute_lock:
+                    replica = _SerialReplica(job, config, str(tmp_path))
+                replica.comm = comm
+                if state is not None and comm.rank == 0:
+                    replica.load_state_bytes(state)
+                replica.sync_from(0)
+                return replica, [replica.run_step(plan, []) for _ in range(steps)]
+
+            results = run_ranks(server, world, body)
+            records += results[0][1]
+            state = results[0][0].state_bytes()
+    finally:
+        server.close()
+    assert [(r.epoch, r.lr) for r in records] == [
+        (0, 0.1), (0, 0.1), (0, 0.05), (1, 0.05), (1, 0.05), (1, 0.05), (2, 0.025)]
+
+
 def test_a_plateau_scheduler_without_a_monitor_is_refused(tmp_path):
     config = FitConfig(scaling=ScalingConfig(num_workers=1), batch=BatchConfig(global_batch_size=B),
                        run_dir=str(tmp_path), max_steps=2)
@@ -528,7 +564,7 @@ def test_an_evaluation_scheduler_steps_once_per_evaluated_step_and_the_state_rem
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", factor=0.5, patience=0)
     config = TrainingConfig(scheduler_interval="evaluation", scheduler_monitor="eval/mse")
     training = Training(config, plateau)
-    training.after_step(3, 0, True, 0.5, {}, epoch_over=True)  # training steps leave it alone
+    training.after_step(3, 0, True, 0.5, {}, epoch=0, epoch_over=True)  # steps leave it alone
     training.after_evaluation(4, 0, {"mse": 2.0})
     training.after_evaluation(8, 0, {"mse": 1.0})  # not better in 'max' mode: halves
     assert opt.param_groups[0]["lr"] == 0.5
