@@ -23,7 +23,7 @@ from typing import Any
 import ray
 from ray.experimental import internal_kv
 
-from elastic.actors.raydata import adopt_ray_dataset
+from elastic.actors.raydata import adopt_ray_dataset, data_layout
 from elastic.actors.workers import RayWorkers
 from elastic.checkpoint.store import serialize
 from elastic.collective import RendezvousServer
@@ -103,6 +103,7 @@ class Controller:
         self.ctx = Context(config, name, self.log, self.workers, has_evaluate=job.evaluate is not None,
                            has_eval_step=job.eval_step is not None,
                            restarted=restarted, publish=self._publish)
+        self.ctx.checkpoints.data_layout = data_layout(job)
         self.machine = Machine(self.ctx, on_change=self._on_state)
         self.sinks = RunSinks(config.logging, job.callbacks, self.machine)  # loggers, callbacks
         self._lock = threading.Lock()

@@ -63,6 +63,11 @@ class RayDataSource(ShardedSource):
 
     def __init__(self, dataset: Any, transform: Callable[[dict[str, Any]], Any] | None = None,
                  own: bool = False) -> None:
+        # Blocks in the dataset's order: Ray Data yields them as they finish by default, so
+        # a resumed run's controller, materialising it again, could lay the rows out in
+        # another order (its checkpoint's place in an epoch then names other rows).
+        # `dataset` is this process's copy (the job came pickled): the caller's is untouched.
+        dataset.context.execution_options.preserve_order = True
         refs = list(dataset.to_arrow_refs())
         me = ray.get_runtime_context().get_worker_id()
         # (block, rows) refs: a block of another process copied into one of this one's, if
@@ -96,6 +101,12 @@ class _Source:
 
     def __call__(self) -> ShardedSource:
         return self.source
+
+
+def data_layout(job: TrainJob) -> str | None:
+    """`ShardedSource.layout` of a job `adopt_ray_dataset` returned, if its data set is a
+    Ray Dataset's blocks (else None: the workers build the data set)."""
+    return job.dataset.source.layout() if isinstance(job.dataset, _Source) else None
 
 
 def adopt_ray_dataset(job: TrainJob, own: bool = False) -> TrainJob:

@@ -659,6 +659,7 @@ class WorkerActor:
                 "fingerprint": loaded.manifest.get("fingerprint"),
                 "world_size": loaded.manifest.get("world_size"),
                 "dataset_size": loaded.manifest.get("dataset_size"),
+                "data_layout": loaded.manifest.get("data_layout"),
                 "lr_ramp": loaded.manifest.get("lr_ramp"),
                 "run": loaded.manifest.get("run")}
 

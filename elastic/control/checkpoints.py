@@ -43,6 +43,8 @@ class CheckpointCoordinator:
         self._last_time = time.monotonic()
         self.group_size = 1  # G with groups on (set once the grouping is decided)
         self.dataset_size: int | None = None  # the data set's length (set once it is known)
+        # `ShardedSource.layout` of a data set the controller built (a Ray Dataset's blocks)
+        self.data_layout: str | None = None
         self._monitored: tuple[int, float] | None = None  # (step, value) of the last evaluation
         self._written: tuple[int, bool] | None = None  # (step, with a monitored value) submitted
         self.run_name = ""  # recorded in each checkpoint's manifest (who wrote it)
@@ -97,7 +99,7 @@ class CheckpointCoordinator:
                            note=f"global batch, seed or group size differ from the run that "
                                 f"wrote it ({info['fingerprint']}; this run: "
                                 f"{self.fingerprint()})"))
-        data_change = self._data_set_change(info.get("dataset_size"))
+        data_change = self._data_set_change(info.get("dataset_size"), info.get("data_layout"))
         if data_change is not None:
             self.log.emit(CheckpointConfigChanged(path=info["path"], note=data_change))
         if event == "resumed":
@@ -134,15 +136,20 @@ class CheckpointCoordinator:
         newest = self.log.newest_step() if writer and writer == self.run_name else None
         return None if newest is None else newest + 1
 
-    def _data_set_change(self, then: int | None) -> str | None:
+    def _data_set_change(self, then: int | None, layout: str | None = None) -> str | None:
         """What a checkpoint written over a data set of `then` samples (None: by an older
-        version, which did not record it) means for this run's, if they differ: its cursor
-        points into the public order of the old length."""
-        if then is None or self.dataset_size is None or then == self.dataset_size:
-            return None
-        return (f"data set {then} -> {self.dataset_size} samples (the checkpoint's place in "
-                "its epoch is read in the new length's order: until that epoch ends, samples "
-                "may be seen twice or skipped)")
+        version, which did not record it) and shard `layout` means for this run's, if they
+        differ: its cursor points into the public order of the old length, or into rows laid
+        out in other blocks (a Ray Dataset materialised again into blocks of other sizes)."""
+        if then is not None and self.dataset_size is not None and then != self.dataset_size:
+            return (f"data set {then} -> {self.dataset_size} samples (the checkpoint's place "
+                    "in its epoch is read in the new length's order: until that epoch ends, "
+                    "samples may be seen twice or skipped)")
+        if layout is not None and self.data_layout is not None and layout != self.data_layout:
+            return (f"data set blocks {layout} -> {self.data_layout} (the same samples in "
+                    "blocks of other sizes: the checkpoint's place in its epoch names other "
+                    "rows; until that epoch ends, samples may be seen twice or skipped)")
+        return None
 
     def due(self, step: int) -> bool:
         """Whether a periodic checkpoint is due at `step` (by `every_steps` since the last one
@@ -198,7 +205,9 @@ class CheckpointCoordinator:
 
     def _write(self, worker_id: int, step: int, world_size: int) -> None:
         meta = {"world_size": world_size, "fingerprint": self.fingerprint(), "run": self.run_name,
-                "dataset_size": self.dataset_size, **self._monitor_meta(step),
+                "dataset_size": self.dataset_size,
+                **({"data_layout": self.data_layout} if self.data_layout is not None else {}),
+                **self._monitor_meta(step),
                 **({"lr_ramp": self.lr_ramp.to_dict()} if self.lr_ramp is not None else {})}
         answer = self.workers.call(worker_id, "checkpoint", meta)
         if answer["submitted"]:

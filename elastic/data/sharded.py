@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import glob as _glob
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -66,6 +67,12 @@ class ShardedSource(torch.utils.data.Dataset):
     def read(self, shard: int, rows: np.ndarray) -> list[Any]:
         """The rows `rows` (positions within shard `shard`), in that order."""
         raise NotImplementedError
+
+    def layout(self) -> str:
+        """A digest of the shards' row counts, in order: sample `i` is row `i` of the shards
+        laid end to end, so a checkpoint's place in an epoch means the same rows only over
+        the same layout (the same total over shards of other sizes does not)."""
+        return hashlib.sha256(",".join(map(str, self.sizes)).encode()).hexdigest()[:16]
 
     def __len__(self) -> int:
         return int(self._starts[-1])

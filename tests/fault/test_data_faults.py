@@ -174,6 +174,46 @@ def test_a_ray_dataset_is_read_exactly_once_through_a_kill(ray_cluster, tmp_path
 
 
 @pytest.mark.timeout(180)
+def test_a_ray_datasets_rows_keep_its_order_when_a_block_finishes_last(ray_cluster):
+    """The first block's transform finishes only after the last block's began (a gate it
+    opens): Ray Data hands blocks over as they finish unless asked to keep their order, so a
+    resumed run's controller, materialising the dataset again, laid the rows out in another
+    order than the run that wrote the checkpoint, whose place in an epoch then named other
+    rows. The source keeps the dataset's order."""
+    import ray
+
+    from elastic.actors.raydata import RayDataSource
+
+    @ray.remote(num_cpus=0)
+    class Gate:
+        def __init__(self):
+            import threading
+            self.opened = threading.Event()
+
+        def open(self):
+            self.opened.set()
+
+        def wait(self):
+            return self.opened.wait(60)
+
+    gate = Gate.options(max_concurrency=4).remote()
+
+    def slow_first(batch):
+        first = int(batch["id"][0])
+        if first == 0:
+            assert ray.get(gate.wait.remote())
+        elif first == 300:
+            ray.get(gate.open.remote())
+        return batch
+
+    dataset = ray.data.range(400, override_num_blocks=4).map_batches(
+        slow_first, batch_size=None, num_cpus=0)
+    source = RayDataSource(dataset)
+    assert source.sizes == [100] * 4
+    assert [row["id"] for row in source.__getitems__(range(400))] == list(range(400))
+
+
+@pytest.mark.timeout(180)
 def test_a_detached_runs_copy_of_a_materialised_ray_dataset_outlives_the_process_that_made_it(
         ray_cluster):
     # `from_items` or `.materialize()` hands over blocks of the process that made them, and Ray

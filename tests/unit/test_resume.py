@@ -549,3 +549,33 @@ def test_a_run_dir_that_cannot_be_one_is_one_line_naming_it(tmp_path, monkeypatc
                                  "--run-dir", str(tmp_path / "file" / "run")])
     assert result.exit_code == 2 and "run_dir" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_checkpoint_over_the_same_samples_in_other_blocks_is_said_to_change_the_data(tmp_path):
+    """A Ray Dataset materialised again in blocks of other sizes (the same total): the
+    checkpoint's place in its epoch names other rows; the resumed event says so."""
+    from elastic.control.checkpoints import CheckpointCoordinator
+    from elastic.runlog import RunLog
+
+    class Worker:  # what `WorkerActor.restore_checkpoint` answers
+        layout = "aaaa"
+
+        def call(self, worker_id, method):
+            return {"step": 20, "path": "/ckpt/step-20", "skipped": [], "world_size": 2,
+                    "run": "r", "dataset_size": 400, "data_layout": self.layout}
+
+    config = FitConfig(max_steps=300, scaling=ScalingConfig(num_workers=2),
+                       batch=BatchConfig(global_batch_size=16),
+                       checkpoint=CheckpointConfig(path=str(tmp_path / "ckpt")))
+    log = RunLog(str(tmp_path))
+    coordinator = CheckpointCoordinator(config, log, Worker())
+    coordinator.dataset_size, coordinator.data_layout = 400, "bbbb"
+    coordinator.restore(0, "resumed", 0, world_size=2)
+    [event] = [e for e in log.events if e["event"] == "resumed"]
+    assert event["changes"] == ["data set blocks aaaa -> bbbb (the same samples in blocks of "
+                                "other sizes: the checkpoint's place in its epoch names other "
+                                "rows; until that epoch ends, samples may be seen twice or "
+                                "skipped)"]
+    Worker.layout = "bbbb"
+    coordinator.restore(0, "resumed", 0, world_size=2)
+    assert [e for e in log.events if e["event"] == "resumed"][-1]["changes"] == []
