@@ -14,7 +14,7 @@ from elastic.adapt.lr import LrRamp
 from elastic.checkpoint.retention import monitor_record
 from elastic.config import FitConfig
 from elastic.control.port import Workers
-from elastic.errors import ConfigError
+from elastic.errors import ConfigError, WorkerLostError
 from elastic.events import (
     CheckpointBusy,
     CheckpointConfigChanged,
@@ -47,6 +47,10 @@ class CheckpointCoordinator:
         self.data_layout: str | None = None
         self._monitored: tuple[int, float] | None = None  # (step, value) of the last evaluation
         self._written: tuple[int, bool] | None = None  # (step, with a monitored value) submitted
+        # Writes submitted and not yet reported, by worker id: their step, and the step of the
+        # last write reported on disk (`lost`: a writer lost before it reported).
+        self._in_flight: dict[int, int] = {}
+        self._durable_step = 0
         self.run_name = ""  # recorded in each checkpoint's manifest (who wrote it)
         self.resumed: dict[str, Any] | None = None  # the checkpoint this run resumed from
         # The learning-rate ramp in force (policy 'scale_with_workers'), recorded in each
@@ -125,7 +129,7 @@ class CheckpointCoordinator:
             self.log.event(event, step=info["step"], path=info["path"],
                            work_lost_steps=max(0, current_step - info["step"]))
         self.restored_ramp = LrRamp.from_dict(info.get("lr_ramp"))
-        self._last_step = int(info["step"])
+        self._last_step = self._durable_step = int(info["step"])
         # Its checkpoint is there: a run that ends (or is stopped) at this step writes none.
         self._written = (self._last_step, False)
         return self._last_step
@@ -209,10 +213,18 @@ class CheckpointCoordinator:
                 **({"data_layout": self.data_layout} if self.data_layout is not None else {}),
                 **self._monitor_meta(step),
                 **({"lr_ramp": self.lr_ramp.to_dict()} if self.lr_ramp is not None else {})}
+        for other in [w for w in self._in_flight if w != worker_id]:
+            # Another member's write still runs (its writer was told to leave): one write at
+            # a time, as on one worker (retention prunes only what no write in flight needs).
+            try:
+                self.flush(other)
+            except WorkerLostError:
+                self.lost([other])
         answer = self.workers.call(worker_id, "checkpoint", meta)
         if answer["submitted"]:
             self._last_step, self._last_time = step, time.monotonic()
             self._written = (step, bool(self._monitor_meta(step)))
+            self._in_flight[worker_id] = step
         else:
             self.log.emit(CheckpointBusy(step=step, note=answer.get(
                 "note", "previous write still in flight; this one was skipped")))
@@ -231,8 +243,28 @@ class CheckpointCoordinator:
             return {}
         return monitor_record(ckpt.monitor, self._monitored[1], ckpt.mode)
 
+    def lost(self, worker_ids: list[int]) -> None:
+        """Members `worker_ids` were lost (died, or left without their write reported): a
+        checkpoint one of them was writing is reported failed (it may have reached the disk
+        just before; the newest one that loads says), and the next is due as counted from
+        the last reported written, not from it; a final checkpoint of its step is written
+        again, not taken as written."""
+        for worker_id in worker_ids:
+            step = self._in_flight.pop(worker_id, None)
+            if step is None:
+                continue
+            if self._written is not None and self._written[0] == step:
+                self._written = None
+            self._last_step = self._durable_step
+            self.log.emit(CheckpointFailed(step=step, error=(
+                f"worker {worker_id} was lost before it reported its write of step {step} "
+                "done; if the write did not finish, the newest checkpoint is the one before")))
+
     def _log_writes(self, reports: list[dict[str, Any]]) -> None:
         for r in reports:
+            self._in_flight = {w: s for w, s in self._in_flight.items() if s != r["step"]}
+            if not r["error"]:
+                self._durable_step = max(self._durable_step, r["step"])
             if r["error"]:
                 if self._written is not None and self._written[0] == r["step"]:
                     self._written = None

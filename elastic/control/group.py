@@ -194,6 +194,7 @@ def drop(ctx: Context, ranks: list[int], why: str, *, replace: bool = True) -> N
         dropped.append(member.worker_id)
         ctx.log.emit(WorkerLost(rank=rank, worker_id=member.worker_id, why=why))
         ctx.workers.kill(member.worker_id)
+    ctx.checkpoints.lost(dropped)
     # Workers told to leave that died before a step boundary count as preemptions; a
     # straggler's swap is the run's own choice, so its death is a failure.
     preempted = sum(n.source != "straggler" for n in ctx.requests.gone(dropped))
@@ -267,14 +268,16 @@ def first_line(error: BaseException) -> str:
 
 
 def on_any_member(ctx: Context, call: Callable[[int], T]) -> T:
-    """`call(worker_id)` on the first live member. After a completed chunk or a new
-    generation every member holds the committed state, so any will do; a dead one is skipped
-    here and found by the next chunk, which recovers as usual.
+    """`call(worker_id)` on the first live member, those told to leave last. After a completed
+    chunk or a new generation every member holds the committed state, so any will do; a dead
+    one is skipped here and found by the next chunk, which recovers as usual.
 
     Raises:
         MembersLostError: every member is dead (the machine recovers from a checkpoint).
     """
-    for member in list(ctx.members):
+    told = set(ctx.requests.told(ctx.ids()))
+    # Members told to leave last: what they start (a checkpoint write) would go with them.
+    for member in sorted(ctx.members, key=lambda m: m.worker_id in told):
         try:
             return call(member.worker_id)
         except WorkerLostError:

@@ -54,6 +54,7 @@ class _Worker:
     alive: bool = True
     torn: bool = False  # half updated (out of memory in its apply phase): offers no state
     completed: bool = True  # the last chunk it ran completed (else it skips those queued)
+    unreported: list[int] = field(default_factory=list)  # steps of its writes in flight
 
 
 class SimulatedWorkers:
@@ -92,6 +93,9 @@ class SimulatedWorkers:
         store: where checkpoints are kept (the step, cursor and manifest fields of each
             write) and restored from, newest first; share one list between two simulations
             to resume one run's checkpoints in another (default: none is ever found).
+        async_writes: a checkpoint write is reported done by its worker's next checkpoint
+            or flush call (in the background), not in its own answer; a worker that dies
+            first never reports it.
     """
 
     def __init__(self, dataset_size: int, capacity: int, step_time_s: float = 0.01,
@@ -106,8 +110,10 @@ class SimulatedWorkers:
                  dataset_sizes: Mapping[int, int] | None = None,
                  start_errors: Mapping[int, ElasticError] | None = None,
                  writing: Collection[int] = (),
-                 store: list[dict[str, Any]] | None = None) -> None:
+                 store: list[dict[str, Any]] | None = None,
+                 async_writes: bool = False) -> None:
         self.writing = set(writing)
+        self.async_writes = async_writes
         self.store = store
         self.start_errors = dict(start_errors or {})
         self.oom_forming = list(oom_forming)
@@ -386,9 +392,13 @@ class SimulatedWorkers:
             if self.store is not None:
                 self.store.append({"step": worker.step, "cursor": worker.cursor,
                                    "meta": dict(args[0])})
-            return {"submitted": True, "reports": []}
+            if self.async_writes:  # in the background: reported by its next call
+                done, worker.unreported = worker.unreported, [worker.step]
+                return {"submitted": True, "reports": _reports(done)}
+            return {"submitted": True, "reports": _reports([worker.step])}
         if method == "flush_checkpoints":
-            return []
+            done, worker.unreported = worker.unreported, []
+            return _reports(done)
         if method == "restore_checkpoint":
             failed = self._out_of_memory([worker_id], "loading a checkpoint")
             if failed is not None:
@@ -403,3 +413,9 @@ class SimulatedWorkers:
 
     def fired_kill(self, step: int, rank: int) -> float | None:
         return self.clock if (step, rank) in self.fired else None
+
+
+def _reports(steps: list[int]) -> list[dict[str, Any]]:
+    """What a worker reports of its finished checkpoint writes of `steps`."""
+    return [{"step": step, "error": None, "path": f"sim/step-{step}", "seconds": 0.0,
+             "pruned": []} for step in steps]

@@ -710,8 +710,8 @@ def _settle_checkpoints(ctx: Context, leaving: list[int]) -> None:
     for worker_id in (ctx.ids() if ctx.config.sharding.stage else leaving):
         try:
             ctx.checkpoints.flush(worker_id)
-        except WorkerLostError:
-            pass  # it died meanwhile: nothing of it to wait for
+        except WorkerLostError:  # it died meanwhile: a write of its own did not report
+            ctx.checkpoints.lost([worker_id])
 
 
 def _settle_before_failing(ctx: Context) -> None:

@@ -620,3 +620,41 @@ def test_a_hand_over_whose_takers_died_forms_without_leavers_and_the_state_goes_
     assert [e["why"] for e in _of(ctx, "worker_lost")] == ["lost while connecting"]
     assert sim.handed_over == []
     assert _of(ctx, "planned_departure")
+
+
+def test_a_checkpoint_is_not_left_to_a_member_on_notice_and_one_lost_with_it_is_said(tmp_path):
+    """Worker 0 (rank 0, the checkpoint writer) is told to leave while its background write
+    of step 4 runs. The checkpoint due at the boundary where it leaves goes to a member that
+    stays; worker 0 dies before its write reports (a deadline kill): the write is reported
+    failed, not taken as written (before: worker 0 was asked to write step 5 too, and the
+    write lost with it went unsaid)."""
+    from elastic.config import CheckpointConfig
+
+    class Workers(SimulatedWorkers):
+        def call(self, worker_id, method, *args):
+            if method == "checkpoint":
+                writes.append((self.workers[worker_id].step, worker_id))
+            if method == "flush_checkpoints" and worker_id == 0 and told:
+                self.workers[0].alive = False  # killed at its deadline, the write unreported
+            return super().call(worker_id, method, *args)
+
+    told, writes = [], []
+
+    def notices(step, ctx, sim):
+        if step == 4 and not told:
+            told.append(step)
+            _tell(ctx, sim, worker_id=0)
+
+    config = _config(tmp_path, ahead=False, steps=12,
+                     checkpoint=CheckpointConfig(path=str(tmp_path / "ckpt"), every_steps=1))
+    holder = {}
+    sim = Workers(dataset_size=16000, capacity=4, start_delay_s=0.02, async_writes=True,
+                  before_chunk=lambda step: notices(step, holder["ctx"], sim))
+    ctx = holder["ctx"] = Context(config, "sim", RunLog(str(tmp_path)), sim)
+    assert isinstance(Machine(ctx).run(), Finished)
+    assert (4, 0) in writes  # written by worker 0 before it was told
+    assert all(worker != 0 for step, worker in writes if step > 4)
+    [failed] = _of(ctx, "checkpoint_failed")
+    assert failed["step"] == 4 and "worker 0 was lost before it reported" in failed["error"]
+    assert 4 not in [e["step"] for e in _of(ctx, "checkpoint_written")]
+    assert [e["step"] for e in _of(ctx, "checkpoint_written")][-1] == 12
