@@ -317,7 +317,9 @@ class Running(State):
                 step=end, evaluated_at=ctx.evaluated_at, every_steps=evaluation.every_steps,
                 every_epochs=None, epoch_ended=False, epochs_done=0, at_end=False, ending=False),
             recovering=ctx.recovery is not None, stop=stop, world_size=len(ctx.members),
-            target=target, joining=ctx.workers.joinable(),
+            # A ready spare fills a place as a joining worker does (a scale up by the user).
+            target=target, joining=ctx.workers.joinable() or (
+                len(ctx.members) < target and bool(ctx.spares)),
             departing=bool(ctx.requests.leaving(ctx.ids())))
         if work is not None:
             return None
@@ -465,7 +467,9 @@ def _swap_straggler(ctx: Context, ids: list[int]) -> None:
     """The slowest straggler (`Batching.slow`) leaves at the next step boundary when a hot
     spare is ready to take its place: a planned departure of source 'straggler'."""
     slow = [w for w in ctx.batch.slow if w in ids]
-    if not slow or not ctx.spares or ctx.requests.leaving(ids):
+    spares = [s.worker_id for s in ctx.spares]
+    # A spare on notice leaves at the boundary: the straggler's place would stay empty.
+    if not slow or len(ctx.requests.told(spares)) == len(spares) or ctx.requests.leaving(ids):
         return
     worker_id = slow[0]
     tracker, failure = ctx.batch.tracker, ctx.config.failure

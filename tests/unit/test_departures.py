@@ -658,3 +658,51 @@ def test_a_checkpoint_is_not_left_to_a_member_on_notice_and_one_lost_with_it_is_
     assert failed["step"] == 4 and "worker 0 was lost before it reported" in failed["error"]
     assert 4 not in [e["step"] for e in _of(ctx, "checkpoint_written")]
     assert [e["step"] for e in _of(ctx, "checkpoint_written")][-1] == 12
+
+
+def test_a_scale_up_takes_a_ready_spare_at_the_next_boundary_with_chunks_handed_out_ahead(
+        tmp_path):
+    """`elastic scale` from 4 to 5 with one spare ready and no room for a fifth worker: the
+    spare joins at the next boundary. Before, chunks went on being handed out ahead (no
+    worker was joining) and the run stayed at 4 to its end."""
+    def before(step, ctx, sim):
+        if step == 8:
+            with ctx.requests.lock:
+                ctx.requests.target, ctx.requests.scaled_by_user = 5, True
+
+    end, ctx, _ = _spare_run(tmp_path, _spare_config(tmp_path, max_workers=5), capacity=5,
+                             before=before)
+    assert isinstance(end, Finished)
+    sizes = {m["step"]: m["world_size"] for m in ctx.log.metrics}
+    assert sizes[8] == 4 and sizes[16] == 5
+    [promoted] = _of(ctx, "spare_promoted")
+    assert promoted["world_size"] == 5
+
+
+def test_a_straggler_is_not_swapped_for_a_spare_on_notice(tmp_path):
+    """Every spare is told to leave while a chunk runs (its node drains), as soon as it is
+    ready: a straggler found at the end of that chunk stays, and the run never drops below
+    its size. Before, it was told to leave for a spare that went too, and the run shrank
+    until a cold start."""
+    told = set()
+
+    class Workers(SimulatedWorkers):
+        def finish_chunk(self, *args, **kwargs):
+            report = super().finish_chunk(*args, **kwargs)
+            for spare in holder["ctx"].spares:  # a notice that came during the chunk
+                if spare.worker_id not in told:
+                    told.add(spare.worker_id)
+                    holder["ctx"].requests.notice(
+                        Notice(spare.worker_id, "ray_drain", None, self.now()))
+            return report
+
+    config = _spare_config(tmp_path, failure=FailureConfig(straggler_factor=2.0,
+                                                           straggler_window=2))
+    holder = {}
+    sim = Workers(dataset_size=16000, capacity=5, start_delay_s=0.02, slow={1: 3.0})
+    ctx = holder["ctx"] = Context(config.model_copy(update={"max_steps": 40}), "sim",
+                                  RunLog(str(tmp_path)), sim)
+    assert isinstance(Machine(ctx).run(), Finished)
+    assert told and "straggler_found" not in _kinds(ctx)
+    assert "straggler" not in {s for e in _of(ctx, "planned_departure") for s in e["sources"]}
+    assert {m["world_size"] for m in ctx.log.metrics} == {4}
