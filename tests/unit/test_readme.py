@@ -55,6 +55,24 @@ def test_every_guarantee_row_names_a_test_that_exists():
     assert not missing, "README guarantees name tests that do not exist: " + ", ".join(missing)
 
 
+def _missing_tests(text: str) -> list[str]:
+    """The full test ids (`tests/...py::test_name`) in `text` that name no test."""
+    missing = []
+    for path, klass, name in TEST_ID.findall(text):
+        source = ROOT / path
+        if not source.is_file():
+            missing.append(f"{path} (no such file)")
+        elif not re.search(rf"^\s*(?:async\s+)?def {name}\(", source.read_text(), re.M):
+            missing.append(f"{path}::{klass}{name} (no such test)")
+    return missing
+
+
+def test_every_test_the_docs_name_exists():
+    missing = {page.name: _missing_tests(page.read_text())
+               for page in sorted((ROOT / "docs").glob("*.md"))}
+    assert not any(missing.values()), f"docs name tests that do not exist: {missing}"
+
+
 def test_every_relative_link_in_the_readme_and_docs_points_at_a_file():
     broken = []
     for page in _markdown_files():
@@ -74,3 +92,5 @@ def test_the_link_check_would_catch_a_broken_link_and_a_missing_test():
     assert TEST_ID.findall("`tests/unit/test_a.py::Case::test_b[p-1]`") == [
         ("tests/unit/test_a.py", "Case::", "test_b")]
     assert not (ROOT / "docs" / "nowhere.md").exists()
+    assert _missing_tests("`tests/unit/test_readme.py::test_nowhere`") == [
+        "tests/unit/test_readme.py::test_nowhere (no such test)"]
