@@ -463,6 +463,18 @@ class PreemptionNotice(Event, kind="preemption_notice"):
 
 
 @dataclass(frozen=True, kw_only=True)
+class HeadDraining(Event, kind="head_draining"):
+    """The node of the run's controller (the head node) is draining: the cluster ends with it
+    (a Kueue or KubeRay preemption of the head pod). With checkpoints the committed state is
+    written at the next step boundary (`checkpoint`: True); the run goes on until then or
+    the end. `deadline`: as `PreemptionNotice`'s."""
+
+    deadline: float | None
+    checkpoint: bool
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlannedDeparture(Event, kind="planned_departure"):
     """Members told to leave left at the step boundary `step`: the others go on with the
     committed state they hold, no collective aborted and no step redone (`steps_redone`: 0).

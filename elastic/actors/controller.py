@@ -42,6 +42,7 @@ from elastic.events import (
     DrainRequested,
     FinalModelFailed,
     FinalModelWritten,
+    HeadDraining,
     KillRequested,
     PreemptionNotice,
     ScaleRequested,
@@ -96,6 +97,7 @@ class Controller:
         # another process made (they would be lost as that process ends).
         job = adopt_ray_dataset(job, own=detached)
         self.server = RendezvousServer(host=ray.util.get_node_ip_address())
+        self._node = ray.get_runtime_context().get_node_id()
         self.workers = RayWorkers(job, config, run_dir, checkpoint_key, self.server,
                                   controller=ray.get_runtime_context().current_actor,
                                   origin=origin)
@@ -393,6 +395,7 @@ class Controller:
         """Polls Ray for draining nodes (`DRAIN_POLL_S`) while the run lives: members on
         one get a notice with the drain's deadline."""
         warned = False
+        head_told: set[str] = set()  # this node's drain, said once
         while not self._watching.wait(DRAIN_POLL_S):
             if self.machine.state.label.is_terminal:
                 return
@@ -405,11 +408,26 @@ class Controller:
                     warned = True
                 continue
             for node, deadline in draining.items():
+                if node == self._node and node not in head_told:
+                    head_told.add(node)
+                    self._head_draining(node, deadline)
                 ids = [m.worker_id for m in list(self.ctx.members) + list(self.ctx.spares)
                        if m.node_id == node]
                 if ids:
                     self._notice(ids, "ray_drain", deadline,
                                  f"Ray node {node[:12]} is draining")
+
+    def _head_draining(self, node: str, deadline: float | None) -> None:
+        """This controller's node drains: the cluster ends with it (Ray's head, a preempted
+        head pod). The committed state is written at the next step boundary (the chunk in
+        flight ends after its step); the run goes on until then."""
+        checkpoint = self.config.checkpoint is not None
+        self.log.emit(HeadDraining(deadline=deadline, checkpoint=checkpoint,
+                                   reason=f"Ray node {node[:12]} (the controller's) is draining"))
+        if checkpoint:
+            with self.ctx.requests.lock:
+                self.ctx.requests.save = True
+            self.workers.yield_chunks()
 
     def stop(self) -> None:
         """Ends the run gracefully after the step the workers are in (nothing once it has

@@ -58,6 +58,8 @@ class Requests:
         overdue: members among `departures` whose deadline passed: they are being killed, so
             a step boundary that comes before their death is seen does not let them go
             (`leaving`); the failure path recovers from their loss.
+        save: a checkpoint of the committed state is written at the next boundary (the head
+            node drains: the cluster ends with it).
     """
 
     target: int
@@ -67,6 +69,7 @@ class Requests:
     killed_on_purpose: set[int] = field(default_factory=set)
     departures: dict[int, Notice] = field(default_factory=dict)
     overdue: set[int] = field(default_factory=set)
+    save: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def notice(self, notice: Notice, overdue: bool = False) -> bool:

@@ -254,6 +254,11 @@ class Running(State):
                 ctx.stopped_early = True
                 ctx.log.emit(Stopping(step=ctx.step))
             return Evaluating(scheduled=False) if _evaluation_due(ctx, ending=True) else Finishing()
+        with ctx.requests.lock:
+            save, ctx.requests.save = ctx.requests.save, False
+        if save:  # the head node drains: the committed state, written before it goes
+            on_any_member(ctx, lambda w: ctx.checkpoints.maybe_write(w, ctx.step,
+                                                                     len(ctx.members), final=True))
         leaving = ctx.requests.leaving(ctx.ids())
         if leaving:  # members on notice leave here, at a step boundary
             return Resizing(world_size=len(ctx.members), target=target, leaving=tuple(leaving))
@@ -302,7 +307,7 @@ class Running(State):
             return None
         batch, size = ctx.batch.batch_now, ctx.dataset_size
         with ctx.requests.lock:
-            stop, target = ctx.requests.stop, ctx.requests.target
+            stop, target, save = ctx.requests.stop, ctx.requests.target, ctx.requests.save
         check_spares(ctx)  # spares are in no generation: one that died is replaced now
         if ctx.recovery is None and not stop and len(ctx.members) <= target:
             top_up(ctx)  # what the boundary would do: free capacity is used at the next one
@@ -312,7 +317,7 @@ class Running(State):
             end=end, total_steps=ctx.total_steps,
             ends_epoch=chunk.num >= ctx.cursor.steps_left_in_epoch(size, batch),
             tuning=chunk.trial is not None or ctx.batch.tuner is not None,
-            checkpoint_due=ctx.checkpoints.due(end),
+            checkpoint_due=ctx.checkpoints.due(end) or save,
             evaluation_due=ctx.evaluates and decisions.evaluation_due(
                 step=end, evaluated_at=ctx.evaluated_at, every_steps=evaluation.every_steps,
                 every_epochs=None, epoch_ended=False, epochs_done=0, at_end=False, ending=False),
@@ -328,7 +333,8 @@ class Running(State):
             cursor = cursor.advance(size, batch)
         ahead = self._start(ctx, cursor)
         with ctx.requests.lock:  # one that came meanwhile ends both chunks early
-            late = ctx.requests.stop or len(ctx.members) > ctx.requests.target
+            late = (ctx.requests.stop or ctx.requests.save
+                    or len(ctx.members) > ctx.requests.target)
         if late:  # (a notice that came meanwhile: `_start` ended them already)
             ctx.workers.yield_chunks()
         return ahead

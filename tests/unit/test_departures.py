@@ -706,3 +706,27 @@ def test_a_straggler_is_not_swapped_for_a_spare_on_notice(tmp_path):
     assert told and "straggler_found" not in _kinds(ctx)
     assert "straggler" not in {s for e in _of(ctx, "planned_departure") for s in e["sources"]}
     assert {m["world_size"] for m in ctx.log.metrics} == {4}
+
+
+def test_a_draining_head_node_has_the_committed_state_written_at_the_next_boundary(tmp_path):
+    """What the controller does when its own node drains (the cluster ends with it): a
+    checkpoint of the committed state at the next boundary, though none is due for 100
+    steps; the chunk handed out ahead ends after its step; the run goes on."""
+    from elastic.config import CheckpointConfig
+
+    def notices(step, ctx, sim):
+        if step == 8 and not sim.checkpoints:
+            with ctx.requests.lock:
+                ctx.requests.save = True
+            sim.yield_chunks()
+
+    config = _config(tmp_path, checkpoint=CheckpointConfig(path=str(tmp_path / "ckpt"),
+                                                           every_steps=100))
+    end, ctx, sim = _machine(tmp_path, config, notices)
+    assert isinstance(end, Finished)
+    # Asked as the chunk from 8 went out ahead while the one from 4 ran its first step: it
+    # ended after that step, and the state of step 5 was written there, then the final one.
+    assert sim.checkpoints == [5, 24]
+    assert [e["step"] for e in _of(ctx, "checkpoint_written")] == [5, 24]
+    assert [m["step"] for m in ctx.log.metrics] == list(range(24))
+    assert not ctx.requests.save

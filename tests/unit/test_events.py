@@ -45,6 +45,8 @@ SAMPLES = {
     "planned_departure": {"ranks": [1], "worker_ids": [3], "sources": ["drain"], "step": 12,
                           "notice_to_gone_s": 0.021, "steps_redone": 0},
     "deadline_missed": {"worker_id": 3, "deadline": 1700000030.0},
+    "head_draining": {"deadline": 1700000030.0, "checkpoint": True,
+                      "reason": "Ray node 0123456789ab (the head) is draining"},
     "spare_ready": {"worker_id": 7, "pid": 4343},
     "spare_promoted": {"worker_ids": [7], "world_size": 4},
     "spare_lost": {"worker_id": 7},
