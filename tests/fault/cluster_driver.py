@@ -14,7 +14,9 @@ on the other nodes, so adding and removing nodes adds and removes workers:
 3. node A is removed: its 2 workers die at once; the run goes on with the 2 on B;
 4. node C (2 CPUs) joins: the waiting replacements start there and join;
 5. node C is drained (Ray's drain call, reason preemption, a deadline): its workers leave at a
-   step boundary as a planned departure, nobody counts as failed; the run is stopped.
+   step boundary as a planned departure, nobody counts as failed;
+6. the head (the controller's node) is drained: the committed state is written to a
+   checkpoint at the next step boundary, though none is due; the run is stopped.
 
 Scenario `chaos` (see `chaos`) starts its workers from test zygotes; `nodes` the ordinary way.
 """
@@ -32,7 +34,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 import elastic
-from elastic import BatchConfig, FitConfig, ScalingConfig
+from elastic import BatchConfig, CheckpointConfig, FitConfig, ScalingConfig
 from elastic.events import read_events, to_record
 from tests import zygote
 from tests.jobs import regression_job
@@ -76,6 +78,7 @@ def nodes(out_path: str) -> None:
             name=name, run_dir=run_dir, max_steps=100_000, steps_per_chunk=4,
             scaling=ScalingConfig(num_workers=2, min_workers=1, max_workers=4),
             batch=BatchConfig(global_batch_size=16),
+            checkpoint=CheckpointConfig(path=f"{run_dir}/ckpt", every_steps=100_000),
         )
         elastic.start(regression_job(), config)
         first = wait_for(name, lambda s: s["state"] == "running" and s["step"] >= 4, "start")
@@ -111,6 +114,11 @@ def nodes(out_path: str) -> None:
         drained = wait_for(name, lambda s: s["preemptions"] == len(on_c) and s["state"] == "running"
                            and s["step"] > rejoined["step"], "node C's workers leave")
         summary["after_drain"] = drained
+        _drain(cluster.head_node.node_id, deadline_s=60)
+        deadline = time.monotonic() + LIMIT_S
+        while "checkpoint_written" not in [e.kind for e in read_events(run_dir)] \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
         elastic.stop(name)
         deadline = time.monotonic() + LIMIT_S
         while not _ended(name) and time.monotonic() < deadline:

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from elastic.events import (
+    CheckpointWritten,
     DetachedExit,
     FinalModelWritten,
     Finish,
+    HeadDraining,
     PlannedDeparture,
     PreemptionNotice,
     Recovered,
@@ -77,6 +79,12 @@ def test_a_node_joins_and_a_node_is_lost_and_the_run_goes_on(tmp_path):
     assert after["failures"] == summary["failures_before_drain"]
     assert after["world_size"] == 4 - len(drained)
     assert {w["pid"] for w in after["workers"]} <= set(summary["rejoined_pids"])
+    # The head drained: a checkpoint of the committed state at the next boundary (none was
+    # due), before the stop's final one.
+    [head] = of_kind(events, HeadDraining)
+    assert head.checkpoint and head.deadline is not None
+    written = [e.step for e in events[events.index(head):] if isinstance(e, CheckpointWritten)]
+    assert len(written) == 2 and written[0] > after["step"]
     finish = next(e for e in events if isinstance(e, Finish))
     model = torch.load(os.path.join(summary["run_dir"], "final_model.pt"), weights_only=True)
     torch.testing.assert_close(model, reference_weights(0, 16, finish.step), rtol=1e-9, atol=1e-10)
