@@ -239,6 +239,14 @@ class Running(State):
             current, self.ahead = self.ahead, None
             return self._finish(ctx, current)
         if ctx.pending_evaluation is not None:
+            leaving = ctx.requests.leaving(ctx.ids())
+            if ctx.pending_evaluation == ctx.step and leaving:
+                # Members on notice go first: an evaluation with them would be redone
+                # whole if their deadline came before its end (they are killed then).
+                with ctx.requests.lock:
+                    target = ctx.requests.target
+                return Resizing(world_size=len(ctx.members), target=target,
+                                leaving=tuple(leaving))
             if ctx.pending_evaluation == ctx.step:
                 return Evaluating(scheduled=ctx.pending_scheduled)
             ctx.pending_evaluation = None  # its step was lost (restored from an older checkpoint)
@@ -373,7 +381,11 @@ class Running(State):
             return self  # nothing to do at this boundary: the next chunk runs already
         if _evaluation_due(ctx, ending=ctx.step >= ctx.total_steps, after_chunk=True):
             # It writes the checkpoints due at this step after it.
-            return Evaluating(scheduled=_evaluation_due(ctx, ending=False, after_chunk=True))
+            scheduled = _evaluation_due(ctx, ending=False, after_chunk=True)
+            if ctx.requests.leaving(ctx.ids()):  # after the members on notice left (`step`)
+                ctx.pending_evaluation, ctx.pending_scheduled = ctx.step, scheduled
+                return self
+            return Evaluating(scheduled=scheduled)
         on_any_member(ctx, lambda w: ctx.checkpoints.maybe_write(w, ctx.step, len(ctx.members)))
         return self
 

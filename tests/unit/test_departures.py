@@ -730,3 +730,27 @@ def test_a_draining_head_node_has_the_committed_state_written_at_the_next_bounda
     assert [e["step"] for e in _of(ctx, "checkpoint_written")] == [5, 24]
     assert [m["step"] for m in ctx.log.metrics] == list(range(24))
     assert not ctx.requests.save
+
+
+def test_members_on_notice_leave_before_an_evaluation_due_at_their_boundary(tmp_path):
+    """Worker 2 is told to leave while the chunk that ends at step 8 runs, and an evaluation
+    is due at step 8: it leaves first, the others evaluate, once. Before, it evaluated with
+    them (a deadline within the evaluation killed it there: recovered, and evaluated again)."""
+    from elastic.config import EvaluationConfig
+
+    class Workers(SimulatedWorkers):
+        def finish_chunk(self, *args, **kwargs):
+            report = super().finish_chunk(*args, **kwargs)
+            ctx = holder["ctx"]
+            if ctx.step + sum(len(o.records) for o in report.outcomes.values()) // 4 == 8:
+                ctx.requests.notice(Notice(2, "sigterm", None, self.now()))
+            return report
+
+    config = _config(tmp_path, ahead=False, steps=12, evaluation=EvaluationConfig(every_steps=8))
+    holder = {}
+    sim = Workers(dataset_size=16000, capacity=4, start_delay_s=0.02)
+    ctx = holder["ctx"] = Context(config, "sim", RunLog(str(tmp_path)), sim, has_eval_step=True)
+    assert isinstance(Machine(ctx).run(), Finished)
+    order = [(e["event"], e.get("step")) for e in ctx.log.events
+             if e["event"] in ("planned_departure", "evaluate")]
+    assert order == [("planned_departure", 8), ("evaluate", 8), ("evaluate", 12)]
