@@ -74,6 +74,7 @@ class RayWorkers:
         self._node_of: dict[int, str] = {}  # worker id -> Ray node id
         self._starting: dict[Any, int] = {}  # info() ref -> worker id
         self._parked: dict[Any, int] = {}  # park() ref of each hot spare -> worker id
+        self._preempted: set[int] = set()  # dead by their node's preemption (`preempted`)
         self._next_id = 0
         # Chunks handed out and not finished, oldest first: (ids, ref -> rank); and the ticket
         # of the next one in this generation (the order in which each worker runs them).
@@ -175,6 +176,17 @@ class RayWorkers:
                 lost.append(worker_id)
         return lost
 
+    def preempted(self, ids: Sequence[int]) -> list[int]:
+        found = [w for w in ids if w in self._preempted]
+        self._preempted.difference_update(found)
+        return found
+
+    def _died(self, worker_id: int, e: RayActorError) -> str:
+        """Ray's reason for worker `worker_id`'s death; notes a preemption (`preempted`)."""
+        if getattr(e, "preempted", False):
+            self._preempted.add(worker_id)
+        return _death_reason(e)
+
     def release(self, worker_id: int) -> None:
         actor = self.actors.get(worker_id)
         if actor is None or worker_id in self._killed:
@@ -258,7 +270,8 @@ class RayWorkers:
                 try:
                     values[rank] = ray.get(ready[0])
                     continue
-                except RayActorError:
+                except RayActorError as e:
+                    self._died(ids[rank], e)
                     dead.append(rank)
                 except RayTaskError as e:
                     if isinstance(e.cause, GenerationOutOfMemoryError):
@@ -358,7 +371,7 @@ class RayWorkers:
                     # collective.
                     self._abort_all_but(ids, rank)
             except RayActorError as e:
-                lost[rank] = _death_reason(e)
+                lost[rank] = self._died(ids[rank], e)
                 if len(lost) == 1:
                     detected = time.time()
                     # Release every survivor blocked in a collective with the dead worker.
@@ -402,7 +415,7 @@ class RayWorkers:
         try:
             answer = ray.get(getattr(self.actors[worker_id], method).remote(*args))
         except RayActorError as e:
-            raise WorkerLostError(f"worker {worker_id} died: {_death_reason(e)}") from e
+            raise WorkerLostError(f"worker {worker_id} died: {self._died(worker_id, e)}") from e
         except ObjectLostError as e:  # its answer lay on a node that died as it came back
             raise WorkerLostError(f"the answer of worker {worker_id} was lost with its node: "
                                   f"{type(e).__name__}") from e

@@ -196,8 +196,12 @@ def drop(ctx: Context, ranks: list[int], why: str, *, replace: bool = True) -> N
         ctx.workers.kill(member.worker_id)
     ctx.checkpoints.lost(dropped)
     # Workers told to leave that died before a step boundary count as preemptions; a
-    # straggler's swap is the run's own choice, so its death is a failure.
-    preempted = sum(n.source != "straggler" for n in ctx.requests.gone(dropped))
+    # straggler's swap is the run's own choice, so its death is a failure. So do those whose
+    # death Ray put down to their node's preemption (a drain seen too late, or not at all).
+    notices = ctx.requests.gone(dropped)
+    told = {n.worker_id for n in notices}
+    preempted = sum(n.source != "straggler" for n in notices) + sum(
+        w not in told for w in ctx.workers.preempted(dropped))
     promote(ctx)  # hot spares take the places at once
     if not ctx.config.failure.replace_lost_workers:
         with ctx.requests.lock:

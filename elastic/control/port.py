@@ -284,6 +284,11 @@ class Workers(Protocol):
         """Spares (`park`) whose process died since the last look, by worker id."""
         ...
 
+    def preempted(self, ids: Sequence[int]) -> list[int]:
+        """Those of the dead workers `ids` whose death Ray put down to their node's preemption
+        (a drain whose node went before its notice was seen); each is said once."""
+        ...
+
     def release(self, worker_id: int) -> None:
         """Lets a worker that left the run at a step boundary (a planned departure) end its
         process on its own, as a clean exit; killed if it has not within a few seconds."""

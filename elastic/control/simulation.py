@@ -96,6 +96,8 @@ class SimulatedWorkers:
         async_writes: a checkpoint write is reported done by its worker's next checkpoint
             or flush call (in the background), not in its own answer; a worker that dies
             first never reports it.
+        on_preempted_nodes: worker ids whose death, however it comes (a chaos kill), Ray puts
+            down to their node's preemption (`preempted`).
     """
 
     def __init__(self, dataset_size: int, capacity: int, step_time_s: float = 0.01,
@@ -111,9 +113,11 @@ class SimulatedWorkers:
                  start_errors: Mapping[int, ElasticError] | None = None,
                  writing: Collection[int] = (),
                  store: list[dict[str, Any]] | None = None,
-                 async_writes: bool = False) -> None:
+                 async_writes: bool = False,
+                 on_preempted_nodes: Collection[int] = ()) -> None:
         self.writing = set(writing)
         self.async_writes = async_writes
+        self._preempted = set(on_preempted_nodes)
         self.store = store
         self.start_errors = dict(start_errors or {})
         self.oom_forming = list(oom_forming)
@@ -410,6 +414,11 @@ class SimulatedWorkers:
             return {"step": newest["step"], "path": f"sim/step-{newest['step']}", "skipped": [],
                     **newest["meta"]}
         raise NotImplementedError(f"the simulation has no {method!r}")
+
+    def preempted(self, ids: Sequence[int]) -> list[int]:
+        found = [w for w in ids if w in self._preempted and not self.workers[w].alive]
+        self._preempted.difference_update(found)
+        return found
 
     def fired_kill(self, step: int, rank: int) -> float | None:
         return self.clock if (step, rank) in self.fired else None

@@ -754,3 +754,18 @@ def test_members_on_notice_leave_before_an_evaluation_due_at_their_boundary(tmp_
     order = [(e["event"], e.get("step")) for e in ctx.log.events
              if e["event"] in ("planned_departure", "evaluate")]
     assert order == [("planned_departure", 8), ("evaluate", 8), ("evaluate", 12)]
+
+
+def test_a_worker_whose_node_ray_says_was_preempted_counts_as_a_preemption(tmp_path):
+    """Worker 1's node is preempted before its drain was seen (no notice): Ray's reason says
+    so, and the loss counts against max_preemptions, not max_failures (0 here: before, the
+    run failed)."""
+    config = _config(tmp_path, ahead=False, failure=FailureConfig(max_failures=0),
+                     chaos=(ChaosEvent(step=8, rank=1, action="kill"),))
+    sim = SimulatedWorkers(dataset_size=16000, capacity=4, start_delay_s=0.02,
+                           on_preempted_nodes={1})
+    ctx = Context(config, "sim", RunLog(str(tmp_path)), sim)
+    end = Machine(ctx).run()
+    assert isinstance(end, Finished)
+    assert ctx.policy.preemptions == 1 and ctx.policy.workers_lost == 0
+    assert [m["step"] for m in ctx.log.metrics if m["step"] < 8] == list(range(8))
