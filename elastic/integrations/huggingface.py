@@ -17,15 +17,20 @@ What is taken from where:
   `LossSum(total, count)`: the summed token loss and the number of tokens that count (labels
   that are not -100, shifted for a causal LM), which is what `Trainer` divides by across its
   accumulated batches; the result does not depend on how the batch is split. A model that
-  computes its own mean: with gradient accumulation, each accumulated batch of
-  `per_device_train_batch_size` samples is one group (`batch.groups`), run in one forward
-  and weighted alike, as `Trainer` averages them (per-sample heads need no groups); without,
+  computes its own mean, or whose batches have no "labels" (`Trainer` counts items only in
+  batches with "labels": question answering, custom `label_names`): with gradient
+  accumulation, each accumulated batch of `per_device_train_batch_size` samples is one group
+  (`batch.groups`), run in one forward and weighted alike, as `Trainer` averages them
+  (per-sample heads need no groups); without,
   a mean over tokens (labels with one class per token: BERT's masked LM, T5, token
   classification, causal LMs that take no loss keyword arguments) is trained as the
   cross-entropy summed over the tokens that count, shifted or not as the model's own loss
   says (read once), and any other loss as a per-sample mean, with a warning.
 - `max_grad_norm` (clipping), `bf16`/`fp16`, `seed`, `num_train_epochs`/`max_steps`,
   `eval_strategy`/`eval_steps`, `per_device_eval_batch_size` become the job's `settings`.
+- The model is built as `Trainer.train` prepares it: `activation_checkpointing` (alias
+  `gradient_checkpointing`) turned on with its keyword arguments, and a tokenizer's special
+  tokens (`processing_class`) set in its config.
 - Evaluation (with `eval_dataset` and an `eval_strategy` other than "no"): the model's loss
   on each batch weighted by its number of samples ("loss", as `Trainer`'s eval_loss), and
   `compute_metrics` called on each batch's `EvalPrediction`, each value weighted by the
@@ -34,13 +39,17 @@ What is taken from where:
 - The data: `train_dataset` and `eval_dataset` travel to the workers with the job, pickled
   with it (a data set that holds files by path needs them on every node); columns the
   model's `forward` does not take are dropped (`remove_unused_columns`); `data_collator`
-  (default: `transformers.default_data_collator`) makes the batches. The order is elastic's
-  public one.
+  makes the batches (default as `Trainer`'s: `DataCollatorWithPadding` with a tokenizer as
+  `processing_class`, `transformers.default_data_collator` otherwise). The order is
+  elastic's public one.
 
 Refused, each with what to do instead: DeepSpeed, FSDP, `torch_compile`, label smoothing,
 `group_by_length`, optimizers outside torch's, `batch_eval_metrics`, fractional epochs,
-schedulers stepped on a metric, `load_best_model_at_end`, NEFTune, and gradient
-accumulation with a loss that `Trainer` would scale by the accumulation steps.
+schedulers stepped on a metric, `load_best_model_at_end`, NEFTune, Liger kernels
+(`use_liger_kernel`), activation checkpointing on a model that cannot do it, and gradient
+accumulation with a model that `Trainer` passes `num_items_in_batch` (its forward takes loss
+keyword arguments, its batches have "labels") but whose loss is a per-batch mean, which
+`Trainer` would not divide by the accumulation steps.
 """
 
 from __future__ import annotations
@@ -73,7 +82,8 @@ _PER_SAMPLE_HEADS = ("ForSequenceClassification", "ForImageClassification",
 
 def hf_job(model_init: Callable[[], Any], args: Any, train_dataset: Any, eval_dataset: Any = None,
            data_collator: Callable[[list[Any]], Any] | None = None,
-           compute_metrics: Callable[[Any], Mapping[str, float]] | None = None) -> TrainJob:
+           compute_metrics: Callable[[Any], Mapping[str, float]] | None = None,
+           processing_class: Any = None) -> TrainJob:
     """The `TrainJob` (with its `settings`) that trains as `transformers.Trainer(model_init=
     model_init, args=args, ...)` would.
 
@@ -82,8 +92,13 @@ def hf_job(model_init: Callable[[], Any], args: Any, train_dataset: Any, eval_da
         args: the `transformers.TrainingArguments`.
         train_dataset: a map-style dataset (a `datasets.Dataset`, a torch Dataset).
         eval_dataset: the evaluation set, evaluated as `args.eval_strategy` says.
-        data_collator: list of samples -> batch; default `transformers.default_data_collator`.
+        data_collator: list of samples -> batch; default as `Trainer`'s:
+            `DataCollatorWithPadding(processing_class)` with a tokenizer (or a sequence
+            feature extractor), `transformers.default_data_collator` otherwise.
         compute_metrics: `EvalPrediction -> {name: value}`, called per evaluation batch.
+        processing_class: `Trainer`'s: the tokenizer, feature extractor or processor; it
+            travels with the job. It chooses the default collator, and a tokenizer's (or a
+            processor's) special tokens are set in the model's config, as `Trainer.train`.
 
     Raises:
         ConfigError: an argument asks for what elastic cannot do with the same meaning.
@@ -94,7 +109,7 @@ def hf_job(model_init: Callable[[], Any], args: Any, train_dataset: Any, eval_da
                           "but no eval_dataset: pass one, or set eval_strategy='no' (Trainer "
                           "refuses this too)")
     spec = _HuggingFace(model_init, args, train_dataset, eval_dataset, data_collator,
-                        compute_metrics)
+                        compute_metrics, processing_class)
     settings = spec.inspect()
     evaluates = eval_dataset is not None and _strategy(args.eval_strategy) != "no"
     return TrainJob(
@@ -139,6 +154,9 @@ def _refuse(args: Any) -> None:
          "elastic.load_checkpoint(path, best=True)"),
         (bool(arg("neftune_noise_alpha")), "neftune_noise_alpha", "add the noise to the "
          "embeddings in the model's forward (elastic trains the model as it is)"),
+        (bool(arg("use_liger_kernel")), "use_liger_kernel", "elastic does not patch the model "
+         "with Liger's kernels (its fused cross-entropy returns no logits, which elastic's "
+         "loss and evaluation read); train without them"),
         (args.max_steps <= 0 and float(args.num_train_epochs) != int(args.num_train_epochs),
          "num_train_epochs", "use a whole number of epochs, or max_steps"),
         (_strategy(arg("eval_strategy")) == "steps" and arg("eval_steps") is not None
@@ -154,13 +172,17 @@ class _HuggingFace:
     """The factories of a Hugging Face job; picklable with the arguments and data sets."""
 
     def __init__(self, model_init: Callable[[], Any], args: Any, train_dataset: Any,
-                 eval_dataset: Any, data_collator: Any, compute_metrics: Any) -> None:
+                 eval_dataset: Any, data_collator: Any, compute_metrics: Any,
+                 processing_class: Any = None) -> None:
         if not callable(model_init) or isinstance(model_init, torch.nn.Module):
             raise ConfigError("hf_job: model_init must be a function that returns the model "
                               f"(as Trainer's model_init), got {type(model_init).__name__}")
         self.model_init, self.args = model_init, args
         self.train, self.eval = train_dataset, eval_dataset
-        self.collator, self.compute_metrics = data_collator, compute_metrics
+        self.processing_class = processing_class
+        self.collator = data_collator if data_collator is not None else _default_collator(
+            processing_class)
+        self.compute_metrics = compute_metrics
         self.columns: tuple[str, ...] | None = None
         self.token_loss, self.shifts = False, False
         self.steps = 0
@@ -177,47 +199,15 @@ class _HuggingFace:
                 model = self.model_init()
         except Exception:
             model = self.model_init()
+        _enable_checkpointing(model, self.args)  # refused here if the model cannot
         self.token_loss, self.shifts = _loss_form(model)
-        accepts = _accepts_loss_kwargs(model)
-        if self.args.remove_unused_columns:
+        args = self.args
+        if args.remove_unused_columns:
             names = list(inspect.signature(model.forward).parameters)
             self.columns = tuple(dict.fromkeys([*names, "label", "label_ids", "labels",
-                                                *(self.args.label_names or [])]))
-        args = self.args
-        accumulate = int(args.gradient_accumulation_steps)
-        if accumulate > 1 and accepts and not self.token_loss:
-            raise ConfigError(
-                f"TrainingArguments.gradient_accumulation_steps={accumulate}: this model takes "
-                "num_items_in_batch but its loss is a per-batch mean, so Trainer would not "
-                "divide it by the accumulation steps (the update would be that many times "
-                "larger); elastic averages over the global batch: set "
-                "gradient_accumulation_steps=1 and per_device_train_batch_size to the global "
-                "batch (FitConfig.batch.max_micro_batch bounds a worker's memory)")
-        per_device = int(args.per_device_train_batch_size)
-        global_batch = per_device * accumulate
-        settings: dict[str, Any] = {"batch.global_batch_size": global_batch, "seed": int(args.seed)}
-        if accumulate > 1:
-            settings["batch.max_micro_batch"] = per_device
-            if not self.token_loss and not type(model).__name__.endswith(_PER_SAMPLE_HEADS):
-                # Trainer averages the losses of its accumulated batches of per_device samples
-                # (a model that takes no loss keyword arguments): one group each, every
-                # forward exactly one of them, weighted alike, gives that average whatever
-                # the loss is a mean over (samples or tokens) and whoever runs it. (A head
-                # whose loss is a mean over samples needs none: any split gives the average;
-                # groups would leave workers beyond the accumulation steps without a share.)
-                settings["batch.groups"] = "on"
-                settings["batch.group_size"] = per_device
-        if args.max_steps > 0:
-            self.steps = int(args.max_steps)
-            settings["max_steps"] = self.steps
-        else:
-            epochs = int(args.num_train_epochs)
-            per_epoch = len(self.train) // global_batch
-            if per_epoch == 0:
-                raise ConfigError(f"train_dataset has {len(self.train)} samples, fewer than one "
-                                  f"global batch of {global_batch}")
-            self.steps = epochs * per_epoch
-            settings["epochs"] = epochs
+                                                *(args.label_names or [])]))
+        settings = {**self._batch_settings(model), "seed": int(args.seed)}
+        settings.update(self._length_settings(settings["batch.global_batch_size"]))
         if args.max_grad_norm and args.max_grad_norm > 0:
             settings["training.clip_grad_norm"] = float(args.max_grad_norm)
         if args.bf16 or args.fp16:
@@ -230,10 +220,75 @@ class _HuggingFace:
                 settings["evaluation.every_steps"] = int(every)
         return settings
 
+    def _batch_settings(self, model: Any) -> dict[str, Any]:
+        """The global batch, and with gradient accumulation the micro-batch bound and the
+        groups that give `Trainer`'s average over its accumulated batches.
+
+        Raises:
+            ConfigError: `Trainer` would not divide the loss by the accumulation steps.
+        """
+        accumulate = int(self.args.gradient_accumulation_steps)
+        per_device = int(self.args.per_device_train_batch_size)
+        settings: dict[str, Any] = {"batch.global_batch_size": per_device * accumulate}
+        if accumulate == 1:
+            return settings
+        counted = _accepts_loss_kwargs(model)  # Trainer passes it num_items_in_batch
+        if counted and not self._batches_have_labels():
+            # Trainer counts items only in batches with "labels" (`_get_num_items_in_batch`);
+            # without, it divides each accumulated batch's loss by the accumulation steps, as
+            # for a model that takes no count: the groups below give that average.
+            counted, self.token_loss = False, False
+        if counted and not self.token_loss:
+            raise ConfigError(
+                f"TrainingArguments.gradient_accumulation_steps={accumulate}: this model takes "
+                "num_items_in_batch but its loss is a per-batch mean, so Trainer would not "
+                "divide it by the accumulation steps (the update would be that many times "
+                "larger); elastic averages over the global batch: set "
+                "gradient_accumulation_steps=1 and per_device_train_batch_size to the global "
+                "batch (FitConfig.batch.max_micro_batch bounds a worker's memory)")
+        settings["batch.max_micro_batch"] = per_device
+        if not self.token_loss and not type(model).__name__.endswith(_PER_SAMPLE_HEADS):
+            # Trainer averages the losses of its accumulated batches of per_device samples
+            # (a model it passes no count): one group each, every
+            # forward exactly one of them, weighted alike, gives that average whatever
+            # the loss is a mean over (samples or tokens) and whoever runs it. (A head
+            # whose loss is a mean over samples needs none: any split gives the average;
+            # groups would leave workers beyond the accumulation steps without a share.)
+            settings["batch.groups"] = "on"
+            settings["batch.group_size"] = per_device
+        return settings
+
+    def _length_settings(self, global_batch: int) -> dict[str, Any]:
+        """`max_steps`, or the whole epochs; sets the run's number of optimizer steps, over
+        which the scheduler runs."""
+        args = self.args
+        if args.max_steps > 0:
+            self.steps = int(args.max_steps)
+            return {"max_steps": self.steps}
+        epochs = int(args.num_train_epochs)
+        per_epoch = len(self.train) // global_batch
+        if per_epoch == 0:
+            raise ConfigError(f"train_dataset has {len(self.train)} samples, fewer than one "
+                              f"global batch of {global_batch}")
+        self.steps = epochs * per_epoch
+        return {"epochs": epochs}
+
+    def _batches_have_labels(self) -> bool:
+        """Whether the batches hold "labels", read from a batch of the first samples as
+        `Trainer` reads its first accumulated batch."""
+        size = min(len(self.train), int(self.args.per_device_train_batch_size))
+        batch = self.collate([self.train[i] for i in range(size)])
+        return isinstance(batch, Mapping) and "labels" in batch
+
     # --- the factories, called on the workers -------------------------------------------------
 
     def model(self) -> Any:
-        return self.model_init()
+        """The model as `Trainer.train` prepares it: activation checkpointing as the arguments
+        say, and a tokenizer's special tokens in its config."""
+        model = self.model_init()
+        _enable_checkpointing(model, self.args)
+        _align_special_tokens(model, self.processing_class)
+        return model
 
     def optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         from transformers import Trainer
@@ -304,11 +359,62 @@ class _HuggingFace:
     def collate(self, samples: list[Any]) -> Any:
         if self.columns is not None and samples and isinstance(samples[0], Mapping):
             samples = [{k: v for k, v in s.items() if k in self.columns} for s in samples]
-        if self.collator is not None:
-            return self.collator(samples)
-        from transformers import default_data_collator
+        return self.collator(samples)
 
-        return default_data_collator(samples)
+
+def _default_collator(processing_class: Any) -> Callable[[list[Any]], Any]:
+    """`Trainer`'s default collator: `DataCollatorWithPadding` with a tokenizer or a sequence
+    feature extractor, `default_data_collator` otherwise."""
+    from transformers import (
+        DataCollatorWithPadding,
+        PreTrainedTokenizerBase,
+        SequenceFeatureExtractor,
+        default_data_collator,
+    )
+
+    if isinstance(processing_class, (PreTrainedTokenizerBase, SequenceFeatureExtractor)):
+        return DataCollatorWithPadding(processing_class)
+    return default_data_collator
+
+
+def _align_special_tokens(model: Any, processing_class: Any) -> None:
+    """A tokenizer's (or a processor's) pad, bos and eos tokens set in the model's config and
+    generation config, as `Trainer.train` sets them."""
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin
+    from transformers.trainer_utils import align_special_tokens
+
+    if isinstance(processing_class, (PreTrainedTokenizerBase, ProcessorMixin)) and hasattr(
+            model, "config"):
+        align_special_tokens(model, processing_class)
+
+
+def _enable_checkpointing(model: Any, args: Any) -> None:
+    """Activation checkpointing as `Trainer.train` turns it on: `activation_checkpointing`
+    (alias `gradient_checkpointing`), with `activation_checkpointing_kwargs` less its
+    `every_n_layers` and `offload`, which go to the model's method by name.
+
+    Raises:
+        ConfigError: the model cannot checkpoint its activations.
+    """
+    enabled = getattr(args, "activation_checkpointing", None)
+    if enabled is None:  # an arguments object of a version without the new name
+        enabled = getattr(args, "gradient_checkpointing", False)
+    if not enabled:
+        return
+    kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None)
+                  or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+    try:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
+                                                  every_n_layers=every_n_layers, offload=offload)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None,
+                                                every_n_layers=every_n_layers, offload=offload)
+    except (AttributeError, ValueError) as e:
+        raise ConfigError(f"TrainingArguments.activation_checkpointing=True: "
+                          f"{type(model).__name__} cannot checkpoint its activations ({e}); set "
+                          "activation_checkpointing=False") from e
 
 
 def _ignored_at_inference(model: Any) -> list[str]:

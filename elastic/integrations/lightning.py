@@ -6,13 +6,16 @@ What is taken from the module and how:
 - `training_step(batch, batch_idx)` is the loss: a tensor, or a dict with "loss" (a mean over
   the batch's samples, as Lightning assumes). Values passed to `self.log`/`self.log_dict`
   in it become training metrics, each reported per step as its mean over the global batch.
-  `batch_idx` is the run's global step (Lightning counts within the epoch).
+  `batch_idx` is the run's global step (Lightning counts within the epoch); as Lightning, a
+  step that does not take it is called without it.
 - `configure_optimizers`, in each of its documented forms with one optimizer, gives the
   optimizer and the scheduler with its `interval`, `frequency` and `monitor`. A scheduler
   dict's `interval` "step" steps after every committed step, "epoch" once an epoch's last
   step is committed; a `ReduceLROnPlateau` on "epoch" steps after each evaluation on the
-  monitored metric of `validation_step` (as Lightning's does, after the epoch's validation);
-  one on "step" steps on the step's value of a metric `training_step` logs.
+  monitored metric of `validation_step` (as Lightning's does, after the epoch's validation),
+  or, on a metric `training_step` logs with on_epoch=True, at the epoch's end on its mean
+  over the epoch (Lightning's epoch value); one on "step" steps on the step's value of a
+  metric `training_step` logs.
   `frequency` N steps it every N intervals, counted over the run (Lightning counts "step"
   intervals within each epoch: the two agree when an epoch has a multiple of N steps).
 - `validation_step(batch, batch_idx)` with `self.log` is the distributed evaluation (when
@@ -21,29 +24,35 @@ What is taken from the module and how:
   Lightning's epoch value is. `batch_idx` is 0. Batches are collated with the training
   loader's `collate_fn` (a different one in `val_dataloader` is refused).
 - The data module's (or the module's own) `train_dataloader().dataset` and `collate_fn`, and
-  `val_dataloader().dataset`, give the data; `prepare_data` and `setup("fit")` run first in
-  every process that reads data. The samples are visited in elastic's public order (a
-  permutation per epoch from the run's seed), not in the loader's: its sampler, batch size
-  and workers are not used (`FitConfig.batch` and `FitConfig.data` say those). `prepare_data`
-  runs in every such process, not once per node as in Lightning.
+  `val_dataloader().dataset`, give the data; `prepare_data` (the data module's, then the
+  module's, as Lightning) and `setup("fit")` run first in every process that reads data.
+  The samples are visited in elastic's public order (a permutation per epoch from the run's
+  seed), not in the loader's: its sampler, batch size and workers are not used
+  (`FitConfig.batch` and `FitConfig.data` say those). `prepare_data` runs in every such
+  process, not once per node as in Lightning.
 - `precision`, `gradient_clip_val`, `gradient_clip_algorithm`, `max_epochs`, `max_steps` and
-  `check_val_every_n_epoch` mirror `lightning.Trainer`'s arguments; they become the job's
-  `settings` (FitConfig fields that `fit` and `elastic run` apply).
+  `check_val_every_n_epoch` mirror `lightning.Trainer`'s arguments, with its defaults; they
+  become the job's `settings` (FitConfig fields that `fit` and `elastic run` apply).
 
 Refused at the start, each with what to do instead: manual optimization, more than one
 optimizer or scheduler, `accumulate_grad_batches` (the global batch covers it), Trainer
 arguments it does not take, clipping with an optimizer over some of the trainable
-parameters, `configure_callbacks`, and hooks whose side effects elastic cannot replay on
-every rank through failures (`on_train_batch_end`, `optimizer_step`,
-`on_validation_epoch_end` and the like).
+parameters, `configure_callbacks`, `max_epochs=-1` without `max_steps` (no end), and hooks
+whose side effects elastic cannot replay on every rank through failures
+(`on_train_batch_end`, `optimizer_step`, `on_validation_epoch_end` and the like). Refused
+when they happen: a `training_step` that returns None (Lightning skips the batch; every
+rank must do the same for a step), and a torchmetrics `Metric` passed to `self.log` (its
+state adds up per rank).
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
+import textwrap
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -102,8 +111,8 @@ _PRECISION = {"32": "32", "32-true": "32", "bf16-mixed": "bf16-mixed", "bf16": "
 _LOADERS: dict[str, tuple[Any, Any]] = {}
 
 
-def lightning_job(module: Any, datamodule: Any = None, *, precision: str | int = "32-true",
-                  gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm",
+def lightning_job(module: Any, datamodule: Any = None, *, precision: str | int | None = None,
+                  gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None,
                   accumulate_grad_batches: int = 1, max_epochs: int | None = None,
                   max_steps: int = -1, check_val_every_n_epoch: int = 1,
                   datamodule_kwargs: Mapping[str, Any] | None = None,
@@ -116,7 +125,10 @@ def lightning_job(module: Any, datamodule: Any = None, *, precision: str | int =
         datamodule: a LightningDataModule class or function (called with
             `datamodule_kwargs`); None: the module's own `train_dataloader`/`val_dataloader`.
         precision, gradient_clip_val, gradient_clip_algorithm, accumulate_grad_batches,
-        max_epochs, max_steps, check_val_every_n_epoch: as `lightning.Trainer`'s.
+        max_epochs, max_steps, check_val_every_n_epoch: as `lightning.Trainer`'s, with its
+            defaults and their meaning (precision None: "32-true"; gradient_clip_algorithm
+            None: "norm"; -1: no limit), except that max_epochs None leaves the number of
+            epochs to the run's configuration (Lightning's would be 1000 without max_steps).
         datamodule_kwargs: keyword arguments of `datamodule`.
         **module_kwargs: keyword arguments of `module`.
 
@@ -162,17 +174,20 @@ def _refuse_trainer_arguments(module: Any, module_kwargs: Mapping[str, Any]) -> 
 
 class _Plan:
     """What `configure_optimizers` and the module's hooks say, read once on the driver.
-    `partial`: the optimizer takes only some of the module's trainable parameters."""
+    `partial`: the optimizer takes only some of the module's trainable parameters.
+    `on_training`: the monitor of a ReduceLROnPlateau stepped every epoch is a metric of
+    `training_step` (logged with on_epoch=True), not of `validation_step`."""
 
     def __init__(self, scheduler: bool, interval: str, frequency: int, monitor: str | None,
-                 plateau: bool, validates: bool, partial: bool = False) -> None:
+                 plateau: bool, validates: bool, partial: bool = False,
+                 on_training: bool = False) -> None:
         self.scheduler, self.interval, self.frequency = scheduler, interval, frequency
         self.monitor, self.plateau, self.validates = monitor, plateau, validates
-        self.partial = partial
+        self.partial, self.on_training = partial, on_training
 
 
-def _settings(precision: str | int, clip: float | None, algorithm: str, accumulate: int,
-              max_epochs: int | None, max_steps: int, val_every: int,
+def _settings(precision: str | int | None, clip: float | None, algorithm: str | None,
+              accumulate: int, max_epochs: int | None, max_steps: int | None, val_every: int,
               plan: _Plan) -> dict[str, Any]:
     """The FitConfig fields the Trainer arguments and the module imply."""
     if accumulate != 1:
@@ -180,45 +195,78 @@ def _settings(precision: str | int, clip: float | None, algorithm: str, accumula
                           "accumulation: set batch.global_batch_size to the batch size times "
                           f"{accumulate} (times the devices you trained on), and "
                           "batch.max_micro_batch to what fits in a worker's memory")
-    mapped = _PRECISION.get(str(precision))
+    settings = {**_precision_settings(precision), **_clip_settings(clip, algorithm, plan),
+                **_stop_settings(max_epochs, max_steps)}
+    if plan.validates and val_every != 1:  # elastic evaluates every epoch by default
+        settings["evaluation.every_epochs"] = val_every
+    return {**settings, **_scheduler_settings(plan)}
+
+
+def _precision_settings(precision: str | int | None) -> dict[str, Any]:
+    """Lightning's precision; None is its default, "32-true"."""
+    mapped = _PRECISION.get(str("32-true" if precision is None else precision))
     if mapped is None:
         raise ConfigError(f"precision={precision!r}: elastic trains in '32-true', 'bf16-mixed' "
                           f"or '16-mixed' (parameters in float32); choose one of these")
+    return {} if mapped == "32" else {"training.precision": mapped}
+
+
+def _clip_settings(clip: float | None, algorithm: str | None, plan: _Plan) -> dict[str, Any]:
+    """Lightning's clipping: none unless `clip` is above 0; `algorithm` in any case, None
+    meaning "norm" (`LightningModule.clip_gradients`); checked even without clipping, as
+    `lightning.Trainer` checks it."""
+    name = "norm" if algorithm is None else str(algorithm).lower()
+    if name not in ("norm", "value"):
+        raise ConfigError(f"gradient_clip_algorithm={algorithm!r}: use 'norm' or 'value' "
+                          "(None: 'norm')")
+    if clip is None or clip <= 0:
+        return {}
+    if plan.partial:
+        raise ConfigError(
+            "gradient_clip_val: configure_optimizers trains only some of the module's "
+            "parameters that require gradients; Lightning clips the optimizer's "
+            "parameters, elastic clips every trainable one: freeze the others "
+            "(requires_grad=False), which Lightning then leaves alone too")
+    return {f"training.clip_grad_{name}": float(clip)}
+
+
+def _stop_settings(max_epochs: int | None, max_steps: int | None) -> dict[str, Any]:
+    """Lightning's limits, -1 turning one off. max_epochs None leaves the epochs to the
+    run's configuration (see `lightning_job`)."""
+    steps = -1 if max_steps is None else max_steps
+    if max_epochs == -1 and steps == -1:
+        raise ConfigError("max_epochs=-1 without max_steps: Lightning would train without end, "
+                          "and an elastic run needs one: set max_steps, or max_epochs to a "
+                          "number of epochs")
+    if max_epochs is not None and max_epochs != -1 and max_epochs < 1:
+        raise ConfigError(f"max_epochs={max_epochs}: give a number of epochs of at least 1, "
+                          "or -1 (no limit) with max_steps")
+    if steps != -1 and steps < 1:
+        raise ConfigError(f"max_steps={max_steps}: give a number of steps of at least 1, or "
+                          "-1 (no limit)")
     settings: dict[str, Any] = {}
-    if mapped != "32":
-        settings["training.precision"] = mapped
-    if clip is not None and clip > 0:
-        if algorithm not in ("norm", "value"):
-            raise ConfigError(f"gradient_clip_algorithm={algorithm!r}: use 'norm' or 'value'")
-        if plan.partial:
-            raise ConfigError(
-                "gradient_clip_val: configure_optimizers trains only some of the module's "
-                "parameters that require gradients; Lightning clips the optimizer's "
-                "parameters, elastic clips every trainable one: freeze the others "
-                "(requires_grad=False), which Lightning then leaves alone too")
-        settings[f"training.clip_grad_{algorithm}"] = float(clip)
-    if max_epochs is not None:
+    if max_epochs not in (None, -1):
         settings["epochs"] = max_epochs
-    if max_steps not in (-1, None):
-        settings["max_steps"] = max_steps
-    if plan.validates and val_every != 1:  # elastic evaluates every epoch by default
-        settings["evaluation.every_epochs"] = val_every
-    if plan.scheduler:
-        interval, monitor = plan.interval, plan.monitor
-        if plan.plateau and interval == "epoch":
-            if not plan.validates:
-                raise ConfigError(
-                    f"configure_optimizers: a ReduceLROnPlateau on {monitor!r} every epoch "
-                    "without a validation_step: Lightning would step it on that metric's last "
-                    "logged value, which elastic does not keep; monitor a metric of a "
-                    "validation_step, or step it every step ('interval': 'step')")
-            settings["training.scheduler_interval"] = "evaluation"
-            settings["training.scheduler_monitor"] = f"eval/{monitor}"
-        else:
-            if interval != "step":
-                settings["training.scheduler_interval"] = interval
-            if plan.plateau:
-                settings["training.scheduler_monitor"] = monitor
+    if steps != -1:
+        settings["max_steps"] = steps
+    return settings
+
+
+def _scheduler_settings(plan: _Plan) -> dict[str, Any]:
+    """When the scheduler steps, and on what. A ReduceLROnPlateau stepped every epoch steps
+    on its monitor as Lightning reads it then: a validation metric's value after the epoch's
+    validation, or a training metric's epoch mean (logged with on_epoch=True)."""
+    if not plan.scheduler:
+        return {}
+    interval, monitor = plan.interval, plan.monitor
+    if plan.plateau and interval == "epoch" and not plan.on_training:
+        return {"training.scheduler_interval": "evaluation",
+                "training.scheduler_monitor": f"eval/{monitor}"}
+    settings: dict[str, Any] = {}
+    if interval != "step":
+        settings["training.scheduler_interval"] = interval
+    if plan.plateau:
+        settings["training.scheduler_monitor"] = monitor
     return settings
 
 
@@ -277,8 +325,11 @@ class _Lightning:
         if plateau and not monitor:
             raise ConfigError("configure_optimizers: a ReduceLROnPlateau needs a monitor: "
                               "return {'optimizer': ..., 'lr_scheduler': ..., 'monitor': name}")
-        return _Plan(True, interval, self.frequency, monitor, plateau, self._validates(module),
-                     partial)
+        validates = self._validates(module)
+        on_training = plateau and interval == "epoch" and _monitors_training(
+            module, monitor, validates)
+        return _Plan(True, interval, self.frequency, monitor, plateau, validates, partial,
+                     on_training)
 
     def _build_light(self, configure: bool = False) -> Any:
         """The module on the meta device, or on the CPU if its constructor (or
@@ -344,19 +395,25 @@ class _Lightning:
         logged = model._elastic_logged
         logged.clear()
         step = current_step()
-        out = model.training_step(batch, 0 if step is None else step)
+        out = model.training_step(*_step_args(model.training_step, batch,
+                                              0 if step is None else step))
+        if out is None:
+            raise ConfigError(
+                "training_step returned None, with which Lightning skips the batch: elastic "
+                "cannot, as every rank must do the same for a step and each holds only part "
+                "of its batch; return a loss for every batch (leave out of the data set the "
+                "samples you would skip)")
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, torch.Tensor):
-            raise TypeError("training_step must return the loss: a tensor or a dict with "
-                            f"'loss' (returned {type(out).__name__}; elastic cannot skip a "
-                            "batch on one rank)")
+            raise ConfigError("training_step must return the loss: a tensor or a dict with "
+                              f"'loss' (returned {type(out).__name__})")
         metrics = {name: value for name, (value, _) in logged.items()}
         return (loss, metrics) if metrics else loss
 
     def eval_step(self, model: Any, batch: Any) -> dict[str, tuple[Any, float]]:
         logged = model._elastic_logged
         logged.clear()
-        model.validation_step(batch, 0)
+        model.validation_step(*_step_args(model.validation_step, batch, 0))
         size = None
         terms = {}
         for name, (value, batch_size) in logged.items():
@@ -394,9 +451,11 @@ class _Lightning:
             if self.datamodule is not None:
                 source = self.datamodule(**self.datamodule_kwargs)
                 _refuse_data_hooks(source)
+                source.prepare_data()
+                self._prepare_module_data()  # after the data module's, as Lightning
             else:
                 source = self._build_light()
-            source.prepare_data()
+                source.prepare_data()
             source.setup("fit")
             train = source.train_dataloader()
             val = source.val_dataloader() if _overrides(source, "val_dataloader") else None
@@ -411,6 +470,15 @@ class _Lightning:
                                   "loaders the same one")
             built = _LOADERS[self.token] = (train, val)
         return built
+
+    def _prepare_module_data(self) -> None:
+        """The module's own `prepare_data`, which Lightning runs after the data module's
+        (`DataConnector.prepare_data`); the module is built for it only if it has one."""
+        cls = self.module if isinstance(self.module, type) else None
+        if cls is not None and getattr(cls, "prepare_data", None) is getattr(
+                _lightning_base_class(cls, "LightningModule"), "prepare_data", None):
+            return
+        self._build_light().prepare_data()
 
 
 # The scheduler `optimizer` built, until `scheduler` takes it (the two run back to back).
@@ -562,6 +630,93 @@ def _refuse(obj: Any, hooks: Mapping[str, str], kind: str) -> None:
                           f"failures): {hooks[name]}")
 
 
+def _step_args(hook: Any, batch: Any, batch_idx: int) -> tuple[Any, ...]:
+    """The arguments of `training_step` or `validation_step`, as Lightning passes them:
+    `batch_idx` only when the hook takes it (`is_param_in_hook_signature`)."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    if is_param_in_hook_signature(hook, "batch_idx", min_args=2):
+        return batch, batch_idx
+    return (batch,)
+
+
+def _monitors_training(module: Any, monitor: str, validates: bool) -> bool:
+    """Whether a ReduceLROnPlateau stepped every epoch monitors a metric of `training_step`
+    (Lightning steps it on the epoch mean when it is logged with on_epoch=True, on the last
+    step's value otherwise) rather than one of `validation_step` (its value after the
+    epoch's validation). Told from the names the two steps log, written out.
+
+    Raises:
+        ConfigError: the name is logged by both, by `training_step` without on_epoch=True,
+            or not by `training_step` in a module with nothing to validate.
+    """
+    train = _logged_names(module, "training_step")
+    val = _logged_names(module, "validation_step")
+    plateau = f"configure_optimizers: the ReduceLROnPlateau monitors {monitor!r}"
+    if monitor in train and monitor in val:
+        raise ConfigError(f"{plateau}, which both training_step and validation_step log: "
+                          "log the two under different names and monitor one")
+    if monitor in train:
+        if not train[monitor]:
+            raise ConfigError(
+                f"{plateau}, which training_step logs without on_epoch=True: Lightning would "
+                "step it every epoch on the last step's value, which elastic does not keep; "
+                f"log it with self.log({monitor!r}, ..., on_epoch=True) to step it on the "
+                "epoch's mean, or step it every step ('interval': 'step')")
+        return True
+    if validates:
+        # Logged by validation_step, or under a name not written out there (computed, or
+        # through a helper): taken for a validation metric, the usual plateau's; a run
+        # whose evaluation does not return it fails at its first, naming it.
+        return False
+    raise ConfigError(f"{plateau}, which training_step does not log with that name written "
+                      "out, and there is no val_dataloader to validate on: log it in "
+                      f"training_step with self.log({monitor!r}, ..., on_epoch=True), or give "
+                      "a val_dataloader")
+
+
+def _logged_names(module: Any, hook: str) -> dict[str, bool]:
+    """The names `module`'s `hook` logs with `self.log` or `self.log_dict`, written out as
+    strings in its source, each with whether every such call passes on_epoch=True written
+    out. A name the hook computes, or logs through another method, is not seen."""
+    base = _lightning_base(module, "LightningModule")
+    fn = getattr(type(module), hook, None)
+    if fn is None or fn is getattr(base, hook, None):
+        return {}
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    found: dict[str, bool] = {}
+    for method, args in _log_calls(tree, base):
+        dictionary = args.get("dictionary")
+        names = [args.get("name")] if method == "log" else (  # a dict display's key expressions
+            dictionary.keys if isinstance(dictionary, ast.Dict) else [])
+        epoch = args.get("on_epoch")
+        on_epoch = isinstance(epoch, ast.Constant) and epoch.value is True
+        for name in names:
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                found[name.value] = found.get(name.value, True) and on_epoch
+    return found
+
+
+def _log_calls(tree: ast.AST, base: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each `self.log(...)` and `self.log_dict(...)` call in `tree`: the method and its
+    arguments' expressions by parameter name, bound as Lightning's own signature binds them
+    (a call that does not bind is left out; one with `**kwargs` is seen without them)."""
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+                and node.func.attr in ("log", "log_dict")):
+            continue
+        try:
+            bound = inspect.signature(getattr(base, node.func.attr)).bind(
+                None, *node.args, **{k.arg: k.value for k in node.keywords if k.arg})
+        except TypeError:
+            continue
+        yield node.func.attr, bound.arguments
+
+
 def _capture_logs(module: Any) -> None:
     """Replaces the module's `log` and `log_dict` by ones that keep the values for the step
     (or the evaluation batch) being run: `module._elastic_logged`, name -> (value, batch_size)."""
@@ -572,10 +727,17 @@ def _capture_logs(module: Any) -> None:
         if reduce_fx not in ("mean", torch.mean):
             raise ValueError(f"self.log({name!r}, reduce_fx={reduce_fx!r}): elastic reports "
                              "each metric as its mean over the batch; log a mean")
+        if _is_torchmetrics(value):
+            raise ConfigError(
+                f"self.log({name!r}, {type(value).__name__}): elastic does not log torchmetrics "
+                "Metric objects (their state adds up in each rank, which elastic cannot keep "
+                "the same on every rank through failures); log the value the metric returns "
+                f"for the batch, self.log({name!r}, metric(preds, target)): elastic reports its "
+                "mean, which is the metric's own value for metrics that are means over "
+                "samples (accuracy)")
         if isinstance(value, Mapping) or not _is_scalar(value):
             raise ValueError(f"self.log({name!r}, ...) got {type(value).__name__}: elastic "
-                             "takes a number or a one-element tensor (compute a torchmetrics "
-                             "metric's value in the step and log that)")
+                             "takes a number or a one-element tensor")
         logged[name] = (value, batch_size)
 
     def log_dict(dictionary: Mapping[str, Any], *args: Any, batch_size: int | None = None,
@@ -586,6 +748,12 @@ def _capture_logs(module: Any) -> None:
     object.__setattr__(module, "_elastic_logged", logged)
     object.__setattr__(module, "log", log)
     object.__setattr__(module, "log_dict", log_dict)
+
+
+def _is_torchmetrics(value: Any) -> bool:
+    """Whether `value` is a torchmetrics `Metric` (or a collection of them), found without
+    importing torchmetrics."""
+    return any(cls.__module__.split(".")[0] == "torchmetrics" for cls in type(value).__mro__)
 
 
 def _is_scalar(value: Any) -> bool:

@@ -346,7 +346,193 @@ def test_a_distributed_or_sampling_argument_is_refused_by_name(tmp_path, field, 
     ({"load_best_model_at_end": True, "save_strategy": "epoch",
       "metric_for_best_model": "accuracy"}, r"load_best_model_at_end=True .* best=True"),
     ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha=5.0 .* in the model's forward"),
+    ({"use_liger_kernel": True}, "use_liger_kernel=True is not supported by elastic: .* train "
+                                 "without them"),
 ])
 def test_what_elastic_cannot_do_alike_is_refused_by_name(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         _job(tmp_path, **overrides)
+
+
+# --- found by a review against transformers 5.24.0: what Trainer does and hf_job did not ----
+
+
+class _Flags:
+    """The model's checkpointing state, per module: `gradient_checkpointing` and the keyword
+    arguments its checkpoint function was given."""
+
+    @staticmethod
+    def of(model):
+        return {name: (m.gradient_checkpointing,
+                       getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords", None))
+                for name, m in model.named_modules() if hasattr(m, "gradient_checkpointing")}
+
+
+@pytest.mark.parametrize("spelling", ["activation_checkpointing", "gradient_checkpointing"])
+def test_activation_checkpointing_is_turned_on_as_trainer_turns_it_on(tmp_path, spelling):
+    # Before, the argument was ignored: the model kept every activation.
+    from transformers import Trainer
+
+    args = hf_setup.arguments(str(tmp_path), max_steps=1, eval_strategy="no", **{
+        spelling: True, f"{spelling}_kwargs": {"use_reentrant": False, "every_n_layers": 2}})
+    trainer = Trainer(model_init=hf_setup.gpt2, args=args,
+                      train_dataset=hf_setup.Tokens(hf_setup.GLOBAL, 1))
+    trainer.train()  # Trainer turns it on in train()
+    model = hf_job(hf_setup.gpt2, args, hf_setup.Tokens(hf_setup.N, 1)).model()
+    assert model.is_activation_checkpointing
+    assert _Flags.of(model) == _Flags.of(trainer.model)
+    flags = _Flags.of(model)  # every second layer: the first of GPT-2's two
+    assert (flags["transformer.h.0"], flags["transformer.h.1"]) == (
+        (True, {"use_reentrant": False}), (False, {"use_reentrant": False}))
+
+
+def test_activation_checkpointing_on_a_model_that_cannot_is_refused_by_name(tmp_path):
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(hf_setup.VOCAB, hf_setup.VOCAB)
+
+        def forward(self, input_ids, labels=None):
+            return {"loss": self.embed(input_ids).mean()}
+
+    args = hf_setup.arguments(str(tmp_path), eval_strategy="no", gradient_accumulation_steps=1,
+                              activation_checkpointing=True)
+    with pytest.raises(ConfigError, match=r"activation_checkpointing=True: Plain cannot checkpoint "
+                                          r".* set activation_checkpointing=False"):
+        hf_job(Plain, args, hf_setup.Tokens(8, 1))
+
+
+class _Spans(torch.utils.data.Dataset):
+    """Question-answering samples: token ids and an answer span, no "labels"."""
+
+    def __init__(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(1, hf_setup.VOCAB, (n, hf_setup.SEQ), generator=g)
+        self.start = torch.randint(0, hf_setup.SEQ // 2, (n,), generator=g)
+        self.end = self.start + torch.randint(0, hf_setup.SEQ // 2, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "start_positions": self.start[i],
+                "end_positions": self.end[i]}
+
+
+def _question_answering():
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    return BertForQuestionAnswering(BertConfig(
+        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=16,
+        vocab_size=hf_setup.VOCAB, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+
+
+def test_accumulation_without_labels_in_the_batch_is_trainers_mean_over_the_global_batch(
+        tmp_path):
+    # Trainer counts items only in batches with "labels": a question-answering head (which
+    # takes loss keyword arguments) is then divided by the accumulation steps, a plain mean.
+    # Before, it was refused as if Trainer passed it a count.
+    from transformers import Trainer, TrainerCallback
+
+    class Gradients(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    args = hf_setup.arguments(str(tmp_path), per_device_train_batch_size=2, max_steps=1,
+                              gradient_accumulation_steps=2, max_grad_norm=0.0,
+                              eval_strategy="no", label_names=["start_positions", "end_positions"])
+    data = _Spans(4, 1)
+    torch.manual_seed(0)
+    model = _question_answering()
+    recorder = Gradients()
+    trainer = Trainer(model=_question_answering(), args=args, train_dataset=data,
+                      callbacks=[recorder])
+    trainer.model.load_state_dict(model.state_dict())
+    trainer.train()
+    job = hf_job(_question_answering, args, data)
+    assert job.settings["batch.global_batch_size"] == 4 and "batch.groups" not in job.settings
+    batch = job.collate_fn([data[i] for i in range(4)])
+    for pieces in ([[0, 1, 2, 3]], [[0], [1, 2, 3]]):  # any split: each mean times its share
+        model.zero_grad()
+        for p in pieces:
+            (job.loss(model, {k: v[p] for k, v in batch.items()}) * len(p) / 4).backward()
+        ours = [q.grad for q in model.parameters() if q.grad is not None]
+        for a, b in zip(ours, recorder.grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_accumulation_with_a_model_of_its_own_and_no_labels_gives_trainers_groups(tmp_path):
+    class Named(torch.nn.Module):  # takes **kwargs, so Trainer would pass a count with labels
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(hf_setup.VOCAB, hf_setup.VOCAB)
+
+        def forward(self, input_ids, targets=None, **kwargs):
+            logits = self.embed(input_ids)
+            return {"loss": torch.nn.functional.cross_entropy(
+                logits.reshape(-1, hf_setup.VOCAB), targets.reshape(-1)), "logits": logits}
+
+    class Targets(hf_setup.Tokens):
+        def __getitem__(self, i):
+            sample = super().__getitem__(i)
+            return {"input_ids": sample["input_ids"], "targets": sample["labels"]}
+
+    job = hf_job(Named, hf_setup.arguments(str(tmp_path), eval_strategy="no",
+                                           label_names=["targets"]), Targets(8, 1))
+    assert (job.settings["batch.groups"], job.settings["batch.group_size"]) == (
+        "on", hf_setup.PER_DEVICE)
+
+
+class _Sentences(torch.utils.data.Dataset):
+    """Tokenized sentences of different lengths, unpadded, with a class label."""
+
+    def __init__(self, tokenizer):
+        texts = ["w1 w2", "w3 w4 w5 w6", "w7", "w2 w5 w8"]
+        self.samples = [{**tokenizer(t), "label": i % 2} for i, t in enumerate(texts)]
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        return self.samples[i]
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[SEP]": 1, "[CLS]": 2, "[PAD]": 3, **{f"w{i}": i + 4 for i in range(10)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]")
+
+
+def _classifier():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    return BertForSequenceClassification(BertConfig(
+        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=16,
+        vocab_size=16, max_position_embeddings=16, pad_token_id=0))
+
+
+def test_a_tokenizer_pads_the_batches_and_sets_the_pad_token_as_trainers(tmp_path):
+    # Before, hf_job took no processing_class and collated with default_data_collator,
+    # which fails on sentences of different lengths.
+    from transformers import Trainer
+    from transformers.trainer_utils import align_special_tokens
+
+    tokenizer = _tokenizer()
+    data = _Sentences(tokenizer)
+    args = hf_setup.arguments(str(tmp_path), eval_strategy="no", gradient_accumulation_steps=1)
+    trainer = Trainer(model=_classifier(), args=args, train_dataset=data,
+                      processing_class=tokenizer)
+    job = hf_job(_classifier, args, data, processing_class=tokenizer)
+    samples = [data[i] for i in range(4)]
+    ours, theirs = job.collate_fn(samples), trainer.data_collator(samples)
+    assert set(ours) == set(theirs) == {"input_ids", "attention_mask", "labels"}
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key])
+    reference = _classifier()
+    align_special_tokens(reference, tokenizer)  # what Trainer.train does with a tokenizer
+    assert job.model().config.pad_token_id == reference.config.pad_token_id == 3

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn import functional as F
 from torch.utils.data import DataLoader, IterableDataset
 
 from elastic import BatchConfig, FitConfig, ScalingConfig, TrainingConfig
 from elastic.config import with_job_settings
 from elastic.errors import ConfigError
+from elastic.trainer.training import Training
 
 L = pytest.importorskip("lightning.pytorch")
 
@@ -107,7 +109,7 @@ class _ConfiguredLater(Regressor):
     (_AsksTrainer, {}, "reads self.trainer"),
     (_NotLightning, {}, "not a LightningModule"),
     (Regressor, {"accumulate_grad_batches": 4}, "global_batch_size to the batch size times 4"),
-    (_TrainOnlyPlateau, {}, "ReduceLROnPlateau on 'train_loss' every epoch without a validation_step"),
+    (_TrainOnlyPlateau, {}, "'train_loss', which training_step does not log with that name"),
     (Regressor, {"precision": "64-true"}, "precision='64-true'"),
     (Regressor, {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "l1"}, "'norm' or 'value'"),
 ])
@@ -305,3 +307,265 @@ def test_one_bound_collate_method_read_by_both_loaders_is_the_same_collate_fn():
     assert len(job.dataset()) > 0 and len(job.eval_dataset()) > 0
     with pytest.raises(ConfigError, match="collate_fn differs"):
         lightning_job(Regressor, _OtherCollate).dataset()
+
+
+# --- found by a review against lightning 2.6.6: what Lightning accepts and elastic refused ---
+
+
+def _fit(module, datamodule, tmp_path, **trainer_kwargs):
+    """`lightning.Trainer.fit` in this process, on the CPU, with nothing written."""
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), **trainer_kwargs)
+    trainer.fit(module, datamodule)
+    return trainer
+
+
+class _Bare(L.LightningModule):
+    """Steps that take no batch_idx; each call is recorded with how many arguments follow
+    the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+        self.calls = []
+
+    def training_step(self, batch):
+        self.calls.append(("training_step", 0))
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch):
+        self.calls.append(("validation_step", 0))
+        self.log("val_loss", F.mse_loss(self.net(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Rest(_Bare):
+    def training_step(self, batch, *rest):
+        self.calls.append(("training_step", len(rest)))
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch, *rest):
+        self.calls.append(("validation_step", len(rest)))
+        self.log("val_loss", F.mse_loss(self.net(batch[0]), batch[1]))
+
+
+@pytest.mark.parametrize("module", [_Bare, _Rest])
+def test_steps_get_batch_idx_only_when_they_take_it_as_lightning_calls_them(tmp_path, module):
+    # Before, batch_idx was always passed: a step without it failed with a TypeError.
+    lightning = module()
+    _fit(lightning, Data(), tmp_path, fast_dev_run=1)  # one training and one validation batch
+    job = lightning_job(module, Data)
+    model = job.model()
+    batch = job.collate_fn([job.dataset()[i] for i in range(4)])
+    loss = job.loss(model, batch)
+    torch.testing.assert_close(loss, F.mse_loss(model.net(batch[0]), batch[1]))
+    assert set(job.eval_step(model, batch)) == {"val_loss"}
+    assert model.calls == lightning.calls
+
+
+def test_lightnings_own_trainer_defaults_are_taken_with_lightnings_meaning():
+    import inspect
+
+    # Every argument lightning_job takes, at lightning.Trainer's own default: nothing to set.
+    defaults = {name: p.default for name, p in inspect.signature(L.Trainer).parameters.items()
+                if name in ("precision", "gradient_clip_val", "gradient_clip_algorithm",
+                            "accumulate_grad_batches", "max_epochs", "max_steps",
+                            "check_val_every_n_epoch")}
+    assert defaults["precision"] is None and defaults["gradient_clip_algorithm"] is None
+    assert lightning_job(Regressor, Data, **defaults).settings == {}
+    assert L.Trainer(precision=None, logger=False).precision == "32-true"
+    # max_epochs=-1: no epoch limit, the run ends at max_steps (Lightning's _is_max_limit_reached).
+    job = lightning_job(Regressor, Data, precision=None, gradient_clip_val=0.5,
+                        gradient_clip_algorithm=None, max_epochs=-1, max_steps=10)
+    assert job.settings == {"training.clip_grad_norm": 0.5, "max_steps": 10}
+    assert lightning_job(Regressor, Data, gradient_clip_val=0.5, gradient_clip_algorithm="Value",
+                         max_epochs=2).settings == {"training.clip_grad_value": 0.5, "epochs": 2}
+    with pytest.raises(ConfigError, match=r"max_epochs=-1 without max_steps: .* set max_steps"):
+        lightning_job(Regressor, Data, max_epochs=-1)
+
+
+def test_clipping_with_the_default_algorithm_is_lightnings_clipping_by_norm():
+    # Lightning clips with configure_gradient_clipping(optimizer, val, trainer's algorithm),
+    # None by default; elastic's clip_grad_norm_ must give the same gradients.
+    module = Regressor()
+    module.trainer = L.Trainer(gradient_clip_val=0.01, accelerator="cpu", logger=False)
+    module.net(torch.randn(8, 4)).pow(2).mean().backward()
+    grads = [p.grad.clone() for p in module.parameters()]
+    module.configure_gradient_clipping(torch.optim.SGD(module.parameters(), lr=0.1),
+                                       gradient_clip_val=module.trainer.gradient_clip_val,
+                                       gradient_clip_algorithm=module.trainer.gradient_clip_algorithm)
+    settings = lightning_job(Regressor, Data, gradient_clip_val=0.01).settings
+    params = [torch.nn.Parameter(g.clone()) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(params, settings["training.clip_grad_norm"])
+    for ours, theirs in zip(params, module.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+class _Recording(torch.optim.lr_scheduler.ReduceLROnPlateau):
+    """A ReduceLROnPlateau that records the values it is stepped on."""
+
+    def __init__(self, optimizer):
+        super().__init__(optimizer)
+        self.seen = []
+
+    def step(self, metrics, epoch=None):
+        self.seen.append(float(metrics))
+        super().step(metrics)
+
+
+class _TrainPlateau(Regressor):
+    """A plateau on the epoch mean of a training metric, with a validation_step too."""
+
+    def training_step(self, batch, batch_idx):
+        loss = F.mse_loss(self.net(batch[0]), batch[1])
+        self.log("train_loss", loss, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        self.plateau = _Recording(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": self.plateau, "monitor": "train_loss"}
+
+
+class _LastValuePlateau(_TrainPlateau):
+    def training_step(self, batch, batch_idx):
+        loss = F.mse_loss(self.net(batch[0]), batch[1])
+        self.log("train_loss", loss)  # on_epoch is False by default in training_step
+        return loss
+
+
+def _logged(module):
+    """Records every value the module logs as `train_loss` (the step's value)."""
+    values = []
+    log = module.log
+
+    def recording(name, value, *args, **kwargs):
+        if name == "train_loss":
+            values.append(float(value.detach()))
+        log(name, value, *args, **kwargs)
+
+    module.log = recording
+    return values
+
+
+def test_a_plateau_on_a_training_metric_steps_on_its_epoch_mean_as_lightnings(tmp_path):
+    # Before, it was taken for a validation metric ('eval/train_loss'), which the first
+    # evaluation does not have.
+    lightning = _TrainPlateau()
+    values = _logged(lightning)
+    _fit(lightning, Data(), tmp_path, max_epochs=2, num_sanity_val_steps=0)
+    per_epoch = len(values) // 2
+    means = [sum(values[:per_epoch]) / per_epoch, sum(values[per_epoch:]) / per_epoch]
+    assert lightning.plateau.seen == pytest.approx(means, rel=1e-6)
+    job = lightning_job(_TrainPlateau, Data)
+    assert job.settings == {"training.scheduler_interval": "epoch",
+                            "training.scheduler_monitor": "train_loss"}
+    # elastic's Training with these settings, fed the same step values, steps on the same.
+    training = with_job_settings(_config(), job.settings, "the Lightning module").training
+    model = job.model()
+    plateau = job.lr_scheduler(job.optimizer(model))
+    steps = Training(training, plateau)
+    for step, value in enumerate(values):
+        steps.after_step(step, 0, True, 0.0, {"train_loss": value}, step // per_epoch,
+                         (step + 1) % per_epoch == 0)
+    assert plateau.seen == pytest.approx(lightning.plateau.seen, rel=1e-6)
+    batch = job.collate_fn([job.dataset()[i] for i in range(4)])
+    assert set(job.loss(model, batch)[1]) == {"train_loss"}  # the name the scheduler reads
+
+
+def test_a_plateau_on_a_training_metric_without_on_epoch_is_refused(tmp_path):
+    # Lightning steps it on the epoch's last step value, which elastic does not keep.
+    lightning = _LastValuePlateau()
+    values = _logged(lightning)
+    _fit(lightning, Data(), tmp_path, max_epochs=2, num_sanity_val_steps=0)
+    per_epoch = len(values) // 2
+    assert lightning.plateau.seen == pytest.approx([values[per_epoch - 1], values[-1]])
+    with pytest.raises(ConfigError, match=r"monitors 'train_loss', which training_step logs "
+                                          r"without on_epoch=True: .*on_epoch=True\)"):
+        lightning_job(_LastValuePlateau, Data)
+
+
+class _Both(_TrainPlateau):
+    def validation_step(self, batch, batch_idx):
+        self.log("train_loss", F.mse_loss(self.net(batch[0]), batch[1]))
+
+
+def test_a_plateau_monitor_logged_by_both_steps_is_refused():
+    with pytest.raises(ConfigError, match="which both training_step and validation_step log"):
+        lightning_job(_Both, Data)
+
+
+class _Preparing(Regressor):
+    def __init__(self, calls=None):
+        super().__init__()
+        self.calls = calls if calls is not None else []
+
+    def prepare_data(self):
+        self.calls.append("module.prepare_data")
+
+    def setup(self, stage):
+        self.calls.append(f"module.setup('{'fit' if stage == 'fit' else stage}')")
+
+
+class _PreparingData(Data):
+    def __init__(self, calls=None):
+        super().__init__()
+        self.calls = calls if calls is not None else []
+
+    def prepare_data(self):
+        self.calls.append("datamodule.prepare_data")
+
+    def setup(self, stage):
+        self.calls.append(f"datamodule.setup('{'fit' if stage == 'fit' else stage}')")
+        super().setup(stage)
+
+
+def test_the_modules_prepare_data_runs_with_a_data_module_in_lightnings_order(tmp_path):
+    # Before, the module's own prepare_data was skipped when a data module was given.
+    calls = []
+    _fit(_Preparing(calls), _PreparingData(calls), tmp_path, fast_dev_run=1)
+    ours = []
+    job = lightning_job(_Preparing, _PreparingData, calls=ours, datamodule_kwargs={"calls": ours})
+    job.dataset()
+    job.model()
+    assert ours == calls == ["datamodule.prepare_data", "module.prepare_data",
+                             "datamodule.setup('fit')", "module.setup('fit')"]
+
+
+class _Skipping(Regressor):
+    def training_step(self, batch, batch_idx):
+        return None  # Lightning skips the batch
+
+
+class _LogsMetric(Regressor):
+    def __init__(self):
+        super().__init__()
+        from torchmetrics.classification import BinaryAccuracy
+
+        self.accuracy = BinaryAccuracy()
+
+    def training_step(self, batch, batch_idx):
+        out = self.net(batch[0])
+        self.accuracy(out.sigmoid().squeeze(1), (batch[1] > 0).long().squeeze(1))
+        self.log("train_accuracy", self.accuracy)
+        return F.mse_loss(out, batch[1])
+
+
+@pytest.mark.parametrize(("module", "message"), [
+    (_Skipping, r"training_step returned None, with which Lightning skips the batch: elastic "
+                r"cannot, as every rank must do the same for a step"),
+    (_LogsMetric, r"self.log\('train_accuracy', BinaryAccuracy\): elastic does not log "
+                  r"torchmetrics Metric objects .* self.log\('train_accuracy', metric\(preds, "
+                  r"target\)\)"),
+])
+def test_what_elastic_cannot_do_the_same_on_every_rank_is_refused_when_it_happens(module, message):
+    job = lightning_job(module, Data)
+    model = job.model()
+    batch = job.collate_fn([job.dataset()[i] for i in range(4)])
+    with pytest.raises(ConfigError, match=message):
+        job.loss(model, batch)
