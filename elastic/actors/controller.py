@@ -327,6 +327,9 @@ class Controller:
             if not ids:
                 raise ConfigError(f"run {self.name!r} has no worker on a node {node_id!r}; "
                                   "`elastic status NAME` lists each worker's node")
+            for member in list(self.ctx.members) + list(self.ctx.spares):
+                if member.worker_id in ids:  # their replacements go elsewhere
+                    self.workers.avoid_node(member.node_id)
         deadline = time.time() + deadline_s if deadline_s is not None else None
         self.log.emit(DrainRequested(worker_ids=ids, rank=rank, node_id=node_id,
                                      deadline_s=deadline_s))

@@ -75,6 +75,7 @@ class RayWorkers:
         self._starting: dict[Any, int] = {}  # info() ref -> worker id
         self._parked: dict[Any, int] = {}  # park() ref of each hot spare -> worker id
         self._preempted: set[int] = set()  # dead by their node's preemption (`preempted`)
+        self._avoid: set[str] = set()  # nodes no new worker is placed on (`avoid_node`)
         self._next_id = 0
         # Chunks handed out and not finished, oldest first: (ids, ref -> rank); and the ticket
         # of the next one in this generation (the order in which each worker runs them).
@@ -95,11 +96,18 @@ class RayWorkers:
         actor = WorkerActor.options(
             num_cpus=scaling.cpus_per_worker, num_gpus=scaling.gpus_per_worker if scaling.use_gpu else 0,
             max_concurrency=6,  # a chunk, the one ahead, abort, progress, park
+            **placement(self._avoid),
         ).remote(self.job, self.config, self.run_dir, worker_id, self._key, self._controller,
                  self._origin)
         self.actors[worker_id] = actor
         self._starting[actor.info.remote()] = worker_id
         return worker_id
+
+    def avoid_node(self, node_id: str) -> None:
+        """No worker started from now on is placed on Ray node `node_id` (hex): `elastic drain
+        --node` let its workers go, and Ray, which knows nothing of that drain, would place
+        their replacements there again."""
+        self._avoid.add(node_id)
 
     def starting(self) -> int:
         return len(self._starting)
@@ -451,6 +459,14 @@ def _where(ref: Any) -> tuple[str, float]:
     except RayActorError:
         return "dead", float("inf")
     return answer["phase"], answer["age"]
+
+
+def placement(avoid: set[str]) -> dict[str, Any]:
+    """Ray options that keep an actor off the nodes `avoid` (hex ids; every node has its id
+    as the label `ray.io/node-id`)."""
+    if not avoid:
+        return {}
+    return {"label_selector": {"ray.io/node-id": f"!in({','.join(sorted(avoid))})"}}
 
 
 def _death_reason(e: RayActorError) -> str:

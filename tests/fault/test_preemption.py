@@ -202,3 +202,31 @@ def test_a_straggler_is_swapped_for_a_hot_spare(ray_cluster, tmp_path):
     assert promoted.world_size == 3
     assert {m["world_size"] for m in result.metrics} == {3}
     assert not of_kind(events, WorkerFailure)
+
+
+@pytest.mark.timeout(120)
+def test_workers_started_after_a_node_drain_by_elastic_are_kept_off_that_node(ray_cluster):
+    """`elastic drain --node` is not known to Ray, which would place the replacements on the
+    drained node again: they are started with a label selector that keeps them off it
+    (`RayWorkers.avoid_node`). Checked on Ray itself: an actor kept off another node is placed
+    here; one kept off this (the only) node is not placed within 5 s."""
+    import ray
+
+    from elastic.actors.workers import placement
+
+    @ray.remote(num_cpus=0)
+    class Where:
+        def node(self):
+            return ray.get_runtime_context().get_node_id()
+
+    here = ray.get_runtime_context().get_node_id()
+    placed = Where.options(**placement({"ab" * 28})).remote()
+    assert ray.get(placed.node.remote(), timeout=60) == here
+    kept_off = Where.options(**placement({"ab" * 28, here})).remote()
+    try:
+        ready, _ = ray.wait([kept_off.node.remote()], timeout=5)
+        assert not ready
+    finally:
+        ray.kill(kept_off)
+        ray.kill(placed)
+    assert placement(set()) == {}
