@@ -92,7 +92,8 @@ def load(host: ComputeHost, step: int, seed: int, samples: torch.Tensor) -> Any:
             seed_torch(seed)  # for CUDA's generators: the CPU ones continue from `state`
             set_generator_state(state)
             return host.move(batch, host.device)
-    batch = load_piece(host.dataset, host.collate, indices, seed)
+    batch = load_piece(host.dataset, host.collate, indices, seed,
+                       one_thread=host.config.batch.exact)
     if host.config.data.pin_memory and host.device.type == "cuda":
         # Read here (no loader processes, or a piece they did not have): pinned here, on the
         # step's path, as DataLoader with num_workers=0 pins.

@@ -138,10 +138,21 @@ def read_samples(dataset: Any, indices: Sequence[int]) -> list[Any]:
 
 
 def load_piece(dataset: Any, collate: Callable[[list[Any]], Any], indices: Sequence[int],
-               seed: int) -> Any:
-    """Seeds the generators, reads the samples, collates them: one micro-batch."""
+               seed: int, one_thread: bool = False) -> Any:
+    """Seeds the generators, reads the samples, collates them: one micro-batch. With
+    `one_thread` (exact mode, in the worker) under one intra-op thread, as in a loader
+    process: a transform or collate that reduces (a mean, ColorJitter's contrast) gives other
+    bits at other thread counts, and a piece is read in the worker when its loader died, or
+    by a run resumed without loader processes."""
     seed_generators(seed)
-    return collate(read_samples(dataset, indices))
+    if not one_thread or torch.get_num_threads() == 1:
+        return collate(read_samples(dataset, indices))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return collate(read_samples(dataset, indices))
+    finally:
+        torch.set_num_threads(threads)
 
 
 # --- the loader process side ------------------------------------------------------------

@@ -471,3 +471,25 @@ def test_a_reply_that_can_never_be_read_is_lost_once_not_asked_of_loaders_for_ev
     assert outcome == [None]  # the worker reads it itself
     batch, _ = loader.take(readable)
     assert [float(x) for x in batch] == [40.0, 41.0]
+
+
+def test_in_exact_mode_the_worker_reads_a_piece_under_one_thread_as_a_loader_does():
+    """A collate that reduces gives other bits at other intra-op thread counts: in exact
+    mode the worker reads under one thread, as its loader processes do (a piece of a loader
+    that died, a run resumed without loaders); the worker's own count is back afterwards.
+    Outside exact mode, nothing changes."""
+    seen = []
+
+    def collate(samples):
+        seen.append(torch.get_num_threads())
+        return default_collate(samples)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        exact = load_piece(list(range(8)), collate, [1, 2], seed=3, one_thread=True)
+        plain = load_piece(list(range(8)), collate, [1, 2], seed=3)
+        assert seen == [1, 2] and torch.get_num_threads() == 2
+        assert torch.equal(exact, plain) and exact.tolist() == [1, 2]
+    finally:
+        torch.set_num_threads(threads)
