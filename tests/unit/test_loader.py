@@ -393,7 +393,8 @@ def test_without_loader_processes_the_worker_pins_each_batch_it_reads(monkeypatc
     for gpu in (True, False):
         host = SimpleNamespace(
             prefetcher=None, dataset=dataset, collate=default_collate,
-            config=SimpleNamespace(data=SimpleNamespace(pin_memory=True)),
+            config=SimpleNamespace(data=SimpleNamespace(pin_memory=True),
+                                  batch=SimpleNamespace(exact=False)),
             device=torch.device("cuda" if gpu else "cpu"),
             move=lambda batch, device: moved.append(batch) or batch)
         load(host, 0, 1, torch.tensor([3, 1, 4]))
