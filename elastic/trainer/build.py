@@ -96,9 +96,13 @@ def built_data(job: TrainJob, config: FitConfig) -> BuiltData:
     building = time.monotonic()
     dataset = job.dataset()
     built_in = time.monotonic() - building
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+    # An IterableDataset with a __len__ (webdataset's with_length) still has torch's
+    # Dataset.__getitem__, which raises at the first step.
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")) or isinstance(
+            dataset, torch.utils.data.IterableDataset):
         raise ConfigError(f"TrainJob.dataset returned {type(dataset).__name__}, not a map-style "
-                          "dataset (it needs __len__ and __getitem__)")
+                          "dataset (it needs __len__ and __getitem__; an IterableDataset is "
+                          "read in its own order, which elastic cannot split exactly once)")
     if config.data.loader_workers and not getattr(dataset, "uses_loader_processes", True):
         raise ConfigError(
             f"data.loader_workers: a {type(dataset).__name__} is read through Ray, and "

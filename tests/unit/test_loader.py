@@ -494,3 +494,26 @@ def test_in_exact_mode_the_worker_reads_a_piece_under_one_thread_as_a_loader_doe
         assert torch.equal(exact, plain) and exact.tolist() == [1, 2]
     finally:
         torch.set_num_threads(threads)
+
+
+def test_an_iterable_dataset_with_a_length_is_refused_as_the_run_starts(tmp_path):
+    """webdataset's `with_length` and the like: torch's Dataset still has a __getitem__
+    (which raises), so it passed for map-style and failed every step, retried, with
+    NotImplementedError."""
+    from elastic import BatchConfig, FitConfig, ScalingConfig, TrainJob
+    from elastic.errors import ConfigError
+    from elastic.trainer.build import built_data
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(64))
+
+        def __len__(self):
+            return 64
+
+    job = TrainJob(model=lambda: torch.nn.Linear(1, 1), optimizer=jobs.make_optimizer,
+                   loss=jobs.mse, dataset=Stream)
+    config = FitConfig(scaling=ScalingConfig(num_workers=1), batch=BatchConfig(global_batch_size=8),
+                       max_steps=1, run_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"Stream, not a map-style dataset .*IterableDataset"):
+        built_data(job, config)
