@@ -232,6 +232,19 @@ class RunLog:
         with self._lock:
             self._append("ledger.jsonl", {"step": step, "epoch": epoch, "indices": indices})
 
+    def drop_from(self, step: int) -> None:
+        """Drops the records of steps `step` and later from metrics.jsonl and ledger.jsonl,
+        and from `metrics`: the run ends at committed step `step` without redoing them (it
+        restored an older checkpoint, then stopped), so its weights hold none of them."""
+        for name in ("metrics.jsonl", "ledger.jsonl"):
+            with self._rewriting:
+                newest = self.newest_step(name)
+                if newest is not None and newest >= step:
+                    self._supersede(name, step)
+                    self._last_step.pop(name, None)  # read again if asked
+        with self._lock:
+            self.metrics = [m for m in self.metrics if m.get("step", -1) < step]
+
     def newest_step(self, name: str = "metrics.jsonl") -> int | None:
         """The newest step recorded in `name` of this run dir (by this run, or by an earlier
         run in the same dir: a run resumed by name), or None if none is."""

@@ -797,6 +797,9 @@ class Finishing(State):
     label = RunState.FINISHING
 
     def step(self, ctx: Context) -> State:
+        # Steps a restore went back over and the run did not redo (it stopped first) are not
+        # in its weights: their records go.
+        ctx.log.drop_from(ctx.step)
         on_any_member(ctx, lambda w: ctx.checkpoints.maybe_write(w, ctx.step, len(ctx.members),
                                                                  final=True))
         model_state = on_any_member(ctx, lambda w: ctx.workers.call(w, "model_state"))

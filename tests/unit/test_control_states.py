@@ -1217,3 +1217,32 @@ def test_checkpoint_storage_that_does_not_answer_as_the_run_starts_fails_it_by_t
     assert str(end.error).startswith(f"checking that checkpoint.path {str(tmp_path / 'c')!r} can be "
                                      "written did not finish within checkpoint.timeout (0.05 s)")
     assert not sim.workers  # nothing started
+
+
+def test_a_run_stopped_right_after_a_restore_keeps_no_record_of_the_steps_it_went_back_over(
+        tmp_path):
+    """Every worker dies at step 10; the run restores the checkpoint of step 8 and is
+    stopped before it redoes a step: it ends on the weights of step 8, and neither
+    metrics.jsonl nor FitResult.metrics lists steps 8 and 9 (before, they did, though the
+    weights hold neither: only a redone step replaced its record)."""
+    from elastic.runlog import iter_jsonl
+
+    class Workers(SimulatedWorkers):
+        def call(self, worker_id, method, *args):
+            if method == "restore_checkpoint" and self.store:  # not the start's look
+                with holder["ctx"].requests.lock:
+                    holder["ctx"].requests.stop = True
+            return super().call(worker_id, method, *args)
+
+    holder = {}
+    sim = Workers(dataset_size=4 * PER_RANK * 1000, capacity=4, start_delay_s=0.02, store=[])
+    cfg = FitConfig(chunks_ahead=False, run_dir=str(tmp_path), max_steps=24, steps_per_chunk=4,
+                    scaling=ScalingConfig(num_workers=4, min_workers=1, max_workers=4),
+                    batch=BatchConfig(global_batch_size=4 * PER_RANK),
+                    checkpoint=CheckpointConfig(path=str(tmp_path / "c"), every_steps=4),
+                    chaos=tuple(ChaosEvent(step=10, rank=r, action="kill") for r in range(4)))
+    ctx = holder["ctx"] = Context(cfg, "sim", RunLog(str(tmp_path)), sim)
+    assert isinstance(Machine(ctx).run(), Finished)
+    assert ctx.step == 8 and ctx.stopped_early
+    assert _steps(ctx) == list(range(8))
+    assert [r["step"] for r in iter_jsonl(str(tmp_path / "metrics.jsonl"))] == list(range(8))
