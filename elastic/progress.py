@@ -41,6 +41,7 @@ from elastic.events import (
     Generation,
     GenerationFailed,
     Grouped,
+    HeadDraining,
     KillRequested,
     LoggerBehind,
     LoggerDropped,
@@ -147,6 +148,8 @@ _RENDERERS: dict[type[Event], Callable[[Any], str | None]] = {
     PlannedDeparture: lambda e: (f"rank(s) {_ids(e.ranks)} left at step {e.step} on notice; "
                                  "no step redone"),
     DeadlineMissed: lambda e: f"worker {e.worker_id} missed its deadline; recovering",
+    HeadDraining: lambda e: ("the head node drains: " + ("checkpoint at the next step"
+                             if e.checkpoint else "no checkpoints to write")),
     StragglerFound: lambda e: (f"rank {e.rank} (worker {e.worker_id}) is a straggler: "
                                f"{e.samples_per_s:.0f} samples/s against "
                                f"{e.others_median_samples_per_s:.0f}; a spare takes its place"),
@@ -523,6 +526,9 @@ _LOG_RENDERERS: dict[type[Event], Callable[[Any], str]] = {
                                  f"{e.steps_redone} steps redone"),
     DeadlineMissed: lambda e: (f"worker {e.worker_id} still trained at its deadline; killed "
                                "(the run recovers as from a failure)"),
+    HeadDraining: lambda e: (f"{e.reason}: the cluster ends with it; "
+                             + ("the committed state is written at the next step boundary"
+                                if e.checkpoint else "the run has no checkpoints to write it to")),
     StopRequested: lambda e: (f"stop requested{f' by {e.reason}' if e.reason else ''}; the run "
                               "stops at the next step boundary"),
     Chaos: _chaos,
