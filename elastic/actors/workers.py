@@ -9,12 +9,13 @@ error and its exit detail).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,8 @@ from elastic.errors import (
 )
 from elastic.job import TrainJob
 
+logger = logging.getLogger(__name__)
+
 _NODE_CHECK_S = 0.5  # while waiting on a generation, how often members' nodes are checked
 _RELEASE_S = 10.0  # longest a worker that left on notice takes to exit before it is killed
 
@@ -75,7 +78,9 @@ class RayWorkers:
         self._starting: dict[Any, int] = {}  # info() ref -> worker id
         self._parked: dict[Any, int] = {}  # park() ref of each hot spare -> worker id
         self._preempted: set[int] = set()  # dead by their node's preemption (`preempted`)
-        self._avoid: set[str] = set()  # nodes no new worker is placed on (`avoid_node`)
+        # Nodes no new worker is placed on (`avoid_node`; replaced whole, never changed in
+        # place: a request thread adds while the run thread spawns).
+        self._avoid: frozenset[str] = frozenset()
         self._next_id = 0
         # Chunks handed out and not finished, oldest first: (ids, ref -> rank); and the ticket
         # of the next one in this generation (the order in which each worker runs them).
@@ -107,7 +112,7 @@ class RayWorkers:
         """No worker started from now on is placed on Ray node `node_id` (hex): `elastic drain
         --node` let its workers go, and Ray, which knows nothing of that drain, would place
         their replacements there again."""
-        self._avoid.add(node_id)
+        self._avoid = self._avoid | {node_id}
 
     def starting(self) -> int:
         return len(self._starting)
@@ -461,12 +466,23 @@ def _where(ref: Any) -> tuple[str, float]:
     return answer["phase"], answer["age"]
 
 
-def placement(avoid: set[str]) -> dict[str, Any]:
+def placement(avoid: Collection[str]) -> dict[str, Any]:
     """Ray options that keep an actor off the nodes `avoid` (hex ids; every node has its id
-    as the label `ray.io/node-id`)."""
+    as the label `ray.io/node-id`), where this Ray has label selectors (2.49 and later);
+    none before, with a warning: a worker may then land on such a node again."""
     if not avoid:
         return {}
+    if _version(ray.__version__) < (2, 49):
+        logger.warning("Ray %s has no node labels to select by (2.49 and later do): workers "
+                       "started after `elastic drain --node` may land on the drained node "
+                       "again", ray.__version__)
+        return {}
     return {"label_selector": {"ray.io/node-id": f"!in({','.join(sorted(avoid))})"}}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """'2.60.1' -> (2, 60, 1); a development build's '3.0.0.dev0' -> (3, 0, 0)."""
+    return tuple(int(part) for part in text.split(".")[:3] if part.isdigit())
 
 
 def _death_reason(e: RayActorError) -> str:

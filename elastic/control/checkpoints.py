@@ -243,15 +243,17 @@ class CheckpointCoordinator:
             return {}
         return monitor_record(ckpt.monitor, self._monitored[1], ckpt.mode)
 
-    def lost(self, worker_ids: list[int]) -> None:
-        """Members `worker_ids` were lost (died, or left without their write reported): a
-        checkpoint one of them was writing is reported failed (it may have reached the disk
-        just before; the newest one that loads says), and the next is due as counted from
-        the last reported written, not from it; a final checkpoint of its step is written
-        again, not taken as written."""
+    def lost(self, worker_ids: list[int], waited: bool = True) -> None:
+        """Members `worker_ids` were lost. `waited`: while the controller waited for their
+        writes (`flush`): a checkpoint one of them was writing is reported failed (the newest
+        one that loads says whether it reached the disk just before), the next is due as
+        counted from the last reported written, not from it, and a final checkpoint of its
+        step is written again, not taken as written. Otherwise (a death found by a chunk) a
+        background write's report may only have been unasked for: their writes are
+        forgotten, unsaid."""
         for worker_id in worker_ids:
             step = self._in_flight.pop(worker_id, None)
-            if step is None:
+            if step is None or not waited:
                 continue
             if self._written is not None and self._written[0] == step:
                 self._written = None

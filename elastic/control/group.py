@@ -194,7 +194,7 @@ def drop(ctx: Context, ranks: list[int], why: str, *, replace: bool = True) -> N
         dropped.append(member.worker_id)
         ctx.log.emit(WorkerLost(rank=rank, worker_id=member.worker_id, why=why))
         ctx.workers.kill(member.worker_id)
-    ctx.checkpoints.lost(dropped)
+    ctx.checkpoints.lost(dropped, waited=False)
     # Workers told to leave that died before a step boundary count as preemptions; a
     # straggler's swap is the run's own choice, so its death is a failure. So do those whose
     # death Ray put down to their node's preemption (a drain seen too late, or not at all).

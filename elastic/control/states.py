@@ -239,7 +239,7 @@ class Running(State):
             current, self.ahead = self.ahead, None
             return self._finish(ctx, current)
         if ctx.pending_evaluation is not None:
-            leaving = ctx.requests.leaving(ctx.ids())
+            leaving = ctx.requests.leaving(ctx.ids()) if ctx.step < ctx.total_steps else []
             if ctx.pending_evaluation == ctx.step and leaving:
                 # Members on notice go first: an evaluation with them would be redone
                 # whole if their deadline came before its end (they are killed then).
@@ -302,9 +302,12 @@ class Running(State):
         chaos = [e for e in ctx.chaos if e.step == step and e.phase != "evaluate"]
         ctx.chaos = [e for e in ctx.chaos if e.step != step or e.phase == "evaluate"]
         ctx.workers.start_chunk(ids, plan, step, num, chaos, ctx.batch.lr_ramp)
-        # A notice that came while no chunk was out (a resize, a recovery, an evaluation)
-        # found nothing to end: this chunk ends after its first step instead.
-        if ctx.requests.leaving(ids):
+        # A notice (or the head's drain) that came while no chunk was out (a resize, a
+        # recovery, an evaluation) found nothing to end: this chunk ends after its first
+        # step instead.
+        with ctx.requests.lock:
+            save = ctx.requests.save
+        if save or ctx.requests.leaving(ids):
             ctx.workers.yield_chunks()
         return _Chunk(step, num, plan, trial, chaos)
 
@@ -382,7 +385,8 @@ class Running(State):
         if _evaluation_due(ctx, ending=ctx.step >= ctx.total_steps, after_chunk=True):
             # It writes the checkpoints due at this step after it.
             scheduled = _evaluation_due(ctx, ending=False, after_chunk=True)
-            if ctx.requests.leaving(ctx.ids()):  # after the members on notice left (`step`)
+            # After the members on notice left (`step`), unless the run ends here.
+            if ctx.step < ctx.total_steps and ctx.requests.leaving(ctx.ids()):
                 ctx.pending_evaluation, ctx.pending_scheduled = ctx.step, scheduled
                 return self
             return Evaluating(scheduled=scheduled)

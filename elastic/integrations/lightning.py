@@ -681,7 +681,7 @@ def _logged_names(module: Any, hook: str) -> dict[str, bool]:
     out. A name the hook computes, or logs through another method, is not seen."""
     base = _lightning_base(module, "LightningModule")
     fn = getattr(type(module), hook, None)
-    if fn is None or fn is getattr(base, hook, None):
+    if base is None or fn is None or fn is getattr(base, hook, None):
         return {}
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))

@@ -769,3 +769,27 @@ def test_a_worker_whose_node_ray_says_was_preempted_counts_as_a_preemption(tmp_p
     assert isinstance(end, Finished)
     assert ctx.policy.preemptions == 1 and ctx.policy.workers_lost == 0
     assert [m["step"] for m in ctx.log.metrics if m["step"] < 8] == list(range(8))
+
+
+def test_a_notice_at_the_runs_last_boundary_leaves_the_final_evaluation_to_everyone(tmp_path):
+    """Told to leave as the last chunk ends, with the final evaluation due there: the run
+    ends; nobody leaves first (which could need a replacement, or a checkpoint, for a run
+    that finished)."""
+    from elastic.config import EvaluationConfig
+
+    class Workers(SimulatedWorkers):
+        def finish_chunk(self, *args, **kwargs):
+            report = super().finish_chunk(*args, **kwargs)
+            ctx = holder["ctx"]
+            if ctx.step + sum(len(o.records) for o in report.outcomes.values()) // 4 == 8:
+                ctx.requests.notice(Notice(0, "sigterm", None, self.now()))
+            return report
+
+    config = _config(tmp_path, ahead=False, steps=8, world=4,
+                     evaluation=EvaluationConfig(every_steps=8))
+    holder = {}
+    sim = Workers(dataset_size=16000, capacity=4, start_delay_s=0.02)
+    ctx = holder["ctx"] = Context(config, "sim", RunLog(str(tmp_path)), sim, has_eval_step=True)
+    assert isinstance(Machine(ctx).run(), Finished)
+    assert [e["step"] for e in _of(ctx, "evaluate")] == [8]
+    assert "planned_departure" not in _kinds(ctx)
