@@ -20,7 +20,8 @@ class FitResult:
         samples: samples processed by committed steps (steps x global batch).
         events: every event of the run, in order.
         metrics: one record per committed step, as metrics.jsonl holds it but for the
-            per-rank step `timeline` (read that from the file: `elastic.runlog.DISK_ONLY`).
+            per-rank step `timeline` (read that from the file: `elastic.runlog.DISK_ONLY`);
+            the newest `LoggingConfig.result_metrics` (100,000) steps' (the file has all).
         evaluation: the last evaluation's metrics (`TrainJob.eval_step`'s and `evaluate`'s), if any.
         stopped: True when the run ended early because of `stop`.
     """

@@ -54,8 +54,9 @@ class RunLog:
         ConfigError: `run_dir`, or a file in it, is not private to this user.
     """
 
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str, metrics_kept: int | None = None) -> None:
         self.run_dir = run_dir
+        self.metrics_kept = metrics_kept  # the newest this many in `metrics` (None: all)
         ensure_private_dir(run_dir, "run_dir")
         self._lock = threading.Lock()
         # Held while metrics.jsonl or ledger.jsonl is rewritten (`_supersede`: a long run's
@@ -168,6 +169,9 @@ class RunLog:
                 if self.metrics and self.metrics[-1].get("step", -1) >= fields["step"]:
                     self.metrics = [m for m in self.metrics if m.get("step", -1) < fields["step"]]
             self.metrics.append({k: v for k, v in fields.items() if k not in DISK_ONLY})
+            kept = self.metrics_kept
+            if kept is not None and len(self.metrics) > kept + max(1, kept // 8):
+                del self.metrics[:-kept]  # in batches: not a copy of the list every step
             self._append("metrics.jsonl", fields)
             if self._sinks:
                 self._pending.append(("on_metric", fields, self._own()))
@@ -224,6 +228,12 @@ class RunLog:
         """The newest metrics line in memory (None before the first)."""
         with self._lock:
             return self.metrics[-1] if self.metrics else None
+
+    def newest_metrics(self) -> list[dict[str, Any]]:
+        """A copy of the newest `metrics_kept` records of `metrics` (every one for None)."""
+        with self._lock:
+            kept = self.metrics_kept
+            return list(self.metrics if kept is None else self.metrics[-kept:])
 
     def ledger(self, step: int, epoch: int, indices: list[int]) -> None:
         """Records which data set indices a committed step consumed."""

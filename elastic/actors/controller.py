@@ -92,7 +92,7 @@ class Controller:
         self.config = config
         self.name = name
         self.run_dir = run_dir
-        self.log = RunLog(run_dir)
+        self.log = RunLog(run_dir, config.logging.result_metrics)
         # This actor owns the blocks for as long as the run lives; a detached one copies those
         # another process made (they would be lost as that process ends).
         job = adopt_ray_dataset(job, own=detached)
@@ -513,7 +513,7 @@ class Controller:
             self.log.close()  # a later event (a status call's) opens the file again
         return Outcome(
             model_state=model_state, steps=self.ctx.step, samples=self.ctx.cursor.samples,
-            events=list(self.log.events), metrics=list(self.log.metrics),
+            events=list(self.log.events), metrics=self.log.newest_metrics(),
             evaluation=self.ctx.evaluation, stopped=self.ctx.stopped_early, error=error,
         )
 

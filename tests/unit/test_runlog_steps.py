@@ -265,3 +265,23 @@ def test_status_reads_and_other_threads_events_do_not_wait_for_a_rewrite(tmp_pat
     redo.join()
     assert _steps(tmp_path, "metrics.jsonl") == [0, 1, 2]
     assert [r["event"] for r in read_jsonl(tmp_path / "events.jsonl")][-1] == "stop_requested"
+
+
+def test_the_controller_keeps_the_newest_metrics_records_the_setting_asks_for(tmp_path):
+    """`LoggingConfig.result_metrics`: a long run's every record stayed in the controller's
+    memory (about 2 KB a step at 64 workers) and went to the caller whole; the newest are
+    kept, at most an eighth more between trims, and metrics.jsonl has every one."""
+    from elastic.runlog import iter_jsonl
+
+    log = RunLog(str(tmp_path), metrics_kept=8)
+    for step in range(30):
+        log.metric(step=step, loss=float(step))
+    assert 8 <= len(log.metrics) <= 9 and log.metrics[-1]["step"] == 29
+    assert [m["step"] for m in log.newest_metrics()] == list(range(22, 30))
+    assert [r["step"] for r in iter_jsonl(str(tmp_path / "metrics.jsonl"))] == list(range(30))
+    log.metric(step=25, loss=0.0)  # a restore redid step 25: the later records go
+    assert [m["step"] for m in log.metrics][-1] == 25
+    everything = RunLog(str(tmp_path / "all"))
+    for step in range(30):
+        everything.metric(step=step)
+    assert len(everything.metrics) == 30
