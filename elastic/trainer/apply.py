@@ -117,8 +117,9 @@ def _apply(host: ApplyHost, context: StepContext, computed: Computed, reduced: R
     host.faults.fire(context.chaos, "optimizer")
     grad_norm = None
     gather_failed = None
-    _buffers_and_agreement(host, context, computed, reduced, commit, alone)
+    # First: if the scheduler raises there, nothing of the step is applied on this rank.
     host.training.before_step(context.step, context.epoch, context.rank)
+    _buffers_and_agreement(host, context, computed, reduced, commit, alone)
     if commit.skipped:  # the samples count as consumed
         lr = float(host.optimizer.param_groups[0]["lr"]) * context.lr_factor
     else:

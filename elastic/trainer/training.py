@@ -159,7 +159,8 @@ class Training:
         have had had the end been seen.
 
         Raises:
-            AfterStepError: the scheduler raised.
+            AfterStepError: the scheduler raised (before anything of this step was applied;
+                every rank raises alike and the run fails).
         """
         if self.scheduler is None or self.config.scheduler_interval != "epoch" \
                 or self.scheduled_epoch is None or epoch <= self.scheduled_epoch + 1:
