@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from torch.utils.data import default_collate
 
 from elastic import BatchConfig, FitConfig, LossSum, ScalingConfig, TrainJob
+from elastic.adapt.lr import global_batch_for
 from elastic.adapt.plan import plan_batch
 from elastic.collective import RendezvousServer
 from elastic.config import TrainingConfig
@@ -30,17 +31,21 @@ B, G, SEED, N = 24, 6, 3, 96
 KILL = [(4, 3, None), (3, 5, None)]  # 4 ranks for 3 steps, then 3 survivors for 5
 
 
-def _run(tmp_path, job: TrainJob, training: TrainingConfig, schedule=KILL):
+def _run(tmp_path, job: TrainJob, training: TrainingConfig, schedule=KILL,
+         batch: BatchConfig | None = None, num_workers: int = 4):
     """Runs `schedule` (world size, steps, weights per generation); returns rank 0's final
     state dict, rank 0's step records, and rank 0's last replica. Every rank must hold the
-    same bits after every step."""
-    config = FitConfig(scaling=ScalingConfig(num_workers=4, min_workers=1),
-                       batch=BatchConfig(global_batch_size=B, autotune=False, rebalance=False),
-                       run_dir=str(tmp_path), max_steps=100, seed=SEED, training=training)
+    same bits after every step. `batch` (default: B, fixed) with `num_workers` gives each
+    generation's global batch."""
+    batch = batch or BatchConfig(global_batch_size=B, autotune=False, rebalance=False)
+    config = FitConfig(scaling=ScalingConfig(num_workers=num_workers, min_workers=1),
+                       batch=batch, run_dir=str(tmp_path), max_steps=100, seed=SEED,
+                       training=training)
     state, records, server = None, [], RendezvousServer()
     try:
         for world, steps, weights in schedule:
-            plan = plan_batch(B, world, G, weights, unit=G)
+            size = global_batch_for(batch.policy, batch.global_batch_size, num_workers, world)
+            plan = plan_batch(size, world, G, weights, unit=G)
 
             def body(comm, plan=plan, steps=steps, state=state):
                 with _SerialReplica.compute_lock:
@@ -343,31 +348,11 @@ def test_an_epoch_scheduler_steps_once_per_epoch_when_the_batch_follows_the_worl
     not twice. Steps 3 to 5 leave 24 samples of epoch 1, which the next step at 3 ranks
     cannot fill: epoch 1 ends unseen, and the scheduler steps for it before step 6's update
     (before, it never did)."""
-    config = FitConfig(scaling=ScalingConfig(num_workers=2, min_workers=1),
-                       batch=BatchConfig(global_batch_size=24, policy="scale_with_workers",
-                                         lr_scaling="none", autotune=False, rebalance=False),
-                       training=TrainingConfig(scheduler_interval="epoch"),
-                       run_dir=str(tmp_path), max_steps=100, seed=SEED)
-    job = _job(lr_scheduler=halving)
-    state, records, server = None, [], RendezvousServer()
-    try:
-        for world, steps in [(3, 2), (2, 4), (3, 1)]:
-            plan = plan_batch(12 * world, world, None)
-
-            def body(comm, plan=plan, steps=steps, state=state):
-                with _SerialReplica.compute_lock:
-                    replica = _SerialReplica(job, config, str(tmp_path))
-                replica.comm = comm
-                if state is not None and comm.rank == 0:
-                    replica.load_state_bytes(state)
-                replica.sync_from(0)
-                return replica, [replica.run_step(plan, []) for _ in range(steps)]
-
-            results = run_ranks(server, world, body)
-            records += results[0][1]
-            state = results[0][0].state_bytes()
-    finally:
-        server.close()
+    batch = BatchConfig(global_batch_size=24, policy="scale_with_workers", lr_scaling="none",
+                        autotune=False, rebalance=False)
+    _, records, _ = _run(tmp_path, _job(lr_scheduler=halving),
+                         TrainingConfig(scheduler_interval="epoch"),
+                         [(3, 2, None), (2, 4, None), (3, 1, None)], batch=batch, num_workers=2)
     assert [(r.epoch, r.lr) for r in records] == [
         (0, 0.1), (0, 0.1), (0, 0.05), (1, 0.05), (1, 0.05), (1, 0.05), (2, 0.025)]
 
