@@ -732,25 +732,33 @@ def test_a_draining_head_node_has_the_committed_state_written_at_the_next_bounda
     assert not ctx.requests.save
 
 
+def _told_as_a_chunk_ends(tmp_path, config, worker_id: int, end: int):
+    """Runs `config` on simulated workers (with an evaluation step); worker `worker_id` is
+    told to leave while the chunk that ends at step `end` runs (the notice is there when its
+    report comes in). Returns the context."""
+    class Workers(SimulatedWorkers):
+        def finish_chunk(self, *args, **kwargs):
+            report = super().finish_chunk(*args, **kwargs)
+            steps = max(len(o.records) for o in report.outcomes.values())
+            if holder["ctx"].step + steps == end:
+                holder["ctx"].requests.notice(Notice(worker_id, "sigterm", None, self.now()))
+            return report
+
+    holder = {}
+    sim = Workers(dataset_size=16000, capacity=config.scaling.num_workers, start_delay_s=0.02)
+    ctx = holder["ctx"] = Context(config, "sim", RunLog(str(tmp_path)), sim, has_eval_step=True)
+    assert isinstance(Machine(ctx).run(), Finished)
+    return ctx
+
+
 def test_members_on_notice_leave_before_an_evaluation_due_at_their_boundary(tmp_path):
     """Worker 2 is told to leave while the chunk that ends at step 8 runs, and an evaluation
     is due at step 8: it leaves first, the others evaluate, once. Before, it evaluated with
     them (a deadline within the evaluation killed it there: recovered, and evaluated again)."""
     from elastic.config import EvaluationConfig
 
-    class Workers(SimulatedWorkers):
-        def finish_chunk(self, *args, **kwargs):
-            report = super().finish_chunk(*args, **kwargs)
-            ctx = holder["ctx"]
-            if ctx.step + sum(len(o.records) for o in report.outcomes.values()) // 4 == 8:
-                ctx.requests.notice(Notice(2, "sigterm", None, self.now()))
-            return report
-
     config = _config(tmp_path, ahead=False, steps=12, evaluation=EvaluationConfig(every_steps=8))
-    holder = {}
-    sim = Workers(dataset_size=16000, capacity=4, start_delay_s=0.02)
-    ctx = holder["ctx"] = Context(config, "sim", RunLog(str(tmp_path)), sim, has_eval_step=True)
-    assert isinstance(Machine(ctx).run(), Finished)
+    ctx = _told_as_a_chunk_ends(tmp_path, config, worker_id=2, end=8)
     order = [(e["event"], e.get("step")) for e in ctx.log.events
              if e["event"] in ("planned_departure", "evaluate")]
     assert order == [("planned_departure", 8), ("evaluate", 8), ("evaluate", 12)]
@@ -777,19 +785,7 @@ def test_a_notice_at_the_runs_last_boundary_leaves_the_final_evaluation_to_every
     that finished)."""
     from elastic.config import EvaluationConfig
 
-    class Workers(SimulatedWorkers):
-        def finish_chunk(self, *args, **kwargs):
-            report = super().finish_chunk(*args, **kwargs)
-            ctx = holder["ctx"]
-            if ctx.step + sum(len(o.records) for o in report.outcomes.values()) // 4 == 8:
-                ctx.requests.notice(Notice(0, "sigterm", None, self.now()))
-            return report
-
-    config = _config(tmp_path, ahead=False, steps=8, world=4,
-                     evaluation=EvaluationConfig(every_steps=8))
-    holder = {}
-    sim = Workers(dataset_size=16000, capacity=4, start_delay_s=0.02)
-    ctx = holder["ctx"] = Context(config, "sim", RunLog(str(tmp_path)), sim, has_eval_step=True)
-    assert isinstance(Machine(ctx).run(), Finished)
+    config = _config(tmp_path, ahead=False, steps=8, evaluation=EvaluationConfig(every_steps=8))
+    ctx = _told_as_a_chunk_ends(tmp_path, config, worker_id=0, end=8)
     assert [e["step"] for e in _of(ctx, "evaluate")] == [8]
     assert "planned_departure" not in _kinds(ctx)
