@@ -398,7 +398,7 @@ class Controller:
         """Polls Ray for draining nodes (`DRAIN_POLL_S`) while the run lives: members on
         one get a notice with the drain's deadline."""
         warned = False
-        head_told: set[str] = set()  # this node's drain, said once
+        head_told = False  # this node's drain, said once
         while not self._watching.wait(DRAIN_POLL_S):
             if self.machine.state.label.is_terminal:
                 return
@@ -411,8 +411,8 @@ class Controller:
                     warned = True
                 continue
             for node, deadline in draining.items():
-                if node == self._node and node not in head_told:
-                    head_told.add(node)
+                if node == self._node and not head_told:
+                    head_told = True
                     self._head_draining(node, deadline)
                 ids = [m.worker_id for m in list(self.ctx.members) + list(self.ctx.spares)
                        if m.node_id == node]

@@ -265,13 +265,12 @@ class CheckpointCoordinator:
     def _log_writes(self, reports: list[dict[str, Any]]) -> None:
         for r in reports:
             self._in_flight = {w: s for w, s in self._in_flight.items() if s != r["step"]}
-            if not r["error"]:
-                self._durable_step = max(self._durable_step, r["step"])
             if r["error"]:
                 if self._written is not None and self._written[0] == r["step"]:
                     self._written = None
                 self.log.emit(CheckpointFailed(step=r["step"], error=r["error"]))
             else:
+                self._durable_step = max(self._durable_step, r["step"])
                 self.log.emit(CheckpointWritten(step=r["step"], path=r["path"],
                                seconds=r["seconds"], pruned=list(r["pruned"]),
                                prune_error=r.get("prune_error")))

@@ -243,10 +243,7 @@ class Running(State):
             if ctx.pending_evaluation == ctx.step and leaving:
                 # Members on notice go first: an evaluation with them would be redone
                 # whole if their deadline came before its end (they are killed then).
-                with ctx.requests.lock:
-                    target = ctx.requests.target
-                return Resizing(world_size=len(ctx.members), target=target,
-                                leaving=tuple(leaving))
+                return _departure(ctx, leaving)
             if ctx.pending_evaluation == ctx.step:
                 return Evaluating(scheduled=ctx.pending_scheduled)
             ctx.pending_evaluation = None  # its step was lost (restored from an older checkpoint)
@@ -269,7 +266,7 @@ class Running(State):
                                                                      len(ctx.members), final=True))
         leaving = ctx.requests.leaving(ctx.ids())
         if leaving:  # members on notice leave here, at a step boundary
-            return Resizing(world_size=len(ctx.members), target=target, leaving=tuple(leaving))
+            return _departure(ctx, leaving)
         check_spares(ctx)
         if len(ctx.members) < target and ctx.spares:  # a spare fills a place at once
             return Resizing(world_size=len(ctx.members), target=target)
@@ -483,6 +480,13 @@ class Running(State):
             # Out of memory in a collective broke the generation: re-form it (nobody is lost).
             return Recovering(lost=[], report=report, chaos=chaos, detected=ctx.workers.now())
         return self
+
+
+def _departure(ctx: Context, leaving: list[int]) -> Resizing:
+    """The resize in which members `leaving` (worker ids, on notice) leave."""
+    with ctx.requests.lock:
+        target = ctx.requests.target
+    return Resizing(world_size=len(ctx.members), target=target, leaving=tuple(leaving))
 
 
 def _swap_straggler(ctx: Context, ids: list[int]) -> None:
