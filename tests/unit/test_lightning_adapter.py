@@ -500,29 +500,30 @@ def test_a_plateau_monitor_logged_by_both_steps_is_refused():
         lightning_job(_Both, Data)
 
 
-class _Preparing(Regressor):
+class _RecordsHooks:
+    """Records its `prepare_data` and `setup` calls in `calls`, as `<who>.<hook>`."""
+
+    who = ""
+
     def __init__(self, calls=None):
         super().__init__()
         self.calls = calls if calls is not None else []
 
     def prepare_data(self):
-        self.calls.append("module.prepare_data")
+        self.calls.append(f"{self.who}.prepare_data")
 
     def setup(self, stage):
-        self.calls.append(f"module.setup('{'fit' if stage == 'fit' else stage}')")
-
-
-class _PreparingData(Data):
-    def __init__(self, calls=None):
-        super().__init__()
-        self.calls = calls if calls is not None else []
-
-    def prepare_data(self):
-        self.calls.append("datamodule.prepare_data")
-
-    def setup(self, stage):
-        self.calls.append(f"datamodule.setup('{'fit' if stage == 'fit' else stage}')")
+        # Lightning passes a str enum (TrainerFn.FITTING), equal to "fit"
+        self.calls.append(f"{self.who}.setup('{'fit' if stage == 'fit' else stage}')")
         super().setup(stage)
+
+
+class _Preparing(_RecordsHooks, Regressor):
+    who = "module"
+
+
+class _PreparingData(_RecordsHooks, Data):
+    who = "datamodule"
 
 
 def test_the_modules_prepare_data_runs_with_a_data_module_in_lightnings_order(tmp_path):
