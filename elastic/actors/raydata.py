@@ -65,10 +65,14 @@ class RayDataSource(ShardedSource):
                  own: bool = False) -> None:
         # Blocks in the dataset's order: Ray Data yields them as they finish by default, so
         # a resumed run's controller, materialising it again, could lay the rows out in
-        # another order (its checkpoint's place in an epoch then names other rows).
-        # `dataset` is this process's copy (the job came pickled): the caller's is untouched.
-        dataset.context.execution_options.preserve_order = True
-        refs = list(dataset.to_arrow_refs())
+        # another order (its checkpoint's place in an epoch then names other rows). The
+        # dataset's own setting is put back after (a caller's dataset is left as it was).
+        options = dataset.context.execution_options
+        kept, options.preserve_order = options.preserve_order, True
+        try:
+            refs = list(dataset.to_arrow_refs())
+        finally:
+            options.preserve_order = kept
         me = ray.get_runtime_context().get_worker_id()
         # (block, rows) refs: a block of another process copied into one of this one's, if
         # `own`; a block this process made (it ran the dataset's pipeline) as it is.

@@ -209,6 +209,7 @@ def test_a_ray_datasets_rows_keep_its_order_when_a_block_finishes_last(ray_clust
     dataset = ray.data.range(400, override_num_blocks=4).map_batches(
         slow_first, batch_size=None, num_cpus=0)
     source = RayDataSource(dataset)
+    assert not dataset.context.execution_options.preserve_order  # the caller's, as it was
     assert source.sizes == [100] * 4
     assert [row["id"] for row in source.__getitems__(range(400))] == list(range(400))
 
